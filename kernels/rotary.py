@@ -1,0 +1,110 @@
+"""Rotary position embedding: the cos/sin cache (with llama3, linear and YaRN scaling) and its
+application to q and k in place.
+
+The cache is [max_positions, rotary_dim] in fp32: cos in the first half, sin in the second.
+NeoX style rotates the two halves of the rotary dims; GPT-J style rotates adjacent pairs. Only
+the first rotary_dim dims of each head rotate (partial rotary); the rest pass through.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _inv_freq_default(base: float, rotary_dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def _inv_freq_llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(
+    base: float, rotary_dim: int, s: dict[str, Any], max_pos: int
+) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    orig = s.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = s.get("beta_fast", 32.0), s.get("beta_slow", 1.0)
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(n_rot: float) -> float:
+        return (rotary_dim * math.log(orig / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    interp, extrap = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    ramp = torch.clamp((torch.arange(rotary_dim // 2).float() - low) / (high - low), 0, 1)
+    extrap_factor = 1 - ramp
+    inv_freq = interp * (1 - extrap_factor) + extrap * extrap_factor
+    return inv_freq, float(mscale)
+
+
+def build_cos_sin_cache(
+    rotary_dim: int,
+    max_positions: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """[max_positions, rotary_dim] fp32 (cos | sin), the same values transformers computes."""
+    attention_scaling = 1.0
+    kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
+    if kind == "default":
+        inv_freq = _inv_freq_default(base, rotary_dim)
+    elif kind == "linear":
+        inv_freq = _inv_freq_default(base, rotary_dim) / rope_scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _inv_freq_llama3(_inv_freq_default(base, rotary_dim), rope_scaling)
+    elif kind == "yarn":
+        inv_freq, attention_scaling = _yarn(base, rotary_dim, rope_scaling, max_positions)
+    else:
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+    t = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, H, rotary_dim]; cos/sin: [T, 1, rotary_dim // 2], in x's dtype (as transformers).
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return x * c + torch.cat([-x2, x1], dim=-1) * s
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.stack([o1, o2], dim=-1).flatten(-2)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, num_heads * head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads * head_dim]
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] fp32
+    is_neox: bool = True,
+) -> None:
+    """Rotates q and k in place."""
+    rotary_dim = cos_sin_cache.shape[1]
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs.chunk(2, dim=-1)
+    cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+    for t in (q, k):
+        v = t.view(t.shape[0], -1, head_dim)
+        v[..., :rotary_dim] = _rotate(v[..., :rotary_dim], cos, sin, is_neox)

@@ -1,0 +1,100 @@
+"""Engine-side request state and the per-step contract between the batcher and the model runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from voltserve.shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; waits to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Effective seed: params.seed, or one the engine drew. Noise depends on (seed, output index).
+    seed: int
+    arrival_time: float
+    # Tokens generated so far. A failed-over request arrives with some already generated; they
+    # are recomputed like prompt tokens but count as output (penalties, positions, budget).
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed_tokens, +num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        # A step samples a token only when it computes up to the last known token.
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """What the batcher hands the model runner for one step. Decodes come first."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # Present when the request asked for logprobs: the sampled token's logprob and the top N.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (only requests that changed appear)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,31 @@
+"""Plain configuration dataclasses. One per concern; services build them from CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    # "auto": fp16 on CUDA (SM70 has no bf16; bf16 checkpoints are converted), fp32 on CPU.
+    dtype: str = "auto"
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    # Fixed number of KV blocks (tests use this to force preemption). None: sized from memory.
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # CPU: KV cache bytes when num_kv_blocks is None.
+    cpu_kv_cache_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+    # Decode steps run as CUDA graphs unless this is set.
+    enforce_eager: bool = False
+    # Largest decode batch captured as a CUDA graph; larger batches run eagerly.
+    max_graph_batch_size: int = 256
+    # Seeds the engine's choice of per-request seeds for requests that give none.
+    seed: int = 0
