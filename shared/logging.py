@@ -1,0 +1,75 @@
+"""Structured logging for every service: one line per record, `key=value` (default) or JSON.
+
+Quiet by default (WARNING); `--log-level info|debug` makes a service talk. Call `setup_logging`
+once in a service's main(), and `add_log_level_flag` when building its argparse parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class KeyValueFormatter(logging.Formatter):
+    def __init__(self, service: str, json_lines: bool = False) -> None:
+        super().__init__()
+        self.service = service
+        self.json_lines = json_lines
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "pid": record.process,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        # Structured extras: logger.info("...", extra={"kv": {"request_id": ...}}).
+        kv = getattr(record, "kv", None)
+        if isinstance(kv, dict):
+            fields.update(kv)
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        if self.json_lines:
+            return json.dumps(fields, default=str)
+        return " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
+
+
+def _quote(v: object) -> str:
+    s = str(v)
+    if not s or any(c in s for c in ' "=\n\t'):
+        return json.dumps(s)
+    return s
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("VOLTSERVE_LOG_LEVEL", "warning"),
+        choices=LEVELS,
+        help="log verbosity (default: warning; env VOLTSERVE_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=os.environ.get("VOLTSERVE_LOG_JSON", "") not in ("", "0"),
+        help="log JSON lines instead of key=value",
+    )
+
+
+def setup_logging(service: str, level: str = "warning", json_lines: bool = False) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(KeyValueFormatter(service, json_lines))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Third-party chatter stays at WARNING even when we debug ourselves.
+    for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
