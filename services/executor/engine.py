@@ -1,0 +1,283 @@
+"""LLMEngine: requests in, one batched model step at a time, token deltas out.
+
+The engine owns the request table, the batcher (which decides each step) and the model runner
+(which computes it). It is driven by one thread: add_request / abort_request / step are not
+thread-safe, by design (the executor service feeds them from a queue on the engine thread).
+
+Length policy: a request whose prompt (+ tokens already generated, on failover) leaves no room
+for one more token within max_model_len is rejected. Otherwise it is accepted and max_tokens is
+clamped in effect: generation stops with finish_reason "length" at max_tokens or when the
+sequence reaches max_model_len, whichever comes first (vLLM's engine behaves the same; the
+renderer rejects prompt + max_tokens > max_model_len up front for the HTTP API).
+
+max_model_len is also capped at what the KV cache can hold (num_kv_blocks * block_size), so one
+request alone always fits and preemption can always make progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from voltserve.services.executor.batcher import Batcher
+from voltserve.services.executor.block_manager import BlockManager
+from voltserve.services.executor.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SampledToken,
+)
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Engine-drawn seeds stay in the non-negative int64 range the sampler takes.
+_SEED_BITS = 63
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # 0..1, blocks referenced by some request
+    num_preemptions_total: int
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens served from the prefix cache
+    prompt_tokens_total: int  # prompt tokens of requests that got their first token
+    generation_tokens_total: int  # tokens sampled
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner=None):
+        if runner is None:
+            from voltserve.services.executor.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = list(runner.eos_token_ids)
+        capacity = runner.num_kv_blocks * runner.block_size
+        self.max_model_len = runner.max_model_len
+        if capacity < self.max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens (%d blocks), fewer than max_model_len %d: "
+                "capping max_model_len at %d",
+                capacity,
+                runner.num_kv_blocks,
+                self.max_model_len,
+                capacity,
+            )
+            self.max_model_len = capacity
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
+        )
+        self.batcher = Batcher(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests only
+        self._seed_rng = random.Random(config.seed)
+        self._prompt_tokens_total = 0
+        self._awaiting_first_token: set[str] = set()
+        self._generation_tokens_total = 0
+        self._generate_calls = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. output_token_ids (failover resume): tokens already generated; they
+        are recomputed as context and sampling continues at output position len(output)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        output = list(output_token_ids or [])
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        params.validate()
+        for name, ids in (("prompt", prompt), ("output_token_ids", output)):
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise ValueError(
+                    f"request {request_id!r}: {name} token id {bad} is outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        num_tokens = len(prompt) + len(output)
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {num_tokens} tokens, which leaves no "
+                f"room to generate within max_model_len {self.max_model_len}"
+            )
+        if len(output) >= params.max_tokens:
+            raise ValueError(
+                f"request {request_id!r}: {len(output)} output tokens already given, "
+                f"max_tokens is {params.max_tokens}: nothing left to generate"
+            )
+        if not params.eos_token_ids and self.eos_token_ids:
+            # The sampler (min_tokens) and the stop check both read the request's own list.
+            params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(_SEED_BITS)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            seed=seed,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            output_token_ids=output,
+        )
+        self.requests[request_id] = request
+        self._awaiting_first_token.add(request_id)
+        self.batcher.add(request)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Finish the given requests now and free their blocks. Unknown or finished ids are
+        ignored (aborts are idempotent: they may arrive twice or after the finish)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.batcher.abort(req)
+            self._awaiting_first_token.discard(rid)
+            outputs.append(self._output(req, [], None))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched step; return a delta for every request that got a token or ended."""
+        plan = self.batcher.schedule()
+        if not plan.scheduled:
+            if self.requests and not self.batcher.running:
+                # Cannot happen with max_model_len capped at the KV capacity; be loud if it does.
+                raise RuntimeError(
+                    f"{len(self.batcher.waiting)} requests wait but none can be scheduled "
+                    f"({self.block_manager.num_free_blocks} free blocks)"
+                )
+            return []
+        sampled = self.runner.execute(plan)
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        i = 0
+        bm = self.block_manager
+        for s in plan.scheduled:
+            req = s.request
+            samples = s.samples  # read before num_computed_tokens moves
+            req.num_computed_tokens += s.num_new_tokens
+            bm.cache_full_blocks(req)
+            if not samples:
+                continue
+            tok = sampled[i]
+            i += 1
+            if req.request_id in self._awaiting_first_token:
+                self._awaiting_first_token.discard(req.request_id)
+                self._prompt_tokens_total += req.num_prompt_tokens
+            req.output_token_ids.append(tok.token_id)
+            self._generation_tokens_total += 1
+            reason = self._check_stop(req, tok.token_id)
+            if reason is not None:
+                self.batcher.finish(req, reason)
+                del self.requests[req.request_id]
+                any_finished = True
+            outputs.append(self._output(req, [tok], reason))
+        if i != len(sampled):
+            raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
+        if any_finished:
+            self.batcher.remove_finished()
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> str | None:
+        p = req.params
+        n = len(req.output_token_ids)
+        if n >= p.min_tokens:
+            if token_id in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and token_id in p.eos_token_ids:
+                return "stop"
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(
+        self, req: Request, tokens: list[SampledToken], reason: str | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[t.token_id for t in tokens],
+            new_logprobs=tokens if req.params.logprobs is not None else None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.batcher.running),
+            num_waiting=len(self.batcher.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions_total=self.batcher.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Run prompts to completion (tests, CLI); returns the generated token ids of each.
+        Requests already queued keep running alongside; only these prompts' outputs return."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+    def check_all_free(self) -> bool:
+        """True when no request holds a block (tests; after everything finished or aborted)."""
+        return self.block_manager.num_free_blocks == self.block_manager.num_blocks
+
+
+__all__ = ["EngineStats", "LLMEngine", "RequestStatus"]
