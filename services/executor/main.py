@@ -1,0 +1,98 @@
+"""`voltserve executor`: one engine (one GPU) behind Redis streams."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.logging import add_log_level_flag, setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="voltserve executor", description=__doc__)
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float16", "half", "bfloat16", "float32", "float"],
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV cache size in blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--executor-id",
+        default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
+    )
+    p.add_argument(
+        "--redis-url", default=os.environ.get("VOLTSERVE_REDIS_URL", "redis://localhost:6379")
+    )
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
+    p.add_argument(
+        "--heartbeat-ttl",
+        type=float,
+        default=3.0,
+        help="seconds; the scheduler fails over after this",
+    )
+    add_log_level_flag(p)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    return EngineConfig(
+        model=args.model,
+        dtype=dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(f"executor:{args.executor_id}", args.log_level, args.log_json)
+    # Imported here so `--help` does not pay for torch.
+    from voltserve.services.executor.engine import LLMEngine
+    from voltserve.services.executor.service import ExecutorService, ServiceConfig
+
+    engine = LLMEngine(engine_config(args))
+    svc = ExecutorService(
+        engine,
+        ServiceConfig(
+            executor_id=args.executor_id,
+            redis_url=args.redis_url,
+            model=args.model,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_ttl_s=args.heartbeat_ttl,
+            max_num_seqs=args.max_num_seqs,
+        ),
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, svc.stop.set)
+        await svc.run()
+
+    asyncio.run(run())

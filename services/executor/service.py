@@ -1,0 +1,318 @@
+"""The executor service: an LLMEngine on its own thread, Redis I/O on an asyncio loop.
+
+Engine thread: takes commands from a thread-safe inbox, steps the engine, and hands one
+StepOutput per gateway per step to the I/O loop. The GPU never waits on Redis: a step's outputs
+are queued and the next step starts at once.
+
+I/O loop: reads EngineRequest/AbortRequest from vs:exec:{id} (consumer group, idempotent by
+request id), writes StepOutputs to vs:gw:{gateway_id}, refreshes the heartbeat and status hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from voltserve.shared import streams
+from voltserve.shared.protocol import (
+    AbortRequest,
+    EngineRequest,
+    RequestDelta,
+    RequestError,
+    StepOutput,
+)
+from voltserve.shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How many finished request ids to remember for idempotency (a redelivered request is ignored).
+SEEN_CAPACITY = 200_000
+
+
+class Engine(Protocol):
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=None, arrival_time=None) -> None: ...  # fmt: skip
+    def abort_request(self, ids: list[str]) -> list[Any]: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class ServiceConfig:
+    executor_id: str
+    redis_url: str
+    model: str
+    heartbeat_interval_s: float = 0.5
+    heartbeat_ttl_s: float = 3.0
+    max_num_seqs: int = 256
+
+
+def _logprobs_to_wire(sampled: list[Any] | None) -> list[dict[str, Any]] | None:
+    if sampled is None:
+        return None
+    out = []
+    for s in sampled:
+        top = [[int(t), float(lp)] for t, lp in s.top_logprobs] if s.top_logprobs else None
+        out.append({"logprob": float(s.logprob) if s.logprob is not None else None, "top": top})
+    return out
+
+
+class EngineLoop:
+    """Owns the engine; runs on its own thread. Everything engine-related happens here."""
+
+    def __init__(self, engine: Engine, executor_id: str) -> None:
+        self.engine = engine
+        self.executor_id = executor_id
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # (gateway_id, message) pairs for the I/O loop; set by ExecutorService.
+        self.emit: Any = None
+        self.stop_event = threading.Event()
+        self.step_count = 0
+        self.latest_stats: Any = None
+        # request_id -> (gateway_id, output offset of the next token)
+        self.live: dict[str, list[Any]] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - recorded and re-raised by the service
+            logger.exception("engine loop crashed")
+            self.error = e
+
+    def _run(self) -> None:
+        self.latest_stats = self.engine.stats()
+        while not self.stop_event.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._drain_inbox(block=not busy)
+            if not self.engine.has_unfinished_requests():
+                continue
+            outputs = self.engine.step()
+            self.step_count += 1
+            self.latest_stats = self.engine.stats()
+            if outputs:
+                self._publish(outputs)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, msg: Any) -> None:
+        if kind == "add":
+            self._add(msg)
+        elif kind == "abort":
+            ids = [i for i in msg.request_ids if i in self.live]
+            if not ids:
+                return
+            outputs = self.engine.abort_request(ids)
+            if msg.reason == "failover":
+                # The scheduler moved these elsewhere (we were presumed dead): the client's
+                # stream goes on from the other executor, so end them here without a word.
+                for i in ids:
+                    self.live.pop(i, None)
+            elif outputs:
+                self._publish(outputs)
+
+    def _add(self, req: EngineRequest) -> None:
+        if req.request_id in self.live:
+            # A failover resend of a request this engine still runs (it was presumed dead):
+            # the resend wins; drop the old copy quietly.
+            self.engine.abort_request([req.request_id])
+            del self.live[req.request_id]
+        try:
+            params = SamplingParams.from_dict(dict(req.sampling))
+            params.validate()
+            self.engine.add_request(
+                req.request_id,
+                list(req.prompt_token_ids),
+                params,
+                output_token_ids=list(req.output_token_ids) or None,
+                arrival_time=req.arrival_time or None,
+            )
+        except (ValueError, TypeError) as e:
+            logger.warning("rejecting request %s: %s", req.request_id, e)
+            err = RequestError(req.request_id, 400, str(e))
+            self.emit(req.gateway_id, err)
+            return
+        self.live[req.request_id] = [req.gateway_id, len(req.output_token_ids)]
+
+    def _publish(self, outputs: list[Any]) -> None:
+        by_gateway: dict[str, list[RequestDelta]] = {}
+        for o in outputs:
+            entry = self.live.get(o.request_id)
+            if entry is None:
+                continue
+            gateway_id, offset = entry
+            delta = RequestDelta(
+                request_id=o.request_id,
+                token_ids=[int(t) for t in o.new_token_ids],
+                output_offset=offset,
+                logprobs=_logprobs_to_wire(o.new_logprobs),
+                finish_reason=o.finish_reason,
+                num_prompt_tokens=o.num_prompt_tokens,
+                num_cached_tokens=o.num_cached_tokens,
+            )
+            entry[1] = offset + len(delta.token_ids)
+            if o.finish_reason is not None:
+                del self.live[o.request_id]
+            by_gateway.setdefault(gateway_id, []).append(delta)
+        for gateway_id, deltas in by_gateway.items():
+            self.emit(gateway_id, StepOutput(self.executor_id, self.step_count, deltas))
+
+
+class ExecutorService:
+    def __init__(self, engine: Engine, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.instance = uuid.uuid4().hex[:12]
+        self.loop_ = EngineLoop(engine, cfg.executor_id)
+        # (request_id, resume offset): a redelivery repeats both; a failover resend differs.
+        self.seen: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.stop = asyncio.Event()
+        self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
+
+    # ---- engine thread -> I/O loop ----
+
+    def _emit_threadsafe(self, aloop: asyncio.AbstractEventLoop):
+        def emit(gateway_id: str, msg: Any) -> None:
+            aloop.call_soon_threadsafe(self._outbox.put_nowait, (gateway_id, msg))
+
+        return emit
+
+    async def _writer(self, r) -> None:
+        assert self._outbox is not None
+        while True:
+            item = await self._outbox.get()
+            batch = [item]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            async with r.pipeline(transaction=False) as p:
+                for gateway_id, msg in batch:
+                    await streams.xadd(
+                        p, streams.gw_stream(gateway_id), msg, maxlen=streams.OUTPUT_MAXLEN
+                    )
+                await p.execute()
+
+    # ---- Redis -> engine thread ----
+
+    async def _handle(self, msg_id: bytes, msg: Any) -> None:
+        if isinstance(msg, EngineRequest):
+            key = (msg.request_id, len(msg.output_token_ids))
+            if key in self.seen:
+                logger.info("ignoring redelivered request %s", msg.request_id)
+                return
+            self.seen[key] = None
+            if len(self.seen) > SEEN_CAPACITY:
+                self.seen.popitem(last=False)
+            self.loop_.inbox.put(("add", msg))
+        elif isinstance(msg, AbortRequest):
+            self.loop_.inbox.put(("abort", msg))
+        else:
+            logger.error("unexpected %s on %s", type(msg).__name__, self._stream)
+
+    @property
+    def _stream(self) -> str:
+        return streams.exec_stream(self.cfg.executor_id)
+
+    async def _heartbeat(self, r) -> None:
+        last_steps, last_t = 0, time.monotonic()
+        while True:
+            # Re-announced every beat: the scheduler forgets executors that stayed dead.
+            await r.sadd(streams.executors_key(), self.cfg.executor_id)
+            now = time.monotonic()
+            steps = self.loop_.step_count
+            rate = (steps - last_steps) / max(1e-6, now - last_t)
+            last_steps, last_t = steps, now
+            s = self.loop_.latest_stats
+            status: dict[str, Any] = {
+                "executor_id": self.cfg.executor_id,
+                "instance": self.instance,
+                "model": self.cfg.model,
+                "max_num_seqs": self.cfg.max_num_seqs,
+                "step_rate": round(rate, 2),
+                "steps": steps,
+                "time": time.time(),
+            }
+            if s is not None:
+                for name in (
+                    "num_running",
+                    "num_waiting",
+                    "num_free_blocks",
+                    "num_total_blocks",
+                    "kv_cache_usage",
+                    "num_preemptions_total",
+                    "prefix_cache_queries",
+                    "prefix_cache_hits",
+                    "prompt_tokens_total",
+                    "generation_tokens_total",
+                ):
+                    if hasattr(s, name):
+                        status[name] = getattr(s, name)
+            await streams.set_heartbeat(
+                r,
+                streams.executor_alive_key(self.cfg.executor_id),
+                streams.executor_status_key(self.cfg.executor_id),
+                status,
+                self.cfg.heartbeat_ttl_s,
+            )
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    async def run(self) -> None:
+        aloop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        self.loop_.emit = self._emit_threadsafe(aloop)
+        r = streams.connect(self.cfg.redis_url)
+        # A previous incarnation's queue was failed over by the scheduler: start from a clean
+        # stream so its requests are not run twice.
+        await r.delete(self._stream)
+        await streams.ensure_group(r, self._stream, streams.EXEC_GROUP, start_id="$")
+        thread = threading.Thread(target=self.loop_.run, name="engine-loop", daemon=True)
+        thread.start()
+        consumer = f"{self.cfg.executor_id}-{self.instance}"
+        tasks = [
+            asyncio.create_task(
+                streams.consume(
+                    r, self._stream, streams.EXEC_GROUP, consumer, self._handle, stop=self.stop
+                )
+            ),
+            asyncio.create_task(self._writer(r)),
+            asyncio.create_task(self._heartbeat(r)),
+        ]
+        logger.warning(
+            "executor %s (instance %s) ready on %s",
+            self.cfg.executor_id,
+            self.instance,
+            self._stream,
+        )
+        try:
+            while not self.stop.is_set():
+                if not thread.is_alive():
+                    raise RuntimeError(f"engine loop died: {self.loop_.error!r}")
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+                await asyncio.sleep(0.2)
+        finally:
+            self.loop_.stop_event.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await r.delete(streams.executor_alive_key(self.cfg.executor_id))
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            await r.aclose()

@@ -1,0 +1,373 @@
+"""`voltserve scheduler`: admission, placement across executors, abort forwarding, failover.
+
+One active leader holds a lease in Redis; standbys wait and take over. The leader's state
+(admitted requests and where they run) is mirrored in a Redis hash so a new leader resumes it;
+the tokens each request has streamed are re-learned by tailing the gateway output streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from voltserve.services.scheduler.admission import AdmissionQueue
+from voltserve.services.scheduler.failover import (
+    RequestTracker,
+    Tracked,
+    base_id,
+    max_tokens_of,
+)
+from voltserve.services.scheduler.leader import LeaderLease
+from voltserve.services.scheduler.placement import Placement
+from voltserve.services.scheduler.registry import ExecutorInfo, ExecutorRegistry
+from voltserve.shared import streams
+from voltserve.shared.logging import add_log_level_flag, setup_logging
+from voltserve.shared.protocol import (
+    AbortRequest,
+    EngineRequest,
+    RequestDelta,
+    RequestError,
+    StepOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_ID = "scheduler"  # executor_id on StepOutputs the scheduler writes itself
+ABORT_MEMORY_S = 120.0  # an abort that overtakes its request still applies this long
+
+
+@dataclass
+class SchedulerConfig:
+    redis_url: str
+    max_queued_requests: int = 1024
+    lease_ttl_s: float = 3.0
+    registry_interval_s: float = 0.2
+    executor_queue_factor: float = 2.0
+    scheduler_id: str = ""
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.token = cfg.scheduler_id or f"sched-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.stop = asyncio.Event()
+        self.is_leader = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tracker = RequestTracker()
+        self.queue = AdmissionQueue(self.cfg.max_queued_requests)
+        self.placement = Placement(self.cfg.executor_queue_factor)
+        self.registry: ExecutorRegistry | None = None
+        self.aborted: dict[str, float] = {}
+        self.gw_positions: dict[str, str] = {}
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()
+
+    # ---- lifecycle ----
+
+    async def run(self) -> None:
+        r = streams.connect(self.cfg.redis_url)
+        lease = LeaderLease(r, self.token, self.cfg.lease_ttl_s)
+        try:
+            while not self.stop.is_set():
+                if not await lease.acquire(self.stop):
+                    break
+                logger.warning("scheduler %s is the leader", self.token)
+                self.is_leader = True
+                try:
+                    await self._lead(r, lease)
+                finally:
+                    self.is_leader = False
+        finally:
+            await lease.release()
+            await r.aclose()
+
+    async def _lead(self, r, lease: LeaderLease) -> None:
+        self._reset()
+        self.r = r
+        self.registry = ExecutorRegistry(r)
+        await self.registry.refresh()
+        await self._restore()
+        tasks = [
+            asyncio.create_task(lease.keep(), name="lease"),
+            asyncio.create_task(
+                streams.consume(
+                    r, streams.sched_stream(), streams.SCHED_GROUP, self.token, self._handle
+                ),
+                name="consume",
+            ),
+            asyncio.create_task(self._registry_loop(), name="registry"),
+            asyncio.create_task(self._tail_loop(), name="tail"),
+            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+        ]
+        stop_wait = asyncio.create_task(self.stop.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stop_wait and t.get_name() != "lease" and t.exception():
+                    logger.error("scheduler task %s crashed", t.get_name(), exc_info=t.exception())
+        finally:
+            for t in [*tasks, stop_wait]:
+                t.cancel()
+            await asyncio.gather(*tasks, stop_wait, return_exceptions=True)
+
+    async def _restore(self) -> None:
+        """Resume a previous leader's requests from the routes hash."""
+        raw = await self.r.hgetall(streams.scheduler_routes_key())
+        orphans: list[Tracked] = []
+        for _, data in sorted(raw.items()):
+            try:
+                t = Tracked.from_record(data)
+            except Exception:  # noqa: BLE001 - a broken record must not stop the takeover
+                logger.exception("dropping unreadable route record")
+                continue
+            self.tracker.restore(t)
+            alive = self.registry.alive.get(t.executor_id)
+            if not t.executor_id:
+                self.queue.push(t.req)
+            elif alive is None or alive.instance != t.instance:
+                orphans.append(t)
+        if raw:
+            logger.warning("resumed %d unfinished request(s) from the previous leader", len(raw))
+        # The tail starts at the beginning of each stream, so restored requests re-learn tokens.
+        for gw in self.tracker.gateways():
+            self.gw_positions.setdefault(streams.gw_stream(gw), "0")
+        for t in orphans:
+            await self._resend(t)
+        self.wake.set()
+
+    # ---- vs:sched ----
+
+    async def _handle(self, msg_id: bytes, msg: Any) -> None:
+        if isinstance(msg, EngineRequest):
+            await self._admit(msg)
+        elif isinstance(msg, AbortRequest):
+            await self._abort(msg)
+        else:
+            logger.error("unexpected %s on %s", type(msg).__name__, streams.sched_stream())
+
+    def _was_aborted(self, request_id: str) -> bool:
+        return request_id in self.aborted or base_id(request_id) in self.aborted
+
+    async def _admit(self, req: EngineRequest) -> None:
+        if req.request_id in self.tracker:
+            return  # redelivered
+        if self._was_aborted(req.request_id):
+            logger.info("dropping %s: aborted before it arrived", req.request_id)
+            return
+        if self.queue.full():
+            n = self.cfg.max_queued_requests
+            err = RequestError(
+                req.request_id,
+                503,
+                f"server overloaded: {len(self.queue)} requests are already waiting for an "
+                f"executor (--max-queued-requests={n}); retry later",
+                type="service_unavailable",
+            )
+            await streams.xadd(
+                self.r, streams.gw_stream(req.gateway_id), err, maxlen=streams.OUTPUT_MAXLEN
+            )
+            return
+        t = self.tracker.add(req)
+        # A new stream is read from its start (bounded by MAXLEN), so no delta is missed.
+        self.gw_positions.setdefault(streams.gw_stream(req.gateway_id), "0")
+        await self.r.hset(streams.scheduler_routes_key(), req.request_id, t.to_record())
+        self.queue.push(req)
+        await self._dispatch()
+
+    async def _abort(self, msg: AbortRequest) -> None:
+        now = time.monotonic()
+        by_executor: dict[str, list[str]] = {}
+        for a in msg.request_ids:
+            self.aborted[a] = now
+            for rid in self.tracker.match(a):
+                t = self.tracker.requests[rid]
+                if t.executor_id:
+                    t.aborted = True
+                    by_executor.setdefault(t.executor_id, []).append(rid)
+                else:
+                    self.queue.remove(rid)
+                    await self._finish_here(t, "abort")
+        for eid, ids in by_executor.items():
+            await streams.xadd(self.r, streams.exec_stream(eid), AbortRequest(ids, msg.reason))
+
+    async def _finish_here(self, t: Tracked, reason: str) -> None:
+        """End a request the scheduler holds itself (queued, aborted, or out of budget)."""
+        rid = t.req.request_id
+        self.tracker.finish(rid)
+        delta = RequestDelta(rid, [], len(t.tokens), finish_reason=reason)
+        async with self.r.pipeline(transaction=False) as p:
+            await streams.xadd(
+                p,
+                streams.gw_stream(t.req.gateway_id),
+                StepOutput(SCHEDULER_ID, 0, [delta]),
+                maxlen=streams.OUTPUT_MAXLEN,
+            )
+            p.hdel(streams.scheduler_routes_key(), rid)
+            await p.execute()
+
+    # ---- placement ----
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            await self._dispatch()
+
+    async def _dispatch(self) -> None:
+        async with self.lock:
+            executors = list(self.registry.alive.values())
+            load = self.tracker.load()
+            while len(self.queue):
+                req = self.queue.peek()
+                t = self.tracker.requests.get(req.request_id)
+                if t is None:  # finished while queued
+                    self.queue.pop()
+                    continue
+                eid = self.placement.choose(req.prompt_token_ids, executors, load)
+                if eid is None:
+                    break
+                self.queue.pop()
+                t.executor_id, t.instance = eid, self.registry.alive[eid].instance
+                load[eid] = load.get(eid, 0) + 1
+                async with self.r.pipeline(transaction=False) as p:
+                    p.hset(streams.scheduler_routes_key(), req.request_id, t.to_record())
+                    await streams.xadd(p, streams.exec_stream(eid), self.tracker.resend_request(t))
+                    await p.execute()
+                logger.debug("placed %s on %s", req.request_id, eid)
+
+    # ---- heartbeats and failover ----
+
+    async def _registry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.registry_interval_s)
+            appeared, gone = await self.registry.refresh()
+            for e in gone:
+                await self._failover(e)
+            if appeared or gone:
+                self.wake.set()
+            now = time.monotonic()
+            for a in [a for a, ts in self.aborted.items() if now - ts > ABORT_MEMORY_S]:
+                del self.aborted[a]
+
+    async def _failover(self, e: ExecutorInfo) -> None:
+        moved = self.tracker.on_executor(e.executor_id, e.instance)
+        self.placement.forget(e.executor_id)
+        replaced = e.executor_id in self.registry.alive
+        if not replaced:
+            # Its queue would only replay work that now runs elsewhere.
+            await self.r.delete(streams.exec_stream(e.executor_id))
+            await self.r.srem(streams.executors_key(), e.executor_id)
+        if not moved:
+            return
+        logger.warning(
+            "failing over %d request(s) of executor %s (instance %s)",
+            len(moved),
+            e.executor_id,
+            e.instance,
+        )
+        # In case it was only stalled: it must drop them silently when it wakes up.
+        await streams.xadd(
+            self.r,
+            streams.exec_stream(e.executor_id),
+            AbortRequest([t.req.request_id for t in moved], reason="failover"),
+        )
+        for t in reversed(moved):  # push_front: keep their original order
+            await self._resend(t)
+
+    async def _resend(self, t: Tracked) -> None:
+        t.executor_id, t.instance = "", ""
+        budget = max_tokens_of(t.req)
+        if t.aborted:
+            await self._finish_here(t, "abort")
+        elif budget is not None and len(t.tokens) >= budget:
+            await self._finish_here(t, "length")
+        else:
+            await self.r.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
+            self.queue.push_front(t.req)
+        self.wake.set()
+
+    # ---- tailing the gateway output streams ----
+
+    async def _tail_loop(self) -> None:
+        tail_r = streams.connect(self.cfg.redis_url)  # blocking reads get their own connection
+        next_discover = 0.0
+        try:
+            while True:
+                if time.monotonic() >= next_discover:
+                    next_discover = time.monotonic() + 1.0
+                    for g in await self.r.smembers(streams.gateways_key()):
+                        self.gw_positions.setdefault(streams.gw_stream(g.decode()), "0")
+                entries = await streams.tail(tail_r, self.gw_positions, block_ms=200)
+                finished = []
+                for _, _, msg in entries:
+                    if isinstance(msg, StepOutput):
+                        for d in msg.deltas:
+                            if self.tracker.on_delta(d):
+                                finished.append(d.request_id)
+                    elif isinstance(msg, RequestError):
+                        finished.append(msg.request_id)
+                if finished:
+                    async with self.r.pipeline(transaction=False) as p:
+                        for rid in finished:
+                            if self.tracker.finish(rid) is not None:
+                                p.hdel(streams.scheduler_routes_key(), rid)
+                        await p.execute()
+                    self.wake.set()
+        finally:
+            await tail_r.aclose()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="voltserve scheduler", description=__doc__)
+    p.add_argument(
+        "--redis-url", default=os.environ.get("VOLTSERVE_REDIS_URL", "redis://localhost:6379")
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for an executor beyond this are refused with 503",
+    )
+    p.add_argument("--lease-ttl", type=float, default=3.0, help="leader lease, seconds")
+    p.add_argument("--registry-interval", type=float, default=0.2, help="heartbeat scan, seconds")
+    p.add_argument(
+        "--executor-queue-factor",
+        type=float,
+        default=2.0,
+        help="an executor gets at most this many times its max-num-seqs unfinished requests",
+    )
+    p.add_argument("--scheduler-id", default="")
+    add_log_level_flag(p)
+    return p
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging("scheduler", args.log_level, args.log_json)
+    sched = Scheduler(
+        SchedulerConfig(
+            redis_url=args.redis_url,
+            max_queued_requests=args.max_queued_requests,
+            lease_ttl_s=args.lease_ttl,
+            registry_interval_s=args.registry_interval,
+            executor_queue_factor=args.executor_queue_factor,
+            scheduler_id=args.scheduler_id,
+        )
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, sched.stop.set)
+        await sched.run()
+
+    asyncio.run(run())
