@@ -155,7 +155,7 @@ class LLMEngine:
                 continue
             self.batcher.abort(req)
             self._awaiting_first_token.discard(rid)
-            outputs.append(self._output(req, [], None))
+            outputs.append(self._output(req, [], "abort"))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
