@@ -160,10 +160,16 @@ def _s(x: Any) -> str:
 
 class ExecutorCollector(Collector):
     """Exposes every executor's engine gauges and counters, read at scrape time from `source`
-    (a callable returning the current ExecutorStatus list: a Redis reader or a snapshot)."""
+    (a callable returning the current ExecutorStatus list: a Redis reader or a snapshot).
 
-    def __init__(self, source: Callable[[], Iterable[ExecutorStatus]]) -> None:
+    `model_name` overrides the hash's "model" (which may be a checkpoint path) with the served
+    model name, so engine and request metrics carry the same label."""
+
+    def __init__(
+        self, source: Callable[[], Iterable[ExecutorStatus]], model_name: str | None = None
+    ) -> None:
         self._source = source
+        self._model_name = model_name
 
     def _families(self) -> dict[str, Metric]:
         fams: dict[str, Metric] = {}
@@ -182,7 +188,7 @@ class ExecutorCollector(Collector):
             for field, fam in fams.items():
                 v = st.values.get(field)
                 if v is not None and math.isfinite(v):
-                    fam.add_metric([st.model_name, st.executor_id], v)
+                    fam.add_metric([self._model_name or st.model_name, st.executor_id], v)
         yield from fams.values()
 
 
@@ -198,6 +204,42 @@ class StatusSnapshot:
 
     def __call__(self) -> list[ExecutorStatus]:
         return self._statuses
+
+
+async def read_executor_statuses(r: Any, alive_only: bool = True) -> list[ExecutorStatus]:
+    """Every executor's status hash (redis.asyncio client). With alive_only, executors whose
+    heartbeat expired are left out, so a dead executor's gauges vanish instead of going stale."""
+    from voltserve.shared import streams
+
+    ids = sorted(_s(x) for x in await r.smembers(streams.executors_key()))
+    if not ids:
+        return []
+    async with r.pipeline(transaction=False) as p:
+        for eid in ids:
+            p.hgetall(streams.executor_status_key(eid))
+            p.exists(streams.executor_alive_key(eid))
+        res = await p.execute()
+    out = []
+    for i, eid in enumerate(ids):
+        h, alive = res[2 * i], res[2 * i + 1]
+        if h and (alive or not alive_only):
+            out.append(ExecutorStatus.from_hash(h, executor_id=eid))
+    return out
+
+
+def executor_self_source(
+    executor_id: str, model_name: str, stats: Callable[[], Any]
+) -> Callable[[], list[ExecutorStatus]]:
+    """A collector source for an executor's own /metrics: its latest EngineStats, no Redis."""
+
+    def source() -> list[ExecutorStatus]:
+        s = stats()
+        if s is None:
+            return []
+        values = {k: float(v) for k, v in stats_to_status(s).items()}
+        return [ExecutorStatus(executor_id, model_name, values)]
+
+    return source
 
 
 # --------------------------------------------------------------------------------------------
