@@ -134,6 +134,15 @@ class EngineLoop:
             # the resend wins; drop the old copy quietly.
             self.engine.abort_request([req.request_id])
             del self.live[req.request_id]
+        max_len = getattr(self.engine, "max_model_len", None)
+        if req.output_token_ids and max_len is not None:
+            if len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
+                # A resumed request that had already filled the context: it ends as it would
+                # have on the executor that died.
+                n = len(req.output_token_ids)
+                delta = RequestDelta(req.request_id, [], n, finish_reason="length")
+                self.emit(req.gateway_id, StepOutput(self.executor_id, self.step_count, [delta]))
+                return
         try:
             params = SamplingParams.from_dict(dict(req.sampling))
             params.validate()

