@@ -1,0 +1,470 @@
+"""Decode speed of the engine on a random-weight checkpoint, against the HBM roofline of the same
+card and against transformers `generate` on the same weights.
+
+Single request (batch 1): a `--prompt-len` prompt, `--output-len` greedy tokens, ignore_eos; the
+decode phase is the time from the first token to the last (prefill excluded). Median of `--runs`
+warm runs. Its floor is the weight bytes one token reads (all layers + lm_head; the embedding
+gather is left out) over the device copy bandwidth measured in the same run.
+
+Batched (`--batch-sizes 64,256 --context 1024`): B requests with `--context`-token prompts are
+prefilled, then single decode steps are timed; their floor adds the KV bytes read at that
+context to the weight bytes.
+
+    python load_tests/bench_decode.py --preset llama3-8b --batch-sizes 64,256 --context 1024 \
+        --out results/decode_llama3-8b.json
+    python load_tests/bench_decode.py --preset tiny --device cpu --prompt-len 32 --output-len 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load_tests.common import (  # noqa: E402
+    PRESETS,
+    checkpoint_matches,
+    dtype_name,
+    env_info,
+    kv_bytes_per_token,
+    make_hf_config,
+    measure_copy_bandwidth,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+    weight_bytes,
+    write_json,
+    write_random_checkpoint,
+)
+
+logger = logging.getLogger("bench_decode")
+
+
+def random_prompt(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:
+    # Ids 0..15 are left out: small ids are often special tokens in real vocabularies.
+    return rng.integers(16, vocab_size, size=length).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers
+
+
+class _TimingStreamer:
+    """transformers streamer that stamps each new token (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.tokens: list[int] = []
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        ids = value.reshape(-1).tolist()
+        self.stamps.extend([now] * len(ids))
+        self.tokens.extend(ids)
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(
+    model_dir: Path, device: str, dtype: torch.dtype, prompts: list[list[int]], args
+) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    load_s = time.perf_counter() - t0
+    gen_kw: dict[str, Any] = dict(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,  # EOS cannot end it early: ignore_eos
+        do_sample=False,
+        pad_token_id=model.config.eos_token_id,
+    )
+    if args.hf_cache != "dynamic":
+        gen_kw["cache_implementation"] = args.hf_cache
+    runs = []
+    first_tokens: list[int] = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=device)
+            streamer = _TimingStreamer()
+            synchronize(device)
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer, **gen_kw)
+            synchronize(device)
+            n = len(streamer.tokens)
+            if n != args.output_len:
+                raise RuntimeError(f"transformers produced {n} tokens, expected {args.output_len}")
+            decode_s = streamer.stamps[-1] - streamer.stamps[0]
+            run = {
+                "warmup": i < args.hf_warmup,
+                "ttft_ms": (streamer.stamps[0] - start) * 1e3,
+                "decode_s": decode_s,
+                "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None,
+                "ms_per_token": decode_s / (n - 1) * 1e3 if n > 1 else None,
+            }
+            runs.append(run)
+            if i == args.hf_warmup:
+                first_tokens = streamer.tokens
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {
+        "load_s": load_s,
+        "cache_implementation": args.hf_cache,
+        "runs": runs,
+        "first_measured_tokens": first_tokens,
+        **_summarise(runs),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# engine
+
+
+def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
+    from voltserve.services.executor.engine import LLMEngine
+    from voltserve.shared.config import EngineConfig
+
+    longest = max(args.prompt_len + args.output_len, args.context + args.decode_steps + 64)
+    max_batch = max([1, *args.batch_sizes])
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype=dtype_name(dtype),
+        device=device,
+        max_model_len=longest + 16,
+        max_num_seqs=max(max_batch, 8),
+        max_num_batched_tokens=max(8192, args.prompt_len, args.context),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        max_graph_batch_size=max(max_batch, 1),
+        seed=0,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    return engine, time.perf_counter() - t0, config
+
+
+def engine_single(engine, rid: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    from voltserve.shared.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    stamps: list[float] = []
+    tokens: list[int] = []
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id == rid:
+                stamps.extend([now] * len(o.new_token_ids))
+                tokens.extend(o.new_token_ids)
+    if len(tokens) != output_len:
+        raise RuntimeError(f"engine produced {len(tokens)} tokens, expected {output_len}")
+    decode_s = stamps[-1] - stamps[0]
+    n = len(tokens)
+    return {
+        "ttft_ms": (stamps[0] - start) * 1e3,
+        "decode_s": decode_s,
+        "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None,
+        "ms_per_token": decode_s / (n - 1) * 1e3 if n > 1 else None,
+        "tokens": tokens,
+    }
+
+
+def engine_batched(
+    engine, batch: int, context: int, steps: int, warm: int, vocab: int, rng
+) -> dict[str, Any]:
+    """Prefill `batch` requests of `context` tokens, then time single decode steps."""
+    from voltserve.shared.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, random_prompt(rng, context, vocab), params)
+    have_first: set[str] = set()
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while len(have_first) < batch:
+        for o in engine.step():
+            if o.new_token_ids:
+                have_first.add(o.request_id)
+        prefill_steps += 1
+        if prefill_steps > 100_000:
+            raise RuntimeError("prefill of the batch does not finish")
+    prefill_s = time.perf_counter() - t0
+    step_s: list[float] = []
+    short_steps = 0
+    for k in range(warm + steps):
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if len(outs) != batch:
+            short_steps += 1  # a preemption or a straggler: not a full-batch decode step
+        if k >= warm:
+            step_s.append(dt)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "prefill_s": prefill_s,
+        "prefill_steps": prefill_steps,
+        "step_ms_all": [s * 1e3 for s in step_s],
+        "step_ms": statistics.median(step_s) * 1e3,
+        "steps_not_full_batch": short_steps,
+        # KV tokens a timed step reads per request, averaged over the timed steps.
+        "mean_context": context + 1 + warm + (steps - 1) / 2,
+    }
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    measured = [r for r in runs if not r["warmup"]]
+    out: dict[str, Any] = {"num_measured_runs": len(measured)}
+    for key in ("decode_tok_s", "ms_per_token", "ttft_ms"):
+        vals = [r[key] for r in measured if r[key] is not None]
+        out[key] = statistics.median(vals) if vals else None
+    return out
+
+
+def agree_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument("--keep-model", action="store_true", help="keep the temporary checkpoint")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto: float16 on CUDA, float32 on CPU")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--runs", type=int, default=5, help="measured engine runs (median)")
+    p.add_argument("--warmup", type=int, default=2, help="engine warmup runs")
+    p.add_argument("--hf-runs", type=int, default=3, help="measured transformers runs")
+    p.add_argument("--hf-warmup", type=int, default=1)
+    p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"])
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--batch-sizes", default="", help="e.g. 64,256: also time batched decode")
+    p.add_argument("--context", type=int, default=1024, help="prompt length of batched mode")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed steps per batch size")
+    p.add_argument("--decode-warmup", type=int, default=4)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--bandwidth-bytes", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    config = make_hf_config(args.preset, dtype)
+    wbytes = weight_bytes(config, dtype)
+    kv_tok = kv_bytes_per_token(config, dtype)
+    result: dict[str, Any] = {
+        "benchmark": "decode",
+        "preset": args.preset,
+        "device": device,
+        "dtype": dtype_name(dtype),
+        "env": env_info(device),
+        "args": {k: v for k, v in vars(args).items()},
+        "model": {**wbytes, "kv_bytes_per_token": kv_tok, "vocab_size": config.vocab_size},
+        "errors": {},
+    }
+
+    logger.info("measuring copy bandwidth on %s", device)
+    bw = measure_copy_bandwidth(device, args.bandwidth_bytes)
+    result["copy_bandwidth"] = bw
+    bw_Bps = bw["bandwidth_GBps"] * 1e9
+    floor_s = wbytes["read_per_token_bytes"] / bw_Bps
+    result["floor"] = {
+        "weight_read_bytes": wbytes["read_per_token_bytes"],
+        "ms_per_token": floor_s * 1e3,
+        "tok_s": 1.0 / floor_s,
+    }
+
+    tmp = None
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
+        model_dir = Path(tmp)
+    try:
+        if not checkpoint_matches(model_dir, args.preset):
+            t0 = time.perf_counter()
+            logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
+            write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
+            result["checkpoint_write_s"] = time.perf_counter() - t0
+        result["model_dir"] = str(model_dir)
+        _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes)
+    finally:
+        if tmp and not args.keep_model:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    write_json(args.out, result)
+    print_table(result)
+    return 1 if "engine" in result["errors"] else 0
+
+
+def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> None:
+    rng = np.random.default_rng(args.seed)
+    vocab = result["model"]["vocab_size"]
+    n_engine = args.warmup + args.runs
+    prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(n_engine)]
+    compare_prompt = prompts[args.warmup]  # the first measured engine prompt
+
+    # transformers first: its memory is freed before the engine sizes its KV cache.
+    if not args.skip_transformers:
+        logger.info("transformers generate (%d runs)", args.hf_warmup + args.hf_runs)
+        hf_prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(args.hf_warmup)]
+        hf_prompts += [compare_prompt] + [
+            random_prompt(rng, args.prompt_len, vocab) for _ in range(args.hf_runs - 1)
+        ]
+        try:
+            result["transformers"] = run_transformers(model_dir, device, dtype, hf_prompts, args)
+        except Exception as e:  # keep going: the engine numbers still count
+            traceback.print_exc()
+            result["errors"]["transformers"] = f"{type(e).__name__}: {e}"
+
+    try:
+        engine, init_s, cfg = make_engine(model_dir, device, dtype, args)
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["engine"] = f"engine init: {type(e).__name__}: {e}"
+        return
+    result["engine_init_s"] = init_s
+    result["engine_config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    try:
+        logger.info("engine single-request decode (%d runs)", n_engine)
+        runs = []
+        for i, prompt in enumerate(prompts):
+            r = engine_single(engine, f"single-{i}", prompt, args.output_len)
+            r["warmup"] = i < args.warmup
+            runs.append(r)
+        first_tokens = runs[args.warmup].pop("tokens")
+        for r in runs:
+            r.pop("tokens", None)
+        single = {"runs": runs, **_summarise(runs)}
+        if single["ms_per_token"]:
+            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
+        result["engine"] = single
+        hf = result.get("transformers")
+        if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
+            result["speedup_vs_transformers"] = single["decode_tok_s"] / hf["decode_tok_s"]
+            # Greedy on the same weights and prompt: how long the two agree (fp16 near-ties can
+            # split them eventually; an early split points at a numerics bug).
+            result["greedy_agreement_tokens"] = agree_prefix(
+                first_tokens, hf.pop("first_measured_tokens")
+            )
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
+        return
+
+    batched = []
+    for b in args.batch_sizes:
+        logger.info("engine batched decode: batch %d, context %d", b, args.context)
+        try:
+            r = engine_batched(
+                engine, b, args.context, args.decode_steps, args.decode_warmup, vocab, rng
+            )
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"][f"batch_{b}"] = f"{type(e).__name__}: {e}"
+            continue
+        kv = b * r["mean_context"] * kv_tok
+        floor_ms = (wbytes["read_per_token_bytes"] + kv) / bw_Bps * 1e3
+        r.update(
+            batch_size=b,
+            context=args.context,
+            kv_read_bytes=kv,
+            floor_ms=floor_ms,
+            ratio_to_floor=r["step_ms"] / floor_ms,
+            roofline_fraction=floor_ms / r["step_ms"],
+            output_tok_s=b / (r["step_ms"] / 1e3),
+        )
+        batched.append(r)
+    if args.batch_sizes:
+        result["batched"] = batched
+        if len(batched) < len(args.batch_sizes):
+            result["errors"]["engine"] = "batched decode failed for some batch sizes"
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    bw = result.get("copy_bandwidth", {})
+    fl = result.get("floor", {})
+    print()
+    print(
+        f"decode benchmark: {result['preset']} {result['dtype']} on {result['env'].get('device_name')}"
+    )
+    print(
+        f"copy bandwidth {_fmt(bw.get('bandwidth_GBps'), '.0f')} GB/s; "
+        f"weight floor {_fmt(fl.get('ms_per_token'), '.3f')} ms/token "
+        f"({_fmt(fl.get('tok_s'), '.1f')} tok/s)"
+    )
+    print(f"{'':<14}{'tok/s':>10}{'ms/token':>10}{'TTFT ms':>10}{'of floor':>10}")
+    for name in ("engine", "transformers"):
+        r = result.get(name)
+        if r:
+            frac = r.get("roofline_fraction")
+            if frac is None and r.get("ms_per_token") and fl.get("ms_per_token"):
+                frac = fl["ms_per_token"] / r["ms_per_token"]
+            print(
+                f"{name:<14}{_fmt(r.get('decode_tok_s'), '.1f'):>10}"
+                f"{_fmt(r.get('ms_per_token'), '.3f'):>10}{_fmt(r.get('ttft_ms'), '.1f'):>10}"
+                f"{_fmt(frac, '.1%'):>10}"
+            )
+    if result.get("speedup_vs_transformers"):
+        print(
+            f"engine / transformers: {result['speedup_vs_transformers']:.2f}x; greedy agreement "
+            f"{result.get('greedy_agreement_tokens')} tokens"
+        )
+    if result.get("batched"):
+        print(f"{'batch':>6}{'context':>9}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'tok/s':>10}")
+        for r in result["batched"]:
+            print(
+                f"{r['batch_size']:>6}{r['context']:>9}{r['step_ms']:>10.3f}"
+                f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{r['output_tok_s']:>10.0f}"
+            )
+    for k, v in result["errors"].items():
+        print(f"ERROR {k}: {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

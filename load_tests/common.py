@@ -1,0 +1,405 @@
+"""Small helpers shared by the benchmarks: model presets, random-weight checkpoints, the HBM copy
+bandwidth that anchors every roofline number, environment info and JSON output.
+
+Run as a script to write a checkpoint once and reuse it across benchmarks:
+    python load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/llama3-8b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Shapes of the benchmarked models (random weights: speed depends on shape, not on values).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",  # Qwen2 always has q/k/v bias
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+    "tiny": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+
+def make_hf_config(preset: str, dtype: torch.dtype = torch.float16):
+    from transformers import AutoConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    kw = dict(PRESETS[preset])
+    model_type = kw.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kw)
+    config.dtype = dtype
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and dtypes
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device} asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    table = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    table |= {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+    table |= {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return table[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory bandwidth
+
+
+def measure_copy_bandwidth(
+    device: str, nbytes: int | None = None, warmup: int = 5, iters: int = 30
+) -> dict[str, Any]:
+    """Device-to-device copy bandwidth: (bytes read + bytes written) / time, median of `iters`.
+
+    This is what a memory-bound kernel can hope for on this card, measured in the same run as
+    the numbers it anchors (a spec-sheet figure would flatter every ratio)."""
+    if nbytes is None:
+        nbytes = 4 << 30 if device.startswith("cuda") else 64 << 20
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times: list[float] = []
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(warmup + iters):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    if not torch.equal(dst[:1024], src[:1024]):
+        raise RuntimeError("copy bandwidth probe: destination differs from source")
+    moved = 2 * src.numel() * src.element_size()
+    t = statistics.median(times)
+    del src, dst
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {
+        "buffer_bytes": n * 2,
+        "iters": iters,
+        "median_s": t,
+        "min_s": min(times),
+        "bandwidth_GBps": moved / t / 1e9,
+        "peak_bandwidth_GBps": moved / min(times) / 1e9,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight and KV byte counts (the roofline floors)
+
+
+def weight_bytes(config, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of the weights one decode step reads: every layer, the final norm and the lm_head.
+    The input embedding is a gather of a few rows, so it is left out unless it is tied to the
+    lm_head (then the lm_head reads it in full)."""
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    total = embed = 0
+    for name, p in model.named_parameters():  # tied parameters appear once
+        total += p.numel() * size
+        if name.endswith("embed_tokens.weight"):
+            embed = p.numel() * size
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    read = total if tied else total - embed
+    return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
+
+
+# ---------------------------------------------------------------------------------------------
+# Random-weight checkpoints
+
+
+def write_synthetic_tokenizer(out: Path, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """A word-level tokenizer covering every id, so a random-weight checkpoint can be served
+    (the gateway detokenizes) and fed text prompts. Token i is spelled `t{i}`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    names = {bos_id: "<s>", eos_id: "</s>"}
+    for i, name in names.items():
+        del vocab[f"t{i}"]
+        vocab[name] = i
+    unk = names[eos_id]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names[bos_id],
+        "eos_token": names[eos_id],
+        "unk_token": unk,
+        "model_max_length": 1 << 20,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_random_checkpoint(
+    out: str | Path,
+    preset: str,
+    device: str = "auto",
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write a Hugging Face folder (config, generation config, safetensors shards, tokenizer) with
+    random weights of a preset's shape. Tensors are drawn on `device` (fast on a GPU) and saved
+    shard by shard, so host memory holds one shard at a time. Llama-3-8B: ~16 GB on disk."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = resolve_device(device)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_hf_config(preset, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(name: str, shape: torch.Size) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            # Norm scales near 1 keep activations of a deep random model finite in fp16.
+            return t.uniform_(0.9, 1.1, generator=gen).cpu()
+        return t.normal_(0.0, 0.02, generator=gen).cpu()
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, p in model.named_parameters():  # tied lm_head is not saved (as in real checkpoints)
+        nbytes = p.numel() * p.element_size()
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = p  # meta placeholder; drawn when its shard is written
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {name: draw(name, p.shape).contiguous() for name, p in shard.items()}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
+    ).save_pretrained(out)
+    write_synthetic_tokenizer(out, config.vocab_size, config.bos_token_id, config.eos_token_id)
+    (out / "voltserve_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    return out
+
+
+def checkpoint_matches(path: Path, preset: str) -> bool:
+    """True when `path` holds a checkpoint written by write_random_checkpoint for `preset`."""
+    marker = path / "voltserve_preset.json"
+    if not (path / "config.json").exists() or not marker.exists():
+        return False
+    return json.loads(marker.read_text()).get("preset") == preset
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment and output
+
+
+def git_commit() -> str | None:
+    if os.environ.get("VOLTSERVE_COMMIT"):
+        return os.environ["VOLTSERVE_COMMIT"]
+    try:
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        if r.returncode != 0:
+            return None
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_dirty() -> bool | None:
+    """Whether the working tree differs from the commit (None when git is unavailable)."""
+    try:
+        r = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(r.stdout.strip()) if r.returncode == 0 else None
+
+
+def env_info(device: str | None = None) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
+        "argv": sys.argv,
+        "cpu_count": os.cpu_count(),
+    }
+    if device and device.startswith("cuda"):
+        idx = torch.device(device).index or 0
+        prop = torch.cuda.get_device_properties(idx)
+        info["device_name"] = prop.name
+        info["device_capability"] = f"{prop.major}.{prop.minor}"
+        info["device_memory_bytes"] = prop.total_memory
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
+
+
+def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a preset")
+    mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--device", default="auto")
+    mk.add_argument("--dtype", default="float16")
+    mk.add_argument("--seed", type=int, default=0)
+    bw = sub.add_parser("bandwidth", help="print the device copy bandwidth")
+    bw.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    if args.cmd == "make-checkpoint":
+        device = resolve_device(args.device)
+        t0 = time.perf_counter()
+        if checkpoint_matches(Path(args.out), args.preset):
+            print(f"{args.out}: already holds a {args.preset} checkpoint")
+            return
+        write_random_checkpoint(
+            args.out, args.preset, device, resolve_dtype(args.dtype, device), args.seed
+        )
+        print(f"wrote {args.preset} to {args.out} in {time.perf_counter() - t0:.1f} s")
+    else:
+        device = resolve_device(args.device)
+        print(json.dumps(measure_copy_bandwidth(device), indent=2))
+
+
+if __name__ == "__main__":
+    main()
