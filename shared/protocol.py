@@ -29,6 +29,9 @@ class RenderRequest:
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     arrival_time: float = 0.0
+    # False when the client gave no max_tokens: the renderer lowers sampling["max_tokens"] to the
+    # context left after the prompt instead of rejecting the request (vLLM's behaviour).
+    max_tokens_explicit: bool = True
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""Reads this gateway's output stream (plain XREAD) and hands each request's deltas to the HTTP
+handler waiting for it. Repeats (redelivery, failover) are dropped by output offset."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from voltserve.shared import streams
+from voltserve.shared.protocol import RequestDelta, RequestError, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    index: int  # choice index
+    delta: RequestDelta | None = None
+    error: RequestError | None = None
+    executor_id: str = ""
+
+
+@dataclass
+class Handle:
+    """One HTTP request: n engine requests "{request_id}.{i}" feeding one queue."""
+
+    request_id: str
+    n: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Next expected output position of each choice.
+    next_offset: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.next_offset = [0] * self.n
+
+    def engine_id(self, i: int) -> str:
+        return f"{self.request_id}.{i}"
+
+
+class OutputDispatcher:
+    def __init__(self, redis: Any, gateway_id: str) -> None:
+        self.redis = redis
+        self.stream = streams.gw_stream(gateway_id)
+        self.handles: dict[str, Handle] = {}
+        self.last_id: str | None = None
+
+    def register(self, request_id: str, n: int) -> Handle:
+        h = Handle(request_id, n)
+        self.handles[request_id] = h
+        return h
+
+    def unregister(self, request_id: str) -> None:
+        self.handles.pop(request_id, None)
+
+    async def start_position(self) -> None:
+        """Start after the newest entry: older ones belong to an earlier gateway run."""
+        last = await self.redis.xrevrange(self.stream, count=1)
+        self.last_id = last[0][0].decode() if last else "0-0"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self.last_id is None:
+            await self.start_position()
+        cursor = {self.stream: self.last_id}
+        while not stop.is_set():
+            try:
+                entries = await streams.tail(self.redis, cursor, block_ms=200)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - keep reading through Redis hiccups
+                logger.error("reading %s failed: %s; retrying", self.stream, e)
+                await asyncio.sleep(0.5)
+                continue
+            for _, _, msg in entries:
+                self.dispatch(msg)
+
+    def dispatch(self, msg: Any) -> None:
+        if isinstance(msg, StepOutput):
+            for d in msg.deltas:
+                self._delta(d, msg.executor_id)
+        elif isinstance(msg, RequestError):
+            self._error(msg)
+
+    def _lookup(self, engine_id: str) -> tuple[Handle, int] | None:
+        base, _, idx = engine_id.rpartition(".")
+        h = self.handles.get(base)
+        if h is None or not idx.isdigit() or int(idx) >= h.n:
+            return None
+        return h, int(idx)
+
+    def _delta(self, d: RequestDelta, executor_id: str) -> None:
+        found = self._lookup(d.request_id)
+        if found is None:
+            return
+        h, i = found
+        skip = h.next_offset[i] - d.output_offset
+        if skip > 0:
+            # Tokens we already have (a repeat after redelivery or failover).
+            if skip >= len(d.token_ids) and d.finish_reason is None:
+                return
+            d.token_ids = d.token_ids[skip:]
+            if d.logprobs is not None:
+                d.logprobs = d.logprobs[skip:]
+        elif skip < 0:
+            logger.warning(
+                "gap in %s: expected offset %d, got %d",
+                d.request_id,
+                h.next_offset[i],
+                d.output_offset,
+            )
+        h.next_offset[i] = max(h.next_offset[i], d.output_offset + len(d.token_ids) + max(skip, 0))
+        h.queue.put_nowait(Event(i, delta=d, executor_id=executor_id))
+
+    def _error(self, e: RequestError) -> None:
+        found = self._lookup(e.request_id)
+        if found is not None:
+            found[0].queue.put_nowait(Event(found[1], error=e))
+            return
+        h = self.handles.get(e.request_id)
+        if h is not None:  # an error for the whole request (the renderer's)
+            h.queue.put_nowait(Event(-1, error=e))

@@ -1,0 +1,165 @@
+"""One generation request seen from the gateway: send it to the renderer, turn the engine's token
+deltas into text deltas per choice (detokenizer + stop strings), abort what is no longer wanted."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from voltserve.services.gateway.detokenizer import IncrementalDetokenizer
+from voltserve.services.gateway.dispatcher import Handle
+from voltserve.services.gateway.errors import APIError
+from voltserve.services.gateway.params import GenerationSpec
+from voltserve.services.gateway.state import GatewayState
+from voltserve.services.gateway.stop import StopMatcher
+from voltserve.shared import streams
+from voltserve.shared.metrics import RequestTimer
+from voltserve.shared.protocol import AbortRequest, RenderRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenInfo:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ChoiceUpdate:
+    index: int
+    text: str
+    logprobs: list[TokenInfo] | None  # one per new token, when logprobs were asked for
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceState:
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    timer: RequestTimer
+    num_tokens: int = 0
+    finished: bool = False
+    executor_id: str = ""
+
+
+@dataclass
+class Generation:
+    gw: GatewayState
+    spec: GenerationSpec
+    prefix: str  # "chatcmpl" | "cmpl"
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    handle: Handle | None = None
+    choices: list[ChoiceState] = field(default_factory=list)
+    error_status: int | None = None
+
+    def __post_init__(self) -> None:
+        # No "." in the id: engine requests are "{request_id}.{i}".
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.choices = [
+            ChoiceState(
+                IncrementalDetokenizer(self.gw.tokenizer, self.spec.skip_special_tokens),
+                StopMatcher(self.spec.stop),
+                RequestTimer(self.gw.model_name),
+            )
+            for _ in range(self.spec.n)
+        ]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.completion_tokens,
+        }
+
+    async def start(self) -> None:
+        s = self.spec
+        self.handle = self.gw.dispatcher.register(self.request_id, s.n)
+        msg = RenderRequest(
+            request_id=self.request_id,
+            gateway_id=self.gw.gateway_id,
+            kind=s.kind,
+            messages=s.messages,
+            prompt=s.prompt,
+            sampling=s.params.to_dict(),
+            n=s.n,
+            add_generation_prompt=s.add_generation_prompt,
+            chat_template_kwargs=s.chat_template_kwargs,
+            arrival_time=time.time(),
+            max_tokens_explicit=s.max_tokens_explicit,
+        )
+        await streams.xadd(self.gw.redis, streams.render_stream(), msg)
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Yield text deltas until every choice finished. Raises APIError on a request error."""
+        assert self.handle is not None
+        while not all(c.finished for c in self.choices):
+            ev = await self.handle.queue.get()
+            if ev.error is not None:
+                e = ev.error
+                self.error_status = e.status
+                raise APIError(e.status, e.message, param=e.param, type=e.type)
+            st, d = self.choices[ev.index], ev.delta
+            if st.finished or d is None:
+                continue
+            st.executor_id = ev.executor_id or st.executor_id
+            if d.num_prompt_tokens and not self.num_prompt_tokens:
+                self.num_prompt_tokens = d.num_prompt_tokens
+                self.num_cached_tokens = d.num_cached_tokens
+            st.timer.num_prompt_tokens = self.num_prompt_tokens
+            st.timer.on_tokens(len(d.token_ids))
+            st.num_tokens += len(d.token_ids)
+            finish = d.finish_reason
+            text = st.detok.add(d.token_ids)
+            if finish is not None:
+                text += st.detok.flush()
+            text = st.stop.feed(text)
+            if st.stop.stopped:
+                if finish is None:
+                    self.abort([self.handle.engine_id(ev.index)], "stop string")
+                finish = "stop"
+            elif finish is not None:
+                text += st.stop.flush()
+            if finish is not None:
+                st.finished = True
+                self.gw.metrics.requests.observe_finished(st.timer, finish, st.executor_id)
+            yield ChoiceUpdate(ev.index, text, self._logprobs(d), finish)
+
+    def _logprobs(self, d: Any) -> list[TokenInfo] | None:
+        if self.spec.params.logprobs is None or not d.logprobs:
+            return None
+        out = []
+        for tok, lp in zip(d.token_ids, d.logprobs):
+            top = [(int(t), float(v)) for t, v in (lp.get("top") or [])]
+            out.append(TokenInfo(tok, float(lp["logprob"]), top))
+        return out
+
+    def abort(self, engine_ids: list[str], reason: str) -> None:
+        if engine_ids:
+            msg = AbortRequest(request_ids=engine_ids, reason=reason)
+            self.gw.spawn(streams.xadd(self.gw.redis, streams.sched_stream(), msg))
+
+    def close(self, reason: str = "client gone") -> None:
+        """Always called when the HTTP handler ends: abort whatever still runs, forget the id."""
+        if self.handle is None:
+            return
+        unfinished = [
+            self.handle.engine_id(i) for i, c in enumerate(self.choices) if not c.finished
+        ]
+        self.abort(unfinished, reason)
+        self.gw.dispatcher.unregister(self.request_id)
+        if self.error_status is not None:
+            self.gw.metrics.requests.observe_error(self.gw.model_name, self.error_status)
+        self.handle = None

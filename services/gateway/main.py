@@ -1,0 +1,79 @@
+"""`voltserve gateway`: the OpenAI-compatible HTTP front end."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import uuid
+
+from aiohttp import web
+from voltserve.services.gateway.app import build_app
+from voltserve.services.gateway.dispatcher import OutputDispatcher
+from voltserve.services.gateway.metrics import GatewayMetrics
+from voltserve.services.gateway.state import GatewayState
+from voltserve.services.renderer.render import Renderer
+from voltserve.shared import streams
+from voltserve.shared.logging import add_log_level_flag, setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="voltserve gateway", description=__doc__)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--model", required=True, help="model folder (for the tokenizer)")
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: --model)"
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument("--gateway-id", default=None, help="default: a random id")
+    p.add_argument("--max-model-len", type=int, default=None)
+    add_log_level_flag(p)
+    return p.parse_args(argv)
+
+
+def build_state(args: argparse.Namespace) -> GatewayState:
+    renderer = Renderer(args.model, args.max_model_len)
+    names = args.served_model_name or [args.model]
+    gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
+    redis = streams.connect(args.redis_url)
+    return GatewayState(
+        redis=redis,
+        gateway_id=gateway_id,
+        renderer=renderer,
+        served_model_names=names,
+        model_path=args.model,
+        max_model_len=renderer.max_model_len,
+        api_key=args.api_key,
+        metrics=GatewayMetrics(names[0], renderer.max_model_len),
+        dispatcher=OutputDispatcher(redis, gateway_id),
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    app = build_app(build_state(args))
+    # Handlers are cancelled when the client disconnects: that is how an abort reaches the
+    # engine for a request whose client went away.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    logger.info("gateway %s listening on %s:%d", app["gw"].gateway_id, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    setup_logging("gateway", args.log_level, args.log_json)
+    asyncio.run(serve(args))

@@ -1,0 +1,211 @@
+"""OpenAI request bodies -> a GenerationSpec, with 400s that name the parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from voltserve.services.gateway.errors import bad_request
+from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+# OpenAI's completions API allows logprobs up to 5; we allow what the engine allows.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass
+class GenerationSpec:
+    kind: str  # "chat" | "completion"
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    max_tokens_explicit: bool = True
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+
+
+def _get(body: dict, name: str, types: tuple[type, ...], default: Any) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    # bool is an int in Python; never accept it for a number.
+    if isinstance(v, bool) and bool not in types:
+        raise bad_request(f"{name} must be of type {_names(types)}, got a boolean", name)
+    if not isinstance(v, types):
+        raise bad_request(f"{name} must be of type {_names(types)}, got {type(v).__name__}", name)
+    return v
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join(
+        {
+            int: "integer",
+            float: "number",
+            str: "string",
+            bool: "boolean",
+            list: "array",
+            dict: "object",
+        }.get(t, t.__name__)
+        for t in types
+    )
+
+
+NUM = (int, float)
+
+
+def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    p = SamplingParams()
+    p.temperature = float(_get(body, "temperature", NUM, 1.0))
+    p.top_p = float(_get(body, "top_p", NUM, 1.0))
+    p.top_k = _get(body, "top_k", (int,), 0)
+    p.min_p = float(_get(body, "min_p", NUM, 0.0))
+    p.presence_penalty = float(_get(body, "presence_penalty", NUM, 0.0))
+    p.frequency_penalty = float(_get(body, "frequency_penalty", NUM, 0.0))
+    p.repetition_penalty = float(_get(body, "repetition_penalty", NUM, 1.0))
+    p.min_tokens = _get(body, "min_tokens", (int,), 0)
+    p.ignore_eos = _get(body, "ignore_eos", (bool,), False)
+    seed = _get(body, "seed", (int,), None)
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise bad_request(f"seed must fit in 64 bits, got {seed}", "seed")
+    p.seed = seed
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids
+    ):
+        raise bad_request(
+            f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids"
+        )
+    p.stop_token_ids = list(stop_ids)
+    bias = _get(body, "logit_bias", (dict,), None)
+    if bias:
+        parsed = {}
+        for k, v in bias.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {k!r}", "logit_bias"
+                ) from None
+            if not 0 <= tok < vocab_size:
+                raise bad_request(
+                    f"logit_bias token id {tok} is out of the vocabulary [0, {vocab_size})",
+                    "logit_bias",
+                )
+            if isinstance(v, bool) or not isinstance(v, NUM):
+                raise bad_request(f"logit_bias values must be numbers, got {v!r}", "logit_bias")
+            parsed[tok] = float(v)
+        p.logit_bias = parsed
+
+    spec = GenerationSpec(kind=kind, params=p)
+    spec.n = _get(body, "n", (int,), 1)
+    if not 1 <= spec.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {spec.n}", "n")
+    spec.stream = _get(body, "stream", (bool,), False)
+    opts = _get(body, "stream_options", (dict,), None)
+    if opts is not None:
+        if not spec.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        spec.include_usage = bool(opts.get("include_usage", False))
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop"
+        )
+    spec.stop = [s for s in stop if s]
+    spec.skip_special_tokens = _get(body, "skip_special_tokens", (bool,), True)
+    return spec
+
+
+def _max_tokens(body: dict, spec: GenerationSpec, names: tuple[str, ...], default: int) -> None:
+    for name in names:
+        v = _get(body, name, (int,), None)
+        if v is not None:
+            if v < 1:
+                raise bad_request(f"{name} must be at least 1, got {v}", name)
+            spec.params.max_tokens = v
+            spec.max_tokens_explicit = True
+            return
+    spec.params.max_tokens = default
+    spec.max_tokens_explicit = False
+
+
+def _validate(spec: GenerationSpec) -> GenerationSpec:
+    try:
+        spec.params.validate()
+    except ValueError as e:
+        msg = str(e)
+        raise bad_request(msg, msg.split(" ", 1)[0]) from e
+    return spec
+
+
+def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpec:
+    spec = _common(body, "chat", vocab_size)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+    spec.messages = messages
+    # Without a limit a chat answer may fill the rest of the context (the renderer clamps it).
+    _max_tokens(body, spec, ("max_completion_tokens", "max_tokens"), max_model_len)
+    if _get(body, "logprobs", (bool,), False):
+        spec.params.logprobs = _get(body, "top_logprobs", (int,), 0)
+        if not 0 <= spec.params.logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {spec.params.logprobs}",
+                "top_logprobs",
+            )
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    spec.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+    spec.chat_template_kwargs = _get(body, "chat_template_kwargs", (dict,), None)
+    return _validate(spec)
+
+
+def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
+    spec = _common(body, "completion", vocab_size)
+    prompt = body.get("prompt")
+    # A batch of one is the same as one prompt.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab_size})", "prompt"
+            )
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request(
+            "batched prompts are not supported; send one prompt per request", "prompt"
+        )
+    else:
+        raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+    spec.prompt = prompt
+    _max_tokens(body, spec, ("max_tokens",), 16)
+    if body.get("echo"):
+        raise bad_request("echo is not supported", "echo")
+    lp = _get(body, "logprobs", (int,), None)
+    if lp is not None:
+        if not 0 <= lp <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}", "logprobs")
+        spec.params.logprobs = lp
+    return _validate(spec)

@@ -1,0 +1,40 @@
+"""Everything the gateway's handlers share, held by the aiohttp app (no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from voltserve.services.gateway.dispatcher import OutputDispatcher
+from voltserve.services.gateway.metrics import GatewayMetrics
+from voltserve.services.renderer.render import Renderer
+
+
+@dataclass
+class GatewayState:
+    redis: Any
+    gateway_id: str
+    renderer: Renderer  # tokenizer + chat template, for /tokenize and detokenization
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    api_key: str | None
+    metrics: GatewayMetrics
+    dispatcher: OutputDispatcher
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.renderer.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Fire and forget, but keep a reference so the task is not garbage-collected."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)

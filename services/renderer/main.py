@@ -1,0 +1,93 @@
+"""`voltserve renderer`: a consumer of vs:render (any number of replicas share the group)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
+from voltserve.shared import streams
+from voltserve.shared.logging import add_log_level_flag, setup_logging
+from voltserve.shared.protocol import RenderRequest
+
+logger = logging.getLogger(__name__)
+
+# Requests rendered recently, so a redelivered RenderRequest is not sent to the scheduler twice.
+DONE_TTL_S = 3600
+
+
+def done_key(request_id: str) -> str:
+    return f"vs:rendered:{request_id}"
+
+
+class RendererService:
+    def __init__(self, redis: Any, renderer: Renderer) -> None:
+        self.redis = redis
+        self.renderer = renderer
+
+    async def handle(self, msg_id: bytes, msg: Any) -> None:
+        if not isinstance(msg, RenderRequest):
+            logger.warning("unexpected %s on %s", type(msg).__name__, streams.render_stream())
+            return
+        if await self.redis.exists(done_key(msg.request_id)):
+            return  # a redelivery of a request already handed on
+        try:
+            # Templates and tokenizers are CPU work; keep the event loop free for Redis.
+            engine_requests = await asyncio.to_thread(self.renderer.render, msg)
+        except RenderFailed as e:
+            await streams.xadd(
+                self.redis,
+                streams.gw_stream(msg.gateway_id),
+                error_for(msg, e),
+                maxlen=streams.OUTPUT_MAXLEN,
+            )
+        else:
+            async with self.redis.pipeline(transaction=False) as p:
+                for er in engine_requests:
+                    await streams.xadd(p, streams.sched_stream(), er)
+                await p.execute()
+        await self.redis.set(done_key(msg.request_id), b"1", ex=DONE_TTL_S)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="voltserve renderer", description=__doc__)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--consumer-name", default=None, help="default: host-pid")
+    add_log_level_flag(p)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    renderer = Renderer(args.model, args.max_model_len)
+    redis = streams.connect(args.redis_url)
+    service = RendererService(redis, renderer)
+    consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("renderer %s consuming %s", consumer, streams.render_stream())
+    try:
+        await streams.consume(
+            redis,
+            streams.render_stream(),
+            streams.RENDER_GROUP,
+            consumer,
+            service.handle,
+            stop=stop,
+        )
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    setup_logging("renderer", args.log_level, args.log_json)
+    asyncio.run(serve(args))

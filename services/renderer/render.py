@@ -1,0 +1,187 @@
+"""RenderRequest -> EngineRequests: chat template, tokenization, context-length check, seeds,
+eos ids. Pure (no Redis) so it can be tested and reused by the gateway's /tokenize.
+
+Context length follows vLLM: a prompt of max_model_len tokens or more is rejected; a max_tokens the
+client gave that does not fit (prompt + max_tokens > max_model_len) is rejected, naming both
+lengths; a max_tokens the client did not give is lowered to the remaining context.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError, from_tokenizer
+from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
+from voltserve.shared.sampling_params import SamplingParams
+
+SEED_MASK = (1 << 63) - 1
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_max_len(model: str) -> int:
+    cfg = _read_json(Path(model) / "config.json")
+    cfg = {**cfg.get("text_config", {}), **cfg}
+    for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    raise ValueError(f"cannot find the context length in {model}/config.json; pass --max-model-len")
+
+
+def eos_token_ids(model: str, tokenizer: Any) -> list[int]:
+    """generation_config.json's eos_token_id, else config.json's, else the tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(Path(model) / name).get("eos_token_id")
+        if isinstance(eos, int):
+            return [eos]
+        if isinstance(eos, list) and eos:
+            return [int(x) for x in eos]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []
+
+
+class RenderFailed(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class Renderer:
+    def __init__(self, model: str, max_model_len: int | None = None, tokenizer: Any = None):
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self.max_model_len = max_model_len or model_max_len(model)
+        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        self.template: ChatTemplate | None = from_tokenizer(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+
+    # ---- prompt -> token ids ---------------------------------------------------------------
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if self.template is None:
+            raise RenderFailed(400, "this model's tokenizer has no chat template", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise RenderFailed(400, "messages must be a non-empty list", "messages")
+        try:
+            return self.template.render(messages, add_generation_prompt, **(kwargs or {}))
+        except (TemplateError, ValueError) as e:
+            raise RenderFailed(400, str(e), "messages") from e
+
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.chat_prompt(messages, add_generation_prompt, kwargs)
+        # The template already wrote the special tokens (bos, role markers).
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def tokenize_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RenderFailed(
+                    400,
+                    f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})",
+                    "prompt",
+                )
+            ids = list(prompt)
+        else:
+            raise RenderFailed(400, "prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise RenderFailed(400, "prompt must not be empty", "prompt")
+        return ids
+
+    # ---- the whole request -----------------------------------------------------------------
+
+    def render(self, req: RenderRequest) -> list[EngineRequest]:
+        """Raises RenderFailed (with the HTTP status) when the request cannot run."""
+        if req.kind == "chat":
+            ids = self.tokenize_chat(
+                req.messages or [], req.add_generation_prompt, req.chat_template_kwargs
+            )
+            where = "messages"
+        elif req.kind == "completion":
+            ids = self.tokenize_prompt(req.prompt if req.prompt is not None else "")
+            where = "prompt"
+        else:
+            raise RenderFailed(400, f"unknown request kind {req.kind!r}")
+        try:
+            params = SamplingParams.from_dict(dict(req.sampling))
+        except (TypeError, ValueError) as e:
+            raise RenderFailed(400, f"bad sampling parameters: {e}") from e
+        self.fit_context(params, len(ids), req.max_tokens_explicit, where)
+        params.eos_token_ids = list(self.eos_token_ids)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RenderFailed(400, str(e)) from e
+        out = []
+        for i in range(max(1, req.n)):
+            p = SamplingParams.from_dict(params.to_dict())
+            # Every choice gets a concrete seed, so a failed-over request samples the same.
+            p.seed = (params.seed + i) if params.seed is not None else secrets.randbits(63)
+            out.append(
+                EngineRequest(
+                    request_id=f"{req.request_id}.{i}",
+                    gateway_id=req.gateway_id,
+                    prompt_token_ids=ids,
+                    sampling=p.to_dict(),
+                    arrival_time=req.arrival_time,
+                )
+            )
+        return out
+
+    def fit_context(
+        self, params: SamplingParams, n_prompt: int, explicit: bool, where: str
+    ) -> None:
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise RenderFailed(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {n_prompt} input tokens. Please reduce the length of the {where}.",
+                where,
+            )
+        room = limit - n_prompt
+        if params.max_tokens > room:
+            if explicit:
+                raise RenderFailed(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the {where}, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of the "
+                    f"{where} or completion.",
+                    "max_tokens",
+                )
+            params.max_tokens = room
+            params.min_tokens = min(params.min_tokens, room)
+
+
+def error_for(req: RenderRequest, e: RenderFailed) -> RequestError:
+    return RequestError(
+        request_id=req.request_id, status=e.status, message=e.message, param=e.param
+    )
