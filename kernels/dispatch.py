@@ -1,0 +1,186 @@
+"""The one place that picks, per op, the torch reference or the numba.cuda launcher.
+
+On CPU every op is its torch reference (`*_ref` in the kernel family's file). On CUDA an op uses
+the launcher `<op>_cuda` when its kernel file defines one; launchers are looked up by name with
+getattr, so a kernel that lands later needs no change here. A launcher takes the same arguments
+as its reference and has the same effect (returns the same thing, or writes the same tensors in
+place). `VOLTSERVE_FORCE_REF=1` (or `force_ref=True`) keeps every op on the reference, which is how
+GPU tests compare the two.
+
+CUDA graphs: a captured step may not synchronise with the host. The references for
+reshape_and_cache and the paged attentions do (boolean masks, `.tolist()`), so they cannot be
+captured. For graph decode without numba kernels, `graph_torch_fallback=True` swaps in
+vectorised torch versions that never sync: `_reshape_and_cache_capturable` writes padding rows
+(slot -1) into the cache's last slot, so the caller must allocate one scratch block past the
+blocks it hands out; `_paged_decode_attention_capturable` reads the whole block table width.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORCE_REF_ENV = "VOLTSERVE_FORCE_REF"
+
+# op -> (kernel family modules searched for `<op>_cuda`, in order; module and name of the reference)
+_OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "rms_norm": (("rmsnorm",), "rmsnorm", "rms_norm_ref"),
+    "fused_add_rms_norm": (("rmsnorm",), "rmsnorm", "fused_add_rms_norm_ref"),
+    "rotary_embedding": (("rotary",), "rotary", "rotary_embedding_ref"),
+    "silu_and_mul": (("activation",), "activation", "silu_and_mul_ref"),
+    "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
+    "paged_attention": (
+        ("attention", "paged_attention", "attention_ref"),
+        "attention_ref",
+        "paged_attention_ref",
+    ),
+    "paged_decode_attention": (
+        ("attention", "paged_attention", "decode_attention", "attention_ref"),
+        "attention_ref",
+        "paged_decode_attention_ref",
+    ),
+    "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
+    "sample": (("sampling",), "sampling", "sample_ref"),
+}
+
+# Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
+# (numba has no bf16 arrays). An op whose launcher cannot take the model's dtype uses the reference.
+_DEFAULT_CUDA_DTYPES = (torch.float16, torch.float32)
+_CUDA_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "paged_decode_attention": (torch.float16,),
+}
+
+# References that never synchronise with the host, so a CUDA graph can capture them.
+_CAPTURABLE_REFS = {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
+# What a decode step runs inside a captured graph (sampling stays outside).
+DECODE_GRAPH_OPS = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "reshape_and_cache",
+    "paged_decode_attention",
+)
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"voltserve.kernels.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"voltserve.kernels.{name}":
+            raise  # the kernel file exists but one of its own imports failed: say so
+        return None
+
+
+def force_ref_from_env() -> bool:
+    return os.environ.get(FORCE_REF_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class KernelDispatch:
+    """Resolves every op once, at construction, for one device and model dtype."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float16,
+        force_ref: bool | None = None,
+        graph_torch_fallback: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.force_ref = force_ref_from_env() if force_ref is None else force_ref
+        self.impl: dict[str, str] = {}  # op -> "cuda" | "ref" | "torch-capturable"
+        self._fns: dict[str, Callable] = {}
+        use_cuda = self.device.type == "cuda" and not self.force_ref
+        for op, (families, ref_mod, ref_name) in _OPS.items():
+            fn, kind = None, "ref"
+            if use_cuda:
+                for fam in families:
+                    mod = _module(fam)
+                    fn = getattr(mod, f"{op}_cuda", None) if mod is not None else None
+                    ok = getattr(mod, f"{op}_cuda_dtypes", None) or _CUDA_DTYPES.get(
+                        op, _DEFAULT_CUDA_DTYPES
+                    )
+                    if fn is not None and dtype not in ok:
+                        fn = None
+                    if fn is not None:
+                        kind = "cuda"
+                        break
+            if fn is None and graph_torch_fallback and self.device.type == "cuda":
+                fn = _CAPTURABLE_FALLBACKS.get(op)
+                kind = "torch-capturable" if fn is not None else "ref"
+            if fn is None:
+                fn = getattr(_module(ref_mod), ref_name)
+            self._fns[op] = fn
+            self.impl[op] = kind
+            setattr(self, op, fn)
+        logger.debug("kernel dispatch on %s: %s", self.device, self.impl)
+
+    def capturable(self, ops: tuple[str, ...] = DECODE_GRAPH_OPS) -> bool:
+        """True when every op in `ops` can be captured in a CUDA graph."""
+        return all(self.impl[op] != "ref" or op in _CAPTURABLE_REFS for op in ops)
+
+    # Typed aliases so callers get signatures; the attributes set above shadow these.
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., None]
+    rotary_embedding: Callable[..., None]
+    silu_and_mul: Callable[..., torch.Tensor]
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    apply_penalties: Callable[..., None]
+    sample: Callable[..., torch.Tensor]
+
+
+def _reshape_and_cache_capturable(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # Negative slots go to the last slot of the last (scratch) block instead of being skipped:
+    # skipping needs a data-dependent shape, which a graph cannot hold.
+    num_blocks, _, block_size, _ = k_cache.shape
+    slots = torch.where(slot_mapping >= 0, slot_mapping, num_blocks * block_size - 1).long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
+def _paged_decode_attention_capturable(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, W]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+) -> torch.Tensor:
+    B, H, D = q.shape
+    _, kvh, bs, _ = k_cache.shape
+    W = block_tables.shape[1]
+    bt = block_tables.long()
+    # [B, W, kvh, bs, D] -> [B, kvh, W*bs, D]
+    k = k_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, kvh, W * bs, D).float()
+    v = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, kvh, W * bs, D).float()
+    qg = q.float().view(B, kvh, H // kvh, D)
+    scores = torch.einsum("bkgd,bksd->bkgs", qg, k) * scale
+    pos = torch.arange(W * bs, device=q.device)
+    mask = pos[None, :] >= seq_lens.long()[:, None]  # [B, S]
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgs,bksd->bkgd", probs, v)
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+_CAPTURABLE_FALLBACKS: dict[str, Callable] = {
+    "reshape_and_cache": _reshape_and_cache_capturable,
+    "paged_decode_attention": _paged_decode_attention_capturable,
+}

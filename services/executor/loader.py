@@ -1,0 +1,261 @@
+"""Loading a Hugging Face model folder: config.json, safetensors (single file or sharded with an
+index), generation_config.json. Every malformed folder fails with an error that names what is
+missing or wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from voltserve.services.executor.models.layers import Linear
+from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
+
+logger = logging.getLogger(__name__)
+
+# Architectures (config.json "architectures") -> the flags that distinguish them.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+_DTYPES = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ModelLoadError(ValueError):
+    """The model folder is unusable; the message says what is missing or wrong."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelLoadError(f"model folder {d} does not exist")
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise ModelLoadError(f"model folder {d} has no config.json")
+    return read_json(cfg)
+
+
+def parse_arch(hf: dict[str, Any]) -> ModelArch:
+    archs = hf.get("architectures") or []
+    name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if name is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or '(config.json has no architectures)'}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    required = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ]
+    missing = [k for k in required if hf.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
+    heads = hf["num_attention_heads"]
+    # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    flags = SUPPORTED_ARCHITECTURES[name]
+    sliding = hf.get("sliding_window")
+    if name.startswith("Qwen") and not hf.get("use_sliding_window", False):
+        sliding = None
+    attn_bias = bool(hf.get("attention_bias", False))
+    return ModelArch(
+        architecture=name,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=float(theta),
+        rope_scaling=None if kind == "default" else rope,
+        partial_rotary_factor=float(partial),
+        qkv_bias=flags.get("qkv_bias", False) or attn_bias,
+        # Llama's attention_bias also covers o_proj; Qwen2's fixed qkv bias does not.
+        o_bias=attn_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=flags.get("qk_norm", False),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=sliding,
+    )
+
+
+def checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype | None:
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return _DTYPES.get(str(name)) if name else None
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """'auto' -> fp16 on CUDA (SM70 has no bf16; bf16 checkpoints are converted), fp32 on CPU."""
+    if spec == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if spec not in _DTYPES:
+        raise ValueError(f"unknown dtype {spec!r}; use auto, float16, float32 or bfloat16")
+    dtype = _DTYPES[spec]
+    if dtype == torch.bfloat16 and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise ValueError(
+                f"bfloat16 needs compute capability 8.0 or newer; this GPU is {major}.{minor}. "
+                "Use --dtype float16 (bf16 checkpoints are converted on load)."
+            )
+    return dtype
+
+
+def read_eos_token_ids(model_dir: str | Path, hf: dict[str, Any] | None = None) -> list[int]:
+    """generation_config.json's eos_token_id (int or list), else config.json's."""
+    d = Path(model_dir)
+    gen = d / "generation_config.json"
+    value = read_json(gen).get("eos_token_id") if gen.is_file() else None
+    if value is None:
+        value = (hf if hf is not None else read_hf_config(d)).get("eos_token_id")
+    ids = [value] if isinstance(value, int) else list(value or [])
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir} lacks weight shards named in the index: {missing}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+        hint = f" (found {other}: only safetensors are supported)" if other else ""
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files{hint}")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, st.get_tensor(name)
+
+
+@dataclass
+class _Target:
+    module: Linear | None  # None: a plain parameter, copied whole
+    param: torch.nn.Parameter
+    param_name: str
+    shard: str | int | None
+
+
+def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
+    """Checkpoint tensor name -> where it goes."""
+    out: dict[str, _Target] = {}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    reverse = {ours: [] for ours, _ in LlamaForCausalLM.stacked_params.values()}
+    for ckpt, (ours, shard) in LlamaForCausalLM.stacked_params.items():
+        reverse[ours].append((ckpt, shard))
+    for name, param in model.named_parameters():
+        mod_name, _, pname = name.rpartition(".")
+        lin = linears.get(mod_name)
+        if lin is None:
+            out[name] = _Target(None, param, pname, None)
+            continue
+        parent, _, leaf = mod_name.rpartition(".")
+        if leaf in reverse:
+            for ckpt_leaf, shard in reverse[leaf]:
+                out[f"{parent}.{ckpt_leaf}.{pname}"] = _Target(lin, param, pname, shard)
+        else:
+            out[name] = _Target(lin, param, pname, None)
+    return out
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the folder's safetensors; raise on anything missing."""
+    d = Path(model_dir)
+    targets = _targets(model)
+    loaded: set[str] = set()
+    ignored: list[str] = []
+    for name, tensor in iter_tensors(weight_files(d)):
+        t = targets.get(name)
+        if t is None:
+            # rotary_emb.inv_freq (old exports), lm_head.weight of a tied model: derived, not loaded.
+            ignored.append(name)
+            continue
+        tensor = tensor.to(t.param.dtype)
+        try:
+            if t.module is not None:
+                t.module.load_weight(t.param_name, t.shard, tensor)
+            elif tuple(tensor.shape) != tuple(t.param.shape):
+                raise ValueError(
+                    f"shape mismatch: checkpoint has {tuple(tensor.shape)}, "
+                    f"model expects {tuple(t.param.shape)}"
+                )
+            else:
+                t.param.data.copy_(tensor)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r} in {d}: {e}") from e
+        loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = missing[:8] + ([f"... {len(missing) - 8} more"] if len(missing) > 8 else [])
+        raise ModelLoadError(f"{d} lacks weight tensors: {shown}")
+    if ignored:
+        logger.info("ignored %d checkpoint tensors, e.g. %s", len(ignored), ignored[:3])
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArch
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    hf_config: dict[str, Any]
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    hf = read_hf_config(model_dir)
+    arch = parse_arch(hf)
+    src = checkpoint_dtype(hf)
+    if src is not None and src != dtype:
+        logger.info("converting %s weights to %s on load", src, dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, dtype)
+    load_weights(model, model_dir)
+    model.eval()
+    return LoadedModel(model, arch, dtype, read_eos_token_ids(model_dir, hf), hf)

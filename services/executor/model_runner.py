@@ -1,0 +1,302 @@
+"""The model runner: loads the model, owns the paged KV cache, and turns a StepPlan into sampled
+tokens. It reads request state only; the engine updates requests after `execute` returns.
+
+Per step: one flat batch is written into one pinned int64 host buffer (token ids, positions,
+slots, block tables, sequence lengths, query starts, logits rows), copied to the device in one
+transfer, run through the model (as a CUDA graph for decode-only steps), sampled, and the sampled
+ids come back in one transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.loader import load_model, resolve_dtype
+from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.request import Request, SampledToken, StepPlan
+from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.shared.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} requested but CUDA is not available")
+    return dev
+
+
+def _token_slice(r: Request, start: int, n: int) -> list[int]:
+    """r.all_token_ids[start:start+n] without concatenating the whole history."""
+    p = r.prompt_token_ids
+    if start + n <= len(p):
+        return p[start : start + n]
+    if start >= len(p):
+        o = start - len(p)
+        return r.output_token_ids[o : o + n]
+    return p[start:] + r.output_token_ids[: start + n - len(p)]
+
+
+@dataclass
+class DeviceBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    num_seqs: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.eos_token_ids: list[int] = loaded.eos_token_ids
+        self.vocab_size: int = loaded.arch.vocab_size
+        self.block_size: int = config.block_size
+        self.max_model_len: int = self._resolve_max_model_len()
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.ops = KernelDispatch(self.device, self.dtype, graph_torch_fallback=use_graphs)
+        self.model.ops = self.ops
+        self.sampler = Sampler(self.ops, self.device)
+        self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
+        self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
+        self.num_kv_blocks: int = self._decide_num_blocks()
+        self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
+        self.graphs = None
+        if use_graphs and self.ops.capturable():
+            from voltserve.services.executor.cuda_graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(
+                self, min(config.max_graph_batch_size, config.max_num_seqs)
+            )
+        elif use_graphs:
+            logger.info(
+                "decode runs eagerly: some decode ops cannot be captured (%s)", self.ops.impl
+            )
+        logger.info(
+            "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.arch.architecture,
+            self.dtype,
+            self.device,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        want = self.config.max_model_len
+        if want is not None and want > limit:
+            raise ValueError(
+                f"max_model_len {want} exceeds the model's max_position_embeddings {limit}"
+            )
+        n = want or limit
+        sw = self.arch.sliding_window
+        if sw is not None and n > sw:
+            # Sliding-window attention is not implemented; full attention equals it up to the window.
+            logger.warning("capping max_model_len %d at the sliding window %d", n, sw)
+            n = sw
+        return n
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type != "cuda":
+            n = self.config.cpu_kv_cache_bytes // per_block
+        else:
+            n = self._profile_gpu_blocks(per_block)
+        if n < 1:
+            raise RuntimeError(
+                f"not enough memory for a single KV block ({per_block} bytes); "
+                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        return int(n)
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        """KV blocks that fit in gpu_memory_utilization of the card after weights and the
+        activation peak of a forward at max_num_batched_tokens."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated()
+        T = self.config.max_num_batched_tokens
+        seq = min(T, self.max_model_len)
+        n_seqs = -(-T // seq)
+        blocks_per = -(-seq // self.block_size)
+        tmp_blocks = n_seqs * blocks_per + 1
+        tmp = self._alloc_kv_caches(tmp_blocks, scratch=False)
+        tmp_bytes = tmp_blocks * per_block
+        torch.cuda.reset_peak_memory_stats()
+        lens = [min(seq, T - i * seq) for i in range(n_seqs)]
+        ids = torch.randint(0, self.vocab_size, (T,), device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        slots = torch.arange(T, device=self.device)  # distinct slots; content does not matter
+        bt = torch.arange(n_seqs * blocks_per, device=self.device, dtype=torch.int32).view(
+            n_seqs, blocks_per
+        )
+        qsl = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slots, bt, torch.tensor(lens, dtype=torch.int32, device=self.device), qsl, False
+        )
+        # Sampling rows: up to max_num_seqs logits rows.
+        rows = torch.arange(min(self.config.max_num_seqs, T), device=self.device) % T
+        logits = self.model(ids, pos, meta, tmp, rows)
+        torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's peak (sort + softmax)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del tmp, logits, ids, pos, slots, bt, qsl, meta
+        torch.cuda.empty_cache()
+        activation = max(0, peak - weights - tmp_bytes)
+        free, total = torch.cuda.mem_get_info()
+        non_torch = total - free - torch.cuda.memory_reserved()
+        budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
+        logger.info(
+            "memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+            "other %.2f GiB -> KV budget %.2f GiB",
+            total / 2**30,
+            weights / 2**30,
+            activation / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
+        # One block is kept back as the scratch block for padded graph rows.
+        return int(budget // per_block) - 1
+
+    def _alloc_kv_caches(
+        self, num_blocks: int, scratch: bool | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # On CUDA one extra block past those the block manager owns receives padded graph rows.
+        if scratch is None:
+            scratch = self.device.type == "cuda"
+        a = self.arch
+        shape = (num_blocks + int(scratch), a.num_kv_heads, self.block_size, a.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+            )
+            for _ in range(a.num_layers)
+        ]
+
+    def _alloc_host_buffers(self, max_tokens: int, max_seqs: int) -> None:
+        self._cap_tokens, self._cap_seqs = max_tokens, max_seqs
+        size = 3 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = torch.empty(size, dtype=torch.int64, device=self.device) if pin else self._host
+        # Marks the end of the last host -> device copy: the host buffer is reused only after it.
+        self._copy_done = torch.cuda.Event() if pin else None
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan) -> tuple[DeviceBatch, list[SampleRow]]:
+        """Write the flat batch into the host buffer and copy it to the device once."""
+        sched = plan.scheduled
+        B = len(sched)
+        T = sum(s.num_new_tokens for s in sched)
+        if T > self._cap_tokens or B > self._cap_seqs:
+            self._alloc_host_buffers(max(T, self._cap_tokens), max(B, self._cap_seqs))
+        bs = self.block_size
+        ids = np.empty(T, dtype=np.int64)
+        pos = np.empty(T, dtype=np.int64)
+        slots = np.empty(T, dtype=np.int64)
+        seq_lens = np.empty(B, dtype=np.int64)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        width = max(
+            1, max(-(-(s.request.num_computed_tokens + s.num_new_tokens) // bs) for s in sched)
+        )
+        tables = np.zeros((B, width), dtype=np.int64)
+        rows: list[SampleRow] = []
+        logit_rows: list[int] = []
+        eos = tuple(self.eos_token_ids)
+        t = 0
+        for b, s in enumerate(sched):
+            r, n = s.request, s.num_new_tokens
+            start, end = r.num_computed_tokens, r.num_computed_tokens + n
+            nblk = -(-end // bs)
+            if len(r.block_ids) < nblk:
+                raise ValueError(
+                    f"request {r.request_id} needs {nblk} KV blocks for {end} tokens "
+                    f"but has {len(r.block_ids)}"
+                )
+            blk = np.asarray(r.block_ids[:nblk], dtype=np.int64)
+            ids[t : t + n] = _token_slice(r, start, n)
+            p = np.arange(start, end, dtype=np.int64)
+            pos[t : t + n] = p
+            slots[t : t + n] = blk[p // bs] * bs + p % bs
+            tables[b, :nblk] = blk
+            seq_lens[b] = end
+            t += n
+            qsl[b + 1] = t
+            if s.samples:
+                rows.append(SampleRow(r, r.num_output_tokens, eos))
+                logit_rows.append(t - 1)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        parts = [
+            ids,
+            pos,
+            slots,
+            tables.reshape(-1),
+            seq_lens,
+            qsl,
+            np.asarray(logit_rows, np.int64),
+        ]
+        offs = np.cumsum([0] + [len(x) for x in parts])
+        for x, o in zip(parts, offs[:-1]):
+            self._host_np[o : o + len(x)] = x
+        n_all = int(offs[-1])
+        if self._dev is not self._host:
+            self._dev[:n_all].copy_(self._host[:n_all], non_blocking=True)
+            self._copy_done.record()
+        d = [self._dev[offs[i] : offs[i + 1]] for i in range(len(parts))]
+        meta = AttentionMetadata(
+            slot_mapping=d[2],
+            block_tables=d[3].view(B, width).to(torch.int32),
+            seq_lens=d[4].to(torch.int32),
+            query_start_loc=d[5].to(torch.int32),
+            is_decode=plan.is_decode_only,
+        )
+        return DeviceBatch(d[0], d[1], meta, d[6], B), rows
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        """One SampledToken per scheduled request that samples, in plan order."""
+        if not plan.scheduled:
+            return []
+        batch, rows = self.prepare(plan)
+        if self.graphs is not None and plan.is_decode_only and self.graphs.can_run(batch.num_seqs):
+            logits = self.graphs.run(batch)
+        elif rows:
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
+            )
+        else:
+            # A step of prefill chunks only: write their KV, sample nothing.
+            empty = batch.logits_indices[:0]
+            self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, empty)
+            return []
+        return self.sampler(logits, rows)

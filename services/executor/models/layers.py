@@ -1,0 +1,86 @@
+"""Small layers shared by the model files: linears that know how to load their checkpoint shards,
+RMSNorm, the attention metadata of a flat batch.
+
+Quantization seam: every linear loads through `load_weight(param_name, shard, tensor)`. A
+quantized linear (AWQ/GPTQ int4, FP8, ...) subclasses `Linear`, declares its own parameters
+(qweight, scales, zeros) and overrides `load_weight` and `forward`; the loader stays the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voltserve.kernels.dispatch import KernelDispatch
+
+
+@dataclass
+class AttentionMetadata:
+    """How the T query rows of one step map onto sequences and the paged KV cache."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1 = padding row (skipped by reshape_and_cache)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, KV length after this step's tokens are written
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    # Every sequence has exactly one query row (row b is sequence b): use the decode kernel.
+    is_decode: bool
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Output shards (q/k/v, gate/up) live side by side in one weight."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str | int | None, int],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shard_offsets: dict[str | int | None, tuple[int, int]] = {}
+        off = 0
+        for shard, size in shard_sizes.items():
+            self.shard_offsets[shard] = (off, size)
+            off += size
+        self.out_features = off
+        self.weight = nn.Parameter(torch.empty(off, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(off, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into its slice; raise naming the shape on a mismatch."""
+        param = getattr(self, param_name, None)
+        if param is None:
+            raise KeyError(f"linear has no parameter {param_name!r}")
+        start, size = self.shard_offsets[shard]
+        target = param.data.narrow(0, start, size)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def forward(
+        self, ops: KernelDispatch, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        # In place: residual += x; x = norm(residual). Saves a [T, H] round trip per layer.
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x

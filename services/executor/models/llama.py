@@ -1,0 +1,214 @@
+"""The Llama family in one class: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3.
+
+They differ only in flags: bias on q/k/v (Qwen2), RMSNorm of q and k per head (Qwen3), tied
+embeddings, rope scaling and partial rotary. The forward takes one flat batch of T tokens from any
+mix of prefills and decodes, writes their K/V into the paged cache, and returns logits only for
+the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.kernels.rotary import build_cos_sin_cache
+from voltserve.services.executor.models.layers import AttentionMetadata, Linear, RMSNorm
+
+KVCache = tuple[
+    torch.Tensor, torch.Tensor
+]  # K and V: [num_blocks, num_kv_heads, block_size, head_dim]
+
+
+@dataclass
+class ModelArch:
+    """What the model needs from config.json, normalised across architectures and versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None: plain rope
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # not implemented: the runner caps max_model_len at it
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = Linear(
+            arch.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            arch.qkv_bias,
+            dtype,
+        )
+        self.o_proj = Linear(self.q_size, {None: arch.hidden_size}, arch.o_bias, dtype)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+
+    def forward(
+        self,
+        ops: KernelDispatch,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
+            k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+        # Otherwise q and k stay row views of qkv: rotary works on them in place.
+        ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        else:
+            o = ops.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+            )
+        return self.o_proj(o.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, {0: inter, 1: inter}, arch.mlp_bias, dtype)
+        self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
+
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, dtype)
+        self.mlp = MLP(arch, dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        ops: KernelDispatch,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(ops, x)
+        else:
+            x = self.input_layernorm(ops, x, residual)
+        x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache)
+        x = self.post_attention_layernorm(ops, x, residual)
+        return self.mlp(ops, x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints except the merged projections
+    (qkv_proj <- q/k/v_proj, gate_up_proj <- gate/up_proj); `stacked_params` maps them."""
+
+    # checkpoint name fragment -> (our fragment, shard)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(arch.hidden_size, {None: arch.vocab_size}, False, dtype)
+        cache = build_cos_sin_cache(
+            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.ops: KernelDispatch | None = None  # set by the runner once the device is known
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        logits_indices: torch.Tensor | None = None,  # [N] rows to compute logits for
+    ) -> torch.Tensor:
+        """Returns fp32 logits [N, vocab] (N = T when logits_indices is None)."""
+        ops = self.ops
+        assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
+        x = self.model.norm(ops, x, residual)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return F.linear(x, self.lm_head_weight()).float()

@@ -1,0 +1,191 @@
+"""The batch sampler: logits of the sampling rows -> token ids (+ logprobs).
+
+Order per row, as vLLM applies them: logit_bias, the min_tokens mask, penalties
+(repetition / presence / frequency), then temperature, top-k, top-p, min-p and the seeded
+Gumbel-max draw (kernels/sampling.py). Greedy rows take the argmax of the processed logits, which
+is the argmax of the raw logits when no bias, penalty or mask applies.
+
+Logprobs are log_softmax of the RAW model logits (before bias, penalties, temperature and
+truncation), which is what vLLM returns by default (logprobs_mode="raw_logprobs").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.request import Request, SampledToken
+
+_M64 = (1 << 64) - 1
+
+
+def _as_int64(seed: int) -> int:
+    """Any integer seed as the signed 64-bit value with the same low 64 bits."""
+    s = seed & _M64
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: the request and the output index of the token being sampled."""
+
+    request: Request
+    output_pos: int
+    # Model-level eos ids, masked with stop_token_ids while min_tokens is unmet.
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _has_penalties(r: Request) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _min_tokens_ban(row: SampleRow) -> list[int]:
+    """Token ids banned at this position by min_tokens: stop_token_ids, and eos unless ignore_eos
+    (with ignore_eos an eos does not finish the request, so there is nothing to hold back)."""
+    p = row.request.params
+    if row.output_pos >= p.min_tokens:
+        return []
+    ban = list(p.stop_token_ids)
+    if not p.ignore_eos:
+        ban += list(p.eos_token_ids) + list(row.eos_token_ids)
+    return sorted(set(ban))
+
+
+class Sampler:
+    def __init__(self, ops: KernelDispatch, device: torch.device) -> None:
+        self.ops = ops
+        self.device = device
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def needs_full_path(self, rows: list[SampleRow]) -> bool:
+        for row in rows:
+            p = row.request.params
+            if (
+                not p.greedy
+                or p.logprobs is not None
+                or p.logit_bias
+                or _has_penalties(row.request)
+            ):
+                return True
+            if _min_tokens_ban(row):
+                return True
+        return False
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+        """logits: [N, V] fp32 on the device, row i for rows[i]."""
+        if not rows:
+            return []
+        if not self.needs_full_path(rows):
+            # Fast path: all greedy, nothing to adjust, no logprobs.
+            ids = logits.argmax(dim=-1).tolist()
+            return [SampledToken(int(t)) for t in ids]
+        N, V = logits.shape
+        work = logits.clone()
+        self._apply_bias_and_bans(work, rows, V)
+        self._apply_penalties(work, rows, V)
+        ps = [row.request.params for row in rows]
+        ids = self.ops.sample(
+            work,
+            self._tensor([0.0 if p.greedy else p.temperature for p in ps], torch.float32),
+            self._tensor([max(p.top_k, 0) for p in ps], torch.int32),
+            self._tensor([p.top_p for p in ps], torch.float32),
+            self._tensor([p.min_p for p in ps], torch.float32),
+            self._tensor([_as_int64(row.request.seed) for row in rows], torch.int64),
+            self._tensor([row.output_pos for row in rows], torch.int64),
+        )
+        want = [i for i, p in enumerate(ps) if p.logprobs is not None]
+        if not want:
+            return [SampledToken(int(t)) for t in ids.tolist()]
+        return self._with_logprobs(logits, ids, rows, want)
+
+    def _apply_bias_and_bans(self, work: torch.Tensor, rows: list[SampleRow], V: int) -> None:
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        vals: list[float] = []
+        for i, row in enumerate(rows):
+            for tok, b in (row.request.params.logit_bias or {}).items():
+                if 0 <= tok < V:
+                    r_idx.append(i)
+                    t_idx.append(tok)
+                    vals.append(b)
+        if r_idx:
+            idx = self._tensor([r_idx, t_idx], torch.int64)
+            work.index_put_((idx[0], idx[1]), self._tensor(vals, torch.float32), accumulate=True)
+        r_idx, t_idx = [], []
+        for i, row in enumerate(rows):
+            for tok in _min_tokens_ban(row):
+                if 0 <= tok < V:
+                    r_idx.append(i)
+                    t_idx.append(tok)
+        if r_idx:
+            idx = self._tensor([r_idx, t_idx], torch.int64)
+            work[idx[0], idx[1]] = float("-inf")
+
+    def _apply_penalties(self, work: torch.Tensor, rows: list[SampleRow], V: int) -> None:
+        pen = [i for i, row in enumerate(rows) if _has_penalties(row.request)]
+        if not pen:
+            return
+        n = len(pen)
+        pr, pt, orr, ot = [], [], [], []
+        for j, i in enumerate(pen):
+            r = rows[i].request
+            toks = [t for t in set(r.prompt_token_ids) if 0 <= t < V]
+            pr += [j] * len(toks)
+            pt += toks
+            # Output tokens so far: the first output_pos of the request's outputs.
+            outs = [t for t in r.output_token_ids[: rows[i].output_pos] if 0 <= t < V]
+            orr += [j] * len(outs)
+            ot += outs
+        dev = self.device
+        prompt_mask = torch.zeros(n, V, dtype=torch.bool, device=dev)
+        counts = torch.zeros(n, V, dtype=torch.int32, device=dev)
+        if pr:
+            idx = self._tensor([pr, pt], torch.int64)
+            prompt_mask[idx[0], idx[1]] = True
+        if orr:
+            idx = self._tensor([orr, ot], torch.int64)
+            counts.index_put_(
+                (idx[0], idx[1]),
+                torch.ones(len(orr), dtype=torch.int32, device=dev),
+                accumulate=True,
+            )
+        ps = [rows[i].request.params for i in pen]
+        sub = work[pen]
+        self.ops.apply_penalties(
+            sub,
+            prompt_mask,
+            counts,
+            self._tensor([p.repetition_penalty for p in ps], torch.float32),
+            self._tensor([p.presence_penalty for p in ps], torch.float32),
+            self._tensor([p.frequency_penalty for p in ps], torch.float32),
+        )
+        work[pen] = sub
+
+    def _with_logprobs(
+        self, logits: torch.Tensor, ids: torch.Tensor, rows: list[SampleRow], want: list[int]
+    ) -> list[SampledToken]:
+        sel = torch.tensor(want, dtype=torch.int64, device=logits.device)
+        lp = torch.log_softmax(logits[sel], dim=-1)
+        chosen = lp.gather(1, ids[sel].view(-1, 1)).squeeze(1)
+        k = max(rows[i].request.params.logprobs or 0 for i in want)
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        # One device -> host transfer for everything.
+        ids_l = ids.tolist()
+        chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        out = [SampledToken(int(t)) for t in ids_l]
+        for j, i in enumerate(want):
+            n = rows[i].request.params.logprobs or 0
+            out[i].logprob = float(chosen_l[j])
+            out[i].top_logprobs = [
+                (int(t), float(v)) for t, v in zip(top_i_l[j][:n], top_v_l[j][:n])
+            ]
+        return out
