@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-
 from voltserve.services.executor.models.layers import Linear
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata

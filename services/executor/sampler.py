@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.request import Request, SampledToken
 

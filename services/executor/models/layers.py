@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from voltserve.kernels.dispatch import KernelDispatch
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import AttentionMetadata, Linear, RMSNorm
