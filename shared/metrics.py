@@ -7,9 +7,11 @@ Two halves:
   STATUS_FIELDS). `ExecutorCollector` turns those hashes into metrics on every scrape, labelled
   engine=<executor id>, so one scrape of the gateway shows every executor. The executor's own
   /metrics uses the same collector, handed a snapshot of itself.
-- Request-level metrics (TTFT, inter-token latency, end-to-end latency, queue time, token
-  histograms, success by finish reason) are observed by the gateway, which sees every token of
-  every request: `RequestMetrics` and `RequestTimer`.
+- Request-level metrics (TTFT, inter-token latency, end-to-end latency, token histograms,
+  success by finish reason) are observed by the gateway, which sees every token of every
+  request: `RequestMetrics` and `RequestTimer`. Queue time is the exception: only the executor
+  knows when a request's first step ran, so it keeps that histogram (`StatusHistogram`) and
+  carries it in its status hash like the gauges.
 
 Every metric lives in a CollectorRegistry the caller passes in; nothing touches prometheus_client's
 global registry, so tests and several services in one process never collide.
@@ -28,7 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 LABELS = ("model_name", "engine")
@@ -129,6 +136,51 @@ def stats_to_status(stats: Any) -> dict[str, int | float]:
     return out
 
 
+# Histograms an executor keeps and carries in its status hash, so one gateway scrape shows them.
+# prefix -> (metric name, help, buckets)
+STATUS_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "queue_time": (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time from the request's arrival at the gateway to the start of the engine "
+        "step that produced its first token (rendering, scheduling and the executor's waiting "
+        "queue).",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+}
+
+
+class StatusHistogram:
+    """A cumulative histogram that lives in an executor and travels in its status hash as fields
+    {prefix}_count, {prefix}_sum and {prefix}_le_{bound}. Written by one thread (the engine loop),
+    read by the heartbeat: a read may lag by one observation, never tear a field."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.bounds = STATUS_HISTOGRAMS[prefix][2]
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if value <= b:
+                self.counts[i] += 1
+                break
+        self.count += 1
+        self.sum += value
+
+    def to_status(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            f"{self.prefix}_count": self.count,
+            f"{self.prefix}_sum": self.sum,
+        }
+        acc = 0
+        for b, c in zip(self.bounds, list(self.counts)):
+            acc += c
+            out[f"{self.prefix}_le_{b}"] = acc
+        return out
+
+
 @dataclass
 class ExecutorStatus:
     """One executor's status hash, parsed."""
@@ -176,6 +228,8 @@ class ExecutorCollector(Collector):
         for field, (name, kind, help_) in STATUS_FIELDS.items():
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             fams[field] = cls(name, help_, labels=list(LABELS))
+        for prefix, (name, help_, _) in STATUS_HISTOGRAMS.items():
+            fams[prefix] = HistogramMetricFamily(name, help_, labels=list(LABELS))
         return fams
 
     def describe(self) -> Iterator[Metric]:
@@ -185,10 +239,18 @@ class ExecutorCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fams = self._families()
         for st in self._source():
-            for field, fam in fams.items():
+            labels = [self._model_name or st.model_name, st.executor_id]
+            for field in STATUS_FIELDS:
                 v = st.values.get(field)
                 if v is not None and math.isfinite(v):
-                    fam.add_metric([self._model_name or st.model_name, st.executor_id], v)
+                    fams[field].add_metric(labels, v)
+            for prefix, (_, _, bounds) in STATUS_HISTOGRAMS.items():
+                count = st.values.get(f"{prefix}_count")
+                if count is None:
+                    continue
+                buckets = [(str(b), st.values.get(f"{prefix}_le_{b}", 0.0)) for b in bounds]
+                buckets.append(("+Inf", count))
+                fams[prefix].add_metric(labels, buckets, st.values.get(f"{prefix}_sum", 0.0))
         yield from fams.values()
 
 
@@ -228,18 +290,27 @@ async def read_executor_statuses(r: Any, alive_only: bool = True) -> list[Execut
 
 
 def executor_self_source(
-    executor_id: str, model_name: str, stats: Callable[[], Any]
+    executor_id: str, model_name: str, status: Callable[[], Mapping[str, Any] | None]
 ) -> Callable[[], list[ExecutorStatus]]:
-    """A collector source for an executor's own /metrics: its latest EngineStats, no Redis."""
+    """A collector source for an executor's own /metrics: the status fields its heartbeat
+    writes (see status_fields), read in-process, no Redis."""
 
     def source() -> list[ExecutorStatus]:
-        s = stats()
-        if s is None:
+        d = status()
+        if not d:
             return []
-        values = {k: float(v) for k, v in stats_to_status(s).items()}
-        return [ExecutorStatus(executor_id, model_name, values)]
+        return [ExecutorStatus.from_hash(d, executor_id=executor_id)]
 
     return source
+
+
+def status_fields(stats: Any, histograms: Iterable[StatusHistogram] = ()) -> dict[str, Any]:
+    """Every metric field an executor's status hash carries: its EngineStats plus its
+    histograms."""
+    out: dict[str, Any] = stats_to_status(stats) if stats is not None else {}
+    for h in histograms:
+        out.update(h.to_status())
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +319,9 @@ def executor_self_source(
 
 
 class RequestMetrics:
-    """TTFT, inter-token latency, e2e latency, queue time, token counts and success counters."""
+    """TTFT, inter-token latency, e2e latency, token counts and success counters. (Queue time is
+    measured by the executors, which alone know when a request's first step ran: see
+    QueueTimeHistogram.)"""
 
     def __init__(self, registry: CollectorRegistry, max_model_len: int = 131072) -> None:
         lab = list(LABELS)
@@ -270,14 +343,6 @@ class RequestMetrics:
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            lab,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.queue = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent before the request's first engine step (gateway, renderer, "
-            "scheduler and the executor's waiting queue).",
             lab,
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=registry,
@@ -316,8 +381,6 @@ class RequestMetrics:
         end = t.last_token_time or time.monotonic()
         if t.first_token_time is not None:
             self.ttft.labels(*lab).observe(t.first_token_time - t.arrival_time)
-        if t.queue_time is not None:
-            self.queue.labels(*lab).observe(max(0.0, t.queue_time))
         self.e2e.labels(*lab).observe(end - t.arrival_time)
         self.prompt_tokens.labels(*lab).observe(t.num_prompt_tokens)
         self.generation_tokens.labels(*lab).observe(t.num_generation_tokens)
@@ -346,8 +409,6 @@ class RequestTimer:
     last_token_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    # Seconds before the first engine step; None when nobody reported it.
-    queue_time: float | None = None
     pending_itl: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
     def on_tokens(self, num_tokens: int, now: float | None = None) -> None:
@@ -395,3 +456,41 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.
     from prometheus_client import start_http_server
 
     start_http_server(port, addr=addr, registry=registry)
+
+
+def add_metrics_port_flag(p: Any) -> None:
+    """--metrics-port for services without their own HTTP server (argparse parser)."""
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
+    )
+
+
+def process_registry() -> CollectorRegistry:
+    """A registry with this process's CPU, memory, file descriptors and GC metrics."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+def serve_process_metrics(port: int | None) -> CollectorRegistry | None:
+    """Renderer and scheduler: /metrics with the process metrics, when a port is given."""
+    if not port:
+        return None
+    registry = process_registry()
+    start_metrics_server(port, registry)
+    return registry
+
+
+def serve_executor_metrics(
+    port: int, executor_id: str, model_name: str, status: Callable[[], Mapping[str, Any] | None]
+) -> CollectorRegistry:
+    """An executor's own /metrics: its engine gauges, counters and queue-time histogram, and
+    its process metrics."""
+    registry = process_registry()
+    registry.register(ExecutorCollector(executor_self_source(executor_id, model_name, status)))
+    start_metrics_server(port, registry)
+    return registry

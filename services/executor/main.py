@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=3.0,
         help="seconds; the scheduler fails over after this",
     )
+    p.add_argument("--served-model-name", default=None, help="model_name label of the metrics")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     add_log_level_flag(p)
     return p
 
@@ -88,6 +90,16 @@ def main(argv: list[str]) -> None:
             max_num_seqs=args.max_num_seqs,
         ),
     )
+
+    if args.metrics_port:
+        from voltserve.shared import metrics
+
+        metrics.serve_executor_metrics(
+            args.metrics_port,
+            args.executor_id,
+            args.served_model_name or args.model,
+            lambda: metrics.status_fields(svc.loop_.latest_stats, [svc.loop_.queue_time]),
+        )
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

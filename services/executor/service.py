@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from voltserve.shared import streams
+from voltserve.shared.metrics import StatusHistogram
 from voltserve.shared.protocol import (
     AbortRequest,
     EngineRequest,
@@ -78,6 +79,8 @@ class EngineLoop:
         self.latest_stats: Any = None
         # request_id -> (gateway_id, output offset of the next token)
         self.live: dict[str, list[Any]] = {}
+        # vllm:request_queue_time_seconds, carried in the status hash (shared/metrics.py).
+        self.queue_time = StatusHistogram("queue_time")
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -94,11 +97,12 @@ class EngineLoop:
             self._drain_inbox(block=not busy)
             if not self.engine.has_unfinished_requests():
                 continue
+            step_start = time.time()
             outputs = self.engine.step()
             self.step_count += 1
             self.latest_stats = self.engine.stats()
             if outputs:
-                self._publish(outputs)
+                self._publish(outputs, step_start)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -158,15 +162,20 @@ class EngineLoop:
             err = RequestError(req.request_id, 400, str(e))
             self.emit(req.gateway_id, err)
             return
-        self.live[req.request_id] = [req.gateway_id, len(req.output_token_ids)]
+        # Third item: arrival time until the first output (a failover resend has no queue time).
+        arrival = 0.0 if req.output_token_ids else req.arrival_time
+        self.live[req.request_id] = [req.gateway_id, len(req.output_token_ids), arrival]
 
-    def _publish(self, outputs: list[Any]) -> None:
+    def _publish(self, outputs: list[Any], step_start: float = 0.0) -> None:
         by_gateway: dict[str, list[RequestDelta]] = {}
         for o in outputs:
             entry = self.live.get(o.request_id)
             if entry is None:
                 continue
-            gateway_id, offset = entry
+            gateway_id, offset, arrival = entry
+            if arrival and step_start:
+                self.queue_time.observe(max(0.0, step_start - arrival))
+                entry[2] = 0.0
             delta = RequestDelta(
                 request_id=o.request_id,
                 token_ids=[int(t) for t in o.new_token_ids],
@@ -271,6 +280,7 @@ class ExecutorService:
                 ):
                     if hasattr(s, name):
                         status[name] = getattr(s, name)
+            status.update(self.loop_.queue_time.to_status())
             await streams.set_heartbeat(
                 r,
                 streams.executor_alive_key(self.cfg.executor_id),

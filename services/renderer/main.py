@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
-from voltserve.shared import streams
+from voltserve.shared import metrics, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import RenderRequest
 
@@ -60,6 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--consumer-name", default=None, help="default: host-pid")
+    metrics.add_metrics_port_flag(p)
     add_log_level_flag(p)
     return p.parse_args(argv)
 
@@ -90,4 +91,5 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     setup_logging("renderer", args.log_level, args.log_json)
+    metrics.serve_process_metrics(args.metrics_port)
     asyncio.run(serve(args))

@@ -27,7 +27,7 @@ from voltserve.services.scheduler.failover import (
 from voltserve.services.scheduler.leader import LeaderLease
 from voltserve.services.scheduler.placement import Placement
 from voltserve.services.scheduler.registry import ExecutorInfo, ExecutorRegistry
-from voltserve.shared import streams
+from voltserve.shared import metrics, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import (
     AbortRequest,
@@ -346,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an executor gets at most this many times its max-num-seqs unfinished requests",
     )
     p.add_argument("--scheduler-id", default="")
+    metrics.add_metrics_port_flag(p)
     add_log_level_flag(p)
     return p
 
@@ -353,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     setup_logging("scheduler", args.log_level, args.log_json)
+    metrics.serve_process_metrics(args.metrics_port)
     sched = Scheduler(
         SchedulerConfig(
             redis_url=args.redis_url,
