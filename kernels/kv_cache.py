@@ -24,3 +24,51 @@ def reshape_and_cache_ref(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, :, offsets] = key[valid].to(k_cache.dtype)
     v_cache[blocks, :, offsets] = value[valid].to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# numba.cuda kernel: one block per token; threads walk the token's num_kv_heads * head_dim
+# elements (contiguous in the cache for one head), so both the read and the write are coalesced.
+# key/value may be strided views (slices of the fused qkv projection).
+
+from numba import cuda  # noqa: E402
+from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
+
+BLOCK = 128
+
+
+@cuda.jit
+def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping):
+    t = cuda.blockIdx.x
+    slot = slot_mapping[t]
+    if slot < 0:
+        return
+    block_size = k_cache.shape[2]
+    blk = slot // block_size
+    off = slot - blk * block_size
+    heads, head_dim = key.shape[1], key.shape[2]
+    e = cuda.threadIdx.x
+    while e < heads * head_dim:
+        h = e // head_dim
+        d = e - h * head_dim
+        k_cache[blk, h, off, d] = key[t, h, d]
+        v_cache[blk, h, off, d] = value[t, h, d]
+        e += cuda.blockDim.x
+
+
+def reshape_and_cache_cuda(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same meaning as reshape_and_cache_ref; slot_mapping is int64 (negative = skip)."""
+    if key.shape[0]:
+        launch(
+            reshape_and_cache_kernel,
+            key.shape[0],
+            BLOCK,
+            (dev(key), dev(value), dev(k_cache), dev(v_cache), dev(slot_mapping)),
+            current_stream(),
+        )

@@ -74,7 +74,9 @@ def build_cos_sin_cache(
     elif kind == "yarn":
         inv_freq, attention_scaling = _yarn(base, rotary_dim, rope_scaling, max_positions)
     else:
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+        raise ValueError(
+            f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)"
+        )
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     return torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], dim=-1)
@@ -108,3 +110,85 @@ def rotary_embedding_ref(
     for t in (q, k):
         v = t.view(t.shape[0], -1, head_dim)
         v[..., :rotary_dim] = _rotate(v[..., :rotary_dim], cos, sin, is_neox)
+
+
+# ---------------------------------------------------------------------------------------------
+# numba.cuda kernel: one block per token; threads walk the (head, pair) items of q then k. Both
+# styles reduce to o1 = x1*c - x2*s, o2 = x2*c + x1*s on a pair (x1, x2) that is (j, j + half)
+# for NeoX and (2j, 2j + 1) for GPT-J. Like the reference, cos/sin are rounded to q's dtype and
+# every product and sum is rounded to the storage dtype, so fp16 results match it bit for bit.
+
+from numba import cuda  # noqa: E402
+from voltserve.kernels.numba_common import (  # noqa: E402
+    current_stream,
+    dev,
+    float32,
+    launch,
+    round_like,
+)
+
+BLOCK = 128
+
+
+@cuda.jit(device=True)
+def _rotate_pair(x, t, i1, i2, c, s):
+    x1 = float32(x[t, i1])
+    x2 = float32(x[t, i2])
+    o1 = round_like(round_like(x1 * c, x) - round_like(x2 * s, x), x)
+    o2 = round_like(round_like(x2 * c, x) + round_like(x1 * s, x), x)
+    x[t, i1] = o1
+    x[t, i2] = o2
+
+
+@cuda.jit
+def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox):
+    t = cuda.blockIdx.x
+    pos = positions[t]
+    half = cos_sin_cache.shape[1] // 2
+    q_heads = q.shape[1] // head_dim
+    total = (q_heads + k.shape[1] // head_dim) * half
+    e = cuda.threadIdx.x
+    while e < total:
+        h = e // half
+        j = e - h * half
+        c = round_like(cos_sin_cache[pos, j], q)
+        s = round_like(cos_sin_cache[pos, half + j], q)
+        if is_neox:
+            i1 = j
+            i2 = j + half
+        else:
+            i1 = 2 * j
+            i2 = 2 * j + 1
+        if h < q_heads:
+            _rotate_pair(q, t, h * head_dim + i1, h * head_dim + i2, c, s)
+        else:
+            kh = h - q_heads
+            _rotate_pair(k, t, kh * head_dim + i1, kh * head_dim + i2, c, s)
+        e += cuda.blockDim.x
+
+
+def rotary_embedding_cuda(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    """Same meaning as rotary_embedding_ref (in place). q/k: [T, heads * head_dim] (row views of
+    the fused qkv output are fine); positions int64; cos_sin_cache fp32."""
+    if q.shape[0]:
+        launch(
+            rotary_embedding_kernel,
+            q.shape[0],
+            BLOCK,
+            (
+                dev(positions),
+                dev(q.view(q.shape[0], -1)),
+                dev(k.view(k.shape[0], -1)),
+                int(head_dim),
+                dev(cos_sin_cache),
+                bool(is_neox),
+            ),
+            current_stream(),
+        )

@@ -100,3 +100,333 @@ def sample_ref(
     noisy = torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf")))
     sampled = noisy.argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+# ---------------------------------------------------------------------------------------------
+# numba.cuda kernels: one block per row, a fixed block size, and reductions in a fixed order, so a
+# row's result depends on that row alone (batch-invariant) and repeats run for run.
+#
+# top-k and top-p keep a prefix of the tokens ranked as the reference ranks them (value
+# descending, then id ascending), so the kept set is "key > tau, or key == tau and id < cut",
+# where key is an order-preserving integer image of the scaled logit. Without sorting, tau is
+# found by bisection over the 2^32 keys (32 block-wide counting passes for top-k, 32 mass passes
+# for top-p; each pass a block reduction), and cut, only when the boundary value is shared by more
+# tokens than the prefix has room for, by bisection over ids. Their intersection is the shorter
+# prefix; min-p then filters by probability; the sample is the argmax of scaled + Gumbel noise
+# over the kept tokens, with the reference's hash, so ids equal the reference's.
+#
+# Where the kernel can differ from the reference (documented tie cases, all measure-zero for
+# continuous logits but possible): (1) top-p's boundary when the cumulative mass before a token
+# is within float rounding of top_p (different summation order); (2) min-p's boundary when a
+# probability is within rounding of min_p * max_prob; (3) tokens whose probabilities round to the
+# same fp32 value while their scaled logits differ (the reference ranks equal probabilities by
+# id, the kernel ranks by logit); (4) two kept tokens whose noisy scores are within an ulp (exp
+# and log differ by an ulp between libdevice and torch's CPU math). Greedy rows are an exact
+# argmax with ties to the lowest id.
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+from numba import cuda, uint64  # noqa: E402
+from voltserve.kernels.numba_common import (  # noqa: E402
+    NEG_INF,
+    block_argmax,
+    block_max,
+    block_sum,
+    current_stream,
+    dev,
+    float32,
+    float_key,
+    int32,
+    int64,
+    launch,
+)
+
+SAMPLE_BLOCK = 1024  # fixed: reduction order (and so batch invariance) depends on it
+_M32 = np.uint64(M32)
+_C1 = np.uint64(C1)
+_C2 = np.uint64(C2)
+_GOLD = np.uint64(GOLDEN)
+_S8 = np.uint64(8)
+_S13 = np.uint64(13)
+_S16 = np.uint64(16)
+_KEY_END = 4294967296  # one past the largest key
+
+
+@cuda.jit(device=True)
+def _fmix32(x):
+    x = x ^ (x >> _S16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> _S13)
+    x = (x * _C2) & _M32
+    return x ^ (x >> _S16)
+
+
+@cuda.jit(device=True)
+def _row_hash(seed, position):
+    lo = uint64(seed & 0xFFFFFFFF)
+    hi = uint64((seed >> 32) & 0xFFFFFFFF)
+    h = _fmix32(lo ^ _GOLD)
+    h = _fmix32(h ^ hi)
+    return _fmix32(h ^ uint64(position & 0xFFFFFFFF))
+
+
+@cuda.jit(device=True)
+def _gumbel(row, i):
+    h = _fmix32(row ^ _fmix32((uint64(i) + _GOLD) & _M32))
+    u = (float32(h >> _S8) + float32(0.5)) * float32(1.0 / 16777216.0)
+    return float32(-float32(math.log(float32(-float32(math.log(u))))))
+
+
+@cuda.jit(device=True)
+def _tie_cut(logits, b, t, tau, need, si):
+    """Smallest c such that `need` tokens with key == tau have id < c."""
+    tid, bd = cuda.threadIdx.x, cuda.blockDim.x
+    lo = 0
+    hi = logits.shape[1]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        c = 0
+        i = tid
+        while i < mid:
+            if float_key(float32(logits[b, i] / t)) == tau:
+                c += 1
+            i += bd
+        if block_sum(c, si) >= need:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@cuda.jit
+def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, out):
+    b = cuda.blockIdx.x
+    tid, bd = cuda.threadIdx.x, cuda.blockDim.x
+    V = logits.shape[1]
+    sf = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    t = temperature[b]
+    greedy = t <= float32(1e-5)
+    if greedy:
+        t = float32(1.0)
+
+    # Pass 1: max (and, for greedy rows, the answer).
+    best_v = NEG_INF
+    best_i = V
+    i = tid
+    while i < V:
+        s = float32(logits[b, i] / t)
+        if s > best_v or (s == best_v and i < best_i):
+            best_v, best_i = s, i
+        i += bd
+    if greedy:
+        best_v, best_i = block_argmax(best_v, best_i, sf, si)
+        if tid == 0:
+            out[b] = best_i
+        return
+    mx = block_max(best_v, sf)
+
+    # Pass 2: softmax normaliser.
+    z = float32(0.0)
+    i = tid
+    while i < V:
+        z += float32(math.exp(float32(logits[b, i] / t) - mx))
+        i += bd
+    z = block_sum(z, sf)
+
+    # top-k: tau_k = the k-th largest key; keep ties by id up to k tokens in all.
+    tau = int64(-1)
+    cut = V
+    k = top_k[b]
+    if k > 0 and k < V:
+        lo = int64(0)
+        hi = int64(_KEY_END)
+        c_lo = V
+        c_hi = 0
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            c = 0
+            i = tid
+            while i < V:
+                if float_key(float32(logits[b, i] / t)) >= mid:
+                    c += 1
+                i += bd
+            c = block_sum(c, si)
+            if c >= k:
+                lo, c_lo = mid, c
+            else:
+                hi, c_hi = mid, c
+        tau = lo
+        need = k - c_hi
+        if need < c_lo - c_hi:
+            cut = _tie_cut(logits, b, t, tau, need, si)
+
+    # top-p: tau_p = the smallest key whose mass strictly above is < top_p.
+    p = top_p[b]
+    if p < float32(1.0):
+        lo = int64(-1)
+        hi = int64(_KEY_END)
+        g_hi = float32(0.0)
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            g = float32(0.0)
+            i = tid
+            while i < V:
+                s = float32(logits[b, i] / t)
+                if float_key(s) > mid:
+                    g += float32(math.exp(s - mx)) / z
+                i += bd
+            g = block_sum(g, sf)
+            if g < p:
+                hi, g_hi = mid, g
+            else:
+                lo = mid
+        # Tokens at the boundary key: keep those whose mass before them is < top_p.
+        n_tie = 0
+        p_tie = float32(0.0)
+        i = tid
+        while i < V:
+            s = float32(logits[b, i] / t)
+            if float_key(s) == hi:
+                n_tie += 1
+                p_tie = float32(math.exp(s - mx)) / z
+            i += bd
+        n_tie = block_sum(n_tie, si)
+        p_tie = block_max(p_tie, sf)
+        tau_p = hi
+        cut_p = V
+        if n_tie > 1 and p_tie > float32(0.0):
+            need = int64(math.ceil((p - g_hi) / p_tie))
+            if need < 1:
+                need = 1
+            if need < n_tie:
+                cut_p = _tie_cut(logits, b, t, tau_p, need, si)
+        if tau_p > tau or (tau_p == tau and cut_p < cut):
+            tau, cut = tau_p, cut_p
+
+    # Final pass: min-p filter, Gumbel-max over the kept tokens.
+    mp = min_p[b]
+    thresh = mp * (float32(1.0) / z)
+    row = _row_hash(seeds[b], positions[b])
+    best_v = NEG_INF
+    best_i = V
+    i = tid
+    while i < V:
+        s = float32(logits[b, i] / t)
+        key = float_key(s)
+        if key > tau or (key == tau and i < cut):
+            if mp <= float32(0.0) or float32(math.exp(s - mx)) / z >= thresh:
+                v = s + _gumbel(row, i)
+                if v > best_v or (v == best_v and i < best_i):
+                    best_v, best_i = v, i
+        i += bd
+    best_v, best_i = block_argmax(best_v, best_i, sf, si)
+    if tid == 0:
+        out[b] = best_i if best_i < V else 0
+
+
+@cuda.jit
+def argmax_kernel(logits, out):
+    b = cuda.blockIdx.x
+    tid, bd = cuda.threadIdx.x, cuda.blockDim.x
+    V = logits.shape[1]
+    sf = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    best_v = NEG_INF
+    best_i = V
+    i = tid
+    while i < V:
+        v = float32(logits[b, i])
+        if v > best_v or (v == best_v and i < best_i):
+            best_v, best_i = v, i
+        i += bd
+    best_v, best_i = block_argmax(best_v, best_i, sf, si)
+    if tid == 0:
+        out[b] = best_i if best_i < V else 0
+
+
+@cuda.jit
+def apply_penalties_kernel(logits, prompt_mask, output_counts, repetition, presence, frequency):
+    b = cuda.blockIdx.x
+    i = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= logits.shape[1]:
+        return
+    v = logits[b, i]
+    c = output_counts[b, i]
+    if prompt_mask[b, i] or c > 0:
+        rep = repetition[b]
+        if v > float32(0.0):
+            v = v / rep
+        else:
+            v = v * rep
+    seen = float32(1.0) if c > 0 else float32(0.0)
+    logits[b, i] = v - (frequency[b] * float32(c) + presence[b] * seen)
+
+
+PENALTY_BLOCK = 256
+
+
+def sample_cuda(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning and signature as sample_ref (plus an optional preallocated int64 out [B]).
+    Expects logits fp32 [B, V] (unit stride along V), temperature/top_p/min_p fp32, top_k int32,
+    seeds/positions int64; no host sync, so it can be captured in a CUDA graph."""
+    B = logits.shape[0]
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        args = (
+            dev(logits),
+            dev(temperature),
+            dev(top_k),
+            dev(top_p),
+            dev(min_p),
+            dev(seeds),
+            dev(positions),
+            dev(out),
+        )
+        launch(sample_kernel, B, SAMPLE_BLOCK, args, current_stream())
+    return out
+
+
+def argmax_cuda(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] int64 argmax of fp32 logits [B, V], ties to the lowest id."""
+    B = logits.shape[0]
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        launch(argmax_kernel, B, SAMPLE_BLOCK, (dev(logits), dev(out)), current_stream())
+    return out
+
+
+def apply_penalties_cuda(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> None:
+    """Same meaning as apply_penalties_ref (in place on fp32 logits); prompt_mask bool,
+    output_counts int32."""
+    B, V = logits.shape
+    if B:
+        grid = (B, (V + PENALTY_BLOCK - 1) // PENALTY_BLOCK)
+        args = (
+            dev(logits),
+            dev(prompt_mask),
+            dev(output_counts),
+            dev(repetition),
+            dev(presence),
+            dev(frequency),
+        )
+        launch(apply_penalties_kernel, grid, PENALTY_BLOCK, args, current_stream())

@@ -1,0 +1,99 @@
+"""Every numba.cuda kernel in voltserve.kernels, with the signatures `voltserve check-kernels`
+compiles it with (fp16 and fp32 variants where the kernel serves both).
+
+To register a kernel, append one KernelSpec to KERNELS in this file (keep one block per kernel
+family, in the order below):
+
+    KERNELS += [
+        KernelSpec("decode_attention", "paged_decode_kernel", (
+            "void(float16[:, :, ::1], float16[:, :, :, ::1], ...)",
+        )),
+    ]
+
+module is the file name inside voltserve.kernels; attr is the @cuda.jit dispatcher's name in it;
+signatures are numba signature strings. Array layouts matter: `[:, ::1]` is C-contiguous,
+`[:, :]` is any layout (for strided views such as slices of the fused qkv projection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    module: str  # file inside voltserve.kernels, e.g. "rmsnorm"
+    attr: str  # the @cuda.jit dispatcher in it
+    signatures: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+def _both(template: str) -> tuple[str, ...]:
+    """The fp16 and fp32 variants of a signature written with {t} for the storage dtype."""
+    return tuple(template.format(t=t) for t in ("float16", "float32"))
+
+
+KERNELS: list[KernelSpec] = []
+
+# rmsnorm.py
+KERNELS += [
+    KernelSpec(
+        "rmsnorm",
+        "rms_norm_kernel",
+        _both("void({t}[:, ::1], {t}[::1], {t}[:, ::1], float32)"),
+    ),
+    KernelSpec(
+        "rmsnorm",
+        "fused_add_rms_norm_kernel",
+        _both("void({t}[:, ::1], {t}[:, ::1], {t}[::1], float32)"),
+    ),
+]
+
+# rotary.py
+KERNELS += [
+    KernelSpec(
+        "rotary",
+        "rotary_embedding_kernel",
+        _both("void(int64[::1], {t}[:, :], {t}[:, :], int64, float32[:, ::1], boolean)"),
+    ),
+]
+
+# activation.py
+KERNELS += [
+    KernelSpec("activation", "silu_and_mul_kernel", _both("void({t}[:, ::1], {t}[:, ::1])")),
+]
+
+# kv_cache.py
+KERNELS += [
+    KernelSpec(
+        "kv_cache",
+        "reshape_and_cache_kernel",
+        _both("void({t}[:, :, :], {t}[:, :, :], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int64[::1])"),
+    ),
+]
+
+# sampling.py
+KERNELS += [
+    KernelSpec(
+        "sampling",
+        "sample_kernel",
+        (
+            "void(float32[:, ::1], float32[::1], int32[::1], float32[::1], float32[::1],"
+            " int64[::1], int64[::1], int64[::1])",
+        ),
+    ),
+    KernelSpec("sampling", "argmax_kernel", ("void(float32[:, ::1], int64[::1])",)),
+    KernelSpec(
+        "sampling",
+        "apply_penalties_kernel",
+        (
+            "void(float32[:, ::1], boolean[:, ::1], int32[:, ::1], float32[::1], float32[::1],"
+            " float32[::1])",
+        ),
+    ),
+]
+
+# Attention kernels (decode_attention.py, prefill_attention.py): add their specs here.
