@@ -77,16 +77,17 @@ class ModelRunner:
         self.num_kv_blocks: int = self._decide_num_blocks()
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
         self.graphs = None
-        if use_graphs and self.ops.capturable():
+        graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
+        why_not = self._why_no_graphs(graph_batch) if use_graphs else "enforce_eager or CPU"
+        if why_not is None:
             from voltserve.services.executor.cuda_graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(
-                self, min(config.max_graph_batch_size, config.max_num_seqs)
-            )
+            self.graphs = CudaGraphRunner(self, graph_batch)
         elif use_graphs:
-            logger.info(
-                "decode runs eagerly: some decode ops cannot be captured (%s)", self.ops.impl
-            )
+            logger.info("decode runs eagerly: %s", why_not)
+            self.ops = KernelDispatch(self.device, self.dtype)
+            self.model.ops = self.ops
+            self.sampler = Sampler(self.ops, self.device)
         logger.info(
             "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.arch.architecture,
@@ -113,6 +114,20 @@ class ModelRunner:
             logger.warning("capping max_model_len %d at the sliding window %d", n, sw)
             n = sw
         return n
+
+    def _why_no_graphs(self, graph_batch: int) -> str | None:
+        if graph_batch < 1:
+            return "max_graph_batch_size < 1"
+        if not self.ops.capturable():
+            return f"some decode ops cannot be captured ({self.ops.impl})"
+        if self.ops.impl["paged_decode_attention"] == "torch-capturable":
+            # The torch fallback gathers the whole block table width of every row in fp32.
+            a = self.arch
+            need = graph_batch * self.max_blocks_per_seq * self.block_size * a.num_kv_heads
+            need *= a.head_dim * 4 * 2
+            if need > 2 * 2**30:
+                return f"the torch decode-attention fallback would gather {need / 2**30:.1f} GiB"
+        return None
 
     def kv_bytes_per_block(self) -> int:
         a = self.arch
