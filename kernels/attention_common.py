@@ -1,0 +1,98 @@
+"""Pieces shared by the numba.cuda attention kernels (decode_attention.py, prefill_attention.py).
+
+- `ld_f16x8(arr, i)`: one 16-byte load of fp16 elements arr[i:i+8] (i a multiple of 8, arr a
+  flat fp16 array whose base is 16-byte aligned), widened to eight fp32 values. numba indexes
+  arrays one element at a time and cannot prove alignment, so without this each thread would
+  issue eight 2-byte loads; the KV cache streams at full bandwidth only with 16-byte loads.
+- `shfl_xor(value, lane_mask)`: warp butterfly exchange of a float32 (full mask).
+- `as_numba(t)`: a torch CUDA tensor as a numba device array without a stream sync, so
+  launches stay CUDA-graph capturable.
+
+The CUDA simulator (NUMBA_ENABLE_CUDASIM=1, the CPU test path) has neither LLVM intrinsics nor
+warp shuffles, so under it both helpers are plain Python: the load slices the array, and the
+shuffle exchanges through the block's shared state with two barriers. That shuffle is exact only
+when a block is ONE warp and every lane calls it the same number of times, which is how the
+simulator tests launch the kernels (32 threads per block).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import config, cuda
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+
+    def ld_f16x8(arr, i):
+        return tuple(np.float32(x) for x in arr[i : i + 8])
+
+    def shfl_xor(value, lane_mask):
+        thread = threading.current_thread()
+        manager = thread._manager  # the simulator's BlockManager of this block
+        slots = manager.__dict__.setdefault("_voltserve_shfl", {})
+        tid = thread.thread_id
+        slots[tid] = value
+        thread.syncthreads()
+        other = slots[tid ^ lane_mask]
+        thread.syncthreads()
+        return other
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def ld_f16x8(typingctx, arr, idx):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float16 and arr.ndim == 1):
+            return None
+        if not isinstance(idx, types.Integer):
+            return None
+        sig = types.UniTuple(types.float32, 8)(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty = signature.args
+            ary = context.make_array(arr_ty)(context, builder, value=args[0])
+            i64 = context.cast(builder, args[1], idx_ty, types.int64)
+            ptr = builder.gep(ary.data, [i64])
+            vec_ptr = builder.bitcast(ptr, ir.VectorType(ir.IntType(32), 4).as_pointer())
+            raw = builder.load(vec_ptr, align=16)
+            halves = builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8))
+            vals = [
+                builder.fpext(
+                    builder.extract_element(halves, ir.Constant(ir.IntType(32), j)),
+                    ir.FloatType(),
+                )
+                for j in range(8)
+            ]
+            return context.make_tuple(builder, signature.return_type, vals)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(value, lane_mask):
+        return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+
+
+def as_numba(t):
+    """A torch CUDA tensor as a numba device array, without synchronising on its stream (a sync
+    inside CUDA-graph capture is an error)."""
+    return cuda.from_cuda_array_interface(t.__cuda_array_interface__, owner=t, sync=False)
+
+
+def torch_stream():
+    """torch's current CUDA stream as a numba stream, so kernels order with torch's work."""
+    import torch
+
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p

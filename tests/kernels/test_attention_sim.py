@@ -1,0 +1,155 @@
+"""Decode and prefill attention kernels against the torch reference, in numba's CUDA simulator.
+
+The simulator runs every thread as a Python thread, so shapes are tiny and blocks are one warp
+(32 threads; the simulated warp shuffle in attention_common needs that). Partitions are 32 tokens
+so contexts of a few dozen tokens cross KV-block (16) and partition boundaries and exercise the
+split/merge path. Kernels are called raw with numpy arrays (the simulator cannot take torch
+tensors as device arrays); outputs are poisoned with NaN before each launch.
+On a CUDA host the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the root conftest does this too; keep the file standalone
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+from voltserve.kernels.attention_ref import paged_attention_ref  # noqa: E402
+from voltserve.kernels.decode_attention import (  # noqa: E402
+    BLOCK_SIZE,
+    decode_config,
+    decode_kernel,
+    decode_reduce_kernel,
+    num_partitions,
+)
+from voltserve.kernels.prefill_attention import prefill_config, prefill_kernel  # noqa: E402
+
+THREADS = 32
+PARTITION = 32
+
+
+def make_cache(rng, seq_lens, num_kv_heads, head_dim, extra_blocks=3):
+    """Random fp16 caches with shuffled block tables; unused slots hold NaN so a kernel that
+    reads past a sequence's end (or trusts a 0 weight on stale data) fails."""
+    n_blocks = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
+    total = sum(n_blocks) + extra_blocks
+    shape = (total, num_kv_heads, BLOCK_SIZE, head_dim)
+    k = rng.standard_normal(shape).astype(np.float16)
+    v = rng.standard_normal(shape).astype(np.float16)
+    perm = rng.permutation(total).astype(np.int32)
+    width = max(max(n_blocks), 1) + 1
+    tables = np.full((len(seq_lens), width), -1, dtype=np.int32)
+    pos = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[pos : pos + n]
+        pos += n
+        tail = seq_lens[b] % BLOCK_SIZE
+        if tail:  # poison the unwritten slots of the last block
+            k[tables[b, n - 1], :, tail:] = np.nan
+            v[tables[b, n - 1], :, tail:] = np.nan
+    return k, v, tables
+
+
+def run_decode(q, k, v, tables, seq_lens, scale, max_seq_len):
+    B, H, D = q.shape
+    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS)
+    n_part = num_partitions(max_seq_len, cfg.partition)
+    direct = n_part == 1
+    out = np.full_like(q, np.nan)
+    ml = np.full((B, H, n_part), np.nan, np.float32)
+    es = np.full((B, H, n_part), np.nan, np.float32)
+    tmp = np.full((B, H, n_part, D), np.nan, np.float32)
+    sl = np.asarray(seq_lens, np.int32)
+    grid = (n_part, k.shape[1] * cfg.split, B)
+    decode_kernel(cfg, direct)[grid, THREADS](
+        out, q, k.reshape(-1), v.reshape(-1), tables, sl, scale, k.shape[1], ml, es, tmp
+    )
+    if not direct:
+        decode_reduce_kernel[(H, B), THREADS](out, ml, es, tmp, sl, cfg.partition)
+    return out
+
+
+def reference(q, k, v, tables, seq_lens, qsl, scale):
+    kt, vt = torch.from_numpy(k).float(), torch.from_numpy(v).float()
+    out = paged_attention_ref(
+        torch.from_numpy(q).float(),
+        kt,
+        vt,
+        torch.from_numpy(tables).clamp(min=0),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(qsl, dtype=torch.int32),
+        scale,
+    )
+    return out.numpy()
+
+
+@pytest.mark.parametrize(
+    "head_dim,num_heads,num_kv_heads,seq_lens",
+    [
+        (32, 2, 2, [1, 15, 16, 17]),  # MHA, block boundaries, one partition (direct path)
+        (64, 4, 2, [33, 70, 5]),  # 2 heads per KV head, 3 partitions with a partial last one
+        (32, 8, 2, [64, 0, 97]),  # 4 heads per KV head, a padding row (seq_len 0)
+        (32, 4, 4, [48]),  # exactly 3 partitions, plus empty ones from a larger bound
+    ],
+)
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
+    rng = np.random.default_rng()
+    k, v, tables = make_cache(rng, seq_lens, num_kv_heads, head_dim)
+    q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float16)
+    scale = head_dim**-0.5
+    # The grid bound is larger than the longest context for the last case: empty partitions.
+    max_seq_len = max(seq_lens) + (40 if len(seq_lens) == 1 else 0)
+    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len)
+    ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
+    for b, s in enumerate(seq_lens):
+        if s == 0:
+            assert np.all(out[b] == 0), "padding row must be zero"
+            ref[b] = 0
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
+    T, H, D = q.shape
+    cfg = prefill_config(H, k.shape[1], D, THREADS)
+    q_lens = np.diff(qsl)
+    max_q = int(q_lens.max())
+    out = np.full_like(q, np.nan)
+    grid = ((max_q + cfg.tile_q - 1) // cfg.tile_q, k.shape[1], len(seq_lens))
+    prefill_kernel(cfg)[grid, THREADS](
+        out,
+        q,
+        k.reshape(-1),
+        v.reshape(-1),
+        tables,
+        np.asarray(seq_lens, np.int32),
+        np.asarray(qsl, np.int32),
+        scale,
+        k.shape[1],
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "head_dim,num_heads,num_kv_heads,seq_lens,q_lens",
+    [
+        (32, 2, 2, [5, 17], [5, 17]),  # whole prompts, MHA
+        (64, 4, 2, [40, 23], [9, 23]),  # chunked prefill (q_len < seq_len) next to a prompt
+        (32, 8, 2, [35, 20, 3], [12, 1, 3]),  # 4 heads per KV head, a decode row in the batch
+    ],
+)
+def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, q_lens):
+    rng = np.random.default_rng()
+    k, v, tables = make_cache(rng, seq_lens, num_kv_heads, head_dim)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float16)
+    scale = head_dim**-0.5
+    out = run_prefill(q, k, v, tables, seq_lens, qsl, scale)
+    ref = reference(q, k, v, tables, seq_lens, qsl.tolist(), scale)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
