@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass
 
 from numba import cuda, float32, int64
-
 from voltserve.kernels.attention_common import (
     as_numba,
     ld_f16x8,

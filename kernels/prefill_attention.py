@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int64
 from numba.core.types import float16
-
 from voltserve.kernels.attention_common import as_numba, ld_f16x8, torch_stream
 
 BLOCK_SIZE = 16
@@ -85,7 +84,6 @@ def prefill_kernel(cfg: PrefillConfig):
     NP = N + 1
     RC = RPT * CPT
     RD = RPT * DPT
-    ROW = BLOCK_SIZE * D
     NEG_INF = float32(-math.inf)
 
     @cuda.jit(fastmath=False)
