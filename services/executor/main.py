@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -74,6 +75,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(f"executor:{args.executor_id}", args.log_level, args.log_json)
+    # `kill -USR1 <pid>` prints every thread's stack: the way to see what a stuck engine does.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Imported here so `--help` does not pay for torch.
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.services.executor.service import ExecutorService, ServiceConfig
@@ -108,3 +111,4 @@ def main(argv: list[str]) -> None:
         await svc.run()
 
     asyncio.run(run())
+    logger.info("executor %s exited", args.executor_id)

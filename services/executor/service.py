@@ -213,8 +213,11 @@ class ExecutorService:
 
     async def _writer(self, r) -> None:
         assert self._outbox is not None
-        while True:
-            item = await self._outbox.get()
+        while not self.stop.is_set():
+            try:
+                item = await asyncio.wait_for(self._outbox.get(), timeout=0.5)
+            except TimeoutError:
+                continue
             batch = [item]
             while not self._outbox.empty():
                 batch.append(self._outbox.get_nowait())
@@ -248,7 +251,7 @@ class ExecutorService:
 
     async def _heartbeat(self, r) -> None:
         last_steps, last_t = 0, time.monotonic()
-        while True:
+        while not self.stop.is_set():
             # Re-announced every beat: the scheduler forgets executors that stayed dead.
             await r.sadd(streams.executors_key(), self.cfg.executor_id)
             now = time.monotonic()
@@ -311,7 +314,7 @@ class ExecutorService:
             asyncio.create_task(self._writer(r)),
             asyncio.create_task(self._heartbeat(r)),
         ]
-        logger.warning(
+        logger.info(
             "executor %s (instance %s) ready on %s",
             self.cfg.executor_id,
             self.instance,
@@ -326,12 +329,19 @@ class ExecutorService:
                         raise t.exception()
                 await asyncio.sleep(0.2)
         finally:
+            logger.info("executor %s stopping", self.cfg.executor_id)
             self.loop_.stop_event.set()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Every loop also watches `stop`: a cancellation swallowed inside a Redis call must
+            # not keep the process alive.
+            await asyncio.wait(tasks, timeout=3)
             try:
-                await r.delete(streams.executor_alive_key(self.cfg.executor_id))
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+                # Gone at once: the scheduler fails our requests over without waiting for the TTL.
+                await asyncio.wait_for(
+                    r.delete(streams.executor_alive_key(self.cfg.executor_id)), timeout=2
+                )
+            except Exception as e:  # noqa: BLE001 - best effort on the way out
+                logger.warning("could not clear the heartbeat on the way out: %r", e)
             await r.aclose()
+            logger.info("executor %s stopped", self.cfg.executor_id)

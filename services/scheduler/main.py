@@ -117,7 +117,8 @@ class Scheduler:
         finally:
             for t in [*tasks, stop_wait]:
                 t.cancel()
-            await asyncio.gather(*tasks, stop_wait, return_exceptions=True)
+            # Bounded: a cancellation swallowed inside a Redis call must not hang the step-down.
+            await asyncio.wait([*tasks, stop_wait], timeout=3)
 
     async def _restore(self) -> None:
         """Resume a previous leader's requests from the routes hash."""
