@@ -345,3 +345,12 @@ def paged_decode_attention_cuda(
             as_numba(out), ml, es, tmp, sl, cfg.partition
         )
     return out
+
+
+# Representative instances that `voltserve check-kernels` compiles (see kernels/registry.py):
+# Llama-3-8B (128 dims, 4 heads per KV head), Qwen2.5-0.5B-like (64 dims, 7 -> split as 7),
+# MHA with 256 dims, each in the split and the single-partition form.
+decode_kernel_d128_g4 = decode_kernel(decode_config(32, 8, 128), direct=False)
+decode_kernel_d128_g4_direct = decode_kernel(decode_config(32, 8, 128), direct=True)
+decode_kernel_d64_g7 = decode_kernel(decode_config(14, 2, 64), direct=False)
+decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), direct=False)

@@ -287,3 +287,9 @@ def paged_attention_cuda(
         kvh,
     )
     return out
+
+
+# Representative instances that `voltserve check-kernels` compiles (see kernels/registry.py).
+prefill_kernel_d128_g4 = prefill_kernel(prefill_config(32, 8, 128))
+prefill_kernel_d64_g7 = prefill_kernel(prefill_config(14, 2, 64))
+prefill_kernel_d256_g1 = prefill_kernel(prefill_config(8, 8, 256))

@@ -97,3 +97,42 @@ KERNELS += [
 ]
 
 # Attention kernels (decode_attention.py, prefill_attention.py): add their specs here.
+
+# decode_attention.py: the kernels are built per shape by decode_kernel(); the module exposes a
+# few representative instances. Arguments: out, q, flat k/v caches, block_tables, seq_lens,
+# scale, num_kv_heads, max_logits, exp_sums, tmp_out.
+_DECODE_SIG = (
+    "void(float16[:, :, ::1], float16[:, :, ::1], float16[::1], float16[::1], int32[:, ::1],"
+    " int32[::1], float64, int64, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])"
+)
+KERNELS += [
+    KernelSpec("decode_attention", name, (_DECODE_SIG,))
+    for name in (
+        "decode_kernel_d128_g4",
+        "decode_kernel_d128_g4_direct",
+        "decode_kernel_d64_g7",
+        "decode_kernel_d256_g1",
+    )
+]
+KERNELS += [
+    KernelSpec(
+        "decode_attention",
+        "decode_reduce_kernel",
+        (
+            "void(float16[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1],"
+            " float32[:, :, :, ::1], int32[::1], int64)",
+        ),
+    ),
+]
+
+# prefill_attention.py: per-shape kernels from prefill_kernel(); representative instances.
+# Arguments: out, q, flat k/v caches, block_tables, seq_lens, query_start_loc, scale,
+# num_kv_heads.
+_PREFILL_SIG = (
+    "void(float16[:, :, ::1], float16[:, :, ::1], float16[::1], float16[::1], int32[:, ::1],"
+    " int32[::1], int32[::1], float64, int64)"
+)
+KERNELS += [
+    KernelSpec("prefill_attention", name, (_PREFILL_SIG,))
+    for name in ("prefill_kernel_d128_g4", "prefill_kernel_d64_g7", "prefill_kernel_d256_g1")
+]
