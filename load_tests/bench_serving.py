@@ -1,0 +1,883 @@
+"""Serving benchmark in the style of `vllm bench serve`: streams /v1/completions requests at an
+OpenAI-compatible server and reports throughput and TTFT / TPOT / ITL / end-to-end latency.
+
+Targets:
+  --base-url URL            a server that is already running
+  --launch MODEL_DIR        start `voltserve serve` on a free port, wait for /health, stop it after
+  --preset NAME             write a random-weight checkpoint of that shape (--model-dir or a temp
+                            folder), then launch it as above
+Extra `voltserve serve` flags go in --serve-args "..." or after a bare `--`.
+
+Comparisons in the same run, on the same prompts:
+  --engine-only             LLMEngine in-process (no HTTP, no services), same arrivals and stats
+  --compare-engine          HTTP and engine-only, both in one JSON with the difference
+  --transformers-baseline   transformers `generate`, batch 32, left padding: output tokens / s
+
+    python load_tests/bench_serving.py --preset llama3-8b --num-prompts 256 --input-len 1024 \
+        --output-len 256 --compare-engine --transformers-baseline --out results/serving.json
+    python load_tests/bench_serving.py --launch .cache/demo-model --num-prompts 8 --input-len 16 \
+        --output-len 8 --out /tmp/s.json -- --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load_tests.common import (  # noqa: E402
+    PRESETS,
+    checkpoint_matches,
+    env_info,
+    write_json,
+)
+
+logger = logging.getLogger("bench_serving")
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    output_len: int
+    text: str | None = None  # set for --prompt-type text
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    """Ids every part of the stack accepts: the model's vocab, cut to the tokenizer's size."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    try:
+        from transformers import AutoTokenizer
+
+        vocab = min(vocab, len(AutoTokenizer.from_pretrained(str(model_dir))))
+    except Exception as e:  # a folder without a tokenizer: the config's vocab is all we know
+        logger.warning("no tokenizer in %s (%s); using the config vocab %d", model_dir, e, vocab)
+    return vocab
+
+
+def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
+    rng = np.random.default_rng(args.seed)
+    # Ids below 16 are left out: small ids are special tokens in most vocabularies.
+    low = 16 if vocab_size > 64 else 0
+
+    def draw(n: int) -> list[int]:
+        return rng.integers(low, vocab_size, size=n).tolist()
+
+    if args.dataset == "random":
+        prompts = [Prompt(draw(args.input_len), args.output_len) for _ in range(args.num_prompts)]
+    elif args.dataset == "prefix":
+        prefix = draw(args.prefix_len)
+        prompts = [
+            Prompt(prefix + draw(args.input_len), args.output_len) for _ in range(args.num_prompts)
+        ]
+    else:
+        raise ValueError(f"unknown dataset {args.dataset!r}")
+    for p in prompts:
+        if p.token_ids and not 0 <= min(p.token_ids) <= max(p.token_ids) < vocab_size:
+            raise RuntimeError(f"prompt token ids leave the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+def add_text(prompts: list[Prompt], model_dir: Path) -> None:
+    """Text prompts: decode the ids, then count the tokens the server will actually see."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for p in prompts:
+        p.text = tok.decode(p.token_ids)
+        p.token_ids = tok(p.text, add_special_tokens=False).input_ids
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (s) of a Poisson process at `rate` requests/s; rate inf: everything at 0."""
+    if rate == float("inf"):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps).tolist()
+
+
+@dataclass
+class RequestRecord:
+    input_len: int
+    output_len_expected: int
+    start: float = 0.0  # seconds from the start of the run
+    ttft: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None and self.end is not None
+
+    @property
+    def latency(self) -> float:
+        return (self.end or 0.0) - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    ms = [v * 1e3 for v in values_s]
+    out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else None
+    out[f"median_{name}_ms"] = statistics.median(ms) if ms else None
+    out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else None
+    for p in percentiles:
+        key = f"p{p:g}_{name}_ms"
+        out[key] = float(np.percentile(ms, p)) if ms else None
+    return out
+
+
+def compute_metrics(
+    records: list[RequestRecord], duration: float, percentiles: list[float]
+) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    total_in = sum(r.input_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration > 0 else None,
+        "output_throughput": total_out / duration if duration > 0 else None,
+        "total_token_throughput": (total_in + total_out) / duration if duration > 0 else None,
+        "output_tokens_short": sum(1 for r in ok if r.output_tokens != r.output_len_expected),
+    }
+    m |= _stats("ttft", [r.ttft for r in ok], percentiles)
+    m |= _stats("tpot", [t for r in ok if (t := r.tpot) is not None], percentiles)
+    m |= _stats("itl", [x for r in ok for x in r.itl], percentiles)
+    m |= _stats("e2el", [r.latency for r in ok], percentiles)
+    errors = [r.error for r in records if r.error]
+    if errors:
+        m["errors"] = sorted(set(errors))[:10]
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP client
+
+
+async def _send(
+    session, url: str, payload: dict, headers: dict, rec: RequestRecord, t0: float
+) -> None:
+    import aiohttp
+
+    start = time.perf_counter()
+    rec.start = start - t0
+    last = start
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                rec.error = f"HTTP {resp.status}: {body}"
+                return
+            usage_tokens = None
+            chunks = 0
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error = f"in-stream error: {obj['error']}"
+                    return
+                now = time.perf_counter()
+                choices = obj.get("choices") or []
+                if choices and choices[0].get("text"):
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+            rec.end = time.perf_counter() - t0
+            # usage counts tokens exactly; a chunk may carry several tokens (held-back text).
+            rec.output_tokens = usage_tokens if usage_tokens is not None else chunks
+            if rec.ttft is None:
+                rec.error = "stream ended without a token"
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+async def run_http(
+    base_url: str,
+    model: str,
+    prompts: list[Prompt],
+    arrivals: list[float],
+    args: argparse.Namespace,
+) -> tuple[list[RequestRecord], float]:
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    records = [RequestRecord(len(p.token_ids), p.output_len) for p in prompts]
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+
+    def payload(p: Prompt) -> dict:
+        return {
+            "model": model,
+            "prompt": p.text if p.text is not None else p.token_ids,
+            "max_tokens": p.output_len,
+            "temperature": args.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # Warm-up requests (not measured): first-request costs are not serving costs.
+        warm = [RequestRecord(0, 0) for _ in range(min(args.num_warmup, len(prompts)))]
+        warm_payloads = [
+            payload(Prompt(p.token_ids, min(p.output_len, 4), p.text)) for p in prompts[: len(warm)]
+        ]
+        now = time.perf_counter()
+        await asyncio.gather(
+            *(_send(session, url, w, headers, r, now) for w, r in zip(warm_payloads, warm))
+        )
+        if any(r.error for r in warm):
+            raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if r.error)}")
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            if sem is None:
+                await _send(session, url, payload(prompts[i]), headers, records[i], t0)
+            else:
+                async with sem:
+                    await _send(session, url, payload(prompts[i]), headers, records[i], t0)
+
+        tasks = []
+        for i, at in enumerate(arrivals):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return records, duration
+
+
+async def served_model_name(base_url: str, api_key: str | None) -> str:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base_url.rstrip("/") + "/v1/models", headers=headers) as r:
+            r.raise_for_status()
+            return (await r.json())["data"][0]["id"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching `voltserve serve`
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(
+    model_dir: Path, serve_args: list[str], log_path: Path, timeout: float
+) -> Iterator[str]:
+    """Run `voltserve serve` in its own process group; yield its base URL once /health answers."""
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *serve_args]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    logger.info("launching: %s (log: %s)", shlex.join(cmd), log_path)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"voltserve serve exited with code {proc.returncode} before it was ready; "
+                    f"log tail:\n{_tail(log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"voltserve serve not healthy after {timeout:.0f} s; log tail:\n{_tail(log_path)}"
+                )
+            time.sleep(0.5)
+        logger.info("server ready at %s", base)
+        yield base
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher (it stops its services), then the whole group if anything lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            logger.error("voltserve serve did not stop in 60 s; killing its process group")
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group this script started
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine in-process
+
+
+def engine_config_from_serve_args(model_dir: Path, serve_args: list[str]):
+    """The EngineConfig `voltserve serve` would build from the same flags (a fair comparison)."""
+    from voltserve.services.launcher import build_parser
+    from voltserve.shared.config import EngineConfig
+
+    a = build_parser().parse_args(["--model", str(model_dir), *serve_args])
+    return EngineConfig(
+        model=str(model_dir),
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        num_kv_blocks=a.num_kv_blocks,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        enforce_eager=a.enforce_eager,
+    )
+
+
+def run_engine(
+    model_dir: Path,
+    serve_args: list[str],
+    prompts: list[Prompt],
+    arrivals: list[float],
+    args: argparse.Namespace,
+) -> tuple[list[RequestRecord], float, dict[str, Any]]:
+    from voltserve.services.executor.engine import LLMEngine
+    from voltserve.shared.sampling_params import SamplingParams
+
+    config = engine_config_from_serve_args(model_dir, serve_args)
+    t = time.perf_counter()
+    engine = LLMEngine(config)
+    info = {"init_s": time.perf_counter() - t, "config": asdict(config)}
+    n_warm = min(args.num_warmup, len(prompts))
+    if n_warm:  # the same warm-up the HTTP run gets
+        engine.generate(
+            [p.token_ids for p in prompts[:n_warm]],
+            SamplingParams(
+                max_tokens=min(prompts[0].output_len, 4), temperature=0.0, ignore_eos=True
+            ),
+        )
+    records = [RequestRecord(len(p.token_ids), p.output_len) for p in prompts]
+    last_tok: dict[int, float] = {}
+    pending = deque(range(len(prompts)))
+    active: set[int] = set()
+    limit = args.max_concurrency or len(prompts)
+    t0 = time.perf_counter()
+    while pending or active:
+        now = time.perf_counter() - t0
+        while pending and arrivals[pending[0]] <= now and len(active) < limit:
+            i = pending.popleft()
+            p = prompts[i]
+            params = SamplingParams(
+                max_tokens=p.output_len, temperature=args.temperature, ignore_eos=True
+            )
+            engine.add_request(f"r{i}", p.token_ids, params)
+            records[i].start = time.perf_counter() - t0
+            active.add(i)
+        if not active:
+            time.sleep(max(0.0, arrivals[pending[0]] - (time.perf_counter() - t0)))
+            continue
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for o in outs:
+            i = int(o.request_id[1:])
+            rec = records[i]
+            if o.new_token_ids:
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                else:
+                    rec.itl.append(now - last_tok[i])
+                last_tok[i] = now
+                rec.output_tokens += len(o.new_token_ids)
+            if o.finished:
+                rec.end = now
+                active.discard(i)
+                if o.finish_reason == "abort":
+                    rec.error = "aborted"
+    duration = time.perf_counter() - t0
+    info["stats"] = asdict(engine.stats())
+    return records, duration, info
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers baseline
+
+
+def run_transformers(
+    model_dir: Path, device: str, dtype_spec: str, prompts: list[Prompt], args
+) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys_dtype = _torch_dtype(dtype_spec, device)
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=sys_dtype).to(device).eval()
+    load_s = time.perf_counter() - t
+    pad = model.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+    prompts = prompts[: args.hf_max_prompts]
+    bs = args.hf_batch_size
+
+    def batch_tensors(batch: list[Prompt]):
+        width = max(len(p.token_ids) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, p in enumerate(batch):  # left padding: every prompt ends at the last column
+            ids[j, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
+            mask[j, width - len(p.token_ids) :] = 1
+        return ids.to(device), mask.to(device)
+
+    def generate(model, batch: list[Prompt]) -> int:
+        ids, mask = batch_tensors(batch)
+        n = batch[0].output_len
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,  # ignore_eos
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        return (out.shape[1] - ids.shape[1]) * len(batch)
+
+    with torch.inference_mode():
+        generate(model, prompts[:1])  # warm up kernels and the allocator
+        _sync(device)
+        t = time.perf_counter()
+        total_out = 0
+        for k in range(0, len(prompts), bs):
+            total_out += generate(model, prompts[k : k + bs])
+        _sync(device)
+        duration = time.perf_counter() - t
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    total_in = sum(len(p.token_ids) for p in prompts)
+    return {
+        "batch_size": bs,
+        "num_prompts": len(prompts),
+        "dtype": str(sys_dtype).removeprefix("torch."),
+        "device": device,
+        "load_s": load_s,
+        "duration_s": duration,
+        "total_output_tokens": total_out,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+
+
+def _torch_dtype(spec: str, device: str):
+    from load_tests.common import resolve_dtype
+
+    return resolve_dtype(spec, device)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_of(serve_args: list[str]) -> tuple[str, str]:
+    """(device, dtype) from the serve flags, 'auto' resolved the way the engine resolves it."""
+    from load_tests.common import resolve_device
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    a, _ = p.parse_known_args(serve_args)
+    return resolve_device(a.device), a.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots and output
+
+
+def write_plots(
+    out: Path, runs: dict[str, list[RequestRecord]], percentiles: list[float]
+) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, metric in zip(axes.flat, METRICS):
+        for name, recs in runs.items():
+            ok = [r for r in recs if r.ok]
+            vals = {
+                "ttft": [r.ttft for r in ok],
+                "tpot": [t for r in ok if (t := r.tpot) is not None],
+                "itl": [x for r in ok for x in r.itl],
+                "e2el": [r.latency for r in ok],
+            }[metric]
+            if not vals:
+                continue
+            v = np.sort(np.asarray(vals) * 1e3)
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+        ax.set_title(f"{metric.upper()} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of tokens")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    p = out.with_name(out.stem + "_latency_cdf.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(str(p))
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 6), squeeze=False)
+    for ax, (name, recs) in zip(axes[0], runs.items()):
+        for i, r in enumerate(recs):
+            if not r.ok:
+                ax.plot([r.start, r.start], [i, i], "rx")
+                continue
+            first = r.start + r.ttft
+            ax.plot([r.start, first], [i, i], color="tab:orange", lw=1.5)
+            ax.plot([first, r.end], [i, i], color="tab:blue", lw=1.5)
+        ax.set_title(f"{name}: per-request timeline (orange: waiting + prefill, blue: decode)")
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("request")
+    fig.tight_layout()
+    p = out.with_name(out.stem + "_timeline.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(str(p))
+    return paths
+
+
+def _records_json(records: list[RequestRecord]) -> list[dict[str, Any]]:
+    return [
+        {
+            "input_len": r.input_len,
+            "output_tokens": r.output_tokens,
+            "start_s": r.start,
+            "ttft_s": r.ttft,
+            "end_s": r.end,
+            "error": r.error,
+        }
+        for r in records
+    ]
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    print()
+    rows = [(k, result[k]) for k in ("http", "engine") if k in result]
+    if rows:
+        print(
+            f"{'':<8}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}"
+            f"{'TTFT med':>10}{'TTFT p99':>10}{'TPOT med':>10}{'ITL med':>9}{'ITL p99':>9}{'fail':>6}"
+        )
+        for name, m in rows:
+
+            def f(key: str, spec: str = ".1f", m: dict = m) -> str:
+                v = m.get(key)
+                return "-" if v is None else format(v, spec)
+
+            print(
+                f"{name:<8}{f('request_throughput', '.2f'):>8}{f('output_throughput'):>11}"
+                f"{f('total_token_throughput'):>11}{f('median_ttft_ms'):>10}{f('p99_ttft_ms'):>10}"
+                f"{f('median_tpot_ms', '.2f'):>10}{f('median_itl_ms', '.2f'):>9}"
+                f"{f('p99_itl_ms', '.2f'):>9}{m.get('failed', 0):>6}"
+            )
+    if "services_overhead" in result:
+        o = result["services_overhead"]
+        print("services add: " + ", ".join(f"{k} {v:+.2f}" for k, v in o.items() if v is not None))
+    if "transformers" in result:
+        t = result["transformers"]
+        print(f"transformers (batch {t['batch_size']}): {t['output_throughput']:.1f} output tok/s")
+    for k, v in result.get("speedup_vs_transformers", {}).items():
+        print(f"{k} / transformers output throughput: {v:.1f}x")
+    for k, v in result.get("errors", {}).items():
+        print(f"ERROR {k}: {v}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    trailing: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, trailing = argv[:k], argv[k + 1 :]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    tgt = p.add_argument_group("target")
+    tgt.add_argument("--base-url", default=None, help="a running server (default: launch one)")
+    tgt.add_argument("--launch", metavar="MODEL_DIR", help="start `voltserve serve` on this model")
+    tgt.add_argument("--preset", choices=sorted(PRESETS), help="random-weight checkpoint to launch")
+    tgt.add_argument(
+        "--model-dir",
+        help="checkpoint folder: for --preset (written if absent), "
+        "--engine-only, --transformers-baseline and the vocabulary",
+    )
+    tgt.add_argument("--keep-model", action="store_true", help="keep a --preset temp checkpoint")
+    tgt.add_argument("--serve-args", default="", help="extra flags for `voltserve serve`")
+    tgt.add_argument("--launch-timeout", type=float, default=900.0)
+    tgt.add_argument("--model", default=None, help="served model name (default: /v1/models)")
+    tgt.add_argument("--api-key", default=None)
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--dataset", choices=["random", "prefix"], default="random")
+    wl.add_argument("--input-len", type=int, default=1024, help="random part of each prompt")
+    wl.add_argument("--output-len", type=int, default=128)
+    wl.add_argument("--prefix-len", type=int, default=256, help="shared prefix (dataset prefix)")
+    wl.add_argument("--num-prompts", type=int, default=200)
+    wl.add_argument("--prompt-type", choices=["ids", "text"], default="ids")
+    wl.add_argument("--vocab-size", type=int, default=None, help="default: from the model")
+    wl.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
+    wl.add_argument("--max-concurrency", type=int, default=None)
+    wl.add_argument("--temperature", type=float, default=0.0)
+    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--num-warmup", type=int, default=2, help="unmeasured requests first")
+    wl.add_argument("--request-timeout", type=float, default=600.0, help="per read, seconds")
+    md = p.add_argument_group("modes")
+    md.add_argument("--engine-only", action="store_true", help="LLMEngine in-process, no HTTP")
+    md.add_argument("--compare-engine", action="store_true", help="HTTP and engine-only")
+    md.add_argument("--transformers-baseline", action="store_true")
+    md.add_argument("--hf-batch-size", type=int, default=32)
+    md.add_argument("--hf-max-prompts", type=int, default=128)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default=None, help="JSON file; plots are written next to it")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--percentiles", default="90,99")
+    args = p.parse_args(argv)
+    args.serve_args = shlex.split(args.serve_args) + trailing
+    args.percentiles = [float(x) for x in args.percentiles.split(",") if x.strip()]
+    if args.engine_only and args.compare_engine:
+        p.error("--engine-only and --compare-engine exclude each other")
+    if sum(x is not None for x in (args.base_url, args.launch, args.preset)) > 1:
+        p.error("give one of --base-url, --launch, --preset")
+    needs_http = not args.engine_only
+    if needs_http and not (args.base_url or args.launch or args.preset):
+        args.base_url = "http://127.0.0.1:8000"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device, dtype_spec = _device_of(args.serve_args)
+    result: dict[str, Any] = {
+        "benchmark": "serving",
+        "env": env_info(device),
+        "args": vars(args) | {"request_rate": str(args.request_rate)},
+        "errors": {},
+    }
+    tmp = None
+    model_dir: Path | None = Path(args.model_dir) if args.model_dir else None
+    if args.launch:
+        model_dir = Path(args.launch)
+    if args.preset:
+        if model_dir is None:
+            tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
+            model_dir = Path(tmp)
+        if not checkpoint_matches(model_dir, args.preset):
+            from load_tests.common import resolve_dtype, write_random_checkpoint
+
+            logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
+            t = time.perf_counter()
+            write_random_checkpoint(
+                model_dir, args.preset, device, resolve_dtype("float16", device), seed=args.seed
+            )
+            result["checkpoint_write_s"] = time.perf_counter() - t
+    if (args.engine_only or args.compare_engine or args.transformers_baseline) and not model_dir:
+        raise SystemExit(
+            "--engine-only/--compare-engine/--transformers-baseline need a model "
+            "folder: --launch, --preset or --model-dir"
+        )
+    try:
+        rc = _run(args, result, model_dir, device, dtype_spec)
+    finally:
+        if tmp and not args.keep_model:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rc
+
+
+def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> int:
+    if args.vocab_size:
+        vocab = args.vocab_size
+    elif model_dir:
+        vocab = model_vocab_size(model_dir)
+    else:
+        raise SystemExit("against --base-url, give --vocab-size or --model-dir")
+    prompts = build_dataset(args, vocab)
+    if args.prompt_type == "text":
+        if not model_dir:
+            raise SystemExit("--prompt-type text needs the model folder (--model-dir)")
+        add_text(prompts, model_dir)
+    arrivals = arrival_times(len(prompts), args.request_rate, args.seed)
+    result["model_dir"] = str(model_dir) if model_dir else None
+    result["dataset"] = {
+        "name": args.dataset,
+        "num_prompts": len(prompts),
+        "vocab_size": vocab,
+        "mean_input_len": statistics.fmean(len(p.token_ids) for p in prompts),
+        "output_len": args.output_len,
+        "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
+        "request_rate": str(args.request_rate),
+        "max_concurrency": args.max_concurrency,
+    }
+    runs: dict[str, list[RequestRecord]] = {}
+
+    # transformers first, in this process; its memory is freed before anything else starts.
+    if args.transformers_baseline:
+        logger.info("transformers baseline: batch %d", args.hf_batch_size)
+        try:
+            result["transformers"] = run_transformers(model_dir, device, dtype_spec, prompts, args)
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"]["transformers"] = f"{type(e).__name__}: {e}"
+
+    if not args.engine_only:
+        try:
+            records, duration, name = _http_phase(args, model_dir, prompts, arrivals)
+            result["http"] = compute_metrics(records, duration, args.percentiles)
+            result["http"]["served_model_name"] = name
+            result["http"]["requests"] = _records_json(records)
+            runs["http"] = records
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"]["http"] = f"{type(e).__name__}: {e}"
+
+    # The engine runs last: the server is gone and transformers has freed its memory.
+    if args.engine_only or args.compare_engine:
+        logger.info("engine-only run (in-process LLMEngine)")
+        try:
+            records, duration, info = run_engine(
+                model_dir, args.serve_args, prompts, arrivals, args
+            )
+            result["engine"] = compute_metrics(records, duration, args.percentiles)
+            result["engine"]["engine"] = info
+            result["engine"]["requests"] = _records_json(records)
+            runs["engine"] = records
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"]["engine"] = f"{type(e).__name__}: {e}"
+
+    if "http" in result and "engine" in result:
+        h, g = result["http"], result["engine"]
+        result["services_overhead"] = {
+            k: (h[k] - g[k]) if h.get(k) is not None and g.get(k) is not None else None
+            for k in (
+                "median_ttft_ms",
+                "mean_ttft_ms",
+                "median_itl_ms",
+                "mean_itl_ms",
+                "p99_itl_ms",
+                "median_tpot_ms",
+            )
+        }
+    if "transformers" in result:
+        hf = result["transformers"]["output_throughput"]
+        result["speedup_vs_transformers"] = {
+            k: result[k]["output_throughput"] / hf
+            for k in ("http", "engine")
+            if k in result and result[k].get("output_throughput")
+        }
+    if args.out and runs and not args.no_plots:
+        try:
+            result["plots"] = write_plots(Path(args.out), runs, args.percentiles)
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"]["plots"] = f"{type(e).__name__}: {e}"
+    write_json(args.out, result)
+    print_summary(result)
+    failed = any(result.get(k, {}).get("failed") for k in ("http", "engine"))
+    return 1 if result["errors"] or failed else 0
+
+
+def _http_phase(args, model_dir, prompts, arrivals) -> tuple[list[RequestRecord], float, str]:
+    if args.base_url:
+        name = args.model or asyncio.run(served_model_name(args.base_url, args.api_key))
+        records, duration = asyncio.run(run_http(args.base_url, name, prompts, arrivals, args))
+        return records, duration, name
+    if args.out:
+        log_path = Path(args.out).with_name(Path(args.out).stem + "_server.log")
+    else:
+        log_path = Path(tempfile.gettempdir()) / f"voltserve-bench-{os.getpid()}.log"
+    with launched_server(model_dir, args.serve_args, log_path, args.launch_timeout) as base:
+        name = args.model or asyncio.run(served_model_name(base, args.api_key))
+        logger.info("HTTP run: %d requests to %s (model %s)", len(prompts), base, name)
+        records, duration = asyncio.run(run_http(base, name, prompts, arrivals, args))
+    return records, duration, name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
