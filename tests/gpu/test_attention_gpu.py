@@ -1,0 +1,162 @@
+"""Decode and prefill attention kernels on a real GPU at realistic shapes, against the fp32
+reference (attention_ref.py) run on the same fp16 inputs.
+
+Error bound: |out - ref| <= 2e-3 + 5e-3 * |ref| elementwise. The kernels accumulate in fp32 (sum
+order differs from torch: ~1e-6 relative) and round the output to fp16 (half an ulp is 4.9e-4
+relative), so the bound leaves room only for rounding, not for a wrong mask or a lost partition.
+Inputs are N(0, 1); the cache slots past each context are NaN, outputs are NaN before launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from voltserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ATOL, RTOL = 2e-3, 5e-3
+BLOCK = 16
+CONTEXTS = [1, 15, 16, 17, 100, 1000, 4096, 32768]
+
+
+def make_cache(seq_lens, num_kv_heads, head_dim, gen, width=None):
+    n_blocks = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
+    total = sum(n_blocks) + 4
+    shape = (total, num_kv_heads, BLOCK, head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda").half()
+    v = torch.randn(shape, generator=gen, device="cuda").half()
+    perm = torch.randperm(total, generator=gen, device="cuda").int()
+    width = width or max(max(n_blocks), 1)
+    tables = torch.zeros((len(seq_lens), width), dtype=torch.int32, device="cuda")
+    pos = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[pos : pos + n]
+        pos += n
+        tail = seq_lens[b] % BLOCK
+        if tail:
+            k[tables[b, n - 1], :, tail:] = float("nan")
+            v[tables[b, n - 1], :, tail:] = float("nan")
+    return k, v, tables
+
+
+def check(out, ref):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(head_dim, group):
+    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    num_kv_heads = 2
+    seq_lens = CONTEXTS
+    k, v, tables = make_cache(seq_lens, num_kv_heads, head_dim, gen)
+    q = torch.randn((len(seq_lens), num_kv_heads * group, head_dim), generator=gen, device="cuda")
+    q = q.half()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, scale)
+    for max_seq_len in (None, max(seq_lens)):  # table-width bound, exact bound
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention_cuda(q, k, v, tables, sl, scale, out, max_seq_len=max_seq_len)
+        torch.cuda.synchronize()
+        check(out, ref)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_short_single_partition(head_dim, group):
+    """Contexts within one partition take the direct path (no merge kernel); a 0 row is zero."""
+    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    seq_lens = [1, 15, 16, 17, 100, 0, 511]
+    k, v, tables = make_cache(seq_lens, 4, head_dim, gen)
+    q = torch.randn((len(seq_lens), 4 * group, head_dim), generator=gen, device="cuda").half()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_cuda(q, k, v, tables, sl, 0.1, out, max_seq_len=512)
+    ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, 0.1)
+    ref[5] = 0
+    check(out, ref)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_chunked(head_dim, group):
+    from voltserve.kernels.prefill_attention import paged_attention_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    # (seq_len, q_len): whole prompts, chunks after a cached prefix, decode rows in the batch.
+    cases = [(1, 1), (17, 17), (100, 37), (1000, 1000), (4096, 512), (4096, 1), (300, 16)]
+    seq_lens = [s for s, _ in cases]
+    q_lens = [n for _, n in cases]
+    num_kv_heads = 2
+    k, v, tables = make_cache(seq_lens, num_kv_heads, head_dim, gen)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
+    T = int(qsl[-1])
+    q = torch.randn((T, num_kv_heads * group, head_dim), generator=gen, device="cuda").half()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    paged_attention_cuda(q, k, v, tables, sl, qsl, scale, out, max_query_len=max(q_lens))
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    check(out, ref)
+    out2 = paged_attention_cuda(q, k, v, tables, sl, qsl, scale)  # max_query_len from the device
+    check(out2, ref)
+
+
+def test_decode_cuda_graph_replay_with_new_seq_lens():
+    """Capture once with a context bound; replay after changing seq_lens (including 0 rows and
+    lengths that span different partition counts) and compare every replay to the reference."""
+    from voltserve.kernels.decode_attention import (
+        decode_config,
+        num_partitions,
+        paged_decode_attention_cuda,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    B, kvh, group, D, max_len = 8, 8, 4, 128, 8192
+    H = kvh * group
+    k, v, tables = make_cache([max_len] * B, kvh, D, gen)
+    q = torch.randn((B, H, D), generator=gen, device="cuda").half()
+    sl = torch.full((B,), 1, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    P = num_partitions(max_len, decode_config(H, kvh, D).partition)
+    ws = (
+        torch.empty((B, H, P), device="cuda"),
+        torch.empty((B, H, P), device="cuda"),
+        torch.empty((B, H, P, D), device="cuda"),
+    )
+
+    def step():
+        paged_decode_attention_cuda(
+            q, k, v, tables, sl, D**-0.5, out, max_seq_len=max_len, workspace=ws
+        )
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up: compile and load the kernels outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for lens in ([1] * B, [5, 0, 513, 8192, 16, 17, 1024, 3000], [8192] * B, [0] * B):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn((B, H, D), generator=gen, device="cuda").half())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, D**-0.5)
+        for b, n in enumerate(lens):
+            if n == 0:
+                ref[b] = 0
+        check(out, ref)
