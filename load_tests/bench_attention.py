@@ -1,0 +1,165 @@
+"""Decode attention bandwidth: bytes of K+V read per second, as a fraction of a device-to-device
+copy measured in the same run (copy bandwidth counts its read and its write bytes, so both sides
+are DRAM traffic per second).
+
+    python load_tests/bench_attention.py --out results/bench_attention.json
+
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one layer's cache, fp16.
+Calls are captured in a CUDA graph (ITERS launches per replay) so the GPU time is measured, not
+the CPU launch rate; timing is torch CUDA events, median over repeats after a warmup.
+Also times the (untuned) prefill kernel for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BLOCK = 16
+
+
+def time_graph(fn, iters: int, repeats: int) -> float:
+    """Median seconds per fn() call, fn captured `iters` times in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = time_graph(lambda: dst.copy_(src), iters=10, repeats=10)
+    return 2 * nbytes / t
+
+
+def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int):
+    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+
+    H = kvh * group
+    n_blocks = batch * context // BLOCK
+    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda").half()
+    v = torch.randn_like(k)
+    tables = torch.randperm(n_blocks, device="cuda").int().view(batch, context // BLOCK)
+    sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, H, head_dim), device="cuda").half()
+    out = torch.empty_like(q)
+    t = time_graph(
+        lambda: paged_decode_attention_cuda(
+            q, k, v, tables, sl, head_dim**-0.5, out, max_seq_len=context
+        ),
+        iters=iters,
+        repeats=10,
+    )
+    nbytes = 2 * batch * context * kvh * head_dim * 2
+    del k, v
+    torch.cuda.empty_cache()
+    return t, nbytes
+
+
+def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:
+    from voltserve.kernels.prefill_attention import paged_attention_cuda
+
+    H = kvh * group
+    n_blocks = q_len // BLOCK
+    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda").half()
+    v = torch.randn_like(k)
+    tables = torch.arange(n_blocks, device="cuda", dtype=torch.int32).view(1, -1)
+    sl = torch.tensor([q_len], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    q = torch.randn((q_len, H, head_dim), device="cuda").half()
+    out = torch.empty_like(q)
+    return time_graph(
+        lambda: paged_attention_cuda(
+            q, k, v, tables, sl, qsl, head_dim**-0.5, out, max_query_len=q_len
+        ),
+        iters=2,
+        repeats=5,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+
+    copy_bw = copy_bandwidth()
+    rows = []
+    for context in (int(x) for x in args.contexts.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            iters = 20 if batch * context <= 1 << 17 else 5
+            t, nbytes = bench_decode(
+                batch, context, args.kv_heads, args.group, args.head_dim, iters
+            )
+            rows.append(
+                dict(
+                    batch=batch,
+                    context=context,
+                    time_us=t * 1e6,
+                    kv_bytes=nbytes,
+                    bandwidth_GBps=nbytes / t / 1e9,
+                    fraction_of_copy=nbytes / t / copy_bw,
+                )
+            )
+    prefill = []
+    for q_len in (1024, 4096):
+        t = bench_prefill(q_len, args.kv_heads, args.group, args.head_dim)
+        H = args.kv_heads * args.group
+        flops = 4 * H * args.head_dim * q_len * q_len / 2  # causal: half the score matrix
+        prefill.append(dict(q_len=q_len, time_ms=t * 1e3, tflops=flops / t / 1e12))
+
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        shape=dict(
+            q_heads=args.kv_heads * args.group, kv_heads=args.kv_heads, head_dim=args.head_dim
+        ),
+        copy_bandwidth_GBps=copy_bw / 1e9,
+        decode=rows,
+        prefill=prefill,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"{result['device']}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'batch':>6} {'context':>8} {'time us':>10} {'GB/s':>8} {'of copy':>8}")
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {r['context']:>8} {r['time_us']:>10.1f} "
+            f"{r['bandwidth_GBps']:>8.0f} {r['fraction_of_copy']:>8.1%}"
+        )
+    for p in prefill:
+        print(f"prefill q_len {p['q_len']}: {p['time_ms']:.2f} ms, {p['tflops']:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
