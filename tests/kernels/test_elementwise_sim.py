@@ -1,0 +1,111 @@
+"""rmsnorm, fused add + rmsnorm, silu_and_mul, rotary and reshape_and_cache kernels against their
+torch references, in the CUDA simulator, on fresh random inputs with NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from voltserve.kernels import activation, kv_cache, rmsnorm, rotary
+from voltserve.kernels.numba_common import SIM, launch
+
+# On a GPU host the simulator is off; the GPU tests cover these kernels there.
+pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
+
+
+def run(kernel, grid, block: int, *args) -> None:
+    """Launch with numpy views of torch tensors (shared memory, so in-place kernels update them);
+    the simulator cannot take torch tensors as device arrays."""
+    launch(
+        kernel, grid, block, tuple(a.numpy() if isinstance(a, torch.Tensor) else a for a in args)
+    )
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    if out.dtype == torch.float16:
+        # fp32 reductions in a different order can move an fp16 result by one ulp.
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-3, rtol=2e-3)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 300])  # 300 > VPT * 32 exercises the re-read tail
+def test_rms_norm(dtype, hidden):
+    x = torch.randn(3, hidden, dtype=dtype) * 2
+    w = torch.randn(hidden, dtype=dtype)
+    out = poisoned_like(x)
+    run(rmsnorm.rms_norm_kernel, 3, 32, x, w, out, 1e-6)
+    assert_close(out, rmsnorm.rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 300])
+def test_fused_add_rms_norm(dtype, hidden):
+    x = torch.randn(3, hidden, dtype=dtype)
+    res = torch.randn(3, hidden, dtype=dtype)
+    w = torch.randn(hidden, dtype=dtype)
+    x_ref, res_ref = x.clone(), res.clone()
+    rmsnorm.fused_add_rms_norm_ref(x_ref, res_ref, w, 1e-5)
+    run(rmsnorm.fused_add_rms_norm_kernel, 3, 32, x, res, w, 1e-5)
+    assert torch.equal(res, res_ref)  # the residual add rounds exactly like the reference
+    assert_close(x, x_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    T, inter, block = 3, 150, 32
+    x = torch.randn(T, 2 * inter, dtype=dtype) * 3
+    out = poisoned_like(torch.empty(T, inter, dtype=dtype))
+    per_block = block * activation.PER_THREAD
+    run(activation.silu_and_mul_kernel, (T, (inter + per_block - 1) // per_block), block, x, out)
+    assert_close(out, activation.silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary(dtype, is_neox):
+    T, heads, kv_heads, head_dim, rotary_dim = 4, 3, 1, 16, 8  # partial rotary
+    cache = rotary.build_cos_sin_cache(
+        rotary_dim,
+        64,
+        10000.0,
+        {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16},
+    )
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    positions = torch.randint(0, 64, (T,), dtype=torch.int64)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary.rotary_embedding_ref(positions, q_ref, k_ref, head_dim, cache, is_neox)
+    # The simulator only takes contiguous arrays; the GPU test covers strided q/k views.
+    q, k = q.contiguous(), k.contiguous()
+    run(rotary.rotary_embedding_kernel, T, 32, positions, q, k, head_dim, cache, is_neox)
+    if dtype == torch.float16:
+        # Every product and sum is rounded like the reference's fp16 ops: bit-exact.
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    else:
+        assert_close(q, q_ref)
+        assert_close(k, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(dtype):
+    T, kv_heads, head_dim, block_size, num_blocks = 6, 2, 8, 4, 5
+    key = torch.randn(T, kv_heads, head_dim, dtype=dtype)
+    value = torch.randn(T, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size)[:T].to(torch.int64)
+    slots[2] = -1  # padding: skipped
+    k_cache = torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_cache.reshape_and_cache_ref(key, value, k_ref, v_ref, slots)
+    run(kv_cache.reshape_and_cache_kernel, T, 32, key, value, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
