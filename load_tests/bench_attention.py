@@ -62,7 +62,7 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
 
     H = kvh * group
     n_blocks = batch * context // BLOCK
-    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda").half()
+    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
     tables = torch.randperm(n_blocks, device="cuda").int().view(batch, context // BLOCK)
     sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -76,8 +76,6 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
         repeats=10,
     )
     nbytes = 2 * batch * context * kvh * head_dim * 2
-    del k, v
-    torch.cuda.empty_cache()
     return t, nbytes
 
 
@@ -86,7 +84,7 @@ def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:
 
     H = kvh * group
     n_blocks = q_len // BLOCK
-    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda").half()
+    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
     tables = torch.arange(n_blocks, device="cuda", dtype=torch.int32).view(1, -1)
     sl = torch.tensor([q_len], dtype=torch.int32, device="cuda")
