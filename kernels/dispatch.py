@@ -37,7 +37,7 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "silu_and_mul": (("activation",), "activation", "silu_and_mul_ref"),
     "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
     "paged_attention": (
-        ("attention", "paged_attention", "attention_ref"),
+        ("prefill_attention", "attention", "paged_attention", "attention_ref"),
         "attention_ref",
         "paged_attention_ref",
     ),
@@ -53,8 +53,17 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
 # Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
 # (numba has no bf16 arrays). An op whose launcher cannot take the model's dtype uses the reference.
 _DEFAULT_CUDA_DTYPES = (torch.float16, torch.float32)
-_CUDA_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+_CUDA_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
+    "paged_attention": (torch.float16,),
     "paged_decode_attention": (torch.float16,),
+    # Sampling works on fp32 logits whatever the model's dtype.
+    "apply_penalties": None,
+    "sample": None,
+}
+# The attention kernels are written for 16-token KV blocks.
+_CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
+    "paged_attention": (16,),
+    "paged_decode_attention": (16,),
 }
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
@@ -90,11 +99,13 @@ class KernelDispatch:
         self,
         device: torch.device | str,
         dtype: torch.dtype = torch.float16,
+        block_size: int = 16,
         force_ref: bool | None = None,
         graph_torch_fallback: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        self.block_size = block_size
         self.force_ref = force_ref_from_env() if force_ref is None else force_ref
         self.impl: dict[str, str] = {}  # op -> "cuda" | "ref" | "torch-capturable"
         self._fns: dict[str, Callable] = {}
@@ -108,7 +119,11 @@ class KernelDispatch:
                     ok = getattr(mod, f"{op}_cuda_dtypes", None) or _CUDA_DTYPES.get(
                         op, _DEFAULT_CUDA_DTYPES
                     )
-                    if fn is not None and dtype not in ok:
+                    if fn is not None and ok is not None and dtype not in ok:
+                        fn = None
+                    if fn is not None and block_size not in _CUDA_BLOCK_SIZES.get(
+                        op, (block_size,)
+                    ):
                         fn = None
                     if fn is not None:
                         kind = "cuda"

@@ -82,3 +82,52 @@ def copy_checkpoint(arch: str, dest: Path) -> Path:
     """A private copy to break on purpose (loader error tests)."""
     shutil.copytree(checkpoint(arch), dest)
     return dest
+
+
+def hf_greedy(path, prompt: list[int], n: int, device: str = "cpu", dtype=None):
+    """transformers greedy: the n tokens and the raw logits [n, V] (fp32) of each step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float().cpu()
+
+
+def drive(runner, reqs, max_new: int, chunk: int) -> None:
+    """A minimal engine loop over a ModelRunner: fixed disjoint blocks, chunked prefill, decodes
+    first. Each request collects its SampledTokens in `.trace`."""
+    from voltserve.services.executor.request import ScheduledRequest, StepPlan
+
+    per = -(-(max(r.num_tokens for r in reqs) + max_new) // runner.block_size)
+    for i, r in enumerate(reqs):
+        r.block_ids = list(range(i * per, (i + 1) * per))
+        r.trace = []
+    assert len(reqs) * per <= runner.num_kv_blocks
+    while any(r.num_output_tokens < max_new for r in reqs):
+        live = [r for r in reqs if r.num_output_tokens < max_new]
+        live.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # decodes first
+        sched = [
+            ScheduledRequest(r, min(chunk, r.num_tokens - r.num_computed_tokens)) for r in live
+        ]
+        plan = StepPlan(sched, sum(s.num_new_tokens for s in sched))
+        sampled = iter(runner.execute(plan))
+        for s in sched:
+            samples = s.samples
+            s.request.num_computed_tokens += s.num_new_tokens
+            if samples:
+                tok = next(sampled)
+                s.request.output_token_ids.append(tok.token_id)
+                s.request.trace.append(tok)
+        assert next(sampled, None) is None

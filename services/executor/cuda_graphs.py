@@ -54,6 +54,7 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -109,4 +110,5 @@ class CudaGraphRunner:
             self.block_tables[B:bs].zero_()
             self.seq_lens[B:bs].fill_(1)
         self.graphs[bs].replay()
+        self.num_replays += 1
         return self.outputs[bs][:B]

@@ -69,7 +69,9 @@ class ModelRunner:
         self.max_model_len: int = self._resolve_max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.ops = KernelDispatch(self.device, self.dtype, graph_torch_fallback=use_graphs)
+        self.ops = KernelDispatch(
+            self.device, self.dtype, self.block_size, graph_torch_fallback=use_graphs
+        )
         self.model.ops = self.ops
         self.sampler = Sampler(self.ops, self.device)
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
@@ -85,7 +87,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, graph_batch)
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
-            self.ops = KernelDispatch(self.device, self.dtype)
+            self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
             self.model.ops = self.ops
             self.sampler = Sampler(self.ops, self.device)
         logger.info(
@@ -172,7 +174,7 @@ class ModelRunner:
         )
         qsl = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
-            slots, bt, torch.tensor(lens, dtype=torch.int32, device=self.device), qsl, False
+            slots, bt, torch.tensor(lens, dtype=torch.int32, device=self.device), qsl, False, seq
         )
         # Sampling rows: up to max_num_seqs logits rows.
         rows = torch.arange(min(self.config.max_num_seqs, T), device=self.device) % T
@@ -293,6 +295,7 @@ class ModelRunner:
             seq_lens=d[4].to(torch.int32),
             query_start_loc=d[5].to(torch.int32),
             is_decode=plan.is_decode_only,
+            max_query_len=max(s.num_new_tokens for s in sched),
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
 

@@ -59,10 +59,8 @@ class Sampler:
         self.device = device
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        # Small per-step tensors: pinning them would cost more (cudaHostAlloc) than it saves.
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
     def needs_full_path(self, rows: list[SampleRow]) -> bool:
         for row in rows:

@@ -21,53 +21,10 @@ from voltserve.services.executor.request import Request, ScheduledRequest, StepP
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import ARCHS, checkpoint, copy_checkpoint, tokenizer
+from tests.checkpoints import ARCHS, checkpoint, copy_checkpoint, drive, hf_greedy, tokenizer
 
 LOGPROB_ATOL = 1e-4
 CPU = torch.device("cpu")
-
-
-def hf_greedy(path, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers greedy: tokens and the raw logits [n, V] of each step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
-
-
-def drive(runner: ModelRunner, reqs: list[Request], max_new: int, chunk: int) -> None:
-    """A minimal engine loop: fixed disjoint blocks, chunked prefill, decodes first."""
-    per = -(-(max(r.num_tokens for r in reqs) + max_new) // runner.block_size)
-    for i, r in enumerate(reqs):
-        r.block_ids = list(range(i * per, (i + 1) * per))
-    assert len(reqs) * per <= runner.num_kv_blocks
-    while any(r.num_output_tokens < max_new for r in reqs):
-        live = [r for r in reqs if r.num_output_tokens < max_new]
-        live.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # decodes first
-        sched = [
-            ScheduledRequest(r, min(chunk, r.num_tokens - r.num_computed_tokens)) for r in live
-        ]
-        plan = StepPlan(sched, sum(s.num_new_tokens for s in sched))
-        sampled = iter(runner.execute(plan))
-        for s in sched:
-            samples = s.samples
-            s.request.num_computed_tokens += s.num_new_tokens
-            if samples:
-                tok = next(sampled)
-                s.request.output_token_ids.append(tok.token_id)
-                s.request.logprob_trace = getattr(s.request, "logprob_trace", []) + [tok]
-        assert next(sampled, None) is None
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +48,7 @@ def test_greedy_and_logprobs_match_transformers(arch: str, runners) -> None:
         want, logits = hf_greedy(checkpoint(arch), prompt, max_new)
         assert r.output_token_ids == want, f"{arch}: prompt of {len(prompt)} tokens"
         lp = torch.log_softmax(logits, dim=-1)
-        for step, tok in enumerate(r.logprob_trace):
+        for step, tok in enumerate(r.trace):
             assert abs(tok.logprob - lp[step, tok.token_id].item()) < LOGPROB_ATOL
             top_v, top_i = lp[step].topk(3)
             got_i = [t for t, _ in tok.top_logprobs]

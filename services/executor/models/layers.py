@@ -26,6 +26,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     # Every sequence has exactly one query row (row b is sequence b): use the decode kernel.
     is_decode: bool
+    # Longest query of the step, known on the host (the prefill kernel sizes its grid with it).
+    max_query_len: int | None = None
 
 
 class Linear(nn.Module):

@@ -101,6 +101,10 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
             )
         else:
+            # The numba kernel takes the longest query from the host so it never syncs.
+            kw = {}
+            if ops.impl["paged_attention"] == "cuda" and meta.max_query_len is not None:
+                kw["max_query_len"] = meta.max_query_len
             o = ops.paged_attention(
                 q,
                 k_cache,
@@ -109,6 +113,7 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 meta.query_start_loc,
                 self.scale,
+                **kw,
             )
         return self.o_proj(o.view(T, self.q_size))
 
