@@ -1,0 +1,215 @@
+"""CI smoke of the benchmark scripts on the CPU: each runs end to end at a tiny size and writes
+its JSON with the keys the GPU run is read by. Timings are not checked (a CPU box says nothing
+about them); token counts and completions are, since they are exact."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from load_tests import bench_serving, common  # noqa: E402
+
+PY = sys.executable
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    r = subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (
+        f"{args[0]} failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    )
+    return r
+
+
+def test_weight_bytes_match_llama3_8b_parameter_count():
+    # Llama-3-8B has 8,030,261,248 parameters; the embedding is 128256 x 4096.
+    cfg = common.make_hf_config("llama3-8b")
+    wb = common.weight_bytes(cfg, common.torch.float16)
+    assert wb["total_bytes"] == 2 * 8_030_261_248
+    assert wb["read_per_token_bytes"] == wb["total_bytes"] - 2 * 128256 * 4096
+    assert common.kv_bytes_per_token(cfg, common.torch.float16) == 2 * 32 * 8 * 128 * 2
+    # Tied embeddings (Qwen2.5-0.5B): the lm_head reads the embedding, so it is counted.
+    q = common.make_hf_config("qwen2.5-0.5b")
+    wq = common.weight_bytes(q, common.torch.float16)
+    assert wq["read_per_token_bytes"] == wq["total_bytes"]
+
+
+def test_datasets_stay_in_vocab_and_share_prefix():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    vocab = int(np.random.default_rng(seed).integers(100, 5000))
+    args = bench_serving.parse_args(
+        [
+            "--dataset",
+            "prefix",
+            "--prefix-len",
+            "12",
+            "--input-len",
+            "5",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "6",
+            "--seed",
+            str(seed),
+            "--engine-only",
+        ]
+    )
+    prompts = bench_serving.build_dataset(args, vocab)
+    assert len(prompts) == 6
+    assert all(len(p.token_ids) == 17 and p.output_len == 3 for p in prompts)
+    assert all(p.token_ids[:12] == prompts[0].token_ids[:12] for p in prompts)
+    assert all(0 <= t < vocab for p in prompts for t in p.token_ids)
+    again = bench_serving.build_dataset(args, vocab)
+    assert [p.token_ids for p in again] == [p.token_ids for p in prompts]  # seeded
+    gaps = np.diff([0.0, *bench_serving.arrival_times(2000, 50.0, seed)])
+    assert 0.015 < gaps.mean() < 0.025  # Poisson at 50 req/s
+
+
+def test_bench_decode_cpu_smoke(tmp_path):
+    out = tmp_path / "decode.json"
+    _run(
+        [
+            "load_tests/bench_decode.py",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompt-len",
+            "16",
+            "--output-len",
+            "4",
+            "--runs",
+            "1",
+            "--warmup",
+            "1",
+            "--hf-runs",
+            "1",
+            "--hf-warmup",
+            "0",
+            "--batch-sizes",
+            "2",
+            "--context",
+            "16",
+            "--decode-steps",
+            "2",
+            "--decode-warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    d = json.loads(out.read_text())
+    assert d["errors"] == {}
+    assert d["copy_bandwidth"]["bandwidth_GBps"] > 0
+    assert d["floor"]["ms_per_token"] > 0
+    for key in ("decode_tok_s", "ms_per_token", "ttft_ms", "roofline_fraction"):
+        assert d["engine"][key] > 0, key
+    assert d["transformers"]["decode_tok_s"] > 0
+    assert d["speedup_vs_transformers"] > 0
+    assert 0 <= d["greedy_agreement_tokens"] <= 4
+    (b,) = d["batched"]
+    assert b["batch_size"] == 2 and b["context"] == 16 and b["steps_not_full_batch"] == 0
+    for key in ("step_ms", "floor_ms", "ratio_to_floor", "output_tok_s"):
+        assert b[key] > 0, key
+    assert d["env"]["torch"] and "git_commit" in d["env"]
+
+
+def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
+    model = tmp_path / "model"
+    common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)
+    out = tmp_path / "engine.json"
+    _run(
+        [
+            "load_tests/bench_serving.py",
+            "--engine-only",
+            "--model-dir",
+            str(model),
+            "--dataset",
+            "prefix",
+            "--prefix-len",
+            "16",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "200",
+            "--out",
+            str(out),
+            "--serve-args=--device cpu",
+        ]
+    )
+    d = json.loads(out.read_text())
+    e = d["engine"]
+    assert e["completed"] == 6 and e["failed"] == 0
+    assert e["total_output_tokens"] == 24 and e["total_input_tokens"] == 6 * 24
+    # The shared prefix is one full 16-token block: later requests hit the prefix cache.
+    assert e["engine"]["stats"]["prefix_cache_hits"] > 0
+    assert "http" not in d
+    assert Path(d["plots"][0]).exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("voltserve.services.launcher") is None,
+    reason="`voltserve serve` (voltserve.services.launcher) is not in this tree yet",
+)
+def test_bench_serving_launch_cpu_smoke(tmp_path):
+    model = tmp_path / "demo"
+    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    out = tmp_path / "serving.json"
+    _run(
+        [
+            "load_tests/bench_serving.py",
+            "--launch",
+            str(model),
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--compare-engine",
+            "--transformers-baseline",
+            "--hf-max-prompts",
+            "8",
+            "--hf-batch-size",
+            "4",
+            "--launch-timeout",
+            "180",
+            "--out",
+            str(out),
+            "--",
+            "--device",
+            "cpu",
+        ],
+        timeout=400,
+    )
+    d = json.loads(out.read_text())
+    assert d["errors"] == {}
+    for name in ("http", "engine"):
+        m = d[name]
+        assert m["completed"] == 8 and m["failed"] == 0, m.get("errors")
+        assert m["total_output_tokens"] == 64 and m["output_tokens_short"] == 0
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "median", "p99"):
+                assert m[f"{stat}_{metric}_ms"] is not None, (name, stat, metric)
+        for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+            assert m[key] > 0
+    assert set(d["services_overhead"]) >= {"median_ttft_ms", "median_itl_ms"}
+    assert d["transformers"]["output_throughput"] > 0
+    assert d["transformers"]["total_output_tokens"] == 64
+    assert set(d["speedup_vs_transformers"]) == {"http", "engine"}
+    assert all(Path(p).exists() for p in d["plots"])
+    assert (tmp_path / "serving_server.log").exists()
