@@ -88,9 +88,17 @@ def scheduler_routes_key() -> str:
 # ---- basic operations -----------------------------------------------------------------------
 
 
-def connect(url: str) -> aioredis.Redis:
-    # decode_responses stays off: payloads are msgpack bytes.
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=10)
+def connect(url: str, max_connections: int = 512) -> aioredis.Redis:
+    """A client whose pool makes a burst of commands wait for a free connection (up to 30 s)
+    instead of failing with "Too many connections" (a gateway with hundreds of streams open)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=30,
+        decode_responses=False,  # payloads are msgpack bytes
+        health_check_interval=10,
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start_id: str = "0") -> None:

@@ -10,10 +10,16 @@ from voltserve.shared import streams
 
 logger = logging.getLogger(__name__)
 
-# Renew (or delete) only while the key still holds our own token.
+# Renew while the key holds our own token. If it expired (we were starved for a moment) and
+# nobody took it, take it back: stepping down would only make us rebuild our own state.
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if not v then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
 end
 return 0
 """
@@ -50,9 +56,9 @@ class LeaderLease:
         return False
 
     async def keep(self) -> None:
-        """Renew every ttl/3 until renewal fails; then set `lost` and return."""
+        """Renew every ttl/4 until renewal fails; then set `lost` and return."""
         while True:
-            await asyncio.sleep(self.ttl_ms / 3000)
+            await asyncio.sleep(self.ttl_ms / 4000)
             try:
                 ok = await self.r.eval(_RENEW, 1, self.key, self.token, self.ttl_ms)
             except Exception:  # noqa: BLE001 - a Redis hiccup: retry until the lease runs out

@@ -91,7 +91,7 @@ class Stack:
         return proc
 
     def add_scheduler(self, name: str = "scheduler-0", *extra: str) -> str:
-        argv = ["scheduler", "--redis-url", self.redis_url, "--lease-ttl", "1.5"]
+        argv = ["scheduler", "--redis-url", self.redis_url, "--lease-ttl", "2"]
         self._spawn(name, argv + ["--scheduler-id", name, *extra])
         return name
 
@@ -190,6 +190,9 @@ class Stack:
 
     def pause(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGCONT)
 
     def restart(self, name: str) -> None:
         if name in self.procs:
