@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.shared import startup
 
 if TYPE_CHECKING:
     from voltserve.services.executor.model_runner import DeviceBatch, ModelRunner
@@ -74,7 +75,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
+        for bs in startup.progress(list(reversed(self.sizes)), "capturing CUDA graphs"):
             # Warm up eagerly first: numba compiles, cuBLAS picks its kernels and workspaces.
             self._forward(bs)
             torch.cuda.synchronize()

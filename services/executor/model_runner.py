@@ -19,6 +19,7 @@ from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        loaded = load_model(config.model, self.dtype, self.device)
+        with startup.phase("loading weights"):
+            loaded = load_model(config.model, self.dtype, self.device)
         self.model = loaded.model
         self.arch = loaded.arch
         self.eos_token_ids: list[int] = loaded.eos_token_ids
@@ -76,7 +78,8 @@ class ModelRunner:
         self.sampler = Sampler(self.ops, self.device)
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
-        self.num_kv_blocks: int = self._decide_num_blocks()
+        with startup.phase("sizing the KV cache"):
+            self.num_kv_blocks: int = self._decide_num_blocks()
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
         self.graphs = None
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
@@ -84,7 +87,8 @@ class ModelRunner:
         if why_not is None:
             from voltserve.services.executor.cuda_graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self, graph_batch)
+            with startup.phase("compiling kernels and capturing CUDA graphs"):
+                self.graphs = CudaGraphRunner(self, graph_batch)
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)

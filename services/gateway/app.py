@@ -85,6 +85,8 @@ async def models(request: web.Request) -> web.Response:
             "max_model_len": gw.max_model_len,
         }
         for name in gw.served_model_names
+        # A model is listed only once an executor can serve it (none while starting).
+        if await executors_ready(gw, request.app)
     ]
     return web.json_response({"object": "list", "data": data})
 
