@@ -216,7 +216,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             # rotary_emb.inv_freq (old exports), lm_head.weight of a tied model: derived, not loaded.
             ignored.append(name)
             continue
-        tensor = tensor.to(t.param.dtype)
+        if tensor.is_floating_point():
+            # bf16/fp32 checkpoints are converted to the run dtype; integer tensors (packed
+            # quantized weights) are handed to their linear's load_weight untouched.
+            tensor = tensor.to(t.param.dtype)
         try:
             if t.module is not None:
                 t.module.load_weight(t.param_name, t.shard, tensor)
