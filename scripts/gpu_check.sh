@@ -8,8 +8,11 @@
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
 set -uo pipefail
-OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [STAGE ...]}
+FINAL=${1:?usage: scripts/gpu_check.sh OUT_DIR [STAGE ...]}
 shift
+# Everything is written under OUT_DIR/results and packed into OUT_DIR/gpu_results.tar.gz at the
+# end (some hosts return only a few files).
+OUT=$FINAL/results
 STAGES=${*:-env tests kernels decode-small decode-8b serving}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS=${WHEELS:-$REPO/.whl}
@@ -68,7 +71,7 @@ for stage in $STAGES; do
       run env bash -c "nvidia-smi; $PY -c 'import torch, numba, numpy; print(torch.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())'; $VS check-kernels --cc 7.0"
       ;;
     tests)
-      run tests $PY -m pytest -q -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider
+      run tests $PY -m pytest -q --timeout 300 tests/gpu tests/kernels -p no:cacheprovider
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -89,3 +92,5 @@ for stage in $STAGES; do
   esac
 done
 echo "--- summary"; cat "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$FINAL/summary.txt"
+tar -C "$FINAL" -czf "$FINAL/gpu_results.tar.gz" results
