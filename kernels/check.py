@@ -103,6 +103,65 @@ def _ptxas_info(ptxas: str, ptx: str, cc: tuple[int, int]) -> tuple[int, int, in
     return regs, spills, smem
 
 
+def compile_cu_ptx(path: str, cc: tuple[int, int]) -> str:
+    """PTX of a CUDA C++ file that kernels link (cuda.declare_device(link=...)), compiled with
+    NVRTC from the CUDA 12 pip package for compute_XY. Needs no GPU or driver, unlike numba's
+    own NVRTC wrapper (cuda.core queries the driver version)."""
+    from cuda.bindings import nvrtc
+
+    def ok(ret, what):
+        err, *rest = ret if isinstance(ret, tuple) else (ret,)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC {what} failed for {path}: {err}")
+        return rest[0] if rest else None
+
+    prog = ok(
+        nvrtc.nvrtcCreateProgram(Path(path).read_bytes(), Path(path).name.encode(), 0, [], []),
+        "create",
+    )
+    opts = [f"--gpu-architecture=compute_{cc[0]}{cc[1]}".encode(), b"-rdc=true", b"-std=c++17"]
+    err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC failed for {path}: {log.decode(errors='replace').strip()}")
+    size = ok(nvrtc.nvrtcGetPTXSize(prog), "ptx size")
+    ptx = b" " * size
+    ok(nvrtc.nvrtcGetPTX(prog, ptx), "get ptx")
+    nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode().rstrip("\x00")
+
+
+def link_info(ptxs: list[str], cc: tuple[int, int]) -> tuple[int, int, int]:
+    """Links PTX modules (a kernel and the C++ it calls) into a cubin for sm_XY with nvJitLink
+    (no GPU needed); returns the kernel's (registers, spill bytes, shared bytes)."""
+    from cuda.bindings import nvjitlink
+
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    try:
+        for i, ptx in enumerate(ptxs):
+            data = ptx.encode()
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), f"m{i}.ptx")
+        try:
+            nvjitlink.complete(handle)
+        except Exception as e:
+            buf = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, buf)
+            raise RuntimeError(
+                f"nvJitLink failed: {buf.decode(errors='replace').strip()[-2000:]}"
+            ) from e
+        buf = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, buf)
+    finally:
+        nvjitlink.destroy(handle)
+    log = buf.decode(errors="replace")
+    regs = max((int(x) for x in re.findall(r"used (\d+) registers", log, flags=re.I)), default=0)
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
+    smem = max((int(x) for x in re.findall(r"(\d+) bytes smem", log)), default=0)
+    return regs, spills, smem
+
+
 def check_ptx(ptx: str, cc: tuple[int, int]) -> None:
     target = f"sm_{cc[0]}{cc[1]}"
     targets = set(re.findall(r"^\.target\s+(\S+)", ptx, flags=re.M))
@@ -129,7 +188,14 @@ def compile_all(cc: tuple[int, int], use_ptxas: bool = True) -> list[Result]:
                 ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
                 res.ptx_bytes = len(ptx)
                 check_ptx(ptx, cc)
-                if ptxas:
+                # A module that links CUDA C++ lists it in CUDA_SOURCES: compile and check that
+                # too, and link both (ptxas alone cannot resolve the extern calls).
+                linked = [compile_cu_ptx(p, cc) for p in getattr(module, "CUDA_SOURCES", ())]
+                for extra in linked:
+                    check_ptx(extra, cc)
+                if linked and use_ptxas:
+                    res.registers, res.spill_bytes, res.shared_bytes = link_info([ptx, *linked], cc)
+                elif ptxas:
                     res.registers, res.spill_bytes, res.shared_bytes = _ptxas_info(ptxas, ptx, cc)
             except Exception as e:  # noqa: BLE001 - reported per kernel below
                 res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

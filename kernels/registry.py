@@ -136,3 +136,26 @@ KERNELS += [
     KernelSpec("prefill_attention", name, (_PREFILL_SIG,))
     for name in ("prefill_kernel_d128_g4", "prefill_kernel_d64_g7", "prefill_kernel_d256_g1")
 ]
+
+# prefill_attention_tc.py: tensor-core (wmma, linked wmma_ptx.cu) prefill, per-shape kernels from
+# prefill_tc_kernel(); representative instances. Arguments: flat out, flat q, flat k/v caches,
+# block_tables, seq_lens, query_start_loc, scale, num_kv_heads. The single-tile kernel too.
+_PREFILL_TC_SIG = (
+    "void(float16[::1], float16[::1], float16[::1], float16[::1], int32[:, ::1], int32[::1],"
+    " int32[::1], float64, int64)"
+)
+KERNELS += [
+    KernelSpec("prefill_attention_tc", name, (_PREFILL_TC_SIG,))
+    for name in (
+        "prefill_tc_kernel_d128_g4",
+        "prefill_tc_kernel_d64_g7",
+        "prefill_tc_kernel_d128_g1",
+    )
+]
+KERNELS += [
+    KernelSpec(
+        "prefill_attention_tc",
+        "wmma_gemm16_kernel",
+        ("void(float32[::1], float16[::1], float16[::1], int32, int32)",),
+    ),
+]
