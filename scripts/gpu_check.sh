@@ -46,12 +46,9 @@ if [ "$need_wheels" = 1 ]; then
   fi
 fi
 
-# 2. Make `import voltserve.*` work without installing (the root folders map into voltserve.*).
-SITE=/tmp/voltserve-src
-rm -rf "$SITE" && mkdir -p "$SITE/voltserve"
-cp "$REPO"/voltserve/*.py "$SITE/voltserve/"
-for d in shared services kernels; do ln -s "$REPO/$d" "$SITE/voltserve/$d"; done
-export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+# 2. `import voltserve.*` from this checkout without installing it (voltserve/__init__.py maps
+#    the root folders when it runs from a source tree).
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 VS="$PY -m voltserve.cli"
 
 run() {  # run NAME CMD...: log to OUT/NAME.log, keep going on failure
