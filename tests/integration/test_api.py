@@ -392,7 +392,7 @@ async def test_client_disconnect_frees_kv_blocks(stack) -> None:
     while blocks()[0] != total and time.monotonic() < deadline:
         time.sleep(0.1)
     free, total2, gen = blocks()
-    assert free == total == total2
+    assert free == total == total2, stack.logs()
     # Freed by the abort, not by running to the end.
     assert gen - gen0 < 300
     r.close()
