@@ -1,0 +1,158 @@
+"""Prefill attention speed: the tensor-core kernel (kernels/prefill_attention_tc.py, wmma through
+linked PTX) vs the CUDA-core numba kernel (kernels/prefill_attention.py) vs torch's
+scaled_dot_product_attention on contiguous tensors (whatever backend torch picks: flash or
+memory-efficient on SM80+, math or efficient on SM70).
+
+    python load_tests/bench_prefill_attention.py --out results/bench_prefill_attention.json
+
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one sequence of P prompt
+tokens (default 1024 and 4096), fp16, causal. Timing: CUDA events around each call, warmup
+first, median of the repeats. TFLOP/s counts the causal work only: 2 matmuls x 2 flops x
+H x D x P (P + 1) / 2. Each kernel's output is also compared with SDPA (max abs difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BLOCK = 16
+
+
+def time_call(fn, warmup: int, repeats: int) -> float:
+    """Median seconds of one fn() call (CUDA events on the current stream)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def bench(prompt: int, heads: int, kv_heads: int, head_dim: int, warmup: int, repeats: int):
+    from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_blocks = (prompt + BLOCK - 1) // BLOCK
+    q = torch.randn((prompt, heads, head_dim), generator=gen, device="cuda").half()
+    k = torch.randn((prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
+    v = torch.randn((prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
+    # Paged cache: block i holds tokens 16i..16i+15, blocks in a shuffled order.
+    pad = n_blocks * BLOCK - prompt
+    perm = torch.randperm(n_blocks, generator=gen, device="cuda")
+    table = perm.int().view(1, -1)
+
+    def paged(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        blocks = x.view(n_blocks, BLOCK, kv_heads, head_dim).permute(0, 2, 1, 3)
+        cache = torch.empty_like(blocks.contiguous())
+        cache[perm] = blocks
+        return cache.contiguous()
+
+    k_cache, v_cache = paged(k), paged(v)
+    seq_lens = torch.tensor([prompt], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, prompt], dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    flops = 4.0 * heads * head_dim * prompt * (prompt + 1) / 2
+
+    # SDPA on contiguous [1, H, P, D] tensors (KV heads repeated: what a plain model does).
+    group = heads // kv_heads
+    qs = q.transpose(0, 1).unsqueeze(0).contiguous()
+    ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale
+        )
+
+    ref = sdpa()[0].transpose(0, 1).float()
+    rows = {}
+    out_tc = torch.empty_like(q)
+    kernels = {
+        "tensor_core": lambda: paged_attention_tc_cuda(
+            q, k_cache, v_cache, table, seq_lens, qsl, scale, out_tc, max_query_len=prompt
+        ),
+        "sdpa": sdpa,
+    }
+    out_plain = torch.empty_like(q)
+    try:
+        from voltserve.kernels.prefill_attention import paged_attention_cuda
+
+        kernels["numba_cuda_core"] = lambda: paged_attention_cuda(
+            q, k_cache, v_cache, table, seq_lens, qsl, scale, out_plain, max_query_len=prompt
+        )
+    except ImportError as e:  # the plain kernel's module is optional here
+        rows["numba_cuda_core"] = {"error": f"{type(e).__name__}: {e}"}
+    for name, fn in kernels.items():
+        try:
+            t = time_call(fn, warmup, repeats)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON, the others still run
+            rows[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        res = fn()
+        got = res[0].transpose(0, 1) if name == "sdpa" else res
+        rows[name] = {
+            "ms": t * 1e3,
+            "tflops": flops / t / 1e12,
+            "max_abs_diff_vs_sdpa": (got.float() - ref).abs().max().item(),
+        }
+    return {
+        "prompt_tokens": prompt,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "causal_flops": flops,
+        "kernels": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", default="1024,4096")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_prefill_attention needs a CUDA GPU")
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "torch": torch.__version__,
+        "runs": [],
+    }
+    for p in (int(x) for x in args.prompts.split(",")):
+        r = bench(p, args.heads, args.kv_heads, args.head_dim, args.warmup, args.repeats)
+        results["runs"].append(r)
+        for name, row in r["kernels"].items():
+            if "error" in row:
+                print(f"P={p:<6} {name:<16} ERROR {row['error']}")
+            else:
+                print(
+                    f"P={p:<6} {name:<16} {row['ms']:8.3f} ms {row['tflops']:7.2f} TFLOP/s "
+                    f"max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e}"
+                )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
