@@ -281,6 +281,7 @@ def prefill_tc_kernel(cfg: TCConfig):
                 alpha_ptr,
                 int32(warp * 16),
             )
+            cuda.syncwarp()  # every lane has read alpha_s before it is rewritten
 
         # Normalise and write this warp's 16 rows, one 16 x 16 column tile at a time.
         if half == 0:
