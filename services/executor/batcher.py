@@ -90,28 +90,31 @@ class Batcher:
                     return False
             return True
 
-        # 1. Running decodes. A list copy, since preemption shrinks self.running.
+        # 1. Running decodes, oldest first. This loop runs for every request every step, so it
+        # avoids property calls and only asks the block manager when a block boundary is
+        # crossed. A list copy, since preemption shrinks self.running.
+        bs = bm.block_size
+        prefills: list[Request] = []
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted in this pass
+            if preempted and req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            done = req.num_computed_tokens
+            if len(req.prompt_token_ids) + len(req.output_token_ids) - done != 1:
+                prefills.append(req)
                 continue
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            if grow(req, 1):
+            if done < len(req.block_ids) * bs or grow(req, 1):
                 scheduled[req.request_id] = ScheduledRequest(req, 1)
                 budget -= 1
 
-        # 2. Running prefill chunks (including recomputation after preemption).
-        for req in list(self.running):
+        # 2. Running prefill chunks, oldest first (including recomputation after preemption).
+        for req in prefills:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining <= 1:
-                continue
-            num_new = min(remaining, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if grow(req, num_new):
                 scheduled[req.request_id] = ScheduledRequest(req, num_new)
                 budget -= num_new

@@ -29,7 +29,6 @@ from voltserve.services.executor.request import (
     Request,
     RequestOutput,
     RequestStatus,
-    SampledToken,
 )
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -155,7 +154,16 @@ class LLMEngine:
                 continue
             self.batcher.abort(req)
             self._awaiting_first_token.discard(rid)
-            outputs.append(self._output(req, [], "abort"))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    [],
+                    None,
+                    "abort",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -178,27 +186,40 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         any_finished = False
         i = 0
-        bm = self.block_manager
+        bs = self.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        # Runs for every scheduled request every step: plain arithmetic instead of properties.
         for s in plan.scheduled:
             req = s.request
-            samples = s.samples  # read before num_computed_tokens moves
-            req.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(req)
-            if not samples:
-                continue
+            before = req.num_computed_tokens
+            after = before + s.num_new_tokens
+            req.num_computed_tokens = after
+            if after // bs > before // bs:  # a block became full: register it for reuse
+                cache_full_blocks(req)
+            if after != len(req.prompt_token_ids) + len(req.output_token_ids):
+                continue  # a prefill chunk that does not reach the end: nothing sampled
             tok = sampled[i]
             i += 1
             if req.request_id in self._awaiting_first_token:
                 self._awaiting_first_token.discard(req.request_id)
-                self._prompt_tokens_total += req.num_prompt_tokens
+                self._prompt_tokens_total += len(req.prompt_token_ids)
             req.output_token_ids.append(tok.token_id)
-            self._generation_tokens_total += 1
             reason = self._check_stop(req, tok.token_id)
             if reason is not None:
                 self.batcher.finish(req, reason)
                 del self.requests[req.request_id]
                 any_finished = True
-            outputs.append(self._output(req, [tok], reason))
+            outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    [tok.token_id],
+                    [tok] if req.params.logprobs is not None else None,
+                    reason,
+                    len(req.prompt_token_ids),
+                    req.num_cached_tokens,
+                )
+            )
+        self._generation_tokens_total += i
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
         if any_finished:
@@ -208,26 +229,13 @@ class LLMEngine:
     def _check_stop(self, req: Request, token_id: int) -> str | None:
         p = req.params
         n = len(req.output_token_ids)
-        if n >= p.min_tokens:
-            if token_id in p.stop_token_ids:
-                return "stop"
-            if not p.ignore_eos and token_id in p.eos_token_ids:
-                return "stop"
-        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if n >= p.min_tokens and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in p.eos_token_ids)
+        ):
+            return "stop"
+        if n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
             return "length"
         return None
-
-    def _output(
-        self, req: Request, tokens: list[SampledToken], reason: str | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[t.token_id for t in tokens],
-            new_logprobs=tokens if req.params.logprobs is not None else None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-        )
 
     # ---- state -------------------------------------------------------------------------------
 
