@@ -96,7 +96,9 @@ async def test_executor_kill9_mid_stream_fails_over(faults_stack):
     s = faults_stack
     rng = random.Random()
     prompts = [rand_prompt(rng) for _ in range(8)]
-    max_tokens = 160
+    # Long outputs (prompt + output < max_model_len 512) keep them in flight for a while: a
+    # tiny model on CPU streams a few hundred tokens a second per request.
+    max_tokens = 400
     c = client(s)
     ref = await reference(c, prompts[:1], max_tokens)  # warm up, and a first reference
     ref += await reference(c, prompts[1:], max_tokens)
@@ -105,7 +107,7 @@ async def test_executor_kill9_mid_stream_fails_over(faults_stack):
         asyncio.create_task(stream_completion(c, p, max_tokens, progress, i))
         for i, p in enumerate(prompts)
     ]
-    while len(progress) < len(prompts):
+    while sum(progress.values()) < len(prompts):
         await asyncio.sleep(0.002)
         assert not any(t.done() and t.exception() for t in tasks)
     # Freeze it first so it dies with requests in flight, then kill -9.
