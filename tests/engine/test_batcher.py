@@ -259,3 +259,28 @@ def test_abort_mid_prefill_and_mid_decode():
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert_all_free(engine)
+
+
+def test_prefix_hit_on_blocks_of_a_request_still_running():
+    """Blocks are registered as soon as they are computed: a request arriving while the first
+    is still in (chunked) prefill already hits the part computed so far."""
+    engine, runner = make_engine(num_blocks=64, budget=40)
+    rng = random.Random(6)
+    prefix = [rng.randrange(97) for _ in range(96)]
+    p = SamplingParams(max_tokens=5, temperature=0.0)
+    engine.add_request("a", prefix + [1, 2, 3], p)
+    engine.step()
+    engine.step()  # a has computed 80 tokens = 5 blocks, and is still prefilling
+    a = engine.requests["a"]
+    assert a.num_computed_tokens == 80
+    engine.add_request("b", prefix + [4, 5], p)
+    out, fin = {}, {}
+    step(engine, out, fin)
+    b = engine.requests["b"]
+    # a took 19 tokens of the budget to finish its prompt, b the other 21 after its 80 cached.
+    assert b.num_cached_tokens == 80 and b.block_ids[:5] == a.block_ids[:5]
+    assert b.num_computed_tokens == 80 + 18 and engine.stats().prefix_cache_hits == 80
+    run_all(engine, out, fin)
+    for rid, prompt in (("a", prefix + [1, 2, 3]), ("b", prefix + [4, 5])):
+        assert out[rid] == echo_reference(runner, prompt, p, 0, engine.max_model_len)
+    assert_all_free(engine)
