@@ -27,10 +27,15 @@ logger = logging.getLogger(__name__)
 
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} requested but CUDA is not available")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available")
+        if dev.index is None:
+            # The executor owns one GPU (CUDA_VISIBLE_DEVICES picks it); name it explicitly so
+            # set_device and graph capture agree on it.
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

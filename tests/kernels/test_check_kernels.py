@@ -7,9 +7,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from voltserve.kernels.check import check_ptx
 from voltserve.kernels.registry import KERNELS
 
+# The cc 7.0 compile check is CI's job (CUDA 12 NVVM from pip, no GPU). GPU hosts here run the
+# CUDA 13 toolkit of their image, which dropped Volta, so there the check cannot target 7.0.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="cc 7.0 compile check runs in CI with the CUDA 12 NVVM"
+)
 
 def test_check_kernels_cc70_compiles_every_registered_kernel():
     env = dict(os.environ)

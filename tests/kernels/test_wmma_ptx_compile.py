@@ -10,9 +10,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
 from voltserve.kernels.check import check_ptx, compile_cu_ptx
 from voltserve.kernels.prefill_attention_tc import WMMA_CU
 
+# The cc 7.0 compile check is CI's job (CUDA 12 NVVM from pip, no GPU). GPU hosts here run the
+# CUDA 13 toolkit of their image, which dropped Volta, so there the check cannot target 7.0.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="cc 7.0 compile check runs in CI with the CUDA 12 NVVM"
+)
 
 def test_wmma_cu_compiles_for_volta():
     ptx = compile_cu_ptx(WMMA_CU, (7, 0))
