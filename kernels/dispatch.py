@@ -37,7 +37,13 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "silu_and_mul": (("activation",), "activation", "silu_and_mul_ref"),
     "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
     "paged_attention": (
-        ("prefill_attention", "attention", "paged_attention", "attention_ref"),
+        (
+            "prefill_attention_tc",
+            "prefill_attention",
+            "attention",
+            "paged_attention",
+            "attention_ref",
+        ),
         "attention_ref",
         "paged_attention_ref",
     ),

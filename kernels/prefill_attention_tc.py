@@ -374,6 +374,41 @@ def paged_attention_tc_cuda(
     return out
 
 
+def paged_attention_cuda(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    out=None,
+    *,
+    max_query_len: int | None = None,
+):
+    """The dispatch entry for prefill attention: tensor cores where this kernel covers the shape
+    (head dims 64/128, groups up to ROWS), the plain tiled kernel otherwise.
+    VOLTSERVE_PREFILL_TC=0 forces the plain kernel (for comparisons)."""
+    import os
+
+    from voltserve.kernels.prefill_attention import paged_attention_cuda as plain
+
+    group = q.shape[1] // k_cache.shape[1]
+    use_tc = os.environ.get("VOLTSERVE_PREFILL_TC", "1") != "0"
+    fn = paged_attention_tc_cuda if use_tc and q.shape[2] in HEAD_DIMS and group <= ROWS else plain
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        out,
+        max_query_len=max_query_len,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The single-tile building block (tests and check-kernels).
 
