@@ -264,6 +264,7 @@ class ExecutorService:
                 "instance": self.instance,
                 "model": self.cfg.model,
                 "max_num_seqs": self.cfg.max_num_seqs,
+                "max_model_len": getattr(self.loop_.engine, "max_model_len", ""),
                 "step_rate": round(rate, 2),
                 "steps": steps,
                 "time": time.time(),

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_ID = "scheduler"  # executor_id on StepOutputs the scheduler writes itself
 ABORT_MEMORY_S = 120.0  # an abort that overtakes its request still applies this long
+FINISHED_MEMORY = 100_000
 
 
 @dataclass
@@ -67,6 +69,9 @@ class Scheduler:
         self.placement = Placement(self.cfg.executor_queue_factor)
         self.registry: ExecutorRegistry | None = None
         self.aborted: dict[str, float] = {}
+        # Recently finished ids: a redelivered EngineRequest (its first handler died before the
+        # ack) must not run twice.
+        self.finished: OrderedDict[str, None] = OrderedDict()
         self.gw_positions: dict[str, str] = {}
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()
@@ -80,7 +85,7 @@ class Scheduler:
             while not self.stop.is_set():
                 if not await lease.acquire(self.stop):
                     break
-                logger.warning("scheduler %s is the leader", self.token)
+                logger.info("scheduler %s is the leader", self.token)
                 self.is_leader = True
                 try:
                     await self._lead(r, lease)
@@ -159,7 +164,7 @@ class Scheduler:
         return request_id in self.aborted or base_id(request_id) in self.aborted
 
     async def _admit(self, req: EngineRequest) -> None:
-        if req.request_id in self.tracker:
+        if req.request_id in self.tracker or req.request_id in self.finished:
             return  # redelivered
         if self._was_aborted(req.request_id):
             logger.info("dropping %s: aborted before it arrived", req.request_id)
@@ -204,6 +209,7 @@ class Scheduler:
         """End a request the scheduler holds itself (queued, aborted, or out of budget)."""
         rid = t.req.request_id
         self.tracker.finish(rid)
+        self._remember_finished(rid)
         delta = RequestDelta(rid, [], len(t.tokens), finish_reason=reason)
         async with self.r.pipeline(transaction=False) as p:
             await streams.xadd(
@@ -214,6 +220,11 @@ class Scheduler:
             )
             p.hdel(streams.scheduler_routes_key(), rid)
             await p.execute()
+
+    def _remember_finished(self, request_id: str) -> None:
+        self.finished[request_id] = None
+        while len(self.finished) > FINISHED_MEMORY:
+            self.finished.popitem(last=False)
 
     # ---- placement ----
 
@@ -321,6 +332,7 @@ class Scheduler:
                         for rid in finished:
                             if self.tracker.finish(rid) is not None:
                                 p.hdel(streams.scheduler_routes_key(), rid)
+                                self._remember_finished(rid)
                         await p.execute()
                     self.wake.set()
         finally:

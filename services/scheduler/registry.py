@@ -68,5 +68,5 @@ class ExecutorRegistry:
         for e in gone:
             logger.warning("executor %s (instance %s) is gone", e.executor_id, e.instance)
         for e in appeared:
-            logger.warning("executor %s (instance %s) joined", e.executor_id, e.instance)
+            logger.info("executor %s (instance %s) joined", e.executor_id, e.instance)
         return appeared, gone
