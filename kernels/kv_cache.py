@@ -28,17 +28,20 @@ def reshape_and_cache_ref(
 
 # ---------------------------------------------------------------------------------------------
 # numba.cuda kernel: one block per token; threads walk the token's num_kv_heads * head_dim
-# elements (contiguous in the cache for one head), so both the read and the write are coalesced.
-# key/value may be strided views (slices of the fused qkv projection).
+# elements (contiguous in the cache for one head) in 8-element chunks, so both the read and the
+# write are coalesced 16-byte accesses when `vec` (head_dim a multiple of 8, aligned views: see
+# vec_ok); otherwise element by element. key/value may be strided views (slices of the fused qkv
+# projection).
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
+from voltserve.kernels.vec_io import VEC, ld8, st8, vec_ok  # noqa: E402
 
 BLOCK = 128
 
 
 @cuda.jit
-def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping):
+def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping, vec):
     t = cuda.blockIdx.x
     slot = slot_mapping[t]
     if slot < 0:
@@ -47,13 +50,24 @@ def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping):
     blk = slot // block_size
     off = slot - blk * block_size
     heads, head_dim = key.shape[1], key.shape[2]
-    e = cuda.threadIdx.x
-    while e < heads * head_dim:
-        h = e // head_dim
-        d = e - h * head_dim
-        k_cache[blk, h, off, d] = key[t, h, d]
-        v_cache[blk, h, off, d] = value[t, h, d]
-        e += cuda.blockDim.x
+    if vec:
+        e = cuda.threadIdx.x * VEC
+        while e < heads * head_dim:
+            h = e // head_dim
+            d = e - h * head_dim
+            kv = ld8(key, (t, h, d))
+            vv = ld8(value, (t, h, d))
+            st8(k_cache, (blk, h, off, d), kv)
+            st8(v_cache, (blk, h, off, d), vv)
+            e += cuda.blockDim.x * VEC
+    else:
+        e = cuda.threadIdx.x
+        while e < heads * head_dim:
+            h = e // head_dim
+            d = e - h * head_dim
+            k_cache[blk, h, off, d] = key[t, h, d]
+            v_cache[blk, h, off, d] = value[t, h, d]
+            e += cuda.blockDim.x
 
 
 def reshape_and_cache_cuda(
@@ -65,10 +79,11 @@ def reshape_and_cache_cuda(
 ) -> None:
     """Same meaning as reshape_and_cache_ref; slot_mapping is int64 (negative = skip)."""
     if key.shape[0]:
+        vec = vec_ok(key, value, k_cache, v_cache)
         launch(
             reshape_and_cache_kernel,
             key.shape[0],
             BLOCK,
-            (dev(key), dev(value), dev(k_cache), dev(v_cache), dev(slot_mapping)),
+            (dev(key), dev(value), dev(k_cache), dev(v_cache), dev(slot_mapping), vec),
             current_stream(),
         )

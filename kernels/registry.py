@@ -43,12 +43,12 @@ KERNELS += [
     KernelSpec(
         "rmsnorm",
         "rms_norm_kernel",
-        _both("void({t}[:, ::1], {t}[::1], {t}[:, ::1], float32)"),
+        _both("void({t}[:, ::1], {t}[::1], {t}[:, ::1], float32, boolean)"),
     ),
     KernelSpec(
         "rmsnorm",
         "fused_add_rms_norm_kernel",
-        _both("void({t}[:, ::1], {t}[:, ::1], {t}[::1], float32)"),
+        _both("void({t}[:, ::1], {t}[:, ::1], {t}[::1], float32, boolean)"),
     ),
 ]
 
@@ -63,7 +63,9 @@ KERNELS += [
 
 # activation.py
 KERNELS += [
-    KernelSpec("activation", "silu_and_mul_kernel", _both("void({t}[:, ::1], {t}[:, ::1])")),
+    KernelSpec(
+        "activation", "silu_and_mul_kernel", _both("void({t}[:, ::1], {t}[:, ::1], boolean)")
+    ),
 ]
 
 # kv_cache.py
@@ -71,7 +73,10 @@ KERNELS += [
     KernelSpec(
         "kv_cache",
         "reshape_and_cache_kernel",
-        _both("void({t}[:, :, :], {t}[:, :, :], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int64[::1])"),
+        _both(
+            "void({t}[:, :, :], {t}[:, :, :], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int64[::1],"
+            " boolean)"
+        ),
     ),
 ]
 

@@ -25,15 +25,18 @@ def fused_add_rms_norm_ref(
 
 
 # ---------------------------------------------------------------------------------------------
-# numba.cuda kernels: one block per row. Each thread keeps its first VPT values in registers so
-# the second pass (normalise) does not re-read memory for rows up to VPT * blockDim wide; wider
-# rows re-read the tail (an L2 hit). Loads are coalesced scalar loads, VPT of them in flight.
+# numba.cuda kernels: one block per row, each thread owning 8-element chunks (16-byte accesses for
+# fp16) at chunk index tid, tid + blockDim, ... Its first MAXV chunks stay in registers, so the
+# normalise pass re-reads memory only for rows wider than MAXV * 8 * blockDim (16384 at 512
+# threads). The loads of all of a thread's chunks are issued before any use, so
+# MAXV * 16 bytes per thread are in flight. `vec` (from vec_ok on the host) selects the vector
+# path; otherwise the same chunks are read element by element (widths not a multiple of 8,
+# unaligned views).
 
 import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
-    block_for,
     block_sum,
     current_stream,
     dev,
@@ -41,79 +44,135 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     launch,
     round_like,
 )
+from voltserve.kernels.vec_io import (  # noqa: E402
+    VEC,
+    load_row8,
+    load_vec8,
+    store_row8,
+    tup8,
+    vec_ok,
+)
 
-VPT = 8
+MAXV = 4  # 8-element chunks a thread keeps in registers
+BUF = MAXV * VEC  # their elements (a local array size must be a constant)
+SMALL_BATCH = 256  # up to this many rows, one chunk per thread (more threads, shorter latency)
+MAX_BLOCK = 512
+
+
+@cuda.jit(device=True, inline="always")
+def _inv_rms(ss, scratch, hidden, eps):
+    total = block_sum(ss, scratch)
+    return float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
 
 
 @cuda.jit
-def rms_norm_kernel(x, weight, out, eps):
+def rms_norm_kernel(x, weight, out, eps, vec):
     row = cuda.blockIdx.x
     tid, bd = cuda.threadIdx.x, cuda.blockDim.x
     hidden = x.shape[1]
     scratch = cuda.shared.array(32, float32)
-    vals = cuda.local.array(VPT, float32)
+    buf = cuda.local.array(BUF, float32)
+    for j in range(MAXV):
+        c = (tid + j * bd) * VEC
+        if c < hidden:
+            v = load_row8(x, row, c, hidden, vec)
+            for e in range(VEC):
+                buf[j * VEC + e] = v[e]
     ss = float32(0.0)
-    for j in range(VPT):
-        i = tid + j * bd
-        v = float32(0.0)
-        if i < hidden:
-            v = float32(x[row, i])
-        vals[j] = v
-        ss += v * v
-    i = tid + VPT * bd
-    while i < hidden:
-        v = float32(x[row, i])
-        ss += v * v
-        i += bd
-    total = block_sum(ss, scratch)
-    inv = float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
-    for j in range(VPT):
-        i = tid + j * bd
-        if i < hidden:
-            out[row, i] = float32(weight[i]) * round_like(vals[j] * inv, out)
-    i = tid + VPT * bd
-    while i < hidden:
-        out[row, i] = float32(weight[i]) * round_like(float32(x[row, i]) * inv, out)
-        i += bd
+    for j in range(MAXV):
+        if (tid + j * bd) * VEC < hidden:
+            for e in range(VEC):
+                ss += buf[j * VEC + e] * buf[j * VEC + e]
+    c = (tid + MAXV * bd) * VEC
+    while c < hidden:  # the tail of very wide rows: read again below
+        v = load_row8(x, row, c, hidden, vec)
+        for e in range(VEC):
+            ss += v[e] * v[e]
+        c += bd * VEC
+    inv = _inv_rms(ss, scratch, hidden, eps)
+    for j in range(MAXV):
+        c = (tid + j * bd) * VEC
+        if c < hidden:
+            w = load_vec8(weight, c, hidden, vec)
+            for e in range(VEC):
+                buf[j * VEC + e] = float32(w[e]) * round_like(buf[j * VEC + e] * inv, out)
+            store_row8(out, row, c, hidden, vec, tup8(buf, j * VEC))
+    c = (tid + MAXV * bd) * VEC
+    while c < hidden:
+        v = load_row8(x, row, c, hidden, vec)
+        w = load_vec8(weight, c, hidden, vec)
+        for e in range(VEC):
+            buf[e] = float32(w[e]) * round_like(v[e] * inv, out)
+        store_row8(out, row, c, hidden, vec, tup8(buf, 0))
+        c += bd * VEC
 
 
 @cuda.jit
-def fused_add_rms_norm_kernel(x, residual, weight, eps):
+def fused_add_rms_norm_kernel(x, residual, weight, eps, vec):
     row = cuda.blockIdx.x
     tid, bd = cuda.threadIdx.x, cuda.blockDim.x
     hidden = x.shape[1]
     scratch = cuda.shared.array(32, float32)
-    vals = cuda.local.array(VPT, float32)
+    buf = cuda.local.array(BUF, float32)
+    xb = cuda.local.array(BUF, float32)
+    # Every load first (a store to residual would otherwise keep the next loads waiting: the
+    # compiler cannot prove x and residual apart), then the add and the residual stores.
+    for j in range(MAXV):
+        c = (tid + j * bd) * VEC
+        if c < hidden:
+            r = load_row8(residual, row, c, hidden, vec)
+            v = load_row8(x, row, c, hidden, vec)
+            for e in range(VEC):
+                buf[j * VEC + e] = r[e]
+                xb[j * VEC + e] = v[e]
     ss = float32(0.0)
-    for j in range(VPT):
-        i = tid + j * bd
-        r = float32(0.0)
-        if i < hidden:
-            r = round_like(float32(residual[row, i]) + float32(x[row, i]), residual)
-            residual[row, i] = r
-        vals[j] = r
-        ss += r * r
-    i = tid + VPT * bd
-    while i < hidden:
-        r = round_like(float32(residual[row, i]) + float32(x[row, i]), residual)
-        residual[row, i] = r
-        ss += r * r
-        i += bd
-    total = block_sum(ss, scratch)
-    inv = float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
-    for j in range(VPT):
-        i = tid + j * bd
-        if i < hidden:
-            x[row, i] = float32(weight[i]) * round_like(vals[j] * inv, x)
-    i = tid + VPT * bd
-    while i < hidden:
-        # This thread wrote residual[row, i] above, so reading it back is ordered.
-        x[row, i] = float32(weight[i]) * round_like(float32(residual[row, i]) * inv, x)
-        i += bd
+    for j in range(MAXV):
+        c = (tid + j * bd) * VEC
+        if c < hidden:
+            for e in range(VEC):
+                s = round_like(buf[j * VEC + e] + xb[j * VEC + e], residual)
+                buf[j * VEC + e] = s
+                ss += s * s
+            store_row8(residual, row, c, hidden, vec, tup8(buf, j * VEC))
+    c = (tid + MAXV * bd) * VEC
+    while c < hidden:  # the tail of very wide rows: its residual is read back below
+        r = load_row8(residual, row, c, hidden, vec)
+        v = load_row8(x, row, c, hidden, vec)
+        for e in range(VEC):
+            s = round_like(r[e] + v[e], residual)
+            xb[e] = s
+            ss += s * s
+        store_row8(residual, row, c, hidden, vec, tup8(xb, 0))
+        c += bd * VEC
+    inv = _inv_rms(ss, scratch, hidden, eps)
+    for j in range(MAXV):
+        c = (tid + j * bd) * VEC
+        if c < hidden:
+            w = load_vec8(weight, c, hidden, vec)
+            for e in range(VEC):
+                buf[j * VEC + e] = float32(w[e]) * round_like(buf[j * VEC + e] * inv, x)
+            store_row8(x, row, c, hidden, vec, tup8(buf, j * VEC))
+    c = (tid + MAXV * bd) * VEC
+    while c < hidden:
+        # This thread wrote residual[row, c:c+8] above, so reading it back is ordered.
+        r = load_row8(residual, row, c, hidden, vec)
+        w = load_vec8(weight, c, hidden, vec)
+        for e in range(VEC):
+            xb[e] = float32(w[e]) * round_like(r[e] * inv, x)
+        store_row8(x, row, c, hidden, vec, tup8(xb, 0))
+        c += bd * VEC
 
 
-def _block(hidden: int) -> int:
-    return block_for(hidden, VPT)
+def block_size(rows: int, hidden: int) -> int:
+    """Threads per row: one 8-element chunk per thread for small batches (decode: the row is
+    done in about one memory round trip), MAXV chunks per thread for large ones (fewer, fuller
+    threads; more rows in flight per SM)."""
+    chunks = (hidden + VEC - 1) // VEC
+    per = 1 if rows <= SMALL_BATCH else MAXV
+    want = (chunks + per - 1) // per
+    # At most 512: the kernels use up to 128 registers a thread, and a block of 1024 such
+    # threads would not fit an SM's 64K registers (the launch would fail).
+    return max(32, min(MAX_BLOCK, (want + 31) // 32 * 32))
 
 
 def rms_norm_cuda(
@@ -126,8 +185,8 @@ def rms_norm_cuda(
         launch(
             rms_norm_kernel,
             x.shape[0],
-            _block(x.shape[1]),
-            (dev(x), dev(weight), dev(out), float(eps)),
+            block_size(x.shape[0], x.shape[1]),
+            (dev(x), dev(weight), dev(out), float(eps), vec_ok(x, weight, out)),
             current_stream(),
         )
     return out
@@ -141,7 +200,7 @@ def fused_add_rms_norm_cuda(
         launch(
             fused_add_rms_norm_kernel,
             x.shape[0],
-            _block(x.shape[1]),
-            (dev(x), dev(residual), dev(weight), float(eps)),
+            block_size(x.shape[0], x.shape[1]),
+            (dev(x), dev(residual), dev(weight), float(eps), vec_ok(x, residual, weight)),
             current_stream(),
         )

@@ -36,36 +36,53 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+# (hidden, vec): 64 on both the 16-byte path and the guarded scalar path; 300 is not a multiple
+# of 8 (scalar path, partial last chunk); 1304 > MAXV * 8 * 32 exercises the re-read tail.
+NORM_CASES = [(64, True), (64, False), (300, False), (1304, True)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 300])  # 300 > VPT * 32 exercises the re-read tail
-def test_rms_norm(dtype, hidden):
+@pytest.mark.parametrize("hidden,vec", NORM_CASES)
+def test_rms_norm(dtype, hidden, vec):
     x = torch.randn(3, hidden, dtype=dtype) * 2
     w = torch.randn(hidden, dtype=dtype)
     out = poisoned_like(x)
-    run(rmsnorm.rms_norm_kernel, 3, 32, x, w, out, 1e-6)
+    run(rmsnorm.rms_norm_kernel, 3, 32, x, w, out, 1e-6, vec)
     assert_close(out, rmsnorm.rms_norm_ref(x, w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [96, 300])
-def test_fused_add_rms_norm(dtype, hidden):
+@pytest.mark.parametrize("hidden,vec", NORM_CASES)
+def test_fused_add_rms_norm(dtype, hidden, vec):
     x = torch.randn(3, hidden, dtype=dtype)
     res = torch.randn(3, hidden, dtype=dtype)
     w = torch.randn(hidden, dtype=dtype)
     x_ref, res_ref = x.clone(), res.clone()
     rmsnorm.fused_add_rms_norm_ref(x_ref, res_ref, w, 1e-5)
-    run(rmsnorm.fused_add_rms_norm_kernel, 3, 32, x, res, w, 1e-5)
+    run(rmsnorm.fused_add_rms_norm_kernel, 3, 32, x, res, w, 1e-5, vec)
     assert torch.equal(res, res_ref)  # the residual add rounds exactly like the reference
     assert_close(x, x_ref)
 
 
+def test_block_size():
+    # Decode batches: one 8-element chunk per thread; large batches: MAXV chunks per thread.
+    assert rmsnorm.block_size(1, 4096) == 512
+    assert rmsnorm.block_size(4096, 4096) == 128
+    assert rmsnorm.block_size(1, 8192) == rmsnorm.MAX_BLOCK
+    assert rmsnorm.block_size(4096, 896) == 32
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    T, inter, block = 3, 150, 32
+@pytest.mark.parametrize("inter,vec", [(1040, True), (1040, False), (150, False)])
+def test_silu_and_mul(dtype, inter, vec):
+    # 1040 = 8 * 130 chunks: with 32 threads x PER_THREAD chunks a block, several column blocks
+    # and a last one that is partly empty. 150 is not a multiple of 8 (guarded scalar path).
+    T, block = 3, 32
     x = torch.randn(T, 2 * inter, dtype=dtype) * 3
     out = poisoned_like(torch.empty(T, inter, dtype=dtype))
-    per_block = block * activation.PER_THREAD
-    run(activation.silu_and_mul_kernel, (T, (inter + per_block - 1) // per_block), block, x, out)
+    per_block = block * activation.PER_THREAD * 8
+    grid = (T, (inter + per_block - 1) // per_block)
+    run(activation.silu_and_mul_kernel, grid, block, x, out, vec)
     assert_close(out, activation.silu_and_mul_ref(x))
 
 
@@ -96,8 +113,9 @@ def test_rotary(dtype, is_neox):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache(dtype):
-    T, kv_heads, head_dim, block_size, num_blocks = 6, 2, 8, 4, 5
+@pytest.mark.parametrize("vec", [True, False])
+def test_reshape_and_cache(dtype, vec):
+    T, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 5
     key = torch.randn(T, kv_heads, head_dim, dtype=dtype)
     value = torch.randn(T, kv_heads, head_dim, dtype=dtype)
     slots = torch.randperm(num_blocks * block_size)[:T].to(torch.int64)
@@ -106,6 +124,6 @@ def test_reshape_and_cache(dtype):
     v_cache = k_cache.clone()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kv_cache.reshape_and_cache_ref(key, value, k_ref, v_ref, slots)
-    run(kv_cache.reshape_and_cache_kernel, T, 32, key, value, k_cache, v_cache, slots)
+    run(kv_cache.reshape_and_cache_kernel, T, 32, key, value, k_cache, v_cache, slots, vec)
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
