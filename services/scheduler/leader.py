@@ -43,7 +43,10 @@ class LeaderLease:
         """Wait until we hold the lease (True) or `stop` is set (False)."""
         logged = False
         while not stop.is_set():
-            if await self.r.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            # Our own token still there: we stepped down after an error and may go on at once.
+            if await self.r.set(self.key, self.token, nx=True, px=self.ttl_ms) or (
+                await self.r.get(self.key) == self.token.encode()
+            ):
                 self.lost.clear()
                 return True
             if not logged:

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
 from voltserve.services.scheduler.admission import AdmissionQueue
 from voltserve.services.scheduler.failover import (
     RequestTracker,
@@ -72,6 +73,7 @@ class Scheduler:
         # Recently finished ids: a redelivered EngineRequest (its first handler died before the
         # ack) must not run twice.
         self.finished: OrderedDict[str, None] = OrderedDict()
+        self.gateways_alive: set[str] = set()
         self.gw_positions: dict[str, str] = {}
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()
@@ -259,16 +261,37 @@ class Scheduler:
     # ---- heartbeats and failover ----
 
     async def _registry_loop(self) -> None:
+        next_gateway_check = 0.0
         while True:
             await asyncio.sleep(self.cfg.registry_interval_s)
-            appeared, gone = await self.registry.refresh()
-            for e in gone:
-                await self._failover(e)
-            if appeared or gone:
-                self.wake.set()
+            try:
+                appeared, gone = await self.registry.refresh()
+                for e in gone:
+                    await self._failover(e)
+                if appeared or gone:
+                    self.wake.set()
+                if time.monotonic() >= next_gateway_check:
+                    next_gateway_check = time.monotonic() + 1.0
+                    await self._check_gateways()
+            except RedisError as e:
+                # A Redis hiccup must not cost the leadership (and a state rebuild): retry.
+                logger.error("registry refresh failed: %r; retrying", e)
             now = time.monotonic()
             for a in [a for a, ts in self.aborted.items() if now - ts > ABORT_MEMORY_S]:
                 del self.aborted[a]
+
+    async def _check_gateways(self) -> None:
+        """Abort the requests of a gateway whose heartbeat expired: nobody reads their output,
+        so they would only hold KV blocks. (A gateway never seen beating is left alone.)"""
+        for g in self.tracker.gateways():
+            if await self.r.exists(streams.gateway_alive_key(g)):
+                self.gateways_alive.add(g)
+            elif g in self.gateways_alive:
+                self.gateways_alive.discard(g)
+                ids = [t.req.request_id for t in self.tracker.requests.values()]
+                ids = [i for i in ids if self.tracker.requests[i].req.gateway_id == g]
+                logger.warning("gateway %s is gone; aborting its %d request(s)", g, len(ids))
+                await self._abort(AbortRequest(ids, reason="gateway_gone"))
 
     async def _failover(self, e: ExecutorInfo) -> None:
         moved = self.tracker.on_executor(e.executor_id, e.instance)
@@ -318,7 +341,12 @@ class Scheduler:
                     next_discover = time.monotonic() + 1.0
                     for g in await self.r.smembers(streams.gateways_key()):
                         self.gw_positions.setdefault(streams.gw_stream(g.decode()), "0")
-                entries = await streams.tail(tail_r, self.gw_positions, block_ms=200)
+                try:
+                    entries = await streams.tail(tail_r, self.gw_positions, block_ms=200)
+                except RedisError as e:
+                    logger.error("tailing the gateway streams failed: %r; retrying", e)
+                    await asyncio.sleep(0.5)
+                    continue
                 finished = []
                 for _, _, msg in entries:
                     if isinstance(msg, StepOutput):

@@ -172,3 +172,17 @@ def test_standby_scheduler_takes_over_queued_requests(bare):
         assert time.monotonic() < deadline, r.hkeys(streams.scheduler_routes_key())
         time.sleep(0.05)
     r.close()
+
+
+def test_requests_of_a_vanished_gateway_are_aborted(bare):
+    bare.add_scheduler()
+    gw = FakeGateway(bare.redis_url)
+    gw.r.set(streams.gateway_alive_key(gw.id), b"1", px=1500)  # one beat, then silence
+    rng = random.Random()
+    time.sleep(1.0)
+    ids = [gw.send(prompt(rng), 5) for _ in range(3)]  # queued: there is no executor
+    gw.wait(ids, 20)
+    assert all(gw.finish[i] == "abort" for i in ids)
+    r = redis.Redis.from_url(bare.redis_url)
+    assert r.hlen(streams.scheduler_routes_key()) == 0
+    r.close()
