@@ -4,6 +4,10 @@
   flat fp16 array whose base is 16-byte aligned), widened to eight fp32 values. numba indexes
   arrays one element at a time and cannot prove alignment, so without this each thread would
   issue eight 2-byte loads; the KV cache streams at full bandwidth only with 16-byte loads.
+- `ld_u32x4(arr, i)`: the same 16-byte load, kept raw as four uint32 (two fp16 each), and
+  `half_lo(u)` / `half_hi(u)`: one fp16 of such a word widened to fp32. Splitting the load from
+  the widening keeps a batch of in-flight loads at 4 registers each instead of 8, and puts each
+  conversion next to its use.
 - `shfl_xor(value, lane_mask)`: warp butterfly exchange of a float32 (full mask).
 - `as_numba(t)`: a torch CUDA tensor as a numba device array without a stream sync, so
   launches stay CUDA-graph capturable.
@@ -29,6 +33,16 @@ if SIMULATOR:
 
     def ld_f16x8(arr, i):
         return tuple(np.float32(x) for x in arr[i : i + 8])
+
+    def ld_u32x4(arr, i):
+        raw = np.array([arr[i + j] for j in range(8)], dtype=np.float16).view(np.uint32)
+        return tuple(raw)
+
+    def half_lo(u):
+        return np.float32(np.array([int(u) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+    def half_hi(u):
+        return np.float32(np.array([int(u) >> 16], dtype=np.uint16).view(np.float16)[0])
 
     def shfl_xor(value, lane_mask):
         thread = threading.current_thread()
@@ -72,6 +86,49 @@ else:
             return context.make_tuple(builder, signature.return_type, vals)
 
         return sig, codegen
+
+    @intrinsic
+    def ld_u32x4(typingctx, arr, idx):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float16 and arr.ndim == 1):
+            return None
+        if not isinstance(idx, types.Integer):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty = signature.args
+            ary = context.make_array(arr_ty)(context, builder, value=args[0])
+            i64 = context.cast(builder, args[1], idx_ty, types.int64)
+            ptr = builder.gep(ary.data, [i64])
+            vec_ptr = builder.bitcast(ptr, ir.VectorType(ir.IntType(32), 4).as_pointer())
+            raw = builder.load(vec_ptr, align=16)
+            words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    def _half_of(shift: int):
+        def half(typingctx, word):
+            if not isinstance(word, types.Integer):
+                return None
+            sig = types.float32(word)
+
+            def codegen(context, builder, signature, args):
+                w = args[0]
+                if w.type.width != 32:
+                    w = builder.trunc(w, ir.IntType(32)) if w.type.width > 32 else w
+                if shift:
+                    w = builder.lshr(w, ir.Constant(ir.IntType(32), shift))
+                h = builder.bitcast(builder.trunc(w, ir.IntType(16)), ir.HalfType())
+                return builder.fpext(h, ir.FloatType())
+
+            return sig, codegen
+
+        half.__name__ = "half_hi" if shift else "half_lo"
+        return half
+
+    half_lo = intrinsic(_half_of(0))
+    half_hi = intrinsic(_half_of(16))
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor(value, lane_mask):

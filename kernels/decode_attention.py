@@ -4,17 +4,24 @@ Meaning: `paged_decode_attention_ref` in attention_ref.py. Layout: kv_cache.py.
 
 Work split. One thread block owns (sequence, KV head, context partition) and ALL the query heads
 that share that KV head (grouped-query), so each K/V element is read from memory once. Long
-contexts are cut into partitions (512 tokens by default) so that even batch 1 gives enough blocks
-to fill the GPU; a second kernel merges the partitions (rescaling each partial sum by
+contexts are cut into partitions so that even batch 1 fills the GPU: `choose_partition` takes
+the longest of 512/256/128/64 tokens that still gives ~4 thread blocks per SM for this batch and
+context bound. A second kernel merges the partitions (rescaling each partial sum by
 exp(partial max - global max)). When the context bound fits one partition the first kernel
 normalises and writes the output itself and the merge is skipped.
 
-Inside a block: lanes are grouped per token, each lane owning one 16-byte chunk (8 dims) of the
-token's K/V row, so a warp reads whole contiguous rows; a warp takes one 16-token KV block at a
-time and issues up to 8 independent 16-byte loads per lane before using any of them. QK dot
-products are finished with warp shuffles; softmax runs over the partition's scores in shared
-memory; PV accumulates in fp32 registers (G x 8 per lane) and is reduced across lanes (shuffles)
-and warps (shared atomics) once per partition.
+Inside a block: the partition's block-table entries are read once into shared memory. Lanes are
+grouped per token, each lane owning one 16-byte chunk (8 dims) of the token's K/V row, so a warp
+reads whole contiguous rows; a warp takes one 16-token KV block at a time and issues all of its
+16-byte loads (up to 8 per lane) before using any. QK dot products are finished with a
+reduce-scatter over the token's lanes (the partial scores of several tokens and heads are
+halved at each shuffle step, ~1 shuffle per score instead of log2(lanes)); softmax runs over the
+partition's scores in shared memory; PV accumulates in fp32 registers (G x 8 per lane) and is
+reduced across lanes (shuffles) and warps (shared atomics) once per partition.
+
+The kernel source is generated per shape (`_kernel_source`) with every compile-time loop written
+out, so loaded words, q, scores and accumulators are named scalars in registers: no local memory
+(check the PTX for ld.local/st.local).
 
 CUDA graphs: the grid depends only on an upper bound of the context (`max_seq_len`, by default
 the block table width x block size), never on the values of seq_lens. Partitions past a
@@ -28,10 +35,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int32, int64
 from voltserve.kernels.attention_common import (
     as_numba,
-    ld_f16x8,
+    half_hi,
+    half_lo,
+    ld_u32x4,
     next_pow2,
     shfl_xor,
     torch_stream,
@@ -72,196 +81,353 @@ def decode_config(
     return DecodeConfig(head_dim, group, ratio // group, partition, num_threads)
 
 
+def _layout(cfg: DecodeConfig) -> dict[str, int]:
+    """Compile-time constants of the lane layout (see the module docstring)."""
+    nchunk = cfg.head_dim // 8  # 16-byte chunks per token row
+    tpt = max(2, next_pow2(nchunk))  # lanes per token (power of two: shuffles stay in the group)
+    tpp = 32 // tpt  # tokens per warp pass
+    npass = BLOCK_SIZE // tpp  # passes per KV block
+    # Loads in flight per lane: the whole KV block when the registers allow it (q or the
+    # accumulators take G x 8 registers, each in-flight load 4).
+    batch = min(npass, 8 if cfg.group <= 4 else 4)
+    # Passes whose G scores are reduced together: reduce-scatter G x sc values over the tpt
+    # lanes of a token costs ~G x sc shuffles instead of G x sc x log2(tpt).
+    sc = max(1, min(batch, tpt // next_pow2(cfg.group)))
+    return dict(nchunk=nchunk, tpt=tpt, tpp=tpp, npass=npass, batch=batch, sc=sc)
+
+
+def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
+    """Source of the partition kernel for one shape, with every loop over a compile-time count
+    written out: loaded words, q, scores and accumulators are named scalars, so they live in
+    registers (a numba local array indexed in a loop the compiler did not unroll lives in local
+    memory, which is what held the first version of this kernel to under half the bandwidth)."""
+    D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
+    lay = _layout(cfg)
+    NCHUNK, TPT, TPP, NPASS, BATCH, SC = (
+        lay[k] for k in ("nchunk", "tpt", "tpp", "npass", "batch", "sc")
+    )
+    NW = NT // 32
+    GD = G * D
+    ROW = BLOCK_SIZE * D
+    NVAL = SC * G
+    NPAD = next_pow2(NVAL)
+    masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
+    log_tpp = TPP.bit_length() - 1
+    out: list[str] = []
+
+    def emit(indent: int, line: str) -> None:
+        out.append("    " * indent + line)
+
+    # Reduce-scatter plan: at a step whose list has >= 2 values, lanes split it (the lane with
+    # the mask bit set keeps the upper half) and add what the partner sends; once one value is
+    # left, the remaining steps are plain butterflies and only the lane with those bits clear
+    # writes. Lane-constant results: rs (first kept index), writer.
+    steps: list[tuple[int, int]] = []  # (mask, half length or 0 for a plain butterfly)
+    n = NPAD
+    for m in masks:
+        if n >= 2:
+            steps.append((m, n // 2))
+            n //= 2
+        else:
+            steps.append((m, 0))
+    n_final = n
+    plain_mask = sum(m for m, h in steps if h == 0)
+
+    def reduce_scatter(indent: int, names: list[str]) -> list[str]:
+        cur = list(names)
+        for k, (m, h) in enumerate(steps):
+            if h:
+                nxt = []
+                for a in range(h):
+                    lo, hi = cur[a], cur[a + h]
+                    emit(indent, f"x = {hi} if bit{m} else {lo}")
+                    emit(indent, f"z = {lo} if bit{m} else {hi}")
+                    emit(indent, f"u{k}_{a} = x + shfl_xor(z, {m})")
+                    nxt.append(f"u{k}_{a}")
+                cur = nxt
+            else:
+                emit(indent, f"u{k}_0 = {cur[0]} + shfl_xor({cur[0]}, {m})")
+                cur = [f"u{k}_0"]
+        return cur
+
+    def word(r: str, j: int) -> str:
+        return f"{'half_hi' if j % 2 else 'half_lo'}({r}_{j // 2})"
+
+    emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
+    emit(0, "           max_logits, exp_sums, tmp_out):")
+    emit(1, "part = cuda.blockIdx.x")
+    emit(1, "y = cuda.blockIdx.y")
+    emit(1, "b = cuda.blockIdx.z")
+    emit(1, f"kvh = y // {cfg.split}")
+    emit(1, f"h0 = y * {G}")
+    emit(1, "tid = cuda.threadIdx.x")
+    emit(1, "lane = tid % 32")
+    emit(1, "warp = tid // 32")
+    emit(1, "seq_len = seq_lens[b]")
+    emit(1, f"start = part * {PART}")
+    emit(1, "if start >= seq_len:")
+    if direct:  # only seq_len == 0 gets here: padding rows read nothing and write zeros
+        emit(2, f"for i in range(tid, {GD}, {NT}):")
+        emit(3, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
+    emit(2, "return")
+    emit(1, f"n_tok = min({PART}, seq_len - start)")
+    emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
+    emit(1, f"blk0 = start // {BLOCK_SIZE}")
+    emit(1, f"logits = cuda.shared.array(({G}, {PART}), float32)")
+    emit(1, f"acc_s = cuda.shared.array({GD}, float32)")
+    emit(1, f"m_s = cuda.shared.array({G}, float32)")
+    emit(1, f"l_s = cuda.shared.array({G}, float32)")
+    emit(1, f"tbl = cuda.shared.array({PART // BLOCK_SIZE}, int32)")
+    emit(1, f"for i in range(tid, {GD}, {NT}):")
+    emit(2, "acc_s[i] = 0.0")
+    emit(1, f"for i in range(tid, n_blk, {NT}):")
+    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
+    emit(1, f"sub = lane // {TPT}")
+    emit(1, f"c = lane % {TPT}")
+    emit(1, "fscale = float32(scale)")
+    if NCHUNK < TPT:  # lanes past the row load a valid chunk and weigh it by q = 0
+        emit(1, f"active = c < {NCHUNK}")
+        emit(1, f"ce = min(c, {NCHUNK - 1})")
+        emit(1, "qs = fscale if active else float32(0.0)")
+    else:
+        emit(1, "active = True")
+        emit(1, "ce = c")
+        emit(1, "qs = fscale")
+    emit(1, f"lane_off = sub * {D} + ce * 8")
+    for g in range(G):
+        for j in range(8):
+            emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+    for m, _ in steps:
+        emit(1, f"bit{m} = (lane & {m}) != 0")
+    emit(1, "rs = 0")
+    for m, h in steps:
+        if h:
+            emit(1, f"if bit{m}:")
+            emit(2, f"rs += {h}")
+    emit(1, f"writer = (lane & {plain_mask}) == 0")
+    for j in range(n_final):
+        emit(1, f"w_ok{j} = writer and rs + {j} < {NVAL}")
+        emit(1, f"w_ps{j} = ((rs + {j}) // {G}) * {TPP}")
+        emit(1, f"w_g{j} = (rs + {j}) % {G}")
+    emit(1, "cuda.syncthreads()")
+
+    # Scores: logits[g, t] = q_g . k_t (scale folded into q).
+    emit(1, f"for i in range(warp, n_blk, {NW}):")
+    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    for bt in range(NPASS // BATCH):
+        for ps in range(BATCH):
+            off = (bt * BATCH + ps) * TPP * D
+            emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(k_cache, base + {off})")
+        for sc0 in range(0, BATCH, SC):
+            names = []
+            for psl in range(SC):
+                ps = sc0 + psl
+                for j in range(8):
+                    emit(2, f"k{j} = {word(f'r{ps}', j)}")
+                for g in range(G):
+                    terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(8))
+                    emit(2, f"s{psl * G + g} = {terms}")
+                    names.append(f"s{psl * G + g}")
+            names += ["float32(0.0)"] * (NPAD - NVAL)
+            final = reduce_scatter(2, names)
+            for j, name in enumerate(final):
+                emit(2, f"tpos = t0 + {(bt * BATCH + sc0) * TPP} + w_ps{j}")
+                emit(2, f"if w_ok{j} and tpos < n_tok:")
+                emit(3, f"logits[w_g{j}, tpos] = {name}")
+    emit(1, "cuda.syncthreads()")
+
+    # Softmax numerators in place, with each head's max and sum.
+    emit(1, f"for g in range(warp, {G}, {NW}):")
+    emit(2, "m = float32(-math.inf)")
+    emit(2, "for t in range(lane, n_tok, 32):")
+    emit(3, "m = max(m, logits[g, t])")
+    for k in range(5):
+        emit(2, f"m = max(m, shfl_xor(m, {16 >> k}))")
+    emit(2, "total = float32(0.0)")
+    emit(2, "for t in range(lane, n_tok, 32):")
+    emit(3, "e = math.exp(logits[g, t] - m)")
+    emit(3, "logits[g, t] = e")
+    emit(3, "total += e")
+    for k in range(5):
+        emit(2, f"total += shfl_xor(total, {16 >> k})")
+    emit(2, "if lane == 0:")
+    emit(3, "m_s[g] = m")
+    emit(3, "l_s[g] = total")
+    emit(1, "cuda.syncthreads()")
+
+    # PV: each lane accumulates its 8 dims of every head over its tokens.
+    for g in range(G):
+        for j in range(8):
+            emit(1, f"a{g}_{j} = float32(0.0)")
+    emit(1, f"for i in range(warp, n_blk, {NW}):")
+    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    for bt in range(NPASS // BATCH):
+        for ps in range(BATCH):
+            off = (bt * BATCH + ps) * TPP * D
+            emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
+        for ps in range(BATCH):
+            emit(2, f"tpos = t0 + {(bt * BATCH + ps) * TPP}")
+            # Rows past the context hold stale data (maybe NaN): skip, never multiply by 0.
+            emit(2, "if tpos < n_tok:")
+            for g in range(G):
+                emit(3, f"p{g} = logits[{g}, tpos]")
+            for j in range(8):
+                emit(3, f"v{j} = {word(f'r{ps}', j)}")
+            for g in range(G):
+                for j in range(8):
+                    emit(3, f"a{g}_{j} += p{g} * v{j}")
+    for g in range(G):
+        for j in range(8):
+            for k in range(log_tpp):
+                emit(1, f"a{g}_{j} += shfl_xor(a{g}_{j}, {TPT << k})")
+    emit(1, "if sub == 0 and active:")
+    for g in range(G):
+        for j in range(8):
+            emit(2, f"cuda.atomic.add(acc_s, {g * D} + ce * 8 + {j}, a{g}_{j})")
+    emit(1, "cuda.syncthreads()")
+
+    if direct:
+        emit(1, f"for i in range(tid, {GD}, {NT}):")
+        emit(2, f"g = i // {D}")
+        emit(2, f"out[b, h0 + g, i % {D}] = acc_s[i] / l_s[g]")
+    else:
+        emit(1, f"for i in range(tid, {GD}, {NT}):")
+        emit(2, f"tmp_out[b, h0 + i // {D}, part, i % {D}] = acc_s[i]")
+        emit(1, f"if tid < {G}:")
+        emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
+        emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
+    return "\n".join(out) + "\n"
+
+
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, direct: bool):
     """The partition kernel for one shape. direct=True: a single partition covers the context, so
     normalise and write `out`; otherwise write the partial (max, sum, unnormalised out)."""
-    D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
-    SPLIT = cfg.split
-    NW = NT // 32
-    NCHUNK = D // 8  # 16-byte chunks per token row
-    TPT = next_pow2(NCHUNK)  # lanes per token (power of two so shuffles stay in the group)
-    LOG_TPT = TPT.bit_length() - 1
-    TPP = 32 // TPT  # tokens per warp pass
-    LOG_TPP = TPP.bit_length() - 1
-    NPASS = BLOCK_SIZE // TPP  # passes per KV block
-    BATCH = min(NPASS, 8)  # passes whose loads are in flight together
-    NBATCH = NPASS // BATCH
-    ROW = BLOCK_SIZE * D  # elements of one (block, KV head)
-    GD = G * D
-    G8 = G * 8
-    B8 = BATCH * 8
-    DIRECT = direct
+    src = _kernel_source(cfg, direct)
+    namespace = dict(
+        cuda=cuda,
+        math=math,
+        float32=float32,
+        int32=int32,
+        int64=int64,
+        ld_u32x4=ld_u32x4,
+        half_lo=half_lo,
+        half_hi=half_hi,
+        shfl_xor=shfl_xor,
+    )
+    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} direct={direct}>"
+    exec(compile(src, name, "exec"), namespace)
+    return cuda.jit(fastmath=False)(namespace["kernel"])
 
-    @cuda.jit(fastmath=False)
-    def kernel(
-        out,  # [B, H, D] fp16 (direct only)
-        q,  # [B, H, D] fp16
-        k_cache,  # flat view of [num_blocks, num_kv_heads, 16, D] fp16
-        v_cache,
-        block_tables,  # [B, W] int32
-        seq_lens,  # [B] int32
-        scale,  # float32
-        num_kv_heads,  # int32
-        max_logits,  # [B, H, P] fp32 (split only)
-        exp_sums,  # [B, H, P] fp32
-        tmp_out,  # [B, H, P, D] fp32
-    ):
-        part = cuda.blockIdx.x
-        y = cuda.blockIdx.y
-        b = cuda.blockIdx.z
-        kvh = y // SPLIT
-        h0 = y * G  # first query head of this block
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
-        seq_len = seq_lens[b]
-        start = part * PART
-        if start >= seq_len:
-            if DIRECT:  # only seq_len == 0 gets here: padding rows read nothing and write zeros
-                for i in range(tid, GD, NT):
-                    out[b, h0 + i // D, i % D] = 0.0
-            return
-        n_tok = min(PART, seq_len - start)
-        n_blk = (n_tok + BLOCK_SIZE - 1) // BLOCK_SIZE
-        blk0 = start // BLOCK_SIZE
 
-        logits = cuda.shared.array((G, PART), float32)
-        acc_s = cuda.shared.array(GD, float32)
-        m_s = cuda.shared.array(G, float32)
-        l_s = cuda.shared.array(G, float32)
-        for i in range(tid, GD, NT):
-            acc_s[i] = 0.0
-
-        sub = lane // TPT  # token within a pass
-        c = lane % TPT  # 16-byte chunk of the row
-        active = c < NCHUNK
-        fscale = float32(scale)
-        qr = cuda.local.array(G8, float32)
-        for g in range(G):
-            for j in range(8):
-                qr[g * 8 + j] = 0.0
-                if active:
-                    qr[g * 8 + j] = float32(q[b, h0 + g, c * 8 + j]) * fscale
-        buf = cuda.local.array(B8, float32)
-
-        # Scores: logits[g, t] = q_g . k_t (scale folded into q).
-        for i in range(warp, n_blk, NW):
-            base = (int64(block_tables[b, blk0 + i]) * num_kv_heads + kvh) * ROW
-            for bt in range(NBATCH):
-                for ps in range(BATCH):
-                    if active:
-                        t = (bt * BATCH + ps) * TPP + sub
-                        vals = ld_f16x8(k_cache, base + t * D + c * 8)
-                        for j in range(8):
-                            buf[ps * 8 + j] = vals[j]
-                    else:
-                        for j in range(8):
-                            buf[ps * 8 + j] = 0.0
-                for ps in range(BATCH):
-                    tpos = i * BLOCK_SIZE + (bt * BATCH + ps) * TPP + sub
-                    for g in range(G):
-                        s = float32(0.0)
-                        for j in range(8):
-                            s += qr[g * 8 + j] * buf[ps * 8 + j]
-                        for k in range(LOG_TPT):
-                            s += shfl_xor(s, TPT >> (k + 1))
-                        if c == 0 and tpos < n_tok:
-                            logits[g, tpos] = s
-        cuda.syncthreads()
-
-        # Softmax numerators in place, with each head's max and sum.
-        for g in range(warp, G, NW):
-            m = float32(-math.inf)
-            for t in range(lane, n_tok, 32):
-                m = max(m, logits[g, t])
-            for k in range(5):
-                m = max(m, shfl_xor(m, 16 >> k))
-            total = float32(0.0)
-            for t in range(lane, n_tok, 32):
-                e = math.exp(logits[g, t] - m)
-                logits[g, t] = e
-                total += e
-            for k in range(5):
-                total += shfl_xor(total, 16 >> k)
-            if lane == 0:
-                m_s[g] = m
-                l_s[g] = total
-        cuda.syncthreads()
-
-        # PV: each lane accumulates its 8 dims for every head over its tokens.
-        acc = cuda.local.array(G8, float32)
-        for j in range(G8):
-            acc[j] = 0.0
-        for i in range(warp, n_blk, NW):
-            base = (int64(block_tables[b, blk0 + i]) * num_kv_heads + kvh) * ROW
-            for bt in range(NBATCH):
-                for ps in range(BATCH):
-                    if active:
-                        t = (bt * BATCH + ps) * TPP + sub
-                        vals = ld_f16x8(v_cache, base + t * D + c * 8)
-                        for j in range(8):
-                            buf[ps * 8 + j] = vals[j]
-                for ps in range(BATCH):
-                    tpos = i * BLOCK_SIZE + (bt * BATCH + ps) * TPP + sub
-                    # Rows past the context hold stale data (maybe NaN): skip, never multiply by 0.
-                    if active and tpos < n_tok:
-                        for g in range(G):
-                            p = logits[g, tpos]
-                            for j in range(8):
-                                acc[g * 8 + j] += p * buf[ps * 8 + j]
-        for j in range(G8):
-            v = acc[j]
-            for k in range(LOG_TPP):
-                v += shfl_xor(v, TPT << k)
-            acc[j] = v
-        if sub == 0 and active:
-            for g in range(G):
-                for j in range(8):
-                    cuda.atomic.add(acc_s, g * D + c * 8 + j, acc[g * 8 + j])
-        cuda.syncthreads()
-
-        if DIRECT:
-            for i in range(tid, GD, NT):
-                g = i // D
-                out[b, h0 + g, i % D] = acc_s[i] / l_s[g]
-        else:
-            for i in range(tid, GD, NT):
-                tmp_out[b, h0 + i // D, part, i % D] = acc_s[i]
-            if tid < G:
-                max_logits[b, h0 + tid, part] = m_s[tid]
-                exp_sums[b, h0 + tid, part] = l_s[tid]
-
-    return kernel
+REDUCE_THREADS = 128  # also the largest block size decode_reduce_kernel may be launched with
 
 
 @cuda.jit
 def decode_reduce_kernel(out, max_logits, exp_sums, tmp_out, seq_lens, partition):
-    """Merge the partitions of one (sequence, head): grid (H, B)."""
+    """Merge the partitions of one (sequence, head): grid (H, B), a power-of-two block size up to
+    REDUCE_THREADS. The per-partition weights exp(max_p - max) / sum are computed once into
+    shared memory, a chunk of blockDim partitions at a time, so the loop over partitions is only
+    coalesced loads of tmp_out and FMAs (four independent sums keep several loads in flight)."""
     h = cuda.blockIdx.x
     b = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     n_part = (seq_lens[b] + partition - 1) // partition
+    red = cuda.shared.array(REDUCE_THREADS, float32)
+    w = cuda.shared.array(REDUCE_THREADS, float32)
+
     m = float32(-math.inf)
-    for p in range(n_part):
+    for p in range(tid, n_part, nt):
         m = max(m, max_logits[b, h, p])
+    red[tid] = m
+    cuda.syncthreads()
+    s = nt // 2
+    while s > 0:
+        if tid < s:
+            red[tid] = max(red[tid], red[tid + s])
+        cuda.syncthreads()
+        s //= 2
+    m = red[0]
+    cuda.syncthreads()
     total = float32(0.0)
-    for p in range(n_part):
+    for p in range(tid, n_part, nt):
         total += exp_sums[b, h, p] * math.exp(max_logits[b, h, p] - m)
+    red[tid] = total
+    cuda.syncthreads()
+    s = nt // 2
+    while s > 0:
+        if tid < s:
+            red[tid] += red[tid + s]
+        cuda.syncthreads()
+        s //= 2
+    total = red[0]
     inv = float32(0.0)
     if total > 0.0:
         inv = float32(1.0) / total
-    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        a = float32(0.0)
-        for p in range(n_part):
-            a += tmp_out[b, h, p, d] * math.exp(max_logits[b, h, p] - m)
-        out[b, h, d] = a * inv
 
-
-REDUCE_THREADS = 128
+    D = out.shape[2]
+    for d0 in range(0, D, nt):  # every thread runs the same rounds: barriers inside
+        d = d0 + tid
+        a0 = float32(0.0)
+        a1 = float32(0.0)
+        a2 = float32(0.0)
+        a3 = float32(0.0)
+        for p0 in range(0, n_part, nt):
+            cuda.syncthreads()
+            if p0 + tid < n_part:
+                w[tid] = math.exp(max_logits[b, h, p0 + tid] - m) * inv
+            cuda.syncthreads()
+            n = min(nt, n_part - p0)
+            if d < D:
+                p = 0
+                while p + 4 <= n:
+                    a0 += tmp_out[b, h, p0 + p, d] * w[p]
+                    a1 += tmp_out[b, h, p0 + p + 1, d] * w[p + 1]
+                    a2 += tmp_out[b, h, p0 + p + 2, d] * w[p + 2]
+                    a3 += tmp_out[b, h, p0 + p + 3, d] * w[p + 3]
+                    p += 4
+                while p < n:
+                    a0 += tmp_out[b, h, p0 + p, d] * w[p]
+                    p += 1
+        if d < D:
+            out[b, h, d] = (a0 + a1) + (a2 + a3)
 
 
 def num_partitions(max_seq_len: int, partition: int) -> int:
     return max(1, (max_seq_len + partition - 1) // partition)
+
+
+PARTITION_CHOICES = (512, 256, 128, 64)  # largest first
+BLOCKS_PER_SM = 4  # thread blocks wanted per SM before partitions get shorter
+
+
+def choose_partition(
+    batch: int, kv_blocks: int, max_seq_len: int, num_sms: int, max_partitions: int | None = None
+) -> int:
+    """The longest partition that still gives BLOCKS_PER_SM thread blocks per SM (kv_blocks =
+    thread blocks per sequence and partition). Short partitions only where the grid would
+    otherwise leave SMs idle (small batches): each costs a partial write and a merge read.
+    Depends only on bounds fixed at capture, so a CUDA graph's grid stays valid.
+    max_partitions: a caller's workspace bound; longer partitions are taken to fit it."""
+    fits = [
+        p
+        for p in PARTITION_CHOICES
+        if max_partitions is None or num_partitions(max_seq_len, p) <= max_partitions
+    ] or [PARTITION_CHOICES[0]]
+    for p in fits:
+        if batch * kv_blocks * num_partitions(max_seq_len, p) >= BLOCKS_PER_SM * num_sms:
+            return p
+    return fits[-1]
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_decode_attention_cuda(
@@ -282,6 +448,8 @@ def paged_decode_attention_cuda(
 
     max_seq_len: an upper bound on every seq_len; it fixes the grid, so a CUDA graph captured
     with it replays correctly for any seq_lens up to it. Default: block_tables width x 16.
+    partition_size: context tokens per thread block; default from choose_partition (the batch,
+    the bound and the SM count, so fixed per captured graph).
     workspace: optional (max_logits [B, H, P], exp_sums [B, H, P], tmp_out [B, H, P, D]) fp32
     with P >= the partition count; allocated from torch's allocator when absent (inside a graph
     capture that memory belongs to the graph's pool)."""
@@ -302,9 +470,16 @@ def paged_decode_attention_cuda(
         raise ValueError("KV caches must be contiguous")
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")
-    cfg = decode_config(H, kvh, D, partition_size, num_threads)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
+    if partition_size is None:
+        ratio = H // kvh
+        split = ratio // decode_config(H, kvh, D, None, num_threads).group
+        cap = None if workspace is None else workspace[2].shape[2]
+        partition_size = choose_partition(
+            B, kvh * split, max_seq_len, _num_sms(q.device.index or 0), cap
+        )
+    cfg = decode_config(H, kvh, D, partition_size, num_threads)
     n_part = num_partitions(max_seq_len, cfg.partition)
     direct = n_part == 1
     q = q.contiguous()

@@ -50,11 +50,13 @@ def time_graph(fn, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = time_graph(lambda: dst.copy_(src), iters=10, repeats=10)
-    return 2 * nbytes / t
+def copy_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write), from load_tests/common.py: a
+    buffer far larger than L2, timed one copy at a time (a 1 GiB copy replayed from a graph
+    reported ~2.7 TB/s on an H200 whose copy bandwidth is ~4.2 TB/s, flattering every ratio)."""
+    from load_tests.common import measure_copy_bandwidth
+
+    return measure_copy_bandwidth("cuda")["bandwidth_GBps"] * 1e9
 
 
 def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int):
@@ -77,6 +79,14 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
     )
     nbytes = 2 * batch * context * kvh * head_dim * 2
     return t, nbytes
+
+
+def partition_for(batch: int, context: int, kvh: int, group: int) -> int:
+    """The partition size the launcher picks for this point (reported next to its time)."""
+    from voltserve.kernels.decode_attention import _num_sms, choose_partition, decode_config
+
+    split = group // decode_config(kvh * group, kvh, 128).group
+    return choose_partition(batch, kvh * split, context, _num_sms(torch.cuda.current_device()))
 
 
 def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                     kv_bytes=nbytes,
                     bandwidth_GBps=nbytes / t / 1e9,
                     fraction_of_copy=nbytes / t / copy_bw,
+                    partition=partition_for(batch, context, args.kv_heads, args.group),
                 )
             )
     prefill = []
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         copy_bandwidth_GBps=copy_bw / 1e9,
         decode=rows,
+        partitions={f"{r['batch']}x{r['context']}": r["partition"] for r in rows},
         prefill=prefill,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

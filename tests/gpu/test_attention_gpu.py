@@ -81,7 +81,7 @@ def test_decode_short_single_partition(head_dim, group):
     q = torch.randn((len(seq_lens), 4 * group, head_dim), generator=gen, device="cuda").half()
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention_cuda(q, k, v, tables, sl, 0.1, out, max_seq_len=512)
+    paged_decode_attention_cuda(q, k, v, tables, sl, 0.1, out, max_seq_len=512, partition_size=512)
     ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, 0.1)
     ref[5] = 0
     check(out, ref)
