@@ -20,7 +20,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 cd "$REPO"
 export PYTHONUNBUFFERED=1
-export VOLTSERVE_COMMIT=${VOLTSERVE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export VOLTSERVE_COMMIT=${VOLTSERVE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 
 # 1. Dependencies: install from local wheels only what does not import (numpy<2.5 for numba-cuda).
 need_wheels=0
