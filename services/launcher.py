@@ -104,6 +104,9 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         )
     gpus = visible_gpus() if args.device in ("auto", "cuda") else []
     n_exec = args.executors or max(1, len(gpus))
+    # Executors sharing a GPU split its memory budget instead of each claiming all of it.
+    per_gpu = -(-n_exec // len(gpus)) if gpus else 1
+    mem_util = args.gpu_memory_utilization / per_gpu
     for i in range(n_exec):
         argv = [
             "executor",
@@ -121,7 +124,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             "--max-num-batched-tokens",
             str(args.max_num_batched_tokens),
             "--gpu-memory-utilization",
-            str(args.gpu_memory_utilization),
+            f"{mem_util:.4f}",
             "--heartbeat-ttl",
             str(args.heartbeat_ttl),
             *mml,
