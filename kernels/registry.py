@@ -164,3 +164,15 @@ KERNELS += [
         ("void(float32[::1], float16[::1], float16[::1], int32, int32)",),
     ),
 ]
+
+# gemv.py: skinny decode matrix products, one kernel per M (gemv_kernel(M)); representative
+# instances. Arguments: x [M, K], w [N, K], bias [N] (unused without has_bias), out [M, N],
+# has_bias. Rows may be strided views (e.g. logits rows), so 2-D arrays take any layout.
+KERNELS += [
+    KernelSpec(
+        "gemv",
+        name,
+        _both("void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, :], boolean)"),
+    )
+    for name in ("gemv_kernel_m1", "gemv_kernel_m2", "gemv_kernel_m4", "gemv_kernel_m8")
+]

@@ -1,0 +1,278 @@
+"""Skinny matrix products for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for M = 1..8.
+
+At decode a linear layer reads its whole weight to produce a handful of rows, so it is a pure
+weight stream: its time is N * K * 2 bytes over the HBM bandwidth, and cuBLAS, tuned for GEMMs,
+reaches only part of that at M = 1. This kernel is written for the stream alone:
+
+- one warp owns R consecutive output rows (R weight rows) for every one of the M inputs;
+- each lane reads 16 bytes (8 fp16) of each weight row per chunk, U chunks per step, and issues
+  all R * U loads of a step before the first multiply, so R * U * 16 bytes per lane are in flight
+  (a 4-warp block with R * U = 8: 16 KB; several blocks per SM);
+- x is read from global memory next to its use (it is a few KB, so every warp after the first
+  hits L1/L2), widened to fp32, and multiplied in fp32; each lane's partial sums are reduced with
+  warp shuffles and written (+ bias, in fp32) with one rounding to the output dtype;
+- K must be a multiple of 8 and rows 16-byte aligned (checked on the host; otherwise the caller
+  falls back to torch). A last partial step is guarded chunk by chunk.
+
+M, R and U are compile-time constants: one kernel per M, built on first use (`gemv_kernel(M)`),
+so the per-lane accumulators and the in-flight loads stay in registers (no local memory).
+
+Rounding: fp32 accumulation in a different order than cuBLAS, so fp16 outputs can differ from
+torch by an ulp or two; the reference is `gemv_ref` (torch's linear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (torch Linear layout), bias: [N] or None -> [M, N] in x's dtype."""
+    return F.linear(x, w, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# numba.cuda kernels
+
+from numba import cuda  # noqa: E402
+from voltserve.kernels.numba_common import (  # noqa: E402
+    FULL_MASK,
+    SIM,
+    current_stream,
+    dev,
+    float32,
+    launch,
+)
+from voltserve.kernels.vec_io import VEC, ld8  # noqa: E402
+
+MAX_M = 8
+WARPS = 4  # warps per block
+THREADS = 32 * WARPS
+LANE_ELEMS = VEC  # elements a lane reads per chunk (one 16-byte load for fp16)
+WARP_ELEMS = 32 * LANE_ELEMS  # elements a warp reads per chunk (256)
+
+if SIM:
+    from voltserve.kernels.attention_common import shfl_xor as _sim_shfl
+
+    @cuda.jit(device=True)
+    def _warp_sum(v):
+        # The simulator's exchange is exact when a block is one warp (tests launch 32 threads).
+        off = 16
+        while off > 0:
+            v += _sim_shfl(v, off)
+            off >>= 1
+        return v
+
+else:
+
+    @cuda.jit(device=True, inline="always")
+    def _warp_sum(v):
+        # Written out (no loop) so the caller's loop over accumulators unrolls and they stay
+        # in registers.
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+        return v
+
+
+def tile_for(m: int) -> tuple[int, int]:
+    """(R rows per warp, U chunks per lane per step) for M inputs.
+
+    R * U = 8 loads of 16 bytes in flight per lane. Small M: one row a warp (more warps, better
+    spread over the SMs). Larger M: two rows a warp, so each x chunk read (M of them per step)
+    serves two weight rows and L1 traffic for x stays below the weight stream's."""
+    return (1, 8) if m <= 2 else (2, 4)
+
+
+@cuda.jit(device=True, inline="always")
+def _dot8(acc, a, b):
+    return (
+        acc
+        + a[0] * b[0]
+        + a[1] * b[1]
+        + a[2] * b[2]
+        + a[3] * b[3]
+        + a[4] * b[4]
+        + a[5] * b[5]
+        + a[6] * b[6]
+        + a[7] * b[7]
+    )
+
+
+_Z8 = (float32(0.0),) * LANE_ELEMS
+
+
+@cuda.jit(device=True, inline="always")
+def _ld8_guard(arr, row, col, K):
+    """arr[row, col:col+8], or zeros when the chunk lies past K (K is a multiple of 8)."""
+    if col < K:
+        return ld8(arr, (row, col))
+    return _Z8
+
+
+def _source(M: int, R: int, U: int) -> str:
+    """The kernel for one (M, R, U), written out statement by statement.
+
+    Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
+    below its size threshold, and a loop it keeps turns the accumulators and the in-flight loads
+    into local-memory arrays (and serialises the loads). Written out, every one is a register."""
+    step = U * WARP_ELEMS
+    acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
+    L = [
+        "def kernel(x, w, bias, out, has_bias):",
+        "    lane = cuda.threadIdx.x & 31",
+        "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
+        "    N = w.shape[0]",
+        "    K = w.shape[1]",
+        f"    row0 = warp * {R}",
+        "    if row0 >= N:",
+        "        return  # the whole warp leaves together: the shuffles stay full-mask",
+    ]
+    # A partial last group of rows re-reads row N-1 (never written): no guard in the loop.
+    L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
+    L += [f"    {a} = float32(0.0)" for a in acc]
+    L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
+
+    def body(indent: str, guarded: bool) -> list[str]:
+        out = [f"{indent}c{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
+        # Every weight load of the step before the first use: R * U * 16 bytes in flight.
+        for r in range(R):
+            for j in range(U):
+                if guarded:
+                    out.append(f"{indent}w{r}_{j} = _ld8_guard(w, rw{r}, c{j}, K)")
+                else:
+                    out.append(f"{indent}w{r}_{j} = ld8(w, (rw{r}, c{j}))")
+        # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
+        for j in range(U):
+            for m in range(M):
+                if guarded:
+                    out.append(f"{indent}xv = _ld8_guard(x, {m}, c{j}, K)")
+                else:
+                    out.append(f"{indent}xv = ld8(x, ({m}, c{j}))")
+                for r in range(R):
+                    out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
+        return out
+
+    L.append(f"    while k0 + {step} <= K:")
+    L += body("        ", False)
+    L.append(f"        k0 += {step}")
+    L.append("    if k0 < K:")
+    L += body("        ", True)
+    # Butterfly sums: every lane ends with every total; lane i writes output i = m * R + r.
+    L.append("    mine = float32(0.0)")
+    for i, a in enumerate(acc):
+        L.append(f"    t = _warp_sum({a})")
+        L.append(f"    if lane == {i}:")
+        L.append("        mine = t")
+    L += [
+        f"    if lane < {M * R}:",
+        f"        row = row0 + lane % {R}",
+        "        if row < N:",
+        "            if has_bias:",
+        "                mine += float32(bias[row])",
+        f"            out[lane // {R}, row] = mine",
+    ]
+    return "\n".join(L) + "\n"
+
+
+def _build(M: int, R: int, U: int):
+    scope = {
+        "cuda": cuda,
+        "float32": float32,
+        "ld8": ld8,
+        "_ld8_guard": _ld8_guard,
+        "_dot8": _dot8,
+        "_warp_sum": _warp_sum,
+    }
+    code = compile(_source(M, R, U), f"<gemv M={M} R={R} U={U}>", "exec")
+    exec(code, scope)  # noqa: S102 - our own generated source, see _source
+    return cuda.jit(scope["kernel"])
+
+
+_KERNELS: dict[int, object] = {}
+
+
+def gemv_kernel(m: int):
+    """The kernel for M = m inputs (built once per m)."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"gemv kernels cover M = 1..{MAX_M}, got {m}")
+    k = _KERNELS.get(m)
+    if k is None:
+        k = _KERNELS[m] = _build(m, *tile_for(m))
+    return k
+
+
+# Representative instances for `voltserve check-kernels` (kernels/registry.py).
+gemv_kernel_m1 = gemv_kernel(1)
+gemv_kernel_m2 = gemv_kernel(2)
+gemv_kernel_m4 = gemv_kernel(4)
+gemv_kernel_m8 = gemv_kernel(8)
+
+
+def grid_for(m: int, n: int) -> int:
+    r, _ = tile_for(m)
+    rows_per_block = WARPS * r
+    return (n + rows_per_block - 1) // rows_per_block
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+gemv_cuda_dtypes = (torch.float16, torch.float32)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % LANE_ELEMS == 0 for s in t.stride()[:-1])
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when the kernel covers this product (else use gemv_ref): CUDA tensors of one dtype,
+    1 <= M <= 8, K a multiple of 8, unit stride along K, 16-byte aligned rows."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and x.dtype in gemv_cuda_dtypes
+        and 1 <= x.shape[0] <= MAX_M
+        and x.shape[1] == w.shape[1]
+        and w.shape[1] % LANE_ELEMS == 0
+        and x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and _aligned(x)
+        and _aligned(w)
+    )
+
+
+def gemv_cuda(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning as gemv_ref for what `supports` accepts (anything else goes to gemv_ref).
+    Launches on torch's current stream without a host sync, so it can be graph-captured."""
+    if not supports(x, w):
+        if out is None:
+            return gemv_ref(x, w, bias)
+        out.copy_(gemv_ref(x, w, bias))
+        return out
+    M, N = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
+    launch(
+        gemv_kernel(M),
+        grid_for(M, N),
+        THREADS,
+        (dev(x), dev(w), dev(b), dev(out), has_bias),
+        current_stream(),
+    )
+    return out
+
+
+__all__ = ["gemv_ref", "gemv_cuda", "gemv_kernel", "supports", "tile_for", "grid_for"]
