@@ -94,8 +94,14 @@ class EngineLoop:
         self.latest_stats = self.engine.stats()
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished_requests()
-            self._drain_inbox(block=not busy)
-            if not self.engine.has_unfinished_requests():
+            applied = self._drain_inbox(block=not busy)
+            idle = not self.engine.has_unfinished_requests()
+            if applied or idle:
+                # An abort (or an add) changes the block and request counts without a step:
+                # the status hash must see that even when no step follows (an abort of the
+                # last running request leaves the engine idle).
+                self.latest_stats = self.engine.stats()
+            if idle:
                 continue
             step_start = time.time()
             outputs = self.engine.step()
@@ -104,17 +110,18 @@ class EngineLoop:
             if outputs:
                 self._publish(outputs, step_start)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every queued command; True if there was at least one."""
         try:
             cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._apply(*cmd)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _apply(self, kind: str, msg: Any) -> None:
         if kind == "add":
