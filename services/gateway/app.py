@@ -28,7 +28,7 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         check_api_key(request, gw.api_key)
         resp = await handler(request)
-        status = resp.status
+        status = 499 if request.get(routes.CLIENT_GONE) else resp.status
         return resp
     except APIError as e:
         status = e.status

@@ -45,6 +45,8 @@ class ChoiceState:
     timer: RequestTimer
     num_tokens: int = 0
     finished: bool = False
+    # Counted in vllm:request_success (once, after the client took the final update).
+    counted: bool = False
     executor_id: str = ""
 
 
@@ -60,6 +62,7 @@ class Generation:
     handle: Handle | None = None
     choices: list[ChoiceState] = field(default_factory=list)
     error_status: int | None = None
+    started: bool = False
 
     def __post_init__(self) -> None:
         # No "." in the id: engine requests are "{request_id}.{i}".
@@ -101,6 +104,7 @@ class Generation:
             max_tokens_explicit=s.max_tokens_explicit,
         )
         await streams.xadd(self.gw.redis, streams.render_stream(), msg)
+        self.started = True
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yield text deltas until every choice finished. Raises APIError on a request error."""
@@ -134,8 +138,11 @@ class Generation:
                 text += st.stop.flush()
             if finish is not None:
                 st.finished = True
-                self.gw.metrics.requests.observe_finished(st.timer, finish, st.executor_id)
             yield ChoiceUpdate(ev.index, text, self._logprobs(d), finish)
+            if finish is not None:
+                # Counted only once the consumer came back for more, i.e. the final update
+                # reached the client; a client that dropped first is counted as "abort" by close().
+                self._count(st, finish)
 
     def _logprobs(self, d: Any) -> list[TokenInfo] | None:
         if self.spec.params.logprobs is None or not d.logprobs:
@@ -145,6 +152,11 @@ class Generation:
             top = [(int(t), float(v)) for t, v in (lp.get("top") or [])]
             out.append(TokenInfo(tok, float(lp["logprob"]), top))
         return out
+
+    def _count(self, st: ChoiceState, finish: str) -> None:
+        if not st.counted:
+            st.counted = True
+            self.gw.metrics.requests.observe_finished(st.timer, finish, st.executor_id)
 
     def abort(self, engine_ids: list[str], reason: str) -> None:
         if engine_ids:
@@ -162,4 +174,9 @@ class Generation:
         self.gw.dispatcher.unregister(self.request_id)
         if self.error_status is not None:
             self.gw.metrics.requests.observe_error(self.gw.model_name, self.error_status)
+        elif self.started:
+            # Every choice the client did not see to its end was aborted (a disconnect, a
+            # cancelled handler): vLLM counts those as finished_reason="abort".
+            for st in self.choices:
+                self._count(st, "abort")
         self.handle = None

@@ -16,6 +16,9 @@ from voltserve.services.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
+# Set on the aiohttp request when the client disconnected while its stream was written.
+CLIENT_GONE = "voltserve_client_gone"
+
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     try:
@@ -182,34 +185,40 @@ async def _stream(
         return {"index": u.index, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
 
     try:
-        if chat:
-            roles = [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(spec.n)
-            ]
-            for r in roles:
-                await resp.write(sse.event(chunk([r])))
+        try:
+            if chat:
+                roles = [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(spec.n)
+                ]
+                for r in roles:
+                    await resp.write(sse.event(chunk([r])))
 
-        async def send(u: ChoiceUpdate) -> None:
-            c = choice(u)
-            if c is not None:
-                await resp.write(sse.event(chunk([c])))
+            async def send(u: ChoiceUpdate) -> None:
+                c = choice(u)
+                if c is not None:
+                    await resp.write(sse.event(chunk([c])))
 
-        await send(first)
-        async for u in updates:
-            await send(u)
-        if spec.include_usage:
-            final = chunk([])
-            final["usage"] = gen.usage()
-            await resp.write(sse.event(final))
-    except APIError as e:
-        # Headers are gone already: report in-band, the way OpenAI-compatible servers do.
-        await resp.write(sse.event(e.body()))
-    await resp.write(sse.DONE)
-    await resp.write_eof()
+            await send(first)
+            async for u in updates:
+                await send(u)
+            if spec.include_usage:
+                final = chunk([])
+                final["usage"] = gen.usage()
+                await resp.write(sse.event(final))
+        except APIError as e:
+            # Headers are gone already: report in-band, the way OpenAI-compatible servers do.
+            await resp.write(sse.event(e.body()))
+        await resp.write(sse.DONE)
+        await resp.write_eof()
+    except ConnectionError as e:
+        # The client went away mid-stream: normal for a streaming API. close() aborts what still
+        # runs (counted as "abort"); the middleware reports 499. One line, no traceback.
+        logger.info("client left mid-stream (%s): %s", gen.request_id, type(e).__name__)
+        request[CLIENT_GONE] = True
     return resp

@@ -129,3 +129,68 @@ def test_metrics_match_what_was_sent(stack: ServeStack) -> None:
     # Every KV block is free in every executor's status hash.
     for eid, h in executor_statuses(stack.redis_url).items():
         assert h["num_free_blocks"] == h["num_total_blocks"], (eid, h)
+
+
+def test_client_disconnect_counts_as_abort(stack: ServeStack) -> None:
+    """A client that drops its stream is counted as finished_reason="abort" (vLLM's meaning), not
+    as "length"/"stop"; its KV blocks are freed; the gateway logs no traceback for it."""
+    import http.client
+    import json
+    import socket
+    import struct
+    from urllib.parse import urlsplit
+
+    rng = random.Random()
+    before = scrape(stack.url)
+    log_before = stack.log_path.stat().st_size
+
+    def total(m, name, **lab):
+        return metric_sum(m, name, **lab) - metric_sum(before, name, **lab)
+
+    n_drop = rng.randint(3, 6)
+    u = urlsplit(stack.url)
+    conns = []
+    for _ in range(n_drop):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20)))
+        body = {
+            "model": stack.model_name,
+            "prompt": words,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        conns.append(conn)
+    for conn in conns:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")  # tokens flow: the request runs
+    for conn in conns:
+        # The client goes away mid-stream with a reset, while the gateway is writing to it.
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.sock.close()
+        conn.close()
+
+    def settled(m):
+        return (
+            total(m, "vllm:request_success_total", finished_reason="abort") >= n_drop
+            and metric_sum(m, "vllm:num_requests_running") == 0
+            and metric_sum(m, "vllm:kv_cache_usage_perc") == 0
+        )
+
+    settled.url = stack.url
+    m = wait_for(settled)
+    assert total(m, "vllm:request_success_total", finished_reason="abort") == n_drop
+    assert total(m, "vllm:request_success_total", finished_reason="length") == 0
+    assert total(m, "vllm:request_success_total", finished_reason="stop") == 0
+    assert metric_sum(m, "vllm:num_requests_running") == 0
+    assert metric_sum(m, "vllm:kv_cache_usage_perc") == 0
+    # Freed by the aborts, long before 400 tokens each.
+    assert total(m, "vllm:generation_tokens_total") < 400 * n_drop
+    with open(stack.log_path, "rb") as f:
+        f.seek(log_before)
+        new_log = f.read().decode(errors="replace")
+    assert "Traceback" not in new_log and "ClientConnectionResetError" not in new_log, new_log
