@@ -7,8 +7,11 @@ warm runs. Its floor is the weight bytes one token reads (all layers + lm_head; 
 gather is left out) over the device copy bandwidth measured in the same run.
 
 Batched (`--batch-sizes 64,256 --context 1024`): B requests with `--context`-token prompts are
-prefilled, then single decode steps are timed; their floor adds the KV bytes read at that
-context to the weight bytes.
+added at once and stepped until every one has finished its (chunked) prefill and produced its
+first token; then only decode-only steps of the full batch are timed (wall time of
+engine.step() between device synchronizations), with max_tokens high enough that no request
+ends inside the timed window (`steps_not_full_batch` must be 0, else the batch is an error).
+Their floor adds the KV bytes read at that context to the weight bytes.
 
     python load_tests/bench_decode.py --preset llama3-8b --batch-sizes 64,256 --context 1024 \
         --out results/decode_llama3-8b.json
@@ -143,7 +146,9 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.shared.config import EngineConfig
 
-    longest = max(args.prompt_len + args.output_len, args.context + args.decode_steps + 64)
+    budget = max(args.max_num_batched_tokens, args.prompt_len, args.context)
+    batched = [batched_max_tokens(b, args, budget) for b in args.batch_sizes]
+    longest = max([args.prompt_len + args.output_len, *(args.context + m for m in batched)])
     max_batch = max([1, *args.batch_sizes])
     config = EngineConfig(
         model=str(model_dir),
@@ -151,7 +156,7 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
         device=device,
         max_model_len=longest + 16,
         max_num_seqs=max(max_batch, 8),
-        max_num_batched_tokens=max(8192, args.prompt_len, args.context),
+        max_num_batched_tokens=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         max_graph_batch_size=max(max_batch, 1),
@@ -190,48 +195,92 @@ def engine_single(engine, rid: str, prompt: list[int], output_len: int) -> dict[
     }
 
 
+def batched_max_tokens(batch: int, args: argparse.Namespace, budget: int) -> int:
+    """Output budget of each batched request: tokens produced while the rest of the batch is still
+    prefilling (one per step at most; a step prefills at least budget - batch tokens), plus the
+    warmup and timed steps, plus slack, so that no request finishes inside the timed window."""
+    if budget <= batch:
+        raise ValueError(f"max_num_batched_tokens {budget} must exceed the batch size {batch}")
+    prefill_steps = -(-batch * args.context // (budget - batch)) + 1
+    return prefill_steps + args.decode_warmup + args.decode_steps + 4
+
+
 def engine_batched(
-    engine, batch: int, context: int, steps: int, warm: int, vocab: int, rng
+    engine, batch: int, context: int, steps: int, warm: int, max_tokens: int, vocab: int, rng
 ) -> dict[str, Any]:
-    """Prefill `batch` requests of `context` tokens, then time single decode steps."""
+    """Prefill `batch` requests of `context` tokens; once every one of them decodes, time
+    `steps` decode-only steps of the full batch (after `warm` untimed ones)."""
     from voltserve.shared.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
+    cfg = engine.config
+    device = cfg.device
+    if cfg.max_num_seqs < batch:
+        raise ValueError(f"batch {batch} exceeds max_num_seqs {cfg.max_num_seqs}")
+    bm = engine.block_manager
+    bs = engine.block_size
+    need_blocks = batch * -(-(context + max_tokens) // bs)
+    if bm.num_blocks < need_blocks:
+        raise ValueError(
+            f"the KV cache holds {bm.num_blocks} blocks of {bs} tokens; batch {batch} x "
+            f"(context {context} + up to {max_tokens} output tokens) needs {need_blocks}: "
+            "lower the batch size or context, or raise --gpu-memory-utilization"
+        )
+    if bm.num_free_blocks != bm.num_blocks or engine.has_unfinished_requests():
+        raise RuntimeError("the engine is not idle before the batched run")
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, random_prompt(rng, context, vocab), params)
-    have_first: set[str] = set()
+    # Step until every request has finished its prefill and produced its first token: from
+    # then on each step is a decode-only step of the whole batch.
+    n_out: dict[str, int] = {}
     t0 = time.perf_counter()
     prefill_steps = 0
-    while len(have_first) < batch:
+    while len(n_out) < batch:
         for o in engine.step():
             if o.new_token_ids:
-                have_first.add(o.request_id)
+                n_out[o.request_id] = n_out.get(o.request_id, 0) + len(o.new_token_ids)
+            if o.finish_reason is not None:
+                raise RuntimeError(f"{o.request_id} finished ({o.finish_reason}) while prefilling")
         prefill_steps += 1
         if prefill_steps > 100_000:
             raise RuntimeError("prefill of the batch does not finish")
+    synchronize(device)
     prefill_s = time.perf_counter() - t0
+    if max(n_out.values()) + warm + steps >= max_tokens:
+        raise RuntimeError(
+            f"prefill took {prefill_steps} steps: max_tokens {max_tokens} would end requests "
+            "inside the timed window"
+        )
     step_s: list[float] = []
     short_steps = 0
     for k in range(warm + steps):
+        synchronize(device)
         t = time.perf_counter()
         outs = engine.step()
+        synchronize(device)
         dt = time.perf_counter() - t
-        if len(outs) != batch:
-            short_steps += 1  # a preemption or a straggler: not a full-batch decode step
+        full = len(outs) == batch and all(
+            len(o.new_token_ids) == 1 and o.finish_reason is None for o in outs
+        )
         if k >= warm:
             step_s.append(dt)
+            if not full:
+                short_steps += 1  # a preemption or a finished request: not a full decode step
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
     return {
         "prefill_s": prefill_s,
         "prefill_steps": prefill_steps,
+        "max_tokens": max_tokens,
         "step_ms_all": [s * 1e3 for s in step_s],
         "step_ms": statistics.median(step_s) * 1e3,
         "steps_not_full_batch": short_steps,
-        # KV tokens a timed step reads per request, averaged over the timed steps.
-        "mean_context": context + 1 + warm + (steps - 1) / 2,
+        # KV tokens a timed step reads per request, averaged over requests and timed steps
+        # (requests that finished their prefill early hold more output tokens).
+        "mean_context": context + statistics.mean(n_out.values()) + warm + (steps - 1) / 2,
     }
 
 
@@ -275,6 +324,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="prompt length of batched mode")
     p.add_argument("--decode-steps", type=int, default=32, help="timed steps per batch size")
     p.add_argument("--decode-warmup", type=int, default=4)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="engine step token budget (raised to the longest prompt)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--bandwidth-bytes", type=int, default=None)
@@ -335,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
     write_json(args.out, result)
     print_table(result)
-    return 1 if "engine" in result["errors"] else 0
+    failed = [k for k in result["errors"] if k == "engine" or k.startswith("batch_")]
+    return 1 if failed else 0
 
 
 def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> None:
@@ -397,13 +453,27 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
     for b in args.batch_sizes:
         logger.info("engine batched decode: batch %d, context %d", b, args.context)
         try:
+            max_tokens = batched_max_tokens(b, args, engine.config.max_num_batched_tokens)
             r = engine_batched(
-                engine, b, args.context, args.decode_steps, args.decode_warmup, vocab, rng
+                engine,
+                b,
+                args.context,
+                args.decode_steps,
+                args.decode_warmup,
+                max_tokens,
+                vocab,
+                rng,
             )
         except Exception as e:
             traceback.print_exc()
             result["errors"][f"batch_{b}"] = f"{type(e).__name__}: {e}"
             continue
+        if r["steps_not_full_batch"]:
+            # Every timed step must be a decode step of the whole batch, or the number is wrong.
+            result["errors"][f"batch_{b}"] = (
+                f"{r['steps_not_full_batch']} of {args.decode_steps} timed steps were not "
+                f"decode-only steps of the full batch"
+            )
         kv = b * r["mean_context"] * kv_tok
         floor_ms = (wbytes["read_per_token_bytes"] + kv) / bw_Bps * 1e3
         r.update(

@@ -95,11 +95,15 @@ def test_bench_decode_cpu_smoke(tmp_path):
             "--hf-warmup",
             "0",
             "--batch-sizes",
-            "2",
+            "2,6",
             "--context",
-            "16",
+            "40",
+            # A small step budget chunks the batch's prefill over several steps, so requests
+            # start decoding at different steps: the timed window must still be full batches.
+            "--max-num-batched-tokens",
+            "64",
             "--decode-steps",
-            "2",
+            "3",
             "--decode-warmup",
             "1",
             "--out",
@@ -115,10 +119,15 @@ def test_bench_decode_cpu_smoke(tmp_path):
     assert d["transformers"]["decode_tok_s"] > 0
     assert d["speedup_vs_transformers"] > 0
     assert 0 <= d["greedy_agreement_tokens"] <= 4
-    (b,) = d["batched"]
-    assert b["batch_size"] == 2 and b["context"] == 16 and b["steps_not_full_batch"] == 0
-    for key in ("step_ms", "floor_ms", "ratio_to_floor", "output_tok_s"):
-        assert b[key] > 0, key
+    assert [b["batch_size"] for b in d["batched"]] == [2, 6]
+    for b in d["batched"]:
+        assert b["context"] == 40 and b["steps_not_full_batch"] == 0
+        assert len(b["step_ms_all"]) == 3
+        assert b["mean_context"] >= 40 + 1 + 1 + 1
+        for key in ("step_ms", "floor_ms", "ratio_to_floor", "output_tok_s"):
+            assert b[key] > 0, key
+    # 6 x 40 prompt tokens at 64 a step: the prefill spans several steps.
+    assert d["batched"][1]["prefill_steps"] >= 4
     assert d["env"]["torch"] and "git_commit" in d["env"]
 
 
