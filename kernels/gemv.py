@@ -14,8 +14,9 @@ reaches only part of that at M = 1. This kernel is written for the stream alone:
 - K must be a multiple of 8 and rows 16-byte aligned (checked on the host; otherwise the caller
   falls back to torch). A last partial step is guarded chunk by chunk.
 
-M, R and U are compile-time constants: one kernel per M, built on first use (`gemv_kernel(M)`),
-so the per-lane accumulators and the in-flight loads stay in registers (no local memory).
+M, R and U are compile-time constants: one kernel per M in (1, 2, 4, 8), built on first use
+(`gemv_kernel(M)`; M = 3 runs the M = 4 kernel, which skips the missing row), so the per-lane
+accumulators and the in-flight loads stay in registers (no local memory).
 
 Rounding: fp32 accumulation in a different order than cuBLAS, so fp16 outputs can differ from
 torch by an ulp or two; the reference is `gemv_ref` (torch's linear).
@@ -133,6 +134,10 @@ def _source(M: int, R: int, U: int) -> str:
     ]
     # A partial last group of rows re-reads row N-1 (never written): no guard in the loop.
     L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
+    # Fewer inputs than the variant's M: the missing rows re-read the last one (L1 hits) and
+    # their outputs are not written.
+    L.append("    Mx = x.shape[0]")
+    L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
 
@@ -148,10 +153,11 @@ def _source(M: int, R: int, U: int) -> str:
         # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
         for j in range(U):
             for m in range(M):
+                xm = f"xm{m}" if m else "0"
                 if guarded:
-                    out.append(f"{indent}xv = _ld8_guard(x, {m}, c{j}, K)")
+                    out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
                 else:
-                    out.append(f"{indent}xv = ld8(x, ({m}, c{j}))")
+                    out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
                 for r in range(R):
                     out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
         return out
@@ -170,7 +176,7 @@ def _source(M: int, R: int, U: int) -> str:
     L += [
         f"    if lane < {M * R}:",
         f"        row = row0 + lane % {R}",
-        "        if row < N:",
+        f"        if row < N and lane // {R} < Mx:",
         "            if has_bias:",
         "                mine += float32(bias[row])",
         f"            out[lane // {R}, row] = mine",
@@ -195,13 +201,21 @@ def _build(M: int, R: int, U: int):
 _KERNELS: dict[int, object] = {}
 
 
-def gemv_kernel(m: int):
-    """The kernel for M = m inputs (built once per m)."""
+VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
+
+
+def variant_for(m: int) -> int:
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv kernels cover M = 1..{MAX_M}, got {m}")
-    k = _KERNELS.get(m)
+    return next(v for v in VARIANTS if v >= m)
+
+
+def gemv_kernel(m: int):
+    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once)."""
+    v = variant_for(m)
+    k = _KERNELS.get(v)
     if k is None:
-        k = _KERNELS[m] = _build(m, *tile_for(m))
+        k = _KERNELS[v] = _build(v, *tile_for(v))
     return k
 
 
@@ -213,7 +227,7 @@ gemv_kernel_m8 = gemv_kernel(8)
 
 
 def grid_for(m: int, n: int) -> int:
-    r, _ = tile_for(m)
+    r, _ = tile_for(variant_for(m))
     rows_per_block = WARPS * r
     return (n + rows_per_block - 1) // rows_per_block
 

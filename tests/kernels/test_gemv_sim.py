@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GP
 def run_kernel(x, w, bias):
     M, N = x.shape[0], w.shape[0]
     out = torch.full((M, N), float("nan"), dtype=x.dtype)
-    R, _ = gemv.tile_for(M)
+    R, _ = gemv.tile_for(gemv.variant_for(M))
     b = bias if bias is not None else w[0]
     # One warp per block: the simulator's shuffle is exact only within a one-warp block.
     launch(
@@ -65,3 +65,4 @@ def test_supports_rejects_what_the_kernel_cannot_take():
     assert gemv.gemv_cuda(torch.randn(2, 64), w).shape == (2, 16)  # falls back to gemv_ref
     with pytest.raises(ValueError, match="M = 1..8"):
         gemv.gemv_kernel(9)
+    assert gemv.gemv_kernel(3) is gemv.gemv_kernel(4)  # M = 3 runs the M = 4 kernel
