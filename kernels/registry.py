@@ -57,7 +57,7 @@ KERNELS += [
     KernelSpec(
         "rotary",
         "rotary_embedding_kernel",
-        _both("void(int64[::1], {t}[:, :], {t}[:, :], int64, float32[:, ::1], boolean)"),
+        _both("void(int64[::1], {t}[:, :], {t}[:, :], int64, float32[:, ::1], boolean, boolean)"),
     ),
 ]
 

@@ -27,11 +27,11 @@ def fused_add_rms_norm_ref(
 # ---------------------------------------------------------------------------------------------
 # numba.cuda kernels: one block per row, each thread owning 8-element chunks (16-byte accesses for
 # fp16) at chunk index tid, tid + blockDim, ... Its first MAXV chunks stay in registers, so the
-# normalise pass re-reads memory only for rows wider than MAXV * 8 * blockDim (16384 at 512
-# threads). The loads of all of a thread's chunks are issued before any use, so
-# MAXV * 16 bytes per thread are in flight. `vec` (from vec_ok on the host) selects the vector
-# path; otherwise the same chunks are read element by element (widths not a multiple of 8,
-# unaligned views).
+# normalise pass re-reads memory only for rows wider than MAXV * 8 * blockDim (8192 at 256
+# threads; the tail of wider rows is read again, mostly from L2). The loads of all of a thread's
+# chunks are issued before any use, so MAXV * 16 bytes per thread are in flight. `vec` (from
+# vec_ok on the host) selects the vector path; otherwise the same chunks are read element by
+# element (widths not a multiple of 8, unaligned views).
 
 import math  # noqa: E402
 
@@ -56,7 +56,7 @@ from voltserve.kernels.vec_io import (  # noqa: E402
 MAXV = 4  # 8-element chunks a thread keeps in registers
 BUF = MAXV * VEC  # their elements (a local array size must be a constant)
 SMALL_BATCH = 256  # up to this many rows, one chunk per thread (more threads, shorter latency)
-MAX_BLOCK = 512
+MAX_BLOCK = 256
 
 
 @cuda.jit(device=True, inline="always")
@@ -170,8 +170,8 @@ def block_size(rows: int, hidden: int) -> int:
     chunks = (hidden + VEC - 1) // VEC
     per = 1 if rows <= SMALL_BATCH else MAXV
     want = (chunks + per - 1) // per
-    # At most 512: the kernels use up to 128 registers a thread, and a block of 1024 such
-    # threads would not fit an SM's 64K registers (the launch would fail).
+    # At most 256 threads: a block then fits an SM's 64K registers whatever the compiler gives
+    # a thread (up to 255; these kernels take 72-128 on sm_70), so the launch never fails.
     return max(32, min(MAX_BLOCK, (want + 31) // 32 * 32))
 
 

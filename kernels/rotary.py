@@ -113,10 +113,13 @@ def rotary_embedding_ref(
 
 
 # ---------------------------------------------------------------------------------------------
-# numba.cuda kernel: one block per token; threads walk the (head, pair) items of q then k. Both
-# styles reduce to o1 = x1*c - x2*s, o2 = x2*c + x1*s on a pair (x1, x2) that is (j, j + half)
-# for NeoX and (2j, 2j + 1) for GPT-J. Like the reference, cos/sin are rounded to q's dtype and
-# every product and sum is rounded to the storage dtype, so fp16 results match it bit for bit.
+# numba.cuda kernel: one block per token. Both styles reduce to o1 = x1*c - x2*s,
+# o2 = x2*c + x1*s on a pair (x1, x2) that is (j, j + half) for NeoX and (2j, 2j + 1) for GPT-J.
+# Like the reference, cos/sin are rounded to q's dtype and every product and sum is rounded to the
+# storage dtype, so fp16 results match it bit for bit.
+# With `vec` (half a multiple of 8, aligned views: vec_ok) threads walk (head, 8 pairs) items with
+# 16-byte accesses: NeoX reads 8 elements from each half, GPT-J 16 adjacent elements. Otherwise
+# threads walk (head, pair) items element by element.
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
@@ -126,29 +129,76 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     launch,
     round_like,
 )
+from voltserve.kernels.vec_io import VEC, ld8, st8, tup8, vec_ok  # noqa: E402
 
 BLOCK = 128
 
 
-@cuda.jit(device=True)
-def _rotate_pair(x, t, i1, i2, c, s):
-    x1 = float32(x[t, i1])
-    x2 = float32(x[t, i2])
+@cuda.jit(device=True, inline="always")
+def _rot1(x1, x2, c, s, x):
     o1 = round_like(round_like(x1 * c, x) - round_like(x2 * s, x), x)
     o2 = round_like(round_like(x2 * c, x) + round_like(x1 * s, x), x)
+    return o1, o2
+
+
+@cuda.jit(device=True)
+def _rotate_pair(x, t, i1, i2, c, s):
+    o1, o2 = _rot1(float32(x[t, i1]), float32(x[t, i2]), c, s, x)
     x[t, i1] = o1
     x[t, i2] = o2
 
 
+@cuda.jit(device=True, inline="always")
+def _rotate_chunk(x, t, base, j, half, cs, sn, is_neox):
+    """Rotates the 8 pairs j..j+7 of the head starting at column base (vector path)."""
+    o = cuda.local.array(16, float32)
+    if is_neox:
+        a = ld8(x, (t, base + j))
+        b = ld8(x, (t, base + half + j))
+        for e in range(VEC):
+            o[e], o[VEC + e] = _rot1(a[e], b[e], cs[e], sn[e], x)
+        st8(x, (t, base + j), tup8(o, 0))
+        st8(x, (t, base + half + j), tup8(o, VEC))
+    else:
+        a = ld8(x, (t, base + 2 * j))
+        b = ld8(x, (t, base + 2 * j + VEC))
+        for e in range(VEC // 2):
+            o[2 * e], o[2 * e + 1] = _rot1(a[2 * e], a[2 * e + 1], cs[e], sn[e], x)
+            o[VEC + 2 * e], o[VEC + 2 * e + 1] = _rot1(
+                b[2 * e], b[2 * e + 1], cs[VEC // 2 + e], sn[VEC // 2 + e], x
+            )
+        st8(x, (t, base + 2 * j), tup8(o, 0))
+        st8(x, (t, base + 2 * j + VEC), tup8(o, VEC))
+
+
 @cuda.jit
-def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox):
+def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox, vec):
     t = cuda.blockIdx.x
     pos = positions[t]
     half = cos_sin_cache.shape[1] // 2
     q_heads = q.shape[1] // head_dim
-    total = (q_heads + k.shape[1] // head_dim) * half
+    heads = q_heads + k.shape[1] // head_dim
+    if vec:
+        chunks = half // VEC
+        e = cuda.threadIdx.x
+        while e < heads * chunks:
+            h = e // chunks
+            j = (e - h * chunks) * VEC
+            c8 = ld8(cos_sin_cache, (pos, j))
+            s8 = ld8(cos_sin_cache, (pos, half + j))
+            cs = cuda.local.array(8, float32)
+            sn = cuda.local.array(8, float32)
+            for i in range(VEC):
+                cs[i] = round_like(c8[i], q)
+                sn[i] = round_like(s8[i], q)
+            if h < q_heads:
+                _rotate_chunk(q, t, h * head_dim, j, half, cs, sn, is_neox)
+            else:
+                _rotate_chunk(k, t, (h - q_heads) * head_dim, j, half, cs, sn, is_neox)
+            e += cuda.blockDim.x
+        return
     e = cuda.threadIdx.x
-    while e < total:
+    while e < heads * half:
         h = e // half
         j = e - h * half
         c = round_like(cos_sin_cache[pos, j], q)
@@ -178,17 +228,21 @@ def rotary_embedding_cuda(
     """Same meaning as rotary_embedding_ref (in place). q/k: [T, heads * head_dim] (row views of
     the fused qkv output are fine); positions int64; cos_sin_cache fp32."""
     if q.shape[0]:
+        q2, k2 = q.view(q.shape[0], -1), k.view(k.shape[0], -1)
+        half = cos_sin_cache.shape[1] // 2
+        vec = half % VEC == 0 and head_dim % VEC == 0 and vec_ok(q2, k2, cos_sin_cache)
         launch(
             rotary_embedding_kernel,
             q.shape[0],
             BLOCK,
             (
                 dev(positions),
-                dev(q.view(q.shape[0], -1)),
-                dev(k.view(k.shape[0], -1)),
+                dev(q2),
+                dev(k2),
                 int(head_dim),
                 dev(cos_sin_cache),
                 bool(is_neox),
+                vec,
             ),
             current_stream(),
         )

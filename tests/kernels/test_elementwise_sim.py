@@ -66,7 +66,7 @@ def test_fused_add_rms_norm(dtype, hidden, vec):
 
 def test_block_size():
     # Decode batches: one 8-element chunk per thread; large batches: MAXV chunks per thread.
-    assert rmsnorm.block_size(1, 4096) == 512
+    assert rmsnorm.block_size(1, 4096) == 256
     assert rmsnorm.block_size(4096, 4096) == 128
     assert rmsnorm.block_size(1, 8192) == rmsnorm.MAX_BLOCK
     assert rmsnorm.block_size(4096, 896) == 32
@@ -88,8 +88,13 @@ def test_silu_and_mul(dtype, inter, vec):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-def test_rotary(dtype, is_neox):
-    T, heads, kv_heads, head_dim, rotary_dim = 4, 3, 1, 16, 8  # partial rotary
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim,vec",
+    # partial rotary; half = 8 allows the 16-byte path, half = 4 only the scalar one
+    [(16, 8, False), (32, 16, True), (32, 16, False)],
+)
+def test_rotary(dtype, is_neox, head_dim, rotary_dim, vec):
+    T, heads, kv_heads = 4, 3, 1
     cache = rotary.build_cos_sin_cache(
         rotary_dim,
         64,
@@ -103,7 +108,7 @@ def test_rotary(dtype, is_neox):
     rotary.rotary_embedding_ref(positions, q_ref, k_ref, head_dim, cache, is_neox)
     # The simulator only takes contiguous arrays; the GPU test covers strided q/k views.
     q, k = q.contiguous(), k.contiguous()
-    run(rotary.rotary_embedding_kernel, T, 32, positions, q, k, head_dim, cache, is_neox)
+    run(rotary.rotary_embedding_kernel, T, 32, positions, q, k, head_dim, cache, is_neox, vec)
     if dtype == torch.float16:
         # Every product and sum is rounded like the reference's fp16 ops: bit-exact.
         assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
