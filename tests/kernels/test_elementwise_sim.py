@@ -64,6 +64,16 @@ def test_fused_add_rms_norm(dtype, hidden, vec):
     assert_close(x, x_ref)
 
 
+def test_vec_ok():
+    from voltserve.kernels.vec_io import vec_ok
+
+    qkv = torch.empty(5, 48, dtype=torch.float16)
+    assert vec_ok(qkv, qkv[:, 16:32], torch.empty(64))
+    assert not vec_ok(qkv[:, 4:12])  # base not 16-byte aligned
+    assert not vec_ok(torch.empty(5, 300, dtype=torch.float16))  # width not a multiple of 8
+    assert not vec_ok(qkv[:, ::2])  # not unit stride
+
+
 def test_block_size():
     # Decode batches: one 8-element chunk per thread; large batches: MAXV chunks per thread.
     assert rmsnorm.block_size(1, 4096) == 256
