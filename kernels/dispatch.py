@@ -5,7 +5,8 @@ the launcher `<op>_cuda` when its kernel file defines one; launchers are looked 
 getattr, so a kernel that lands later needs no change here. A launcher takes the same arguments
 as its reference and has the same effect (returns the same thing, or writes the same tensors in
 place). `VOLTSERVE_FORCE_REF=1` (or `force_ref=True`) keeps every op on the reference, which is how
-GPU tests compare the two.
+GPU tests compare the two. A few ops have their own switch (`_OP_ENV`): `VOLTSERVE_GEMV=0` keeps
+the decode linears on cuBLAS, to compare the two end to end.
 
 CUDA graphs: a captured step may not synchronise with the host. The references for
 reshape_and_cache and the paged attentions do (boolean masks, `.tolist()`), so they cannot be
@@ -52,6 +53,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
         "attention_ref",
         "paged_decode_attention_ref",
     ),
+    # Linears of up to 8 rows (decode); models/layers.py calls it only for such inputs.
+    "gemv": (("gemv",), "gemv", "gemv_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -72,8 +75,11 @@ _CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
     "paged_decode_attention": (16,),
 }
 
+# Ops with their own off switch: the env var set to 0/false/no/off keeps the op on its reference.
+_OP_ENV: dict[str, str] = {"gemv": "VOLTSERVE_GEMV"}
+
 # References that never synchronise with the host, so a CUDA graph can capture them.
-_CAPTURABLE_REFS = {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
+_CAPTURABLE_REFS = {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv"}
 # What a decode step runs inside a captured graph (sampling stays outside).
 DECODE_GRAPH_OPS = (
     "rms_norm",
@@ -98,6 +104,16 @@ def force_ref_from_env() -> bool:
     return os.environ.get(FORCE_REF_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def op_disabled_by_env(op: str) -> bool:
+    name = _OP_ENV.get(op)
+    return name is not None and os.environ.get(name, "").strip().lower() in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
 class KernelDispatch:
     """Resolves every op once, at construction, for one device and model dtype."""
 
@@ -118,7 +134,7 @@ class KernelDispatch:
         use_cuda = self.device.type == "cuda" and not self.force_ref
         for op, (families, ref_mod, ref_name) in _OPS.items():
             fn, kind = None, "ref"
-            if use_cuda:
+            if use_cuda and not op_disabled_by_env(op):
                 for fam in families:
                     mod = _module(fam)
                     fn = getattr(mod, f"{op}_cuda", None) if mod is not None else None
@@ -156,6 +172,7 @@ class KernelDispatch:
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
+    gemv: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

@@ -66,3 +66,26 @@ def test_supports_rejects_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="M = 1..8"):
         gemv.gemv_kernel(9)
     assert gemv.gemv_kernel(3) is gemv.gemv_kernel(4)  # M = 3 runs the M = 4 kernel
+
+
+def test_dispatch_picks_gemv_and_env_switch(monkeypatch):
+    from voltserve.kernels.dispatch import KernelDispatch
+
+    monkeypatch.delenv("VOLTSERVE_GEMV", raising=False)
+    assert KernelDispatch("cpu").impl["gemv"] == "ref"
+    assert KernelDispatch("cuda").impl["gemv"] == "cuda"  # resolving touches no device
+    monkeypatch.setenv("VOLTSERVE_GEMV", "0")
+    assert KernelDispatch("cuda").impl["gemv"] == "ref"
+
+
+def test_linear_routes_decode_rows_through_ops():
+    from voltserve.kernels.dispatch import KernelDispatch
+    from voltserve.services.executor.models.layers import Linear
+
+    lin = Linear(64, {"a": 24, "b": 8}, True, torch.float32)
+    lin.weight.data.normal_()
+    lin.bias.data.normal_()
+    ops = KernelDispatch("cpu", torch.float32)
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(x, ops), torch.nn.functional.linear(x, lin.weight, lin.bias))

@@ -15,6 +15,23 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 
+# Linears with at most this many input rows (decode steps of small batches, the sampled rows of
+# the lm_head) go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins once
+# the product has enough rows to use tensor cores. On CPU ops.gemv is F.linear itself.
+GEMV_MAX_ROWS = 8
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ops: KernelDispatch | None = None,
+) -> torch.Tensor:
+    """y = x W^T (+ b) for x [T, K]: ops.gemv when T <= GEMV_MAX_ROWS, else torch."""
+    if ops is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
 
 @dataclass
 class AttentionMetadata:
@@ -67,8 +84,10 @@ class Linear(nn.Module):
             )
         target.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:
+        """Without ops (tests, tools): plain torch. The model passes its ops, so decode-sized
+        inputs run the GEMV kernel on CUDA (captured in the decode graphs)."""
+        return linear(x, self.weight, self.bias, ops)
 
 
 class RMSNorm(nn.Module):

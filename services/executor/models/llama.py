@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
-from voltserve.services.executor.models.layers import AttentionMetadata, Linear, RMSNorm
+from voltserve.services.executor.models.layers import AttentionMetadata, Linear, RMSNorm, linear
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
@@ -115,7 +115,7 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
-        return self.o_proj(o.view(T, self.q_size))
+        return self.o_proj(o.view(T, self.q_size), ops)
 
 
 class MLP(nn.Module):
@@ -126,7 +126,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
 
 
 class DecoderLayer(nn.Module):
@@ -215,4 +215,5 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(ops, x, residual)
         if logits_indices is not None:
             x = x[logits_indices]
-        return F.linear(x, self.lm_head_weight()).float()
+        # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.
+        return linear(x, self.lm_head_weight(), None, ops).float()
