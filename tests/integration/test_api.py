@@ -175,8 +175,10 @@ async def test_async_completion_stream_and_logprobs(
     lp = full.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
-        # Greedy: the sampled token is the most likely one.
-        assert len(top) <= 3 and abs(max(top.values()) - sampled) < 1e-4
+        # Greedy: the sampled token is the most likely one. (The completions format keys top
+        # logprobs by token text, so two tokens that both decode to U+FFFD collide: compare
+        # against the best value rather than expect the sampled one to be present.)
+        assert len(top) <= 3 and max(top.values()) <= sampled + 1e-4
     pieces = []
     async for c in await aclient.completions.create(
         model=MODEL,
