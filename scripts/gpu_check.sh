@@ -79,6 +79,7 @@ for stage in $STAGES; do
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
       ;;
     decode-8b)
+      run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --out "$OUT/profile_decode.json"
       run decode_llama8b $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 1 --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b.json"
       ;;
     serving)

@@ -5,11 +5,17 @@ launches especially); replaying a captured graph costs one launch. Graphs are ca
 startup, for padded batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to max_graph_batch_size, all
 sharing one memory pool (captured largest first, so smaller ones reuse its memory).
 
-Inputs live in static buffers that every graph reads; a step copies its batch into them and pads
-rows B..padded-1 with token 0, position 0, slot -1 (no KV write; the torch fallback writes the
-scratch block), seq_len 1 and an all-zero block table row (a real, readable block), so padded rows
-compute finite garbage that nobody reads. Block tables are captured at the full width
+Inputs live in static buffers that every graph reads; a step fills them and pads rows
+B..padded-1 with token 0, position 0, slot -1 (no KV write; the torch fallback writes the scratch
+block), seq_len 1 and an all-zero block table row (a real, readable block), so padded rows compute
+finite garbage that nobody reads. Block tables are captured at the full width
 (max_model_len / block_size), so any sequence up to max_model_len replays correctly.
+
+The static buffers are typed views of ONE device byte buffer, laid out
+[input_ids i64 | positions i64 | slot_mapping i64 | seq_lens i32 | block_tables i32 row-major],
+with a pinned host twin of the same layout. The runner's decode path (`stage` + `replay_staged`)
+writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
+the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
 
 Sampling stays outside the graph: the graph ends with the logits of every row, and the sampler's
 greedy fast path is a single argmax on them.
@@ -47,16 +53,36 @@ class CudaGraphRunner:
         self.sizes = graph_batch_sizes(max_batch)
         n, width = self.sizes[-1], runner.max_blocks_per_seq
         dev = self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.width = width
+        # Byte offsets of the fields (8-byte fields first, so every view is aligned).
+        self._off_tables = 28 * n
+        nbytes = self._off_tables + 4 * n * width
+        pin = dev.type == "cuda"
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if pin else self._host
+        self._copy_done = torch.cuda.Event() if pin else None
+        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables) = (
+            self._views(self._dev, n, width)
+        )
+        h = self._views(self._host, n, width)
+        self.host_ids, self.host_pos, self.host_slots, self.host_seq_lens, self.host_tables = (
+            t.numpy() for t in h
+        )
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.host_slots.fill(-1)
+        self.host_seq_lens.fill(1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         self._capture_all()
+
+    @staticmethod
+    def _views(buf: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, ...]:
+        i64 = buf[: 24 * n].view(torch.int64)
+        i32 = buf[24 * n :].view(torch.int32)
+        return i64[:n], i64[n : 2 * n], i64[2 * n : 3 * n], i32[:n], i32[n:].view(n, width)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -92,8 +118,38 @@ class CudaGraphRunner:
     def padded_size(self, num_seqs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
+    # ---- the runner's decode path: fill the host twin, one copy, replay ----------------------
+
+    def stage(self, num_seqs: int) -> int:
+        """Prepare the host twin for a batch of num_seqs rows; returns the padded size. The caller
+        then writes rows [0, num_seqs) of host_ids, host_pos, host_slots, host_seq_lens and
+        host_tables (whose rows [0, padded) are zero on return), and calls replay_staged."""
+        bs = self.padded_size(num_seqs)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous step's copy has left the host buffer
+        self.host_tables[:bs] = 0
+        if bs > num_seqs:
+            self.host_ids[num_seqs:bs] = 0
+            self.host_pos[num_seqs:bs] = 0
+            self.host_slots[num_seqs:bs] = -1
+            self.host_seq_lens[num_seqs:bs] = 1
+        return bs
+
+    def replay_staged(self, num_seqs: int) -> torch.Tensor:
+        """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab]."""
+        bs = self.padded_size(num_seqs)
+        if self._dev is not self._host:
+            n = self._off_tables + 4 * bs * self.width  # the rows the bs graph reads
+            self._dev[:n].copy_(self._host[:n], non_blocking=True)
+            self._copy_done.record()
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.outputs[bs][:num_seqs]
+
     def run(self, batch: DeviceBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only batch (row b = sequence b)."""
+        """Logits [B, vocab] of a decode-only batch already on the device (row b = sequence b).
+        The runner uses stage/replay_staged instead; this stays for callers holding a
+        DeviceBatch."""
         B = batch.num_seqs
         bs = self.padded_size(B)
         meta = batch.meta

@@ -3,8 +3,10 @@ tokens. It reads request state only; the engine updates requests after `execute`
 
 Per step: one flat batch is written into one pinned int64 host buffer (token ids, positions,
 slots, block tables, sequence lengths, query starts, logits rows), copied to the device in one
-transfer, run through the model (as a CUDA graph for decode-only steps), sampled, and the sampled
-ids come back in one transfer.
+transfer, run through the model, sampled, and the sampled ids come back in one transfer.
+Decode-only steps that a CUDA graph covers skip the flat batch: they are written straight into the
+graph's pinned staging buffer (already in the graph's dtypes and padded layout), so the step is one
+host-to-device copy, one graph replay, the sampler and one copy back.
 """
 
 from __future__ import annotations
@@ -308,15 +310,56 @@ class ModelRunner:
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
 
+    def _stage_decode(self, plan: StepPlan) -> list[SampleRow]:
+        """Write a decode-only step (one new token per request, each sampling) into the CUDA
+        graph's host staging buffer; the same values prepare() would compute, per row."""
+        g = self.graphs
+        sched = plan.scheduled
+        B = len(sched)
+        g.stage(B)
+        bs = self.block_size
+        ids, pos, slots, lens, tables = (
+            g.host_ids,
+            g.host_pos,
+            g.host_slots,
+            g.host_seq_lens,
+            g.host_tables,
+        )
+        eos = tuple(self.eos_token_ids)
+        rows: list[SampleRow] = []
+        for b, s in enumerate(sched):
+            r = s.request
+            p = r.num_computed_tokens
+            nblk = p // bs + 1
+            blk = r.block_ids
+            if len(blk) < nblk:
+                raise ValueError(
+                    f"request {r.request_id} needs {nblk} KV blocks for {p + 1} tokens "
+                    f"but has {len(blk)}"
+                )
+            np_ = len(r.prompt_token_ids)
+            ids[b] = r.prompt_token_ids[p] if p < np_ else r.output_token_ids[p - np_]
+            pos[b] = p
+            slots[b] = blk[p // bs] * bs + p % bs
+            lens[b] = p + 1
+            tables[b, :nblk] = blk[:nblk]
+            rows.append(SampleRow(r, r.num_output_tokens, eos))
+        return rows
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         """One SampledToken per scheduled request that samples, in plan order."""
         if not plan.scheduled:
             return []
+        if (
+            self.graphs is not None
+            and self.graphs.can_run(len(plan.scheduled))
+            and plan.is_decode_only
+        ):
+            rows = self._stage_decode(plan)
+            return self.sampler(self.graphs.replay_staged(len(rows)), rows)
         batch, rows = self.prepare(plan)
-        if self.graphs is not None and plan.is_decode_only and self.graphs.can_run(batch.num_seqs):
-            logits = self.graphs.run(batch)
-        elif rows:
+        if rows:
             logits = self.model(
                 batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
             )

@@ -1,0 +1,430 @@
+"""Where the time of one decode step goes (CUDA only).
+
+For each batch size (default 1 and 8) it prefills B requests of `--prompt-len` tokens, decodes a
+few warm steps, then measures:
+
+  (a) graph:    the captured decode graph of that batch size replayed alone (CUDA events, median)
+  (b) step:     engine.step() wall time in steady decode (median); execute = the model runner's
+                share of it. (b) - (a) is the CPU and the host<->device traffic outside the graph.
+  (c) per op:   each op of the step at the model's decode shapes, timed in isolation as a CUDA
+                graph of `--launches` launches (median replay / launches). Linears and the
+                per-layer KV reads rotate over the model's own layers, so the L2 cache holds
+                nothing a real step would not find there. Linears are timed on cuBLAS (torch) and
+                on the gemv kernel; the step uses the one KernelDispatch picked (VOLTSERVE_GEMV).
+
+It prints one table per batch size (op, count per step, us each, us per step) with the sum of the
+ops against the measured graph time, and writes everything to --out as JSON.
+
+    python load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b \
+        --out results/profile_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load_tests.common import (  # noqa: E402
+    PRESETS,
+    checkpoint_matches,
+    dtype_name,
+    env_info,
+    make_hf_config,
+    measure_copy_bandwidth,
+    weight_bytes,
+    write_json,
+    write_random_checkpoint,
+)
+
+logger = logging.getLogger("profile_decode_step")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_replays(replay: Callable[[], None], reps: int) -> float:
+    """Median seconds of replay() measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_op(fn: Callable[[int], Any], launches: int, reps: int) -> float:
+    """Seconds per launch of fn(i), i = 0..launches-1, captured as one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)  # compiles numba kernels, lets cuBLAS pick its kernels, outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(launches):
+            fn(i)
+    t = time_replays(g.replay, reps) / launches
+    del g
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+def make_engine(model_dir: Path, args, max_batch: int):
+    from voltserve.services.executor.engine import LLMEngine
+    from voltserve.shared.config import EngineConfig
+
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float16",
+        device="cuda",
+        max_model_len=args.prompt_len + args.steps + args.warm_steps + 64,
+        max_num_seqs=max(8, max_batch),
+        max_num_batched_tokens=max(8192, args.prompt_len),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_graph_batch_size=max(8, max_batch),
+        seed=0,
+    )
+    return LLMEngine(config)
+
+
+class _Timed:
+    """Wraps the runner's execute to record its wall time (instrumentation only)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.times: list[float] = []
+
+    def __call__(self, plan):
+        t = time.perf_counter()
+        out = self.fn(plan)
+        self.times.append(time.perf_counter() - t)
+        return out
+
+
+def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
+    """Prefill `batch` requests, then (a) graph replay alone and (b) engine.step() walls."""
+    from voltserve.shared.sampling_params import SamplingParams
+
+    vocab = engine.vocab_size
+    n_steps = args.warm_steps + args.steps
+    params = SamplingParams(max_tokens=n_steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(16, vocab, size=args.prompt_len).tolist(), params)
+    have_first: set[str] = set()
+    guard = 0
+    while len(have_first) < batch:
+        for o in engine.step():
+            if o.new_token_ids:
+                have_first.add(o.request_id)
+        guard += 1
+        if guard > 10_000:
+            raise RuntimeError("prefill does not finish")
+    runner = engine.runner
+    timed = _Timed(runner.execute)
+    runner.execute = timed
+    step_s: list[float] = []
+    replays_before = runner.graphs.num_replays
+    try:
+        for k in range(n_steps):
+            t = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            if len(outs) != batch:
+                raise RuntimeError(f"decode step returned {len(outs)} outputs, expected {batch}")
+            if k >= args.warm_steps:
+                step_s.append(dt)
+    finally:
+        del runner.execute  # back to the class's method
+    if runner.graphs.num_replays - replays_before != n_steps:
+        raise RuntimeError("decode steps did not all run as CUDA graphs")
+    bs = runner.graphs.padded_size(batch)
+    graph_s = time_replays(runner.graphs.graphs[bs].replay, args.reps)
+    exec_s = timed.times[args.warm_steps :]
+    return {
+        "ids": ids,
+        "padded_batch": bs,
+        "graph_replay_us": graph_s * 1e6,
+        "step_wall_us": statistics.median(step_s) * 1e6,
+        "execute_wall_us": statistics.median(exec_s) * 1e6,
+        "outside_graph_us": (statistics.median(step_s) - graph_s) * 1e6,
+        "context": args.prompt_len + n_steps,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-op timings
+
+
+def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
+    """One row per op of the decode step at padded batch size bs."""
+    from voltserve.kernels.gemv import gemv_cuda, supports
+
+    runner = engine.runner
+    model, ops, arch, g = runner.model, runner.ops, runner.arch, runner.graphs
+    layers = list(model.model.layers)
+    L = len(layers)
+    dev, dt = runner.device, runner.dtype
+    H, D = arch.hidden_size, arch.head_dim
+    q_size, kv_size = arch.num_heads * D, arch.num_kv_heads * D
+    launches = max(args.launches, L)  # every layer's weights at least once
+    rows: list[dict[str, Any]] = []
+    uses_gemv = ops.impl["gemv"] == "cuda"
+
+    def add(name: str, count: int, seconds: float, **extra: Any) -> None:
+        rows.append(
+            {
+                "op": name,
+                "count": count,
+                "us_each": seconds * 1e6,
+                "us_per_step": seconds * 1e6 * count,
+                **extra,
+            }
+        )
+
+    def linear_row(name: str, weights: list[torch.Tensor], biases: list, count: int) -> None:
+        N, K = weights[0].shape
+        x = torch.randn(bs, K, device=dev, dtype=dt)
+        n_w = len(weights)
+        t_blas = time_op(
+            lambda i: F.linear(x, weights[i % n_w], biases[i % n_w]), launches, args.reps
+        )
+        t_gemv = None
+        if supports(x, weights[0]):
+            out = torch.empty(bs, N, device=dev, dtype=dt)
+            t_gemv = time_op(
+                lambda i: gemv_cuda(x, weights[i % n_w], biases[i % n_w], out=out),
+                launches,
+                args.reps,
+            )
+        impl = "gemv" if (uses_gemv and t_gemv is not None and bs <= 8) else "cublas"
+        used = t_gemv if impl == "gemv" else t_blas
+        nbytes = N * K * weights[0].element_size()
+        add(
+            name,
+            count,
+            used,
+            shape=[bs, K, N],
+            cublas_us=t_blas * 1e6,
+            gemv_us=None if t_gemv is None else t_gemv * 1e6,
+            weight_bytes=nbytes,
+            cublas_GBps=nbytes / t_blas / 1e9,
+            gemv_GBps=None if t_gemv is None else nbytes / t_gemv / 1e9,
+            impl=impl,
+        )
+
+    att = [ly.self_attn for ly in layers]
+    mlp = [ly.mlp for ly in layers]
+    linear_row("qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L)
+    linear_row("o_proj", [a.o_proj.weight for a in att], [a.o_proj.bias for a in att], L)
+    linear_row(
+        "gate_up_proj", [m.gate_up_proj.weight for m in mlp], [m.gate_up_proj.bias for m in mlp], L
+    )
+    linear_row("down_proj", [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp], L)
+    linear_row("lm_head", [model.lm_head_weight()], [None], 1)
+
+    x = torch.randn(bs, H, device=dev, dtype=dt)
+    res = torch.randn(bs, H, device=dev, dtype=dt)
+    norm_w = [ly.input_layernorm.weight for ly in layers]
+    eps = arch.rms_norm_eps
+    add("rms_norm", 1, time_op(lambda i: ops.rms_norm(x, norm_w[i % L], eps), launches, args.reps))
+    add(
+        "fused_add_rms_norm",
+        2 * L,
+        time_op(lambda i: ops.fused_add_rms_norm(x, res, norm_w[i % L], eps), launches, args.reps),
+    )
+    if arch.qk_norm:
+        qh = torch.randn(bs * arch.num_heads, D, device=dev, dtype=dt)
+        qn = [a.q_norm.weight for a in att]
+        add(
+            "qk_rms_norm",
+            2 * L,
+            time_op(lambda i: ops.rms_norm(qh, qn[i % L], eps), launches, args.reps),
+        )
+    qkv = torch.randn(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = g.positions[:bs]
+    add(
+        "rotary_embedding",
+        L,
+        time_op(
+            lambda i: ops.rotary_embedding(positions, q, k, D, model.cos_sin_cache, True),
+            launches,
+            args.reps,
+        ),
+    )
+    inter = arch.intermediate_size
+    gu = torch.randn(bs, 2 * inter, device=dev, dtype=dt)
+    add("silu_and_mul", L, time_op(lambda i: ops.silu_and_mul(gu), launches, args.reps))
+    caches = runner.kv_caches
+    k3 = k.view(bs, arch.num_kv_heads, D)
+    v3 = v.view(bs, arch.num_kv_heads, D)
+    slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
+    add(
+        "reshape_and_cache",
+        L,
+        time_op(
+            lambda i: ops.reshape_and_cache(k3, v3, caches[i % L][0], caches[i % L][1], slots),
+            launches,
+            args.reps,
+        ),
+    )
+    q3 = torch.randn(bs, arch.num_heads, D, device=dev, dtype=dt)
+    tables, lens = g.block_tables[:bs], g.seq_lens[:bs]
+    scale = D**-0.5
+    add(
+        "paged_decode_attention",
+        L,
+        time_op(
+            lambda i: ops.paged_decode_attention(
+                q3, caches[i % L][0], caches[i % L][1], tables, lens, scale
+            ),
+            launches,
+            args.reps,
+        ),
+        context=int(lens[0].item()),
+    )
+    ids = g.input_ids[:bs]
+    emb = model.model.embed_tokens.weight
+    add("embedding", 1, time_op(lambda i: F.embedding(ids, emb), launches, args.reps))
+    logits16 = torch.randn(bs, arch.vocab_size, device=dev, dtype=dt)
+    add("logits_to_fp32", 1, time_op(lambda i: logits16.float(), launches, args.reps))
+    logits = logits16.float()
+    # Outside the graph: the sampler's greedy path (argmax, then one copy of the ids back).
+    add(
+        "argmax (sampler, outside graph)",
+        1,
+        time_op(lambda i: logits.argmax(dim=-1), launches, args.reps),
+        in_graph=False,
+    )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def print_table(title: str, rows: list[dict[str, Any]], timings: dict[str, Any]) -> None:
+    print(f"\n=== {title}")
+    print(f"{'op':34s} {'count':>6s} {'us each':>9s} {'us/step':>9s}   cublas/gemv us (GB/s)")
+    for r in rows:
+        extra = ""
+        if "cublas_us" in r:
+            g = r["gemv_us"]
+            gb = r["gemv_GBps"]
+            extra = f"   {r['cublas_us']:.1f} ({r['cublas_GBps']:.0f}) / " + (
+                f"{g:.1f} ({gb:.0f}) [{r['impl']}]" if g is not None else "n/a"
+            )
+        print(f"{r['op']:34s} {r['count']:6d} {r['us_each']:9.2f} {r['us_per_step']:9.1f}{extra}")
+    in_graph = sum(r["us_per_step"] for r in rows if r.get("in_graph", True))
+    print(f"{'sum of in-graph ops':34s} {'':6s} {'':9s} {in_graph:9.1f}")
+    print(f"{'(a) graph replay, measured':34s} {'':6s} {'':9s} {timings['graph_replay_us']:9.1f}")
+    print(f"{'(b) engine.step() wall':34s} {'':6s} {'':9s} {timings['step_wall_us']:9.1f}")
+    print(f"{'    of which runner.execute':34s} {'':6s} {'':9s} {timings['execute_wall_us']:9.1f}")
+    print(
+        f"{'(b) - (a): outside the graph':34s} {'':6s} {'':9s} {timings['outside_graph_us']:9.1f}"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--warm-steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=50, help="timed engine steps (median)")
+    p.add_argument("--reps", type=int, default=50, help="graph replays per timing (median)")
+    p.add_argument("--launches", type=int, default=100, help="launches per op graph")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode_step needs a CUDA GPU")
+    device, dtype = "cuda", torch.float16
+    hf_config = make_hf_config(args.preset, dtype)
+    wbytes = weight_bytes(hf_config, dtype)
+    bw = measure_copy_bandwidth(device)
+    floor_us = wbytes["read_per_token_bytes"] / (bw["bandwidth_GBps"] * 1e9) * 1e6
+    result: dict[str, Any] = {
+        "benchmark": "profile_decode_step",
+        "preset": args.preset,
+        "dtype": dtype_name(dtype),
+        "env": env_info(device),
+        "args": vars(args),
+        "copy_bandwidth": bw,
+        "weight_read_bytes": wbytes["read_per_token_bytes"],
+        "floor_us": floor_us,
+        "batches": {},
+    }
+    tmp = None
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    if model_dir is None:
+        tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
+        model_dir = Path(tmp)
+    try:
+        if not checkpoint_matches(model_dir, args.preset):
+            logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
+            write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
+        engine = make_engine(model_dir, args, max(args.batch_sizes))
+        if engine.runner.graphs is None:
+            raise SystemExit("the engine captured no CUDA graphs: nothing to profile")
+        result["kernel_impl"] = dict(engine.runner.ops.impl)
+        rng = np.random.default_rng(args.seed)
+        for b in args.batch_sizes:
+            logger.info("batch %d: decode timings", b)
+            timings = decode_timings(engine, b, args, rng)
+            ids = timings.pop("ids")
+            logger.info("batch %d: per-op timings", b)
+            rows = op_table(engine, timings["padded_batch"], args)
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            in_graph = sum(r["us_per_step"] for r in rows if r.get("in_graph", True))
+            result["batches"][str(b)] = {
+                **timings,
+                "ops": rows,
+                "sum_in_graph_ops_us": in_graph,
+                "floor_fraction_graph": floor_us / timings["graph_replay_us"],
+                "floor_fraction_step": floor_us / timings["step_wall_us"],
+            }
+            print_table(f"{args.preset} batch {b} (floor {floor_us:.0f} us)", rows, timings)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
