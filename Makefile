@@ -26,7 +26,7 @@ $(DEMO_MODEL)/config.json: | install
 
 ifeq ($(MODEL),)
 serve: install $(DEMO_MODEL)/config.json
-	$(VENV)/bin/voltserve serve --model $(DEMO_MODEL) --port $(PORT) $(SERVE_ARGS)
+	$(VENV)/bin/voltserve serve --model $(DEMO_MODEL) --served-model-name demo-model --port $(PORT) $(SERVE_ARGS)
 else
 serve: install
 	$(VENV)/bin/voltserve serve --model $(MODEL) --port $(PORT) $(SERVE_ARGS)
