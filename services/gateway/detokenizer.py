@@ -22,8 +22,11 @@ class IncrementalDetokenizer:
         # ids[prefix:read] is text already emitted, kept as context for the next decode.
         self.prefix = 0
         self.read = len(self.ids)
+        self._backend = fast_backend(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
@@ -62,6 +65,49 @@ def _common_prefix_len(a: str, b: str) -> int:
             break
         n += 1
     return n
+
+
+def fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer when decoding through it
+    gives exactly what `tokenizer.decode` gives (no clean-up pass), else None.
+
+    transformers' decode wraps the Rust decode in argument conversion that costs about as much as
+    the decode itself; it is called twice per token per request, so this is worth a check."""
+    cache = getattr(tokenizer, "_voltserve_fast_backend", _UNSET)
+    if cache is not _UNSET:
+        return cache
+    backend = getattr(tokenizer, "_tokenizer", None)
+    ok = backend is not None and hasattr(backend, "decode") and _plain_decode(type(tokenizer))
+    if ok and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        # transformers skips the clean-up for BPE models unless forced; mirror that exactly.
+        forced = getattr(
+            tokenizer,
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            True,
+        )
+        ok = type(backend.model).__name__ == "BPE" and not forced
+    result = backend if ok else None
+    try:
+        tokenizer._voltserve_fast_backend = result
+    except AttributeError:
+        pass
+    return result
+
+
+_UNSET = object()
+
+
+def _plain_decode(cls: type) -> bool:
+    """The class decodes the way transformers' fast-tokenizer base does (no override)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    return (
+        cls.decode is PreTrainedTokenizerBase.decode
+        and getattr(cls, "_decode", None) is TokenizersBackend._decode
+    )
 
 
 def _primer_ids(tokenizer: Any) -> list[int]:

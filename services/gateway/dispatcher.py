@@ -14,7 +14,7 @@ from voltserve.shared.protocol import RequestDelta, RequestError, StepOutput
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     index: int  # choice index
     delta: RequestDelta | None = None
@@ -44,15 +44,22 @@ class OutputDispatcher:
         self.redis = redis
         self.stream = streams.gw_stream(gateway_id)
         self.handles: dict[str, Handle] = {}
+        # "{request_id}.{i}" -> (handle, i): one dict lookup per delta on the hot path.
+        self.choices: dict[str, tuple[Handle, int]] = {}
         self.last_id: str | None = None
 
     def register(self, request_id: str, n: int) -> Handle:
         h = Handle(request_id, n)
         self.handles[request_id] = h
+        for i in range(n):
+            self.choices[h.engine_id(i)] = (h, i)
         return h
 
     def unregister(self, request_id: str) -> None:
-        self.handles.pop(request_id, None)
+        h = self.handles.pop(request_id, None)
+        if h is not None:
+            for i in range(h.n):
+                self.choices.pop(h.engine_id(i), None)
 
     async def start_position(self) -> None:
         """Start after the newest entry: older ones belong to an earlier gateway run."""
@@ -65,7 +72,8 @@ class OutputDispatcher:
         cursor = {self.stream: self.last_id}
         while not stop.is_set():
             try:
-                entries = await streams.tail(self.redis, cursor, block_ms=200)
+                # A large COUNT: a gateway that fell behind catches up in few round trips.
+                entries = await streams.tail(self.redis, cursor, count=1024, block_ms=200)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - keep reading through Redis hiccups
@@ -77,17 +85,14 @@ class OutputDispatcher:
 
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, StepOutput):
+            delta, eid = self._delta, msg.executor_id
             for d in msg.deltas:
-                self._delta(d, msg.executor_id)
+                delta(d, eid)
         elif isinstance(msg, RequestError):
             self._error(msg)
 
     def _lookup(self, engine_id: str) -> tuple[Handle, int] | None:
-        base, _, idx = engine_id.rpartition(".")
-        h = self.handles.get(base)
-        if h is None or not idx.isdigit() or int(idx) >= h.n:
-            return None
-        return h, int(idx)
+        return self.choices.get(engine_id)
 
     def _delta(self, d: RequestDelta, executor_id: str) -> None:
         found = self._lookup(d.request_id)

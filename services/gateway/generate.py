@@ -107,42 +107,74 @@ class Generation:
         self.started = True
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
-        """Yield text deltas until every choice finished. Raises APIError on a request error."""
+        """Yield text deltas until every choice finished. Raises APIError on a request error.
+
+        Deltas that queued up while the consumer was busy (writing to a slow client, or a busy
+        gateway) go out as one update per choice: one SSE chunk carrying all their text instead
+        of one chunk each. With logprobs every delta stays its own update (their text offsets
+        are per update)."""
         assert self.handle is not None
+        queue = self.handle.queue
+        merge = self.spec.params.logprobs is None
         while not all(c.finished for c in self.choices):
-            ev = await self.handle.queue.get()
-            if ev.error is not None:
-                e = ev.error
-                self.error_status = e.status
-                raise APIError(e.status, e.message, param=e.param, type=e.type)
-            st, d = self.choices[ev.index], ev.delta
-            if st.finished or d is None:
-                continue
-            st.executor_id = ev.executor_id or st.executor_id
-            if d.num_prompt_tokens and not self.num_prompt_tokens:
-                self.num_prompt_tokens = d.num_prompt_tokens
-                self.num_cached_tokens = d.num_cached_tokens
-            st.timer.num_prompt_tokens = self.num_prompt_tokens
-            st.timer.on_tokens(len(d.token_ids))
-            st.num_tokens += len(d.token_ids)
-            finish = d.finish_reason
-            text = st.detok.add(d.token_ids)
-            if finish is not None:
-                text += st.detok.flush()
-            text = st.stop.feed(text)
-            if st.stop.stopped:
-                if finish is None:
-                    self.abort([self.handle.engine_id(ev.index)], "stop string")
-                finish = "stop"
-            elif finish is not None:
-                text += st.stop.flush()
-            if finish is not None:
-                st.finished = True
-            yield ChoiceUpdate(ev.index, text, self._logprobs(d), finish)
-            if finish is not None:
-                # Counted only once the consumer came back for more, i.e. the final update
-                # reached the client; a client that dropped first is counted as "abort" by close().
-                self._count(st, finish)
+            events = [await queue.get()]
+            while not queue.empty():
+                events.append(queue.get_nowait())
+            pending: dict[int, ChoiceUpdate] = {}
+            out: list[ChoiceUpdate] = []
+            error = None
+            for ev in events:
+                if ev.error is not None:
+                    error = ev.error
+                    break
+                u = self._apply(ev)
+                if u is None:
+                    continue
+                prev = pending.get(u.index) if merge else None
+                if prev is None:
+                    pending[u.index] = u
+                    out.append(u)
+                else:
+                    prev.text += u.text
+                    prev.finish_reason = u.finish_reason
+            for u in out:
+                yield u
+                if u.finish_reason is not None:
+                    # Counted only once the consumer came back for more, i.e. the final update
+                    # reached the client; a client that dropped first is counted as "abort" by
+                    # close().
+                    self._count(self.choices[u.index], u.finish_reason)
+            if error is not None:
+                self.error_status = error.status
+                raise APIError(error.status, error.message, param=error.param, type=error.type)
+
+    def _apply(self, ev: Any) -> ChoiceUpdate | None:
+        """One engine delta through the detokenizer and the stop strings of its choice."""
+        assert self.handle is not None
+        st, d = self.choices[ev.index], ev.delta
+        if st.finished or d is None:
+            return None
+        st.executor_id = ev.executor_id or st.executor_id
+        if d.num_prompt_tokens and not self.num_prompt_tokens:
+            self.num_prompt_tokens = d.num_prompt_tokens
+            self.num_cached_tokens = d.num_cached_tokens
+        st.timer.num_prompt_tokens = self.num_prompt_tokens
+        st.timer.on_tokens(len(d.token_ids))
+        st.num_tokens += len(d.token_ids)
+        finish = d.finish_reason
+        text = st.detok.add(d.token_ids)
+        if finish is not None:
+            text += st.detok.flush()
+        text = st.stop.feed(text)
+        if st.stop.stopped:
+            if finish is None:
+                self.abort([self.handle.engine_id(ev.index)], "stop string")
+            finish = "stop"
+        elif finish is not None:
+            text += st.stop.flush()
+        if finish is not None:
+            st.finished = True
+        return ChoiceUpdate(ev.index, text, self._logprobs(d), finish)
 
     def _logprobs(self, d: Any) -> list[TokenInfo] | None:
         if self.spec.params.logprobs is None or not d.logprobs:

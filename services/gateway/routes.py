@@ -169,6 +169,16 @@ async def _stream(
         return c
 
     text_offsets = [0] * spec.n
+    template = sse.ChunkTemplate(
+        {
+            "id": gen.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": gen.created,
+            "model": model,
+        },
+        chat,
+        spec.include_usage,
+    )
 
     def choice(u: ChoiceUpdate) -> dict[str, Any] | None:
         if not u.text and not u.logprobs and u.finish_reason is None:
@@ -200,6 +210,13 @@ async def _stream(
                     await resp.write(sse.event(chunk([r])))
 
             async def send(u: ChoiceUpdate) -> None:
+                if u.logprobs is None:
+                    # The common case, once per request per engine step: no dicts, no JSON encoder.
+                    if u.text or u.finish_reason is not None:
+                        if not chat:
+                            text_offsets[u.index] += len(u.text)
+                        await resp.write(template.choice(u.index, u.text, u.finish_reason))
+                    return
                 c = choice(u)
                 if c is not None:
                     await resp.write(sse.event(chunk([c])))

@@ -77,3 +77,16 @@ def test_truncated_character_is_flushed_at_the_end(tokenizer: PreTrainedTokenize
     held = d.add(ids[:-1])
     assert REPLACEMENT not in held
     assert held + d.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_fast_backend_decodes_like_the_tokenizer(tokenizer: PreTrainedTokenizerFast) -> None:
+    from voltserve.services.gateway.detokenizer import fast_backend
+
+    backend = fast_backend(tokenizer)
+    assert backend is not None  # a plain fast tokenizer takes the direct path
+    rng = random.Random()
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))]
+        for skip in (True, False):
+            want = tokenizer.decode(ids, skip_special_tokens=skip)
+            assert backend.decode(ids, skip_special_tokens=skip) == want
