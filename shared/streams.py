@@ -275,9 +275,12 @@ async def tail(
     *,
     count: int = 256,
     block_ms: int = 200,
+    decoder: Callable[[bytes], Any] = decode,
 ) -> list[tuple[str, bytes, Any]]:
     """One plain XREAD over several streams. Updates `streams` (name -> last id) in place and
-    returns (stream, msg_id, message) for every decodable entry."""
+    returns (stream, msg_id, message) for every decodable entry. `decoder` turns a payload into
+    the message (ValueError when malformed); a reader that needs only part of each message can
+    pass a cheaper one."""
     if not streams:
         await asyncio.sleep(block_ms / 1000)
         return []
@@ -288,7 +291,10 @@ async def tail(
         for msg_id, fields in entries:
             streams[name] = msg_id.decode() if isinstance(msg_id, bytes) else msg_id
             try:
-                out.append((name, msg_id, decode_fields(fields)))
+                data = fields.get(PAYLOAD)
+                if data is None:
+                    raise ValueError(f"stream entry without a {PAYLOAD!r} field: {list(fields)}")
+                out.append((name, msg_id, decoder(data)))
             except ValueError:
                 logger.exception("malformed entry %s on %s; skipping", msg_id, name)
     return out

@@ -74,17 +74,25 @@ class RequestTracker:
 
     def on_delta(self, d: RequestDelta) -> bool:
         """Record streamed tokens. Returns True when the delta finished the request."""
-        t = self.requests.get(d.request_id)
+        return self.on_progress(d.request_id, d.output_offset, d.token_ids, d.finish_reason)
+
+    def on_progress(
+        self, request_id: str, offset: int, token_ids: list[int], finish_reason: str | None
+    ) -> bool:
+        """on_delta from the fields alone (the output tail does not build RequestDeltas)."""
+        t = self.requests.get(request_id)
         if t is None:
             return False
         # Place by offset: repeats overwrite identical positions, a gap (trimmed history) stops
         # the contiguous prefix; a resend then recomputes a little more, and receivers drop the
         # repeats by output_offset.
-        if d.output_offset <= len(t.tokens):
-            end = d.output_offset + len(d.token_ids)
-            if end > len(t.tokens):
-                t.tokens[d.output_offset :] = d.token_ids
-        return d.finish_reason is not None
+        tokens = t.tokens
+        if offset <= len(tokens):
+            if offset == len(tokens):
+                tokens += token_ids  # the common case: the next tokens, in order
+            elif offset + len(token_ids) > len(tokens):
+                tokens[offset:] = token_ids
+        return finish_reason is not None
 
     def load(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -113,6 +121,31 @@ class RequestTracker:
 
     def gateways(self) -> set[str]:
         return {t.req.gateway_id for t in self.requests.values()}
+
+
+# What the output tail needs of a vs:gw message: request ids, offsets, tokens and whether it
+# finished. Logprobs and prompt counts are skipped, and no dataclass is built per delta.
+PROGRESS = "progress"
+FAILED = "failed"
+
+
+def decode_progress(data: bytes) -> tuple[str, Any] | None:
+    """vs:gw payload -> (PROGRESS, [(request_id, offset, token_ids, finish_reason), ...]) for a
+    StepOutput, (FAILED, request_id) for a RequestError, None for anything else. ValueError when
+    malformed (as protocol.decode)."""
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        kind = d["t"]
+        if kind == "StepOutput":
+            return PROGRESS, [
+                (x["request_id"], x["output_offset"], x["token_ids"], x.get("finish_reason"))
+                for x in d["deltas"]
+            ]
+        if kind == "RequestError":
+            return FAILED, d["request_id"]
+    except Exception as e:  # noqa: BLE001 - any decoding failure is the same error to callers
+        raise ValueError(f"malformed message: {e}") from e
+    return None
 
 
 def max_tokens_of(req: EngineRequest) -> int | None:

@@ -21,9 +21,12 @@ from typing import Any
 from redis.exceptions import RedisError
 from voltserve.services.scheduler.admission import AdmissionQueue
 from voltserve.services.scheduler.failover import (
+    FAILED,
+    PROGRESS,
     RequestTracker,
     Tracked,
     base_id,
+    decode_progress,
     max_tokens_of,
 )
 from voltserve.services.scheduler.leader import LeaderLease
@@ -342,19 +345,29 @@ class Scheduler:
                     for g in await self.r.smembers(streams.gateways_key()):
                         self.gw_positions.setdefault(streams.gw_stream(g.decode()), "0")
                 try:
-                    entries = await streams.tail(tail_r, self.gw_positions, block_ms=200)
+                    entries = await streams.tail(
+                        tail_r,
+                        self.gw_positions,
+                        count=1024,
+                        block_ms=200,
+                        decoder=decode_progress,
+                    )
                 except RedisError as e:
                     logger.error("tailing the gateway streams failed: %r; retrying", e)
                     await asyncio.sleep(0.5)
                     continue
                 finished = []
+                on_progress = self.tracker.on_progress
                 for _, _, msg in entries:
-                    if isinstance(msg, StepOutput):
-                        for d in msg.deltas:
-                            if self.tracker.on_delta(d):
-                                finished.append(d.request_id)
-                    elif isinstance(msg, RequestError):
-                        finished.append(msg.request_id)
+                    if msg is None:
+                        continue
+                    kind, body = msg
+                    if kind == PROGRESS:
+                        for rid, offset, token_ids, finish in body:
+                            if on_progress(rid, offset, token_ids, finish):
+                                finished.append(rid)
+                    elif kind == FAILED:
+                        finished.append(body)
                 if finished:
                     async with self.r.pipeline(transaction=False) as p:
                         for rid in finished:
