@@ -175,27 +175,37 @@ class EngineLoop:
 
     def _publish(self, outputs: list[Any], step_start: float = 0.0) -> None:
         by_gateway: dict[str, list[RequestDelta]] = {}
+        live = self.live
+        # Runs for every request every step: positional construction, no helper call when
+        # there are no logprobs.
         for o in outputs:
-            entry = self.live.get(o.request_id)
+            rid = o.request_id
+            entry = live.get(rid)
             if entry is None:
                 continue
             gateway_id, offset, arrival = entry
             if arrival and step_start:
                 self.queue_time.observe(max(0.0, step_start - arrival))
                 entry[2] = 0.0
+            token_ids = [int(t) for t in o.new_token_ids]
+            lp = o.new_logprobs
             delta = RequestDelta(
-                request_id=o.request_id,
-                token_ids=[int(t) for t in o.new_token_ids],
-                output_offset=offset,
-                logprobs=_logprobs_to_wire(o.new_logprobs),
-                finish_reason=o.finish_reason,
-                num_prompt_tokens=o.num_prompt_tokens,
-                num_cached_tokens=o.num_cached_tokens,
+                rid,
+                token_ids,
+                offset,
+                None if lp is None else _logprobs_to_wire(lp),
+                o.finish_reason,
+                o.num_prompt_tokens,
+                o.num_cached_tokens,
             )
-            entry[1] = offset + len(delta.token_ids)
+            entry[1] = offset + len(token_ids)
             if o.finish_reason is not None:
-                del self.live[o.request_id]
-            by_gateway.setdefault(gateway_id, []).append(delta)
+                del live[rid]
+            deltas = by_gateway.get(gateway_id)
+            if deltas is None:
+                by_gateway[gateway_id] = [delta]
+            else:
+                deltas.append(delta)
         for gateway_id, deltas in by_gateway.items():
             self.emit(gateway_id, StepOutput(self.executor_id, self.step_count, deltas))
 
