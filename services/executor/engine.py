@@ -29,6 +29,8 @@ from voltserve.services.executor.request import (
     Request,
     RequestOutput,
     RequestStatus,
+    SampledIds,
+    SampledToken,
 )
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -138,6 +140,11 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             output_token_ids=output,
         )
+        # What _check_stop reads, derived once (params do not change after this point).
+        request.stop_token_set = frozenset(params.stop_token_ids) | frozenset(
+            () if params.ignore_eos else params.eos_token_ids
+        )
+        request.max_output_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
         self.requests[request_id] = request
         self._awaiting_first_token.add(request_id)
         self.batcher.add(request)
@@ -183,12 +190,17 @@ class LLMEngine:
                 )
             return []
         sampled = self.runner.execute(plan)
+        # The sampler's greedy fast path hands back bare ids: no SampledToken per row.
+        ids = sampled.token_ids if type(sampled) is SampledIds else None
         outputs: list[RequestOutput] = []
+        append = outputs.append
         any_finished = False
         i = 0
         bs = self.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
-        # Runs for every scheduled request every step: plain arithmetic instead of properties.
+        awaiting = self._awaiting_first_token
+        # Runs for every scheduled request every step: plain arithmetic and attributes derived
+        # at admission instead of properties and per-step re-derivation.
         for s in plan.scheduled:
             req = s.request
             before = req.num_computed_tokens
@@ -196,29 +208,37 @@ class LLMEngine:
             req.num_computed_tokens = after
             if after // bs > before // bs:  # a block became full: register it for reuse
                 cache_full_blocks(req)
-            if after != len(req.prompt_token_ids) + len(req.output_token_ids):
+            out_ids = req.output_token_ids
+            prompt_len = len(req.prompt_token_ids)
+            if after != prompt_len + len(out_ids):
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            tok = sampled[i]
+            if ids is not None:
+                token, tok = ids[i], None
+            else:
+                tok = sampled[i]
+                token = tok.token_id
             i += 1
-            if req.request_id in self._awaiting_first_token:
-                self._awaiting_first_token.discard(req.request_id)
-                self._prompt_tokens_total += len(req.prompt_token_ids)
-            req.output_token_ids.append(tok.token_id)
-            reason = self._check_stop(req, tok.token_id)
+            rid = req.request_id
+            if rid in awaiting:
+                awaiting.discard(rid)
+                self._prompt_tokens_total += prompt_len
+            out_ids.append(token)
+            p = req.params
+            # = _check_stop(req, token), with the request's derived stop set and length limit.
+            if token in req.stop_token_set and len(out_ids) >= p.min_tokens:
+                reason = "stop"
+            elif len(out_ids) >= req.max_output_tokens:
+                reason = "length"
+            else:
+                reason = None
             if reason is not None:
                 self.batcher.finish(req, reason)
-                del self.requests[req.request_id]
+                del self.requests[rid]
                 any_finished = True
-            outputs.append(
-                RequestOutput(
-                    req.request_id,
-                    [tok.token_id],
-                    [tok] if req.params.logprobs is not None else None,
-                    reason,
-                    len(req.prompt_token_ids),
-                    req.num_cached_tokens,
-                )
-            )
+            logprobs = None
+            if p.logprobs is not None:
+                logprobs = [tok if tok is not None else SampledToken(token)]
+            append(RequestOutput(rid, [token], logprobs, reason, prompt_len, req.num_cached_tokens))
         self._generation_tokens_total += i
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
@@ -227,6 +247,7 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, req: Request, token_id: int) -> str | None:
+        """The stop rule that step() applies inline (kept as its readable definition)."""
         p = req.params
         n = len(req.output_token_ids)
         if n >= p.min_tokens and (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from voltserve.shared.sampling_params import SamplingParams
@@ -32,6 +33,14 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    # Derived from params (which do not change once a request is queued) so that per-step code
+    # reads one attribute per row instead of re-deriving them every step.
+    # Sampler: greedy with no logprobs, bias or penalties (None: not computed yet).
+    plain_greedy: bool | None = None
+    # Engine stop check: stop_token_ids plus eos_token_ids unless ignore_eos, and the output
+    # length that ends the request (max_tokens or the context limit, whichever is first).
+    stop_token_set: frozenset[int] = frozenset()
+    max_output_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,9 +79,14 @@ class StepPlan:
 
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
+    # Set by a batcher that knows the answer (True: every row is a one-token decode); None:
+    # is_decode_only works it out.
+    decode_only: bool | None = None
 
     @property
     def is_decode_only(self) -> bool:
+        if self.decode_only is not None:
+            return self.decode_only
         return all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
 
 
@@ -82,6 +96,31 @@ class SampledToken:
     # Present when the request asked for logprobs: the sampled token's logprob and the top N.
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+class SampledIds(Sequence[SampledToken]):
+    """Sampled token ids with nothing else to carry (no logprobs): what the sampler returns on
+    its greedy fast path instead of one SampledToken object per row. Indexing and iteration
+    still give SampledTokens; the engine reads token_ids directly."""
+
+    __slots__ = ("token_ids",)
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [SampledToken(t) for t in self.token_ids[i]]
+        return SampledToken(self.token_ids[i])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"SampledIds({self.token_ids!r})"
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.request import Request, SampledToken
+from voltserve.services.executor.request import Request, SampledIds, SampledToken
 
 _M64 = (1 << 64) - 1
 
@@ -41,6 +41,13 @@ def _has_penalties(r: Request) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that adjusts the logits and no logprobs: the token is the raw
+    logits' argmax (unless min_tokens bans something at this position)."""
+    p = r.params
+    return p.greedy and p.logprobs is None and not p.logit_bias and not _has_penalties(r)
+
+
 def _min_tokens_ban(row: SampleRow) -> list[int]:
     """Token ids banned at this position by min_tokens: stop_token_ids, and eos unless ignore_eos
     (with ignore_eos an eos does not finish the request, so there is nothing to hold back)."""
@@ -64,17 +71,24 @@ class Sampler:
 
     def needs_full_path(self, rows: list[SampleRow]) -> bool:
         for row in rows:
-            p = row.request.params
-            if (
-                not p.greedy
-                or p.logprobs is not None
-                or p.logit_bias
-                or _has_penalties(row.request)
-            ):
-                return True
-            if _min_tokens_ban(row):
+            if not _plain_greedy(row.request) or _min_tokens_ban(row):
                 return True
         return False
+
+    def sample_last(
+        self, logits: torch.Tensor, reqs: list[Request], eos_token_ids: tuple[int, ...]
+    ) -> SampledIds | list[SampledToken]:
+        """A decode step's tokens: row i samples reqs[i]'s next output token (output position
+        len(output_token_ids)). Same result as __call__ with those SampleRows; when every row is
+        plain greedy past its min_tokens, no per-row object is built at all."""
+        for r in reqs:
+            plain = r.plain_greedy
+            if plain is None:
+                plain = r.plain_greedy = _plain_greedy(r)
+            if not plain or len(r.output_token_ids) < r.params.min_tokens:
+                rows = [SampleRow(q, len(q.output_token_ids), eos_token_ids) for q in reqs]
+                return self(logits, rows)
+        return SampledIds(logits.argmax(dim=-1).tolist())
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -83,8 +97,7 @@ class Sampler:
             return []
         if not self.needs_full_path(rows):
             # Fast path: all greedy, nothing to adjust, no logprobs.
-            ids = logits.argmax(dim=-1).tolist()
-            return [SampledToken(int(t)) for t in ids]
+            return SampledIds(logits.argmax(dim=-1).tolist())
         N, V = logits.shape
         work = logits.clone()
         self._apply_bias_and_bans(work, rows, V)
