@@ -95,6 +95,7 @@ class Batcher:
         # crossed. A list copy, since preemption shrinks self.running.
         bs = bm.block_size
         prefills: list[Request] = []
+        mixed = False  # something besides one-token decodes was scheduled
         for req in list(self.running):
             if budget == 0:
                 break
@@ -118,6 +119,7 @@ class Batcher:
             if grow(req, num_new):
                 scheduled[req.request_id] = ScheduledRequest(req, num_new)
                 budget -= num_new
+                mixed = True
 
         # 3. Waiting requests, FCFS. Not after a preemption: blocks are short right now.
         while (
@@ -136,9 +138,12 @@ class Batcher:
             self.running.append(req)
             scheduled[req.request_id] = ScheduledRequest(req, num_new)
             budget -= num_new
+            mixed = True
 
         plan = list(scheduled.values())
-        return StepPlan(plan, self.max_num_batched_tokens - budget)
+        # Only the decode loop scheduled anything: every row is a one-token decode that samples.
+        decode_only = None if mixed else True
+        return StepPlan(plan, self.max_num_batched_tokens - budget, decode_only)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req, finished=False)

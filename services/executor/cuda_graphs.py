@@ -120,14 +120,16 @@ class CudaGraphRunner:
 
     # ---- the runner's decode path: fill the host twin, one copy, replay ----------------------
 
-    def stage(self, num_seqs: int) -> int:
+    def stage(self, num_seqs: int, zero_rows: bool = True) -> int:
         """Prepare the host twin for a batch of num_seqs rows; returns the padded size. The caller
         then writes rows [0, num_seqs) of host_ids, host_pos, host_slots, host_seq_lens and
-        host_tables (whose rows [0, padded) are zero on return), and calls replay_staged."""
+        host_tables (whose rows [0, padded) are zero on return; with zero_rows=False only the
+        padding rows [num_seqs, padded) are, and the caller writes rows [0, num_seqs) of
+        host_tables over their full width), and calls replay_staged."""
         bs = self.padded_size(num_seqs)
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy has left the host buffer
-        self.host_tables[:bs] = 0
+        self.host_tables[0 if zero_rows else num_seqs : bs] = 0
         if bs > num_seqs:
             self.host_ids[num_seqs:bs] = 0
             self.host_pos[num_seqs:bs] = 0

@@ -52,6 +52,82 @@ def _token_slice(r: Request, start: int, n: int) -> list[int]:
     return p[start:] + r.output_token_ids[: start + n - len(p)]
 
 
+class BlockTableMirror:
+    """Block tables of recently staged requests as rows of one int32 array, kept across steps so
+    a decode step copies them with one gather instead of converting every request's block list.
+
+    A request's row is written in full when it first shows up (or when its block list is a
+    different list object: a preemption or a new request with the same id), and afterwards only
+    the blocks appended since the last step. This relies on the block manager's rule that a
+    request's block_ids list only ever grows by appending; any other change replaces the list.
+    The mirror keeps a reference to the list it copied, so a new list can never be mistaken for
+    it. Rows of requests not seen in a step are reclaimed (zeroed) when rows run out.
+    Beyond a request's blocks, a row is all zeros.
+    """
+
+    def __init__(self, width: int, rows: int) -> None:
+        self.width = width
+        self.table = np.zeros((max(rows, 8), width), dtype=np.int32)
+        # request_id -> [row, the block_ids list copied, blocks copied, last step seen]
+        self.entries: dict[str, list] = {}
+        self._free = list(range(len(self.table) - 1, -1, -1))
+        self._step = 0
+
+    def sync(self, reqs: list[Request]) -> tuple[list[int], list[int]]:
+        """Bring the rows of reqs up to date; their row indices and block counts."""
+        self._step = step = self._step + 1
+        entries, table = self.entries, self.table
+        rows: list[int] = []
+        counts: list[int] = []
+        for r in reqs:
+            blk = r.block_ids
+            e = entries.get(r.request_id)
+            if e is None or e[1] is not blk or e[2] > len(blk):
+                e = self._assign(r, e)
+            elif e[2] != len(blk):
+                n = len(blk)
+                if n > self.width:
+                    self._too_wide(r)
+                table[e[0], e[2] : n] = blk[e[2] : n]
+                e[2] = n
+            e[3] = step
+            rows.append(e[0])
+            counts.append(e[2])
+        return rows, counts
+
+    def _too_wide(self, r: Request) -> None:
+        raise ValueError(
+            f"request {r.request_id} holds {len(r.block_ids)} KV blocks, more than the "
+            f"{self.width} a block table row holds"
+        )
+
+    def _assign(self, r: Request, e: list | None) -> list:
+        blk = r.block_ids
+        if len(blk) > self.width:
+            self._too_wide(r)
+        if e is None:
+            if not self._free:
+                self._reclaim()
+            e = [self._free.pop(), None, 0, 0]
+            self.entries[r.request_id] = e
+        row = self.table[e[0]]
+        row[: e[2]] = 0
+        row[: len(blk)] = blk
+        e[1], e[2] = blk, len(blk)
+        return e
+
+    def _reclaim(self) -> None:
+        """Free the rows of requests not seen in the current step; grow if none."""
+        for rid in [rid for rid, e in self.entries.items() if e[3] != self._step]:
+            row, _, n, _ = self.entries.pop(rid)
+            self.table[row, :n] = 0
+            self._free.append(row)
+        if not self._free:
+            old = len(self.table)
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self._free = list(range(len(self.table) - 1, old - 1, -1))
+
+
 @dataclass
 class DeviceBatch:
     input_ids: torch.Tensor
@@ -85,6 +161,7 @@ class ModelRunner:
         self.sampler = Sampler(self.ops, self.device)
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
+        self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
         with startup.phase("sizing the KV cache"):
             self.num_kv_blocks: int = self._decide_num_blocks()
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
@@ -310,41 +387,42 @@ class ModelRunner:
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
 
-    def _stage_decode(self, plan: StepPlan) -> list[SampleRow]:
+    def _stage_decode(self, plan: StepPlan) -> list[Request]:
         """Write a decode-only step (one new token per request, each sampling) into the CUDA
-        graph's host staging buffer; the same values prepare() would compute, per row."""
+        graph's host staging buffer: the same values prepare() would compute, per row, written
+        with a few whole-batch numpy operations. Returns the requests, in row order."""
         g = self.graphs
-        sched = plan.scheduled
-        B = len(sched)
-        g.stage(B)
+        reqs = [s.request for s in plan.scheduled]
+        B = len(reqs)
         bs = self.block_size
-        ids, pos, slots, lens, tables = (
-            g.host_ids,
-            g.host_pos,
-            g.host_slots,
-            g.host_seq_lens,
-            g.host_tables,
-        )
-        eos = tuple(self.eos_token_ids)
-        rows: list[SampleRow] = []
-        for b, s in enumerate(sched):
-            r = s.request
-            p = r.num_computed_tokens
-            nblk = p // bs + 1
-            blk = r.block_ids
-            if len(blk) < nblk:
+        rows, counts = self._tables.sync(reqs)
+        g.stage(B, zero_rows=False)  # rows [0, B) are written in full below
+        # Decode-only: every row computes its last known token (position num_tokens - 1).
+        g.host_pos[:B] = [r.num_computed_tokens for r in reqs]
+        pos = g.host_pos[:B]
+        blk_idx = pos // bs
+        tables = g.host_tables[:B]
+        np.take(self._tables.table, rows, axis=0, out=tables)
+        if counts != (blk_idx + 1).tolist():
+            self._fix_table_rows(reqs, tables, pos, counts)
+        g.host_ids[:B] = [
+            r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs
+        ]
+        g.host_slots[:B] = tables[np.arange(B), blk_idx].astype(np.int64) * bs + pos % bs
+        g.host_seq_lens[:B] = pos + 1
+        return reqs
+
+    def _fix_table_rows(self, reqs: list[Request], tables, pos, counts: list[int]) -> None:
+        """Rows whose request holds more or fewer blocks than the step reads: too few is an
+        error; blocks past the ones the step reads are zeroed (as prepare() leaves them)."""
+        for b, r in enumerate(reqs):
+            nblk = int(pos[b]) // self.block_size + 1
+            if counts[b] < nblk:
                 raise ValueError(
-                    f"request {r.request_id} needs {nblk} KV blocks for {p + 1} tokens "
-                    f"but has {len(blk)}"
+                    f"request {r.request_id} needs {nblk} KV blocks for {int(pos[b]) + 1} tokens "
+                    f"but has {counts[b]}"
                 )
-            np_ = len(r.prompt_token_ids)
-            ids[b] = r.prompt_token_ids[p] if p < np_ else r.output_token_ids[p - np_]
-            pos[b] = p
-            slots[b] = blk[p // bs] * bs + p % bs
-            lens[b] = p + 1
-            tables[b, :nblk] = blk[:nblk]
-            rows.append(SampleRow(r, r.num_output_tokens, eos))
-        return rows
+            tables[b, nblk:] = 0
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken]:
@@ -356,8 +434,9 @@ class ModelRunner:
             and self.graphs.can_run(len(plan.scheduled))
             and plan.is_decode_only
         ):
-            rows = self._stage_decode(plan)
-            return self.sampler(self.graphs.replay_staged(len(rows)), rows)
+            reqs = self._stage_decode(plan)
+            logits = self.graphs.replay_staged(len(reqs))
+            return self.sampler.sample_last(logits, reqs, tuple(self.eos_token_ids))
         batch, rows = self.prepare(plan)
         if rows:
             logits = self.model(

@@ -1,0 +1,128 @@
+"""The per-step host fast paths against their plain definitions, on fresh random inputs: the
+block-table mirror of the decode staging, the sampler's decode entry point, SampledIds, and
+the StepOutput encoding."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import msgpack
+import torch
+from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.model_runner import BlockTableMirror
+from voltserve.services.executor.request import Request, SampledIds, SampledToken
+from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.shared.protocol import RequestDelta, StepOutput, decode, encode
+from voltserve.shared.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def test_block_table_mirror_rows_equal_block_lists(rng) -> None:
+    """Random churn: blocks appended, lists replaced (preemption), ids reused by new requests,
+    requests that vanish; every synced row is the block list followed by zeros."""
+    width = rng.randint(3, 12)
+    m = BlockTableMirror(width, rows=rng.randint(1, 6))
+    live: dict[str, Request] = {}
+    n = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.25 or not live:
+            rid = rng.choice(list(live)) if live and rng.random() < 0.3 else f"r{n}"
+            n += 1
+            r = Request(rid, [1], SamplingParams(), seed=0, arrival_time=0.0)
+            r.block_ids = [rng.randrange(1000) for _ in range(rng.randint(0, width))]
+            live[rid] = r  # a new request, or one that reuses the id of a live one
+        elif op < 0.35:
+            del live[rng.choice(list(live))]
+        elif op < 0.5:
+            r = live[rng.choice(list(live))]
+            r.block_ids = [rng.randrange(1000) for _ in range(rng.randint(0, width))]
+        else:
+            for r in live.values():
+                while len(r.block_ids) < width and rng.random() < 0.3:
+                    r.block_ids.append(rng.randrange(1000))
+        if not live:
+            continue
+        batch = rng.sample(list(live.values()), rng.randint(1, len(live)))
+        rows, counts = m.sync(batch)
+        assert len(set(rows)) == len(rows)
+        for r, row, c in zip(batch, rows, counts):
+            assert c == len(r.block_ids)
+            assert m.table[row].tolist() == r.block_ids + [0] * (width - c)
+
+
+def _request(rng, V: int, params: SamplingParams) -> Request:
+    r = Request(
+        "r",
+        [rng.randrange(V) for _ in range(5)],
+        params,
+        seed=rng.randrange(1 << 40),
+        arrival_time=0.0,
+    )
+    r.output_token_ids = [rng.randrange(V) for _ in range(rng.randint(0, 4))]
+    return r
+
+
+def test_sample_last_equals_rows_path(rng) -> None:
+    V = 97
+    s = Sampler(KernelDispatch(CPU), CPU)
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, min_tokens=3, eos_token_ids=[7]),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+    ]
+    for trial in range(12):
+        plain_only = trial % 2 == 0
+        reqs = [
+            _request(rng, V, kinds[0] if plain_only else rng.choice(kinds))
+            for _ in range(rng.randint(1, 9))
+        ]
+        logits = torch.randn(len(reqs), V) * 3
+        eos = (rng.randrange(V),)
+        got = s.sample_last(logits, reqs, eos)
+        want = s(logits, [SampleRow(r, len(r.output_token_ids), eos) for r in reqs])
+        assert [t.token_id for t in got] == [t.token_id for t in want]
+        assert [(t.logprob, t.top_logprobs) for t in got] == [
+            (t.logprob, t.top_logprobs) for t in want
+        ]
+        if plain_only:
+            assert isinstance(got, SampledIds)
+            assert got.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_sampled_ids_is_a_sequence_of_sampled_tokens() -> None:
+    s = SampledIds([4, 9, 2])
+    assert len(s) == 3 and s[1] == SampledToken(9) and s[-1].token_id == 2
+    assert list(s) == [SampledToken(4), SampledToken(9), SampledToken(2)]
+    assert s[1:] == [SampledToken(9), SampledToken(2)]
+    assert s == [SampledToken(4), SampledToken(9), SampledToken(2)] and s != [SampledToken(4)]
+    (a, b, c) = s
+    assert (a.token_id, b.logprob, c.top_logprobs) == (4, None, None)
+
+
+def test_step_output_encoding_equals_asdict(rng) -> None:
+    deltas = []
+    for i in range(rng.randint(0, 20)):
+        lp = None
+        if rng.random() < 0.5:
+            lp = [{"logprob": -rng.random(), "top": [[rng.randrange(500), -rng.random()]]}]
+        deltas.append(
+            RequestDelta(
+                f"req-{i}",
+                [rng.randrange(1 << 17) for _ in range(rng.randint(0, 3))],
+                rng.randrange(1000),
+                lp,
+                rng.choice((None, "stop", "length")),
+                rng.randrange(4000),
+                rng.randrange(4000),
+            )
+        )
+    msg = StepOutput("exec-1", rng.randrange(1 << 30), deltas)
+    plain = asdict(msg)
+    plain["t"] = "StepOutput"
+    assert encode(msg) == msgpack.packb(plain, use_bin_type=True)
+    assert decode(encode(msg)) == msg
