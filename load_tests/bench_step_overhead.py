@@ -122,6 +122,22 @@ class PhaseClock:
         self.cur.clear()
 
 
+class TimedSampler:
+    """The runner's sampler with every entry point timed as the "sample" phase."""
+
+    def __init__(self, inner, clock: PhaseClock) -> None:
+        self._inner = inner
+        self._call = clock.wrap(inner.__call__, "sample")
+        if hasattr(inner, "sample_last"):
+            self.sample_last = clock.wrap(inner.sample_last, "sample")
+
+    def __call__(self, *a, **k):
+        return self._call(*a, **k)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
 def build_engine(model_dir: Path, args, num_blocks: int, max_seqs: int, graphs: bool):
     cfg = EngineConfig(
         model=str(model_dir),
@@ -135,6 +151,7 @@ def build_engine(model_dir: Path, args, num_blocks: int, max_seqs: int, graphs: 
     engine = LLMEngine(cfg)
     runner = engine.runner
     runner.model = NullModel(runner.vocab_size, max(args.max_num_batched_tokens, max_seqs))
+    runner.null_model = runner.model
     runner.kv_caches = []  # the null forward never reads it
     if graphs:
         runner.graphs = NullGraphs(runner, max_seqs)
@@ -149,7 +166,7 @@ def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
     runner.model = clock.wrap(runner.model, "forward")
     if runner.graphs is not None:
         runner.graphs.replay_staged = clock.wrap(runner.graphs.replay_staged, "forward")
-    runner.sampler = clock.wrap(runner.sampler, "sample")
+    runner.sampler = TimedSampler(runner.sampler, clock)
     runner.execute = clock.wrap(runner.execute, "execute")
 
 
@@ -254,6 +271,7 @@ def run_decode(model_dir: Path, args, batch: int, rng: np.random.Generator) -> d
         steps.append(ph)
     graph_steps = (engine.runner.graphs.num_replays if engine.runner.graphs else 0) - replays0
     res = {
+        "argmax_ms": argmax_ms(engine.runner.null_model.logits[:batch]),
         "batch_size": batch,
         "context": args.context,
         "prefill_steps": prefill_steps,
@@ -265,6 +283,18 @@ def run_decode(model_dir: Path, args, batch: int, rng: np.random.Generator) -> d
     if not_full:
         raise RuntimeError(f"batch {batch}: {not_full} timed steps were not full decode steps")
     return res
+
+
+def argmax_ms(logits: torch.Tensor, reps: int = 50) -> float:
+    """The sampler's argmax + copy back alone on this step's logits shape: on the CPU it is
+    arithmetic inside the "sample" phase (on a GPU it runs on the device), so sample minus this
+    is the sampler's Python."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        logits.argmax(dim=-1).tolist()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
 
 
 def run_mixed(model_dir: Path, args, rng: np.random.Generator) -> dict[str, Any]:
@@ -329,6 +359,8 @@ def print_table(data: dict[str, Any]) -> None:
         rows.append((f"mixed {m['decodes']}+{m['prefill_tokens']}", m))
     for name, r in rows:
         print(name.ljust(14) + "".join(f"{r[c]['median_ms']:10.3f}" for c in cols))
+    print("of which argmax + copy back (CPU arithmetic inside 'sample'): ", end="")
+    print(", ".join(f"B={r['batch_size']} {r['argmax_ms']:.3f}" for r in data["decode"]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

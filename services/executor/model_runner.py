@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -84,10 +85,11 @@ class BlockTableMirror:
             e = entries.get(r.request_id)
             if e is None or e[1] is not blk or e[2] > len(blk):
                 e = self._assign(r, e)
+                table = self.table
             elif e[2] != len(blk):
                 n = len(blk)
                 if n > self.width:
-                    self._too_wide(r)
+                    table = self._widen(n)
                 table[e[0], e[2] : n] = blk[e[2] : n]
                 e[2] = n
             e[3] = step
@@ -95,16 +97,18 @@ class BlockTableMirror:
             counts.append(e[2])
         return rows, counts
 
-    def _too_wide(self, r: Request) -> None:
-        raise ValueError(
-            f"request {r.request_id} holds {len(r.block_ids)} KV blocks, more than the "
-            f"{self.width} a block table row holds"
-        )
+    def _widen(self, n: int) -> np.ndarray:
+        """Room for a request holding more blocks than a step can read (a caller that hands
+        out blocks up front); the readers only look at the blocks a step needs."""
+        wider = np.zeros((len(self.table), max(n, 2 * self.width)), dtype=np.int32)
+        wider[:, : self.width] = self.table
+        self.table, self.width = wider, wider.shape[1]
+        return wider
 
     def _assign(self, r: Request, e: list | None) -> list:
         blk = r.block_ids
         if len(blk) > self.width:
-            self._too_wide(r)
+            self._widen(len(blk))
         if e is None:
             if not self._free:
                 self._reclaim()
@@ -317,47 +321,50 @@ class ModelRunner:
     # ---- per step ----------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> tuple[DeviceBatch, list[SampleRow]]:
-        """Write the flat batch into the host buffer and copy it to the device once."""
+        """Write the flat batch into the host buffer and copy it to the device once. Per-row
+        Python only gathers request fields; the arrays are built with whole-batch numpy."""
         sched = plan.scheduled
         B = len(sched)
-        T = sum(s.num_new_tokens for s in sched)
+        reqs = [s.request for s in sched]
+        n_list = [s.num_new_tokens for s in sched]
+        start_list = [r.num_computed_tokens for r in reqs]
+        T = sum(n_list)
         if T > self._cap_tokens or B > self._cap_seqs:
             self._alloc_host_buffers(max(T, self._cap_tokens), max(B, self._cap_seqs))
         bs = self.block_size
-        ids = np.empty(T, dtype=np.int64)
-        pos = np.empty(T, dtype=np.int64)
-        slots = np.empty(T, dtype=np.int64)
-        seq_lens = np.empty(B, dtype=np.int64)
+        rows_idx, counts = self._tables.sync(reqs)
+        n = np.array(n_list, dtype=np.int64)
+        start = np.array(start_list, dtype=np.int64)
+        seq_lens = start + n
+        nblk = -(-seq_lens // bs)
+        cnt = np.array(counts, dtype=np.int64)
+        short = np.flatnonzero(cnt < nblk)
+        if len(short):
+            b = int(short[0])
+            raise ValueError(
+                f"request {reqs[b].request_id} needs {nblk[b]} KV blocks for {seq_lens[b]} "
+                f"tokens but has {cnt[b]}"
+            )
+        width = max(1, int(nblk.max()))
+        tables = self._tables.table[rows_idx, :width].astype(np.int64)
+        if (cnt > nblk).any():  # blocks past the ones this step reads stay zero
+            tables[np.arange(width) >= nblk[:, None]] = 0
         qsl = np.zeros(B + 1, dtype=np.int64)
-        width = max(
-            1, max(-(-(s.request.num_computed_tokens + s.num_new_tokens) // bs) for s in sched)
+        np.cumsum(n, out=qsl[1:])
+        row_of = np.repeat(np.arange(B), n)
+        pos = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+        slots = tables[row_of, pos // bs] * bs + pos % bs
+        ids = np.fromiter(
+            chain.from_iterable(map(_token_slice, reqs, start_list, n_list)), np.int64, T
         )
-        tables = np.zeros((B, width), dtype=np.int64)
+        eos = tuple(self.eos_token_ids)
         rows: list[SampleRow] = []
         logit_rows: list[int] = []
-        eos = tuple(self.eos_token_ids)
-        t = 0
-        for b, s in enumerate(sched):
-            r, n = s.request, s.num_new_tokens
-            start, end = r.num_computed_tokens, r.num_computed_tokens + n
-            nblk = -(-end // bs)
-            if len(r.block_ids) < nblk:
-                raise ValueError(
-                    f"request {r.request_id} needs {nblk} KV blocks for {end} tokens "
-                    f"but has {len(r.block_ids)}"
-                )
-            blk = np.asarray(r.block_ids[:nblk], dtype=np.int64)
-            ids[t : t + n] = _token_slice(r, start, n)
-            p = np.arange(start, end, dtype=np.int64)
-            pos[t : t + n] = p
-            slots[t : t + n] = blk[p // bs] * bs + p % bs
-            tables[b, :nblk] = blk
-            seq_lens[b] = end
-            t += n
-            qsl[b + 1] = t
-            if s.samples:
-                rows.append(SampleRow(r, r.num_output_tokens, eos))
-                logit_rows.append(t - 1)
+        for b, r in enumerate(reqs):
+            # A row samples when it computes up to the last known token.
+            if start_list[b] + n_list[b] == len(r.prompt_token_ids) + len(r.output_token_ids):
+                rows.append(SampleRow(r, len(r.output_token_ids), eos))
+                logit_rows.append(int(qsl[b + 1]) - 1)
         if self._copy_done is not None:
             self._copy_done.synchronize()
         parts = [
@@ -383,7 +390,7 @@ class ModelRunner:
             seq_lens=d[4].to(torch.int32),
             query_start_loc=d[5].to(torch.int32),
             is_decode=plan.is_decode_only,
-            max_query_len=max(s.num_new_tokens for s in sched),
+            max_query_len=max(n_list),
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
 
@@ -402,7 +409,7 @@ class ModelRunner:
         pos = g.host_pos[:B]
         blk_idx = pos // bs
         tables = g.host_tables[:B]
-        np.take(self._tables.table, rows, axis=0, out=tables)
+        np.take(self._tables.table[:, : g.width], rows, axis=0, out=tables)
         if counts != (blk_idx + 1).tolist():
             self._fix_table_rows(reqs, tables, pos, counts)
         g.host_ids[:B] = [

@@ -126,3 +126,56 @@ def test_step_output_encoding_equals_asdict(rng) -> None:
     plain["t"] = "StepOutput"
     assert encode(msg) == msgpack.packb(plain, use_bin_type=True)
     assert decode(encode(msg)) == msg
+
+
+def test_prepare_equals_per_row_rebuild(rng) -> None:
+    """The eager flat batch (mixed prefill chunks and decodes, requests holding extra blocks,
+    prompt/output boundaries inside a chunk) against the per-row definition."""
+    from voltserve.services.executor.model_runner import ModelRunner
+    from voltserve.services.executor.request import ScheduledRequest, StepPlan
+    from voltserve.shared.config import EngineConfig
+
+    from tests.checkpoints import checkpoint
+
+    runner = ModelRunner(EngineConfig(model=str(checkpoint("qwen2")), num_kv_blocks=200))
+    bs = runner.block_size
+    for _ in range(6):
+        sched = []
+        for i in range(rng.randint(1, 7)):
+            prompt = [rng.randrange(300) for _ in range(rng.randint(1, 70))]
+            r = Request(f"q{i}", prompt, SamplingParams(), seed=0, arrival_time=0.0)
+            r.output_token_ids = [rng.randrange(300) for _ in range(rng.randint(0, 20))]
+            r.num_computed_tokens = rng.randrange(r.num_tokens)
+            n = rng.randint(1, r.num_tokens - r.num_computed_tokens)
+            extra = rng.randint(0, 2)
+            r.block_ids = rng.sample(range(200), -(-(r.num_computed_tokens + n) // bs) + extra)
+            sched.append(ScheduledRequest(r, n))
+        plan = StepPlan(sched, sum(s.num_new_tokens for s in sched))
+        batch, rows = runner.prepare(plan)
+        ids, pos, slots, lens, qsl, logit_rows = [], [], [], [], [0], []
+        width = max(-(-(s.request.num_computed_tokens + s.num_new_tokens) // bs) for s in sched)
+        tables = []
+        for s in sched:
+            r, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            for p in range(start, end):
+                ids.append(r.all_token_ids[p])
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            nblk = -(-end // bs)
+            tables.append(r.block_ids[:nblk] + [0] * (width - nblk))
+            lens.append(end)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            if s.samples:
+                logit_rows.append(qsl[-1] - 1)
+        assert batch.input_ids.tolist() == ids
+        assert batch.positions.tolist() == pos
+        assert batch.meta.slot_mapping.tolist() == slots
+        assert batch.meta.block_tables.tolist() == tables
+        assert batch.meta.seq_lens.tolist() == lens
+        assert batch.meta.query_start_loc.tolist() == qsl
+        assert batch.logits_indices.tolist() == logit_rows
+        assert [(row.request, row.output_pos) for row in rows] == [
+            (s.request, s.request.num_output_tokens) for s in sched if s.samples
+        ]
+        assert batch.meta.max_query_len == max(s.num_new_tokens for s in sched)

@@ -54,6 +54,7 @@ def test_step_overhead_smoke(tmp_path):
         # Every timed decode step ran on the (emulated) graph path.
         assert c["graph_steps"] == c["steps"] == 4
         assert len(c["host_ms_all"]) == 4
+        assert c["argmax_ms"] > 0
         _check_phases(c)
     # 5 x 40 prompt tokens at 64 a step: the prefill spans several steps.
     assert d["decode"][1]["prefill_steps"] >= 4
