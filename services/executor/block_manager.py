@@ -1,7 +1,9 @@
 """Paged KV block allocation with reference counts and automatic prefix caching.
 
 Every request owns a list of fixed-size blocks (block_ids); token i of a request lives in slot
-block_ids[i // block_size] * block_size + i % block_size.
+block_ids[i // block_size] * block_size + i % block_size. A request's block_ids list only ever
+grows by appending; any other change (free, preemption, admission) assigns a new list. The model
+runner's block-table mirror relies on this to copy only the appended blocks each step.
 
 Prefix caching: once a block is full of computed tokens, it is registered under a chain hash,
 hash((parent_hash, tokens of the block)), so it names the whole prefix up to its end. A later
