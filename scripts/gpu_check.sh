@@ -68,7 +68,10 @@ for stage in $STAGES; do
       run env bash -c "nvidia-smi; $PY -c 'import torch, numba, numpy; print(torch.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())'"
       ;;
     tests)
-      run tests $PY -m pytest -q --timeout 300 tests/gpu tests/kernels -p no:cacheprovider
+      # numba compiles every kernel shape the tests use (minutes on one core): spread the
+      # tests over processes when pytest-xdist is there (they share the GPU; memory is ample).
+      XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
+      run tests $PY -m pytest -q --timeout 600 $XDIST tests/gpu tests/kernels -p no:cacheprovider
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
