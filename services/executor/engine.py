@@ -117,6 +117,13 @@ class LLMEngine:
                     f"request {request_id!r}: {name} token id {bad} is outside the "
                     f"vocabulary [0, {self.vocab_size})"
                 )
+        # Like vLLM: a bias on a token the model does not have is an error, not a silent no-op.
+        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias token ids {sorted(bad_bias)} are outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
         num_tokens = len(prompt) + len(output)
         if num_tokens >= self.max_model_len:
             raise ValueError(
