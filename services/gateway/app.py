@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from voltserve.services.gateway import routes
+from voltserve.services.gateway import params, routes
 from voltserve.services.gateway.auth import check_api_key
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.state import GatewayState
@@ -96,18 +96,16 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await routes.read_json(request)
     if body.get("model") is not None:
         routes.check_model(gw, body)
-    add_special = body.get("add_special_tokens")
+    add_special = params.get(body, "add_special_tokens", (bool,), True)
     try:
         if "messages" in body:
             ids = gw.renderer.tokenize_chat(
                 body["messages"],
-                bool(body.get("add_generation_prompt", True)),
-                body.get("chat_template_kwargs"),
+                params.get(body, "add_generation_prompt", (bool,), True),
+                params.get(body, "chat_template_kwargs", (dict,), None),
             )
         elif isinstance(body.get("prompt"), str):
-            ids = list(
-                gw.tokenizer.encode(body["prompt"], add_special_tokens=add_special is not False)
-            )
+            ids = list(gw.tokenizer.encode(body["prompt"], add_special_tokens=add_special))
         else:
             raise bad_request("give `prompt` (a string) or `messages`", "prompt")
     except RenderFailed as e:

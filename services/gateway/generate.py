@@ -103,7 +103,12 @@ class Generation:
             arrival_time=time.time(),
             max_tokens_explicit=s.max_tokens_explicit,
         )
-        await streams.xadd(self.gw.redis, streams.render_stream(), msg)
+        try:
+            await streams.xadd(self.gw.redis, streams.render_stream(), msg)
+        except (OverflowError, ValueError) as e:
+            # msgpack refused a value the parameter checks let through (an integer past 64 bits
+            # deep in messages or chat_template_kwargs): the caller's 400, and nothing was sent.
+            raise APIError(400, f"the request holds a value that cannot be sent on: {e}") from e
         self.started = True
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:

@@ -30,16 +30,34 @@ class GenerationSpec:
     skip_special_tokens: bool = True
 
 
-def _get(body: dict, name: str, types: tuple[type, ...], default: Any) -> Any:
+def _get(
+    body: dict, name: str, types: tuple[type, ...], default: Any, param: str | None = None
+) -> Any:
+    """body[name] checked against types; null or absent gives the default (as in vLLM).
+
+    Lenient only where the meaning is unambiguous, as vLLM's pydantic models are: an integral
+    float for an integer (2.0), 0/1 for a boolean. Strings are never numbers or booleans."""
     v = body.get(name)
     if v is None:
         return default
+    param = param or name
+    if bool in types and not isinstance(v, bool) and type(v) is int and v in (0, 1):
+        return bool(v)
     # bool is an int in Python; never accept it for a number.
     if isinstance(v, bool) and bool not in types:
-        raise bad_request(f"{name} must be of type {_names(types)}, got a boolean", name)
+        raise bad_request(f"{name} must be of type {_names(types)}, got a boolean", param)
+    if int in types and float not in types and isinstance(v, float) and v.is_integer():
+        v = int(v)
     if not isinstance(v, types):
-        raise bad_request(f"{name} must be of type {_names(types)}, got {type(v).__name__}", name)
+        raise bad_request(f"{name} must be of type {_names(types)}, got {type(v).__name__}", param)
+    # Every integer travels as msgpack int64 and every number as a float: bound them here.
+    if type(v) is int and not INT64_MIN <= v <= INT64_MAX:
+        raise bad_request(f"{name} is out of range (64-bit integer), got {v}", param)
     return v
+
+
+# For the small endpoints (/tokenize) that check single fields the same way.
+get = _get
 
 
 def _names(types: tuple[type, ...]) -> str:
@@ -115,7 +133,7 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        spec.include_usage = bool(opts.get("include_usage", False))
+        spec.include_usage = _get(opts, "include_usage", (bool,), False, "stream_options")
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -171,6 +189,21 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     spec.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
     spec.chat_template_kwargs = _get(body, "chat_template_kwargs", (dict,), None)
+    fmt = _get(body, "response_format", (dict,), None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format type {fmt.get('type')!r} is not supported (only 'text')",
+            "response_format",
+        )
+    tools = _get(body, "tools", (list,), None)
+    if tools:
+        if not all(isinstance(t, dict) for t in tools):
+            raise bad_request("tools must be an array of objects", "tools")
+        # The chat template renders the tools (as in vLLM); nothing parses tool calls back.
+        spec.chat_template_kwargs = {"tools": tools, **(spec.chat_template_kwargs or {})}
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise bad_request("tool_choice may only be 'none' or 'auto'", "tool_choice")
     return _validate(spec)
 
 
@@ -193,16 +226,31 @@ def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
             raise bad_request(
                 f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab_size})", "prompt"
             )
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, (str, list)) for p in prompt)
+    ):
         raise bad_request(
-            "batched prompts are not supported; send one prompt per request", "prompt"
+            f"batched prompts are not supported (got {len(prompt)}); send one prompt per request",
+            "prompt",
         )
     else:
-        raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+        raise bad_request(
+            "prompt must be a non-empty string or a non-empty list of integer token ids", "prompt"
+        )
     spec.prompt = prompt
     _max_tokens(body, spec, ("max_tokens",), 16)
-    if body.get("echo"):
+    if _get(body, "echo", (bool,), False):
         raise bad_request("echo is not supported", "echo")
+    if _get(body, "suffix", (str,), ""):
+        raise bad_request("suffix is not supported", "suffix")
+    best_of = _get(body, "best_of", (int,), None)
+    if best_of is not None and best_of != spec.n:
+        raise bad_request(
+            f"best_of is not supported (only best_of == n), got best_of={best_of}, n={spec.n}",
+            "best_of",
+        )
     lp = _get(body, "logprobs", (int,), None)
     if lp is not None:
         if not 0 <= lp <= MAX_LOGPROBS:

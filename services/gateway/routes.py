@@ -21,19 +21,37 @@ CLIENT_GONE = "voltserve_client_gone"
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()  # over the app's client_max_size: 413 from aiohttp
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # ValueError covers JSONDecodeError, bad UTF-8 and integers past Python's digit limit.
+        body = json.loads(raw)
+    except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    # JSON may escape half of a surrogate pair ("\ud800"); no tokenizer or encoder takes that.
+    # Only a body holding such an escape needs the walk.
+    if b"\\ud" in raw.lower() and _has_lone_surrogate(body):
+        raise bad_request("the request body holds a lone UTF-16 surrogate (invalid Unicode)")
     return body
+
+
+def _has_lone_surrogate(x: Any) -> bool:
+    if isinstance(x, str):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in x)
+    if isinstance(x, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in x.items())
+    if isinstance(x, list):
+        return any(_has_lone_surrogate(v) for v in x)
+    return False
 
 
 def check_model(gw: GatewayState, body: dict[str, Any]) -> str:
     model = body.get("model")
     if model is None:
         return gw.model_name
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
     if model not in gw.served_model_names and model != gw.model_path:
         raise APIError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"

@@ -58,12 +58,19 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         content = m.get("content")
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise ValueError(f"messages[{i}].content: only text parts are supported")
-                texts.append(str(part.get("text", "")))
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+                texts.append(part["text"])
             m["content"] = "".join(texts)
-        elif content is not None and not isinstance(content, str):
+        elif content is None:
+            # An assistant turn may carry only tool calls; templates expect a string.
+            if m["role"] != "assistant":
+                raise ValueError(f"messages[{i}] ({m['role']}) has no content")
+            m["content"] = ""
+        elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of parts")
         out.append(m)
     return out
@@ -84,13 +91,11 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
-        variables = dict(self.special_tokens)
-        variables.update(kwargs)
+        variables = {**self.special_tokens, "tools": tools, **kwargs}
         try:
             return self.template.render(
                 messages=normalize_messages(messages),
                 add_generation_prompt=add_generation_prompt,
-                tools=tools,
                 **variables,
             )
         except TemplateError:

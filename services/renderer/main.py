@@ -40,7 +40,10 @@ class RendererService:
         try:
             # Templates and tokenizers are CPU work; keep the event loop free for Redis.
             engine_requests = await asyncio.to_thread(self.renderer.render, msg)
-        except RenderFailed as e:
+        except Exception as e:  # noqa: BLE001 - the client must get an answer, never a hang
+            if not isinstance(e, RenderFailed):
+                logger.exception("rendering %s failed", msg.request_id)
+                e = RenderFailed(500, f"internal error while rendering: {type(e).__name__}: {e}")
             await streams.xadd(
                 self.redis,
                 streams.gw_stream(msg.gateway_id),

@@ -80,6 +80,15 @@ class Renderer:
             raise RenderFailed(400, "this model's tokenizer has no chat template", "messages")
         if not isinstance(messages, list) or not messages:
             raise RenderFailed(400, "messages must be a non-empty list", "messages")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise RenderFailed(
+                400, "chat_template_kwargs must be an object", "chat_template_kwargs"
+            )
+        reserved = {"messages", "add_generation_prompt"} & set(kwargs or {})
+        if reserved:
+            raise RenderFailed(
+                400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs"
+            )
         try:
             return self.template.render(messages, add_generation_prompt, **(kwargs or {}))
         except (TemplateError, ValueError) as e:
@@ -183,5 +192,9 @@ class Renderer:
 
 def error_for(req: RenderRequest, e: RenderFailed) -> RequestError:
     return RequestError(
-        request_id=req.request_id, status=e.status, message=e.message, param=e.param
+        request_id=req.request_id,
+        status=e.status,
+        message=e.message,
+        param=e.param,
+        type="internal_server_error" if e.status >= 500 else "invalid_request_error",
     )
