@@ -375,6 +375,11 @@ def test_preempting_a_request_with_a_prefix_hit(rng):
     assert any(r.num_preemptions and r.num_cached_tokens >= 48 for r in objs.values())
     for rid, (prompt, _) in reqs.items():
         assert toks[rid] == hf_greedy(ARCH, tuple(prompt), 40, True), rid
+    # Reported cached tokens (usage.prompt_tokens_details) are prompt tokens served from the
+    # cache at first admission, as in vLLM: a re-admission after preemption, which hits the
+    # request's own generated tokens too, must neither exceed the prompt nor change the count.
+    for r in objs.values():
+        assert r.num_cached_tokens == 48, (r.request_id, r.num_cached_tokens)
         assert fin[rid] == "length"
     assert_all_free(engine)
 
