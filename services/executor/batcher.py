@@ -133,7 +133,10 @@ class Batcher:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
-            req.num_cached_tokens = num_cached
+            if not req.num_preemptions:
+                # Reported prompt tokens served from the cache (vLLM: set at first admission).
+                # A re-admission after preemption also hits the request's own generated tokens.
+                req.num_cached_tokens = min(num_cached, len(req.prompt_token_ids))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = ScheduledRequest(req, num_new)
