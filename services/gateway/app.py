@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10.0
 READY_CACHE_S = 1.0
+# Largest request body (aiohttp's client_max_size); past it the client gets a 413.
+MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @web.middleware
@@ -35,6 +37,9 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         return e.response()
     except web.HTTPException as e:
         status = e.status
+        if e.status == 413:
+            msg = f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes"
+            return APIError(413, msg).response()
         if e.status >= 400:
             return APIError(e.status, e.reason or "error").response()
         raise
@@ -169,7 +174,7 @@ async def _background(app: web.Application) -> Any:
 
 
 def build_app(gw: GatewayState) -> web.Application:
-    app = web.Application(middlewares=[middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
     app["gw"] = gw
     app["started"] = int(time.time())
     app.cleanup_ctx.append(_background)
