@@ -2,9 +2,16 @@
 
 Randomness is a pure function of (seed, output position, token id): a counter-based hash
 (murmur3's 32-bit finaliser) gives one uniform per vocabulary entry, and sampling is the
-Gumbel-max rule argmax(logits / T + g) with g = -log(-log(u)) over the tokens that top-k, top-p
-and min-p keep. So a seeded request samples the same tokens alone, inside any batch, and after
+Gumbel-max rule argmax(logits / T + g) with g = -log(-log(u)) over the tokens the truncation
+filters keep. So a seeded request samples the same tokens alone, inside any batch, and after
 failover onto another executor.
+
+The filters apply in vLLM's order, each to what the previous one kept (transformers' logits
+processors chain the same way): on the temperature-scaled distribution, min-p keeps tokens whose
+probability is at least min_p times the largest; top-k keeps the k most probable of those; top-p
+keeps the smallest prefix of those (most probable first) whose mass reaches top_p of their
+renormalised mass, i.e. a token stays while the kept mass ranked before it is < top_p * kept
+mass. Ranking is by probability, ties to the lowest id (a stable sort).
 
 All arithmetic on hash values is on uint32 values held in int64, with multiplications split in
 16-bit halves so no intermediate leaves the int64 range; the numba kernel uses native uint32.
@@ -69,6 +76,32 @@ def apply_penalties_ref(
     logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
 
 
+def sample_keep_ref(
+    scaled: torch.Tensor,  # [B, V] fp32 logits / temperature
+    top_k: torch.Tensor,  # [B] int32; 0 means off
+    top_p: torch.Tensor,  # [B] fp32; 1 means off
+    min_p: torch.Tensor,  # [B] fp32; 0 means off
+) -> torch.Tensor:
+    """[B, V] bool: the tokens a sampled row may draw (min-p, then top-k, then top-p)."""
+    B, V = scaled.shape
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    # min-p, relative to the most probable token.
+    kept = sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    # top-k over the min-p survivors: a survivor's rank among the survivors.
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    kept &= kept.long().cumsum(-1) <= k[:, None].long()
+    # top-p over the survivors' renormalised mass: keep a survivor while the surviving mass
+    # ranked before it is below top_p of the surviving mass (so the first always stays).
+    q = torch.where(kept, sorted_p, torch.zeros_like(sorted_p))
+    cum_before = q.cumsum(-1) - q
+    in_p = cum_before < top_p[:, None] * q.sum(-1, keepdim=True)
+    kept &= in_p | (top_p >= 1.0)[:, None]  # top_p = 1 is off (no rounding at the tail)
+    keep = torch.empty_like(kept)
+    keep.scatter_(1, order, kept)
+    return keep
+
+
 def sample_ref(
     logits: torch.Tensor,  # [B, V] fp32 after penalties, bias and masks
     temperature: torch.Tensor,  # [B] fp32; 0 means greedy
@@ -83,18 +116,7 @@ def sample_ref(
     greedy = temperature <= 1e-5
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / t[:, None]
-    probs = torch.softmax(scaled, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(V, device=logits.device).expand(B, V))
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
-    keep &= ranks < k[:, None].long()
-    # top-p: keep the smallest prefix of the sorted probs whose mass reaches top_p.
-    cum_before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted = cum_before < top_p[:, None]
-    keep &= torch.gather(keep_sorted, 1, ranks)
-    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    keep = sample_keep_ref(scaled, top_k, top_p, min_p)
     u = seeded_uniform_ref(seeds, positions, V).to(logits.device)
     gumbel = -torch.log(-torch.log(u))
     noisy = torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf")))
@@ -106,23 +128,29 @@ def sample_ref(
 # numba.cuda kernels: one block per row, a fixed block size, and reductions in a fixed order, so a
 # row's result depends on that row alone (batch-invariant) and repeats run for run.
 #
-# top-k and top-p keep a prefix of the tokens ranked as the reference ranks them (value
-# descending, then id ascending), so the kept set is "key > tau, or key == tau and id < cut",
-# where key is an order-preserving integer image of the scaled logit. Without sorting, tau is
-# found by bisection over the 2^32 keys (32 block-wide counting passes for top-k, 32 mass passes
-# for top-p; each pass a block reduction), and cut, only when the boundary value is shared by more
-# tokens than the prefix has room for, by bisection over ids. Their intersection is the shorter
-# prefix; min-p then filters by probability; the sample is the argmax of scaled + Gumbel noise
-# over the kept tokens, with the reference's hash, so ids equal the reference's.
+# The filters keep prefixes of the tokens ranked as the reference ranks them (value descending,
+# then id ascending): min-p keeps every token at or above a probability, top-k the first k, top-p
+# the first tokens whose kept mass before them is < top_p * kept mass. So the kept set is
+# "min-p holds, and key > tau, or key == tau and id < cut", where key is an order-preserving
+# integer image of the scaled logit. min-p is a per-token test (it depends on the value alone).
+# Since min-p's survivors are a prefix, top-k over them is the global top-k intersected with
+# them: tau_k is found without sorting by bisection over the 2^32 keys (32 block-wide counting
+# passes), and cut, only when the boundary value is shared by more tokens than the prefix has
+# room for, by bisection over ids. top-p then measures mass over the min-p and top-k survivors
+# only: one pass sums their mass K, and a bisection over keys (32 mass passes) finds the smallest
+# key whose surviving mass strictly above is < top_p * K, with a tie cut as for top-k. That
+# prefix lies inside top-k's, so the shorter of the two is the kept prefix. The sample is the
+# argmax of scaled + Gumbel noise over the kept tokens, with the reference's hash, so ids equal
+# the reference's.
 #
 # Where the kernel can differ from the reference (documented tie cases, all measure-zero for
-# continuous logits but possible): (1) top-p's boundary when the cumulative mass before a token
-# is within float rounding of top_p (different summation order); (2) min-p's boundary when a
-# probability is within rounding of min_p * max_prob; (3) tokens whose probabilities round to the
-# same fp32 value while their scaled logits differ (the reference ranks equal probabilities by
-# id, the kernel ranks by logit); (4) two kept tokens whose noisy scores are within an ulp (exp
-# and log differ by an ulp between libdevice and torch's CPU math). Greedy rows are an exact
-# argmax with ties to the lowest id.
+# continuous logits but possible): (1) top-p's boundary when the kept mass before a token is
+# within float rounding of top_p * kept mass (different summation order); (2) min-p's boundary
+# when a probability is within rounding of min_p * max_prob; (3) tokens whose probabilities round
+# to the same fp32 value while their scaled logits differ (the reference ranks equal
+# probabilities by id, the kernel ranks by logit); (4) two kept tokens whose noisy scores are
+# within an ulp (exp and log differ by an ulp between libdevice and torch's CPU math). Greedy
+# rows are an exact argmax with ties to the lowest id.
 
 import math  # noqa: E402
 
@@ -176,6 +204,18 @@ def _gumbel(row, i):
     h = _fmix32(row ^ _fmix32((uint64(i) + _GOLD) & _M32))
     u = (float32(h >> _S8) + float32(0.5)) * float32(1.0 / 16777216.0)
     return float32(-float32(math.log(float32(-float32(math.log(u))))))
+
+
+@cuda.jit(device=True)
+def _kept_prob(s, i, tau, cut, mx, z, mp, thresh):
+    """Token i's probability if it survives min-p and top-k (key > tau, or == tau and i < cut),
+    else 0."""
+    key = float_key(s)
+    if key > tau or (key == tau and i < cut):
+        e = float32(math.exp(s - mx)) / z
+        if mp <= float32(0.0) or e >= thresh:
+            return e
+    return float32(0.0)
 
 
 @cuda.jit(device=True)
@@ -262,9 +302,20 @@ def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, ou
         if need < c_lo - c_hi:
             cut = _tie_cut(logits, b, t, tau, need, si)
 
-    # top-p: tau_p = the smallest key whose mass strictly above is < top_p.
+    # min-p: probability >= min_p * max probability (= 1 / z); a per-token test.
+    mp = min_p[b]
+    thresh = mp * (float32(1.0) / z)
+
+    # top-p over the min-p and top-k survivors: target = top_p * their mass; tau_p = the
+    # smallest key whose surviving mass strictly above is < target.
     p = top_p[b]
     if p < float32(1.0):
+        kept = float32(0.0)
+        i = tid
+        while i < V:
+            kept += _kept_prob(float32(logits[b, i] / t), i, tau, cut, mx, z, mp, thresh)
+            i += bd
+        target = p * block_sum(kept, sf)
         lo = int64(-1)
         hi = int64(_KEY_END)
         g_hi = float32(0.0)
@@ -275,29 +326,33 @@ def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, ou
             while i < V:
                 s = float32(logits[b, i] / t)
                 if float_key(s) > mid:
-                    g += float32(math.exp(s - mx)) / z
+                    g += _kept_prob(s, i, tau, cut, mx, z, mp, thresh)
                 i += bd
             g = block_sum(g, sf)
-            if g < p:
+            if g < target:
                 hi, g_hi = mid, g
             else:
                 lo = mid
-        # Tokens at the boundary key: keep those whose mass before them is < top_p.
+        # Surviving tokens at the boundary key: keep those whose kept mass before them is
+        # < target. They share one probability; the boundary is never above top-k's, so when
+        # it is top-k's the survivors there are its lowest ids and the cut below stays < cut.
         n_tie = 0
         p_tie = float32(0.0)
         i = tid
         while i < V:
             s = float32(logits[b, i] / t)
             if float_key(s) == hi:
-                n_tie += 1
-                p_tie = float32(math.exp(s - mx)) / z
+                e = _kept_prob(s, i, tau, cut, mx, z, mp, thresh)
+                if e > float32(0.0):
+                    n_tie += 1
+                    p_tie = e
             i += bd
         n_tie = block_sum(n_tie, si)
         p_tie = block_max(p_tie, sf)
         tau_p = hi
         cut_p = V
-        if n_tie > 1 and p_tie > float32(0.0):
-            need = int64(math.ceil((p - g_hi) / p_tie))
+        if n_tie > 1:
+            need = int64(math.ceil((target - g_hi) / p_tie))
             if need < 1:
                 need = 1
             if need < n_tie:
@@ -305,9 +360,7 @@ def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, ou
         if tau_p > tau or (tau_p == tau and cut_p < cut):
             tau, cut = tau_p, cut_p
 
-    # Final pass: min-p filter, Gumbel-max over the kept tokens.
-    mp = min_p[b]
-    thresh = mp * (float32(1.0) / z)
+    # Final pass: Gumbel-max over the kept tokens.
     row = _row_hash(seeds[b], positions[b])
     best_v = NEG_INF
     best_i = V

@@ -1,8 +1,9 @@
 """The batch sampler: logits of the sampling rows -> token ids (+ logprobs).
 
 Order per row, as vLLM applies them: logit_bias, the min_tokens mask, penalties
-(repetition / presence / frequency), then temperature, top-k, top-p, min-p and the seeded
-Gumbel-max draw (kernels/sampling.py). Greedy rows take the argmax of the processed logits, which
+(repetition / presence / frequency), then temperature, min-p, top-k, top-p (each over what the
+previous one kept, top-p over the renormalised mass) and the seeded Gumbel-max draw
+(kernels/sampling.py). Greedy rows take the argmax of the processed logits, which
 is the argmax of the raw logits when no bias, penalty or mask applies.
 
 Logprobs are log_softmax of the RAW model logits (before bias, penalties, temperature and

@@ -61,6 +61,27 @@ def test_top_k_top_p_min_p_masks() -> None:
     assert len(set(_draws(x, SamplingParams(temperature=1.5), 400))) > 5
 
 
+def test_combined_filters_apply_in_vllm_order() -> None:
+    """top-p measures mass over what min-p and top-k keep (renormalised), as vLLM does; the
+    old intersection with top-p over the full distribution kept more tokens."""
+    x = logits(1, scale=0.4)  # flat: top-p over the full distribution would keep many tokens
+    probs = torch.softmax(x[0], -1)
+    order = probs.argsort(descending=True).tolist()
+    k, p = 12, 0.4
+    top = probs[order[:k]] / probs[order[:k]].sum()
+    n_keep = int((top.cumsum(0) - top < p).sum())
+    assert n_keep < k  # the full-distribution top-p at 0.4 keeps far more than 12 here
+    got = set(_draws(x, SamplingParams(temperature=1.0, top_k=k, top_p=p), 400))
+    assert got == set(order[:n_keep])
+    # min-p first, then top-p over its survivors
+    mp = 0.5
+    surv = [i for i in order if probs[i] >= mp * probs.max()]
+    q = probs[surv] / probs[surv].sum()
+    n_keep = int((q.cumsum(0) - q < p).sum())
+    got = set(_draws(x, SamplingParams(temperature=1.0, min_p=mp, top_p=p), 400))
+    assert got <= set(surv[:n_keep]) and len(got) >= min(n_keep, 2)
+
+
 def test_penalties_follow_reference_semantics() -> None:
     x = logits(1, scale=0.5)  # everything else stays far below 4
     top, second = random.sample(range(8, V), 2)

@@ -1,9 +1,12 @@
 """Sampling, argmax and penalty kernels against the torch references in the CUDA simulator.
 
-Sampled ids must equal sample_ref's exactly. The only tolerated difference is the documented
-top-p boundary case (kernels/sampling.py): a row whose reference cumulative mass before some
-token lies within float rounding of top_p may keep one token more or fewer. Fresh random inputs
-make that case practically impossible here, and the test names the row if it happens."""
+Sampled ids must equal sample_ref's exactly, and both must keep what vLLM keeps: min-p, then
+top-k over its survivors, then top-p over the renormalised mass of what is left (checked here
+against a plain per-row implementation of that order). The only tolerated differences are the
+documented boundary cases (kernels/sampling.py): a row where some token's kept mass before it
+lies within float rounding of top_p times the kept mass, or a probability within rounding of
+min_p times the largest, may keep one token more or fewer. Fresh random inputs make that
+practically impossible here, and the test names the row if it happens."""
 
 from __future__ import annotations
 
@@ -32,20 +35,141 @@ def sample_sim(logits, temp, top_k, top_p, min_p, seeds, positions) -> torch.Ten
     return out
 
 
-def top_p_ambiguous(logits, temp, top_p, row: int, tol: float = 1e-5) -> bool:
+def scaled_row(logits, temp, row: int) -> torch.Tensor:
     t = float(temp[row]) if float(temp[row]) > 1e-5 else 1.0
-    p = torch.softmax(logits[row] / t, -1).sort(descending=True).values
-    cum_before = p.cumsum(0) - p
-    return bool(((cum_before - float(top_p[row])).abs() < tol).any())
+    return logits[row].double() / t
+
+
+def vllm_keep_row(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The vLLM order, written out step by step on one row (float64): mask min-p's rejects to
+    -inf, keep the top_k best of the rest (ties by id), renormalise what is left with a softmax
+    and keep the most probable ones until their mass reaches top_p."""
+    x = scaled.clone()
+    probs = torch.softmax(x, -1)
+    x[probs < min_p * probs.max()] = float("-inf")
+    if top_k > 0:
+        order = sorted(range(len(x)), key=lambda i: (-float(x[i]), i))
+        x[order[top_k:]] = float("-inf")
+    if top_p < 1.0:
+        probs = torch.softmax(x, -1)
+        order = sorted(range(len(x)), key=lambda i: (-float(probs[i]), i))
+        mass = 0.0
+        for n, i in enumerate(order):
+            if mass >= top_p:
+                x[order[n:]] = float("-inf")
+                break
+            mass += float(probs[i])
+    return set(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+def finite(scaled: torch.Tensor) -> set[int]:
+    """Tokens that can be drawn at all (masked ones are -inf whatever the filters keep)."""
+    return set(torch.isfinite(scaled).nonzero().flatten().tolist())
+
+
+def old_keep_row(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The semantics this sampler had before: each filter on the full distribution, intersected."""
+    probs = torch.softmax(scaled, -1)
+    order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
+    keep = set(order[:top_k] if top_k > 0 else order)
+    cum = 0.0
+    for n, i in enumerate(order):
+        if cum >= top_p:
+            keep -= set(order[n:])
+            break
+        cum += float(probs[i])
+    keep &= set((probs >= min_p * probs.max()).nonzero().flatten().tolist())
+    return keep & finite(scaled)
+
+
+def ambiguous(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float, tol=1e-5) -> bool:
+    """A documented boundary case: the min-p threshold or the top-p cut within rounding."""
+    probs = torch.softmax(scaled, -1)
+    if min_p > 0 and ((probs - min_p * probs.max()).abs() < tol * probs.max()).any():
+        return True
+    if top_p >= 1.0:
+        return False
+    surv = sorted(vllm_keep_row(scaled, top_k, 1.0, min_p), key=lambda i: -float(probs[i]))
+    q = probs[surv] / probs[surv].sum()
+    cum_before = q.cumsum(0) - q
+    return bool(((cum_before - top_p).abs() < tol).any())
 
 
 def check_rows(args, got, ref):
-    logits, temp, _, top_p = args[:4]
+    logits, temp, top_k, top_p, min_p = args[:5]
     for b in range(logits.shape[0]):
         if int(got[b]) != int(ref[b]):
-            assert top_p_ambiguous(logits, temp, top_p, b), (
+            row = (scaled_row(logits, temp, b), int(top_k[b]), float(top_p[b]), float(min_p[b]))
+            assert ambiguous(*row), (
                 f"row {b}: kernel sampled {int(got[b])}, reference {int(ref[b])}"
             )
+
+
+def random_filters(n: int, V: int):
+    """Fresh per-row filter settings: each filter off or on at random, so rows combine them."""
+    top_k = torch.where(torch.rand(n) < 0.6, torch.randint(1, V // 2, (n,)), 0).to(torch.int32)
+    top_p = torch.where(torch.rand(n) < 0.7, torch.rand(n) * 0.7 + 0.25, 1.0)
+    min_p = torch.where(torch.rand(n) < 0.5, torch.rand(n) * 0.3, 0.0)
+    return top_k, top_p, min_p
+
+
+def test_reference_keep_set_follows_vllm_order():
+    B, V = 96, 200
+    logits = torch.randn(B, V) * (torch.rand(B, 1) * 3 + 0.3)
+    logits[torch.rand(B, V) < 0.05] = float("-inf")
+    temp = torch.rand(B) * 1.5 + 0.3
+    top_k, top_p, min_p = random_filters(B, V)
+    # Rows that combine filters where the old intersection keeps more than the vLLM order.
+    top_k[:8], top_p[:8], min_p[:8] = 25, 0.4, 0.0
+    top_k[8:16], top_p[8:16], min_p[8:16] = 0, 0.5, 0.2
+    scaled = logits / temp[:, None]
+    keep = sampling.sample_keep_ref(scaled, top_k, top_p, min_p)
+    differs = 0
+    for b in range(B):
+        row = (scaled[b].double(), int(top_k[b]), float(top_p[b]), float(min_p[b]))
+        want = vllm_keep_row(*row)
+        got = set(keep[b].nonzero().flatten().tolist()) & finite(scaled[b])
+        assert got == want or ambiguous(*row), (b, sorted(got ^ want))
+        assert want <= old_keep_row(*row)
+        differs += want != old_keep_row(*row)
+    assert differs >= 16  # the combined rows above, at least, tell the orders apart
+
+
+def test_kernel_follows_vllm_order_with_combined_filters():
+    """A few rows, each drawn with several seeds: ids equal the reference's, lie in the vLLM-order
+    kept set, and the draws include tokens the old intersection would have picked differently."""
+    rows, seeds_per_row, V = 4, 4, 96
+    base = torch.randn(rows, V) * (torch.rand(rows, 1) * 0.6 + 0.3)  # flat: many tokens matter
+    filters = torch.tensor(
+        [[30, 0.3, 0.0], [0, 0.5, 0.3], [20, 0.6, 0.2], [12, 0.35, 0.0], [0, 0.45, 0.25]]
+    )
+    perm = torch.randperm(len(filters))[:rows]
+    n = rows * seeds_per_row
+    logits = base.repeat_interleave(seeds_per_row, 0)
+    temp = (torch.rand(rows) * 0.6 + 0.7).repeat_interleave(seeds_per_row)
+    top_k = filters[perm, 0].to(torch.int32).repeat_interleave(seeds_per_row)
+    top_p = filters[perm, 1].repeat_interleave(seeds_per_row)
+    min_p = filters[perm, 2].repeat_interleave(seeds_per_row)
+    seeds = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64)
+    positions = torch.randint(0, 5000, (n,), dtype=torch.int64)
+    args = (logits, temp, top_k, top_p, min_p, seeds, positions)
+    got = sample_sim(*args)
+    ref = sampling.sample_ref(*args)
+    check_rows(args, got, ref)
+    # The old semantics' draw with the same noise, to show these rows tell the orders apart.
+    scaled = logits / temp[:, None]
+    gumbel = -torch.log(-torch.log(sampling.seeded_uniform_ref(seeds, positions, V)))
+    old_differs = 0
+    for b in range(n):
+        row = (scaled[b].double(), int(top_k[b]), float(top_p[b]), float(min_p[b]))
+        if ambiguous(*row):
+            continue
+        assert int(got[b]) in vllm_keep_row(*row), b
+        old = torch.full((V,), float("-inf"))
+        old_ids = sorted(old_keep_row(*row))
+        old[old_ids] = scaled[b, old_ids] + gumbel[b, old_ids]
+        old_differs += int(old.argmax()) != int(got[b])
+    assert old_differs > 0
 
 
 def test_sample_matches_reference_mixed_rows():
@@ -64,14 +188,15 @@ def test_sample_matches_reference_mixed_rows():
 
 
 def test_sample_ties_go_by_id():
-    """Logits on a coarse grid tie often: top-k's boundary ties must keep the lowest ids, as the
-    reference's stable sort does, and greedy ties pick the lowest id."""
+    """Logits on a coarse grid tie often: top-k's and top-p's boundary ties (top-p over what top-k
+    and min-p keep) must keep the lowest ids, as the reference's stable sort does, and greedy
+    ties pick the lowest id."""
     V = 120
     logits = torch.randint(-4, 4, (5, V)).float() * 0.5
     temp = torch.tensor([0.0, 1.0, 0.9, 1.1, 1.0])
     top_k = torch.tensor([0, 3, 10, 25, 0], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.3])
-    min_p = torch.zeros(5)
+    top_p = torch.tensor([1.0, 1.0, 0.6, 0.5, 0.3])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.0])
     seeds = torch.randint(0, 2**31, (5,), dtype=torch.int64)
     positions = torch.arange(5, dtype=torch.int64)
     args = (logits, temp, top_k, top_p, min_p, seeds, positions)
