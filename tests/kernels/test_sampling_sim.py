@@ -73,7 +73,9 @@ def old_keep_row(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -
     order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
     keep = set(order[:top_k] if top_k > 0 else order)
     cum = 0.0
-    for n, i in enumerate(order):
+    # top_p = 1 is "off" (as in the sampler): a float sum of the probabilities can reach 1.0
+    # before the last token, which would cut the tail.
+    for n, i in enumerate(order if top_p < 1.0 else ()):
         if cum >= top_p:
             keep -= set(order[n:])
             break
@@ -130,7 +132,7 @@ def test_reference_keep_set_follows_vllm_order():
         want = vllm_keep_row(*row)
         got = set(keep[b].nonzero().flatten().tolist()) & finite(scaled[b])
         assert got == want or ambiguous(*row), (b, sorted(got ^ want))
-        assert want <= old_keep_row(*row)
+        assert want <= old_keep_row(*row) or ambiguous(*row), (b, sorted(want - old_keep_row(*row)))
         differs += want != old_keep_row(*row)
     assert differs >= 16  # the combined rows above, at least, tell the orders apart
 
