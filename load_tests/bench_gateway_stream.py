@@ -35,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from load_tests.common import env_info, write_json  # noqa: E402
+from load_tests.sse import InStreamError, sse_json  # noqa: E402
 from load_tests.synthetic_executor import expected_tokens  # noqa: E402
 
 logger = logging.getLogger("bench_gateway_stream")
@@ -269,17 +270,7 @@ async def stream_one(session: Any, url: str, body: dict[str, Any], rec: ClientRe
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return
-            async for raw in resp.content:  # one SSE line at a time
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec.error = f"in-stream error: {obj['error']}"
-                    return
+            async for obj in sse_json(resp):
                 for c in obj.get("choices") or []:
                     text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                     if text:
@@ -297,6 +288,8 @@ async def stream_one(session: Any, url: str, body: dict[str, Any], rec: ClientRe
                 if obj.get("usage"):
                     rec.completion_tokens = obj["usage"]["completion_tokens"]
             rec.end = time.perf_counter()
+    except InStreamError as e:
+        rec.error = str(e)
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
 

@@ -52,6 +52,7 @@ from load_tests.common import (  # noqa: E402
     env_info,
     write_json,
 )
+from load_tests.sse import InStreamError, sse_json  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
@@ -212,17 +213,7 @@ async def _send(
                 return
             usage_tokens = None
             chunks = 0
-            async for raw in resp.content:  # one SSE line at a time
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec.error = f"in-stream error: {obj['error']}"
-                    return
+            async for obj in sse_json(resp):
                 now = time.perf_counter()
                 choices = obj.get("choices") or []
                 if choices and choices[0].get("text"):
@@ -239,6 +230,8 @@ async def _send(
             rec.output_tokens = usage_tokens if usage_tokens is not None else chunks
             if rec.ttft is None:
                 rec.error = "stream ended without a token"
+    except InStreamError as e:
+        rec.error = str(e)
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
 

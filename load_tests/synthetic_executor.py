@@ -13,10 +13,8 @@ that knows the seed knows every token it must receive, exactly once and in order
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from collections import deque
@@ -26,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voltserve.services.executor.main import run_until_signalled, service_config  # noqa: E402
 from voltserve.services.executor.request import RequestOutput  # noqa: E402
-from voltserve.services.executor.service import ExecutorService, ServiceConfig  # noqa: E402
+from voltserve.services.executor.service import ExecutorService  # noqa: E402
 from voltserve.shared.logging import add_log_level_flag, setup_logging  # noqa: E402
 
 logger = logging.getLogger("synthetic_executor")
@@ -177,25 +176,8 @@ def main(argv: list[str]) -> None:
     else:
         pool = list(range(16, args.vocab_size))
     engine = SyntheticEngine(pool, args.step_ms / 1000, args.max_num_seqs, args.max_model_len)
-    svc = ExecutorService(
-        engine,
-        ServiceConfig(
-            executor_id=args.executor_id,
-            redis_url=args.redis_url,
-            model=args.model,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_ttl_s=args.heartbeat_ttl,
-            max_num_seqs=args.max_num_seqs,
-        ),
-    )
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, svc.stop.set)
-        await svc.run()
-
-    asyncio.run(run())
+    svc = ExecutorService(engine, service_config(args))
+    run_until_signalled(svc)
     logger.info("synthetic executor: %d steps, %d late", engine.steps, engine.late_steps)
 
 

@@ -72,6 +72,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def service_config(args: argparse.Namespace):
+    """The service half of the executor flags (shared with load_tests/synthetic_executor.py)."""
+    from voltserve.services.executor.service import ServiceConfig
+
+    return ServiceConfig(
+        executor_id=args.executor_id,
+        redis_url=args.redis_url,
+        model=args.model,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def run_until_signalled(svc) -> None:
+    """Runs an ExecutorService until SIGINT or SIGTERM asks it to stop."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, svc.stop.set)
+        await svc.run()
+
+    asyncio.run(run())
+
+
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(f"executor:{args.executor_id}", args.log_level, args.log_json)
@@ -79,20 +105,10 @@ def main(argv: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Imported here so `--help` does not pay for torch.
     from voltserve.services.executor.engine import LLMEngine
-    from voltserve.services.executor.service import ExecutorService, ServiceConfig
+    from voltserve.services.executor.service import ExecutorService
 
     engine = LLMEngine(engine_config(args))
-    svc = ExecutorService(
-        engine,
-        ServiceConfig(
-            executor_id=args.executor_id,
-            redis_url=args.redis_url,
-            model=args.model,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_ttl_s=args.heartbeat_ttl,
-            max_num_seqs=args.max_num_seqs,
-        ),
-    )
+    svc = ExecutorService(engine, service_config(args))
 
     if args.metrics_port:
         from voltserve.shared import metrics
@@ -104,11 +120,5 @@ def main(argv: list[str]) -> None:
             lambda: metrics.status_fields(svc.loop_.latest_stats, [svc.loop_.queue_time]),
         )
 
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, svc.stop.set)
-        await svc.run()
-
-    asyncio.run(run())
+    run_until_signalled(svc)
     logger.info("executor %s exited", args.executor_id)
