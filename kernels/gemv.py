@@ -20,12 +20,20 @@ accumulators and the in-flight loads stay in registers (no local memory).
 
 Rounding: fp32 accumulation in a different order than cuBLAS, so fp16 outputs can differ from
 torch by an ulp or two; the reference is `gemv_ref` (torch's linear).
+
+The down projection variant (`gemv_silu_cuda`, reference `gemv_silu_ref`) takes the gate_up
+output [M, 2I] and applies silu_and_mul while it loads x: h = silu(gate) * up, rounded to the
+storage dtype exactly as the silu_and_mul kernel rounds it (silu first, then the product), so the
+result is gemv_ref(silu_and_mul_ref(x), w) up to the summation order, and the separate activation
+launch (launch-latency bound at decode) is gone. Every warp recomputes h for the K chunks it
+reads, so its warps own more rows (R = 4): one h chunk serves four weight rows.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from voltserve.kernels.activation import silu_and_mul_ref
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,10 +41,19 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
     return F.linear(x, w, bias)
 
 
+def gemv_silu_ref(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [M, 2K] (gate then up), w: [N, K] -> silu_and_mul(x) @ w^T (+ bias): [M, N].
+    Never syncs with the host (a CUDA graph can capture it)."""
+    return F.linear(silu_and_mul_ref(x), w, bias)
+
+
 # ---------------------------------------------------------------------------------------------
 # numba.cuda kernels
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.activation import _silu_mul  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     FULL_MASK,
     SIM,
@@ -44,6 +61,7 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     dev,
     float32,
     launch,
+    round_like,
 )
 from voltserve.kernels.vec_io import VEC, ld8  # noqa: E402
 
@@ -79,12 +97,16 @@ else:
         return v
 
 
-def tile_for(m: int) -> tuple[int, int]:
+def tile_for(m: int, silu: bool = False) -> tuple[int, int]:
     """(R rows per warp, U chunks per lane per step) for M inputs.
 
     R * U = 8 loads of 16 bytes in flight per lane. Small M: one row a warp (more warps, better
     spread over the SMs). Larger M: two rows a warp, so each x chunk read (M of them per step)
-    serves two weight rows and L1 traffic for x stays below the weight stream's."""
+    serves two weight rows and L1 traffic for x stays below the weight stream's. The silu variant
+    computes each h chunk once per warp (an exp and a division per element), so four rows a warp
+    share it: a quarter of the activation work per weight byte of one row a warp."""
+    if silu:
+        return (4, 2)
     return (1, 8) if m <= 2 else (2, 4)
 
 
@@ -114,12 +136,43 @@ def _ld8_guard(arr, row, col, K):
     return _Z8
 
 
-def _source(M: int, R: int, U: int) -> str:
+@cuda.jit(device=True, inline="always")
+def _silu8(g, u, x):
+    """h = silu(g) * u for 8 elements, rounded to x's storage dtype as silu_and_mul rounds it."""
+    return (
+        round_like(_silu_mul(g[0], u[0], x), x),
+        round_like(_silu_mul(g[1], u[1], x), x),
+        round_like(_silu_mul(g[2], u[2], x), x),
+        round_like(_silu_mul(g[3], u[3], x), x),
+        round_like(_silu_mul(g[4], u[4], x), x),
+        round_like(_silu_mul(g[5], u[5], x), x),
+        round_like(_silu_mul(g[6], u[6], x), x),
+        round_like(_silu_mul(g[7], u[7], x), x),
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def _h8(x, row, col, K):
+    """h[row, col:col+8] of the gate_up row x[row] = [gate (K) | up (K)]."""
+    return _silu8(ld8(x, (row, col)), ld8(x, (row, K + col)), x)
+
+
+@cuda.jit(device=True, inline="always")
+def _h8_guard(x, row, col, K):
+    """_h8, or zeros when the chunk lies past K (silu(0) * 0 = 0 as well, but no load)."""
+    if col < K:
+        return _h8(x, row, col, K)
+    return _Z8
+
+
+def _source(M: int, R: int, U: int, silu: bool = False) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
     Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
     below its size threshold, and a loop it keeps turns the accumulators and the in-flight loads
-    into local-memory arrays (and serialises the loads). Written out, every one is a register."""
+    into local-memory arrays (and serialises the loads). Written out, every one is a register.
+
+    silu: x is the gate_up output [M, 2K] and each x chunk is h = silu(gate) * up (`_h8`)."""
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
@@ -154,7 +207,10 @@ def _source(M: int, R: int, U: int) -> str:
         for j in range(U):
             for m in range(M):
                 xm = f"xm{m}" if m else "0"
-                if guarded:
+                if silu:
+                    fn = "_h8_guard" if guarded else "_h8"
+                    out.append(f"{indent}xv = {fn}(x, {xm}, c{j}, K)")
+                elif guarded:
                     out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
                 else:
                     out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
@@ -184,21 +240,24 @@ def _source(M: int, R: int, U: int) -> str:
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int):
+def _build(M: int, R: int, U: int, silu: bool = False):
     scope = {
         "cuda": cuda,
         "float32": float32,
         "ld8": ld8,
         "_ld8_guard": _ld8_guard,
+        "_h8": _h8,
+        "_h8_guard": _h8_guard,
         "_dot8": _dot8,
         "_warp_sum": _warp_sum,
     }
-    code = compile(_source(M, R, U), f"<gemv M={M} R={R} U={U}>", "exec")
+    name = f"<gemv{'_silu' if silu else ''} M={M} R={R} U={U}>"
+    code = compile(_source(M, R, U, silu), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[int, object] = {}
+_KERNELS: dict[tuple[int, bool], object] = {}  # (variant M, silu) -> kernel
 
 
 VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
@@ -210,12 +269,13 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def gemv_kernel(m: int):
-    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once)."""
+def gemv_kernel(m: int, silu: bool = False):
+    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once); silu:
+    the gemv_silu variant (x is the gate_up output)."""
     v = variant_for(m)
-    k = _KERNELS.get(v)
+    k = _KERNELS.get((v, silu))
     if k is None:
-        k = _KERNELS[v] = _build(v, *tile_for(v))
+        k = _KERNELS[(v, silu)] = _build(v, *tile_for(v, silu), silu)
     return k
 
 
@@ -224,10 +284,14 @@ gemv_kernel_m1 = gemv_kernel(1)
 gemv_kernel_m2 = gemv_kernel(2)
 gemv_kernel_m4 = gemv_kernel(4)
 gemv_kernel_m8 = gemv_kernel(8)
+gemv_silu_kernel_m1 = gemv_kernel(1, silu=True)
+gemv_silu_kernel_m2 = gemv_kernel(2, silu=True)
+gemv_silu_kernel_m4 = gemv_kernel(4, silu=True)
+gemv_silu_kernel_m8 = gemv_kernel(8, silu=True)
 
 
-def grid_for(m: int, n: int) -> int:
-    r, _ = tile_for(variant_for(m))
+def grid_for(m: int, n: int, silu: bool = False) -> int:
+    r, _ = tile_for(variant_for(m), silu)
     rows_per_block = WARPS * r
     return (n + rows_per_block - 1) // rows_per_block
 
@@ -236,6 +300,7 @@ def grid_for(m: int, n: int) -> int:
 # Host side
 
 gemv_cuda_dtypes = (torch.float16, torch.float32)
+gemv_silu_cuda_dtypes = gemv_cuda_dtypes
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -289,4 +354,52 @@ def gemv_cuda(
     return out
 
 
-__all__ = ["gemv_ref", "gemv_cuda", "gemv_kernel", "supports", "tile_for", "grid_for"]
+def supports_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """`supports` for gemv_silu: x [M, 2K] is the gate_up output of w [N, K]'s layer."""
+    return (
+        x.dim() == 2
+        and w.dim() == 2
+        and x.shape[1] == 2 * w.shape[1]
+        and supports(x[:, : w.shape[1]], w)
+    )
+
+
+def gemv_silu_cuda(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning as gemv_silu_ref for what `supports_silu` accepts (anything else goes to
+    gemv_silu_ref). Launches on torch's current stream without a host sync (graph-capturable)."""
+    if not supports_silu(x, w):
+        if out is None:
+            return gemv_silu_ref(x, w, bias)
+        out.copy_(gemv_silu_ref(x, w, bias))
+        return out
+    M, N = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
+    launch(
+        gemv_kernel(M, silu=True),
+        grid_for(M, N, silu=True),
+        THREADS,
+        (dev(x), dev(w), dev(b), dev(out), has_bias),
+        current_stream(),
+    )
+    return out
+
+
+__all__ = [
+    "gemv_ref",
+    "gemv_silu_ref",
+    "gemv_cuda",
+    "gemv_silu_cuda",
+    "gemv_kernel",
+    "supports",
+    "supports_silu",
+    "tile_for",
+    "grid_for",
+]

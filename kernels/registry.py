@@ -176,3 +176,18 @@ KERNELS += [
     )
     for name in ("gemv_kernel_m1", "gemv_kernel_m2", "gemv_kernel_m4", "gemv_kernel_m8")
 ]
+# The gemv_silu variants (gemv_kernel(M, silu=True)): same arguments, x is the gate_up output
+# [M, 2K].
+KERNELS += [
+    KernelSpec(
+        "gemv",
+        name,
+        _both("void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, :], boolean)"),
+    )
+    for name in (
+        "gemv_silu_kernel_m1",
+        "gemv_silu_kernel_m2",
+        "gemv_silu_kernel_m4",
+        "gemv_silu_kernel_m8",
+    )
+]

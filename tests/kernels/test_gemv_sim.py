@@ -89,3 +89,76 @@ def test_linear_routes_decode_rows_through_ops():
     for rows in (1, 8, 9):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(lin(x, ops), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+# ---- gemv_silu: the down projection with silu_and_mul fused into its input -------------------
+
+
+def run_silu_kernel(x, w, bias):
+    M, N = x.shape[0], w.shape[0]
+    out = torch.full((M, N), float("nan"), dtype=x.dtype)
+    R, _ = gemv.tile_for(gemv.variant_for(M), silu=True)
+    b = bias if bias is not None else w[0]
+    launch(
+        gemv.gemv_kernel(M, silu=True),
+        (N + R - 1) // R,
+        32,
+        (x.numpy(), w.numpy(), b.numpy(), out.numpy(), bias is not None),
+    )
+    return out
+
+
+# (M, N, K, bias, dtype): every M of 1..8 once (5..7 run the M = 8 kernel with missing rows);
+# the silu step is U * 256 = 512 elements, so K = 520 is one full step and a guarded one, the
+# rest only guarded steps; N not a multiple of R = 4 leaves a partial last row group.
+SILU_CASES = [
+    (1, 5, 520, True, torch.float16),
+    (2, 3, 264, False, torch.float32),
+    (3, 6, 24, True, torch.float32),
+    (4, 4, 16, False, torch.float16),
+    (5, 5, 8, True, torch.float16),
+    (6, 2, 24, False, torch.float32),
+    (7, 3, 16, True, torch.float32),
+    (8, 5, 16, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("M,N,K,with_bias,dtype", SILU_CASES)
+def test_gemv_silu_matches_silu_then_linear(M, N, K, with_bias, dtype):
+    from voltserve.kernels.activation import silu_and_mul_ref
+
+    x = (torch.randn(M, 2 * K) * 2).to(dtype)  # gate | up, gate over silu's curved range
+    w = (torch.randn(N, K) / K**0.5).to(dtype)
+    bias = torch.randn(N, dtype=dtype) if with_bias else None
+    out = run_silu_kernel(x, w, bias)
+    # h rounded to the storage dtype as silu_and_mul stores it, then the product in fp32.
+    check(out, silu_and_mul_ref(x), w, bias)
+    ref = gemv.gemv_silu_ref(x, w, bias)
+    assert ref.shape == out.shape and ref.dtype == out.dtype
+
+
+def test_gemv_silu_host_side():
+    w = torch.randn(16, 32)
+    x = torch.randn(3, 64)
+    assert not gemv.supports_silu(x, w)  # CPU tensors: the torch path
+    assert not gemv.supports_silu(torch.randn(3, 32), w)  # not a gate_up output of w's layer
+    from voltserve.kernels.activation import silu_and_mul_ref
+
+    torch.testing.assert_close(gemv.gemv_silu_cuda(x, w), silu_and_mul_ref(x) @ w.T)
+    assert gemv.gemv_kernel(6, silu=True) is gemv.gemv_kernel(8, silu=True)
+    assert gemv.gemv_kernel(8, silu=True) is not gemv.gemv_kernel(8)
+    # The generated source differs only in how x chunks are read.
+    src = gemv._source(2, *gemv.tile_for(2, silu=True), silu=True)
+    assert "_h8(x, " in src and "_h8_guard(x, " in src and "ld8(x, " not in src
+
+
+def test_dispatch_gemv_silu_and_env_switch(monkeypatch):
+    from voltserve.kernels.dispatch import _CAPTURABLE_REFS, KernelDispatch
+
+    monkeypatch.delenv("VOLTSERVE_GEMV", raising=False)
+    assert KernelDispatch("cpu").impl["gemv_silu"] == "ref"
+    assert KernelDispatch("cuda").impl["gemv_silu"] == "cuda"
+    monkeypatch.setenv("VOLTSERVE_GEMV", "0")
+    assert KernelDispatch("cuda").impl["gemv_silu"] == "ref"
+    assert "gemv_silu" in _CAPTURABLE_REFS
+    assert KernelDispatch("cpu").linear_plan is None
