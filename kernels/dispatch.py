@@ -38,6 +38,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "rotary_embedding": (("rotary",), "rotary", "rotary_embedding_ref"),
     "silu_and_mul": (("activation",), "activation", "silu_and_mul_ref"),
     "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
+    # rotary_embedding then reshape_and_cache in one launch (what the models call).
+    "rotary_and_cache": (("rotary_cache",), "rotary_cache", "rotary_and_cache_ref"),
     "paged_attention": (
         (
             "prefill_attention_tc",
@@ -97,6 +99,7 @@ DECODE_GRAPH_OPS = (
     "rotary_embedding",
     "silu_and_mul",
     "reshape_and_cache",
+    "rotary_and_cache",
     "paged_decode_attention",
 )
 
@@ -184,6 +187,7 @@ class KernelDispatch:
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
+    rotary_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
@@ -206,6 +210,28 @@ def _reshape_and_cache_capturable(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
+def _rotary_and_cache_capturable(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # rotary_and_cache_ref's meaning; its cache write syncs (boolean mask), this one never does.
+    from voltserve.kernels.rotary import rotary_embedding_ref
+
+    rotary_embedding_ref(positions, q, k, head_dim, cos_sin_cache, is_neox)
+    T, kv_heads = k.shape[0], k_cache.shape[1]
+    _reshape_and_cache_capturable(
+        k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim), k_cache, v_cache, slot_mapping
+    )
 
 
 def _paged_decode_attention_capturable(
@@ -235,5 +261,6 @@ def _paged_decode_attention_capturable(
 
 _CAPTURABLE_FALLBACKS: dict[str, Callable] = {
     "reshape_and_cache": _reshape_and_cache_capturable,
+    "rotary_and_cache": _rotary_and_cache_capturable,
     "paged_decode_attention": _paged_decode_attention_capturable,
 }

@@ -40,10 +40,11 @@ from voltserve.kernels.vec_io import VEC, ld8, st8, vec_ok  # noqa: E402
 BLOCK = 128
 
 
-@cuda.jit
-def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping, vec):
-    t = cuda.blockIdx.x
-    slot = slot_mapping[t]
+@cuda.jit(device=True, inline="always")
+def cache_row(t, slot, key, value, k_cache, v_cache, vec):
+    """Writes row t of key/value to cache slot `slot` (skipped when negative); the block's
+    threads share the elements. The kernel below, and the second half of
+    rotary_cache.rotary_and_cache_kernel."""
     if slot < 0:
         return
     block_size = k_cache.shape[2]
@@ -68,6 +69,12 @@ def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping, vec):
             k_cache[blk, h, off, d] = key[t, h, d]
             v_cache[blk, h, off, d] = value[t, h, d]
             e += cuda.blockDim.x
+
+
+@cuda.jit
+def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping, vec):
+    t = cuda.blockIdx.x
+    cache_row(t, slot_mapping[t], key, value, k_cache, v_cache, vec)
 
 
 def reshape_and_cache_cuda(

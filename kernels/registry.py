@@ -80,6 +80,22 @@ KERNELS += [
     ),
 ]
 
+# rotary_cache.py: rotary + KV-cache write in one launch. Arguments: positions, q and k rows
+# (strided views of the fused qkv), head_dim, cos/sin cache, is_neox, vec_rot, k and v as
+# [T, kv_heads, head_dim] views, the k/v caches, slot_mapping, vec_cache. head_dim is a runtime
+# argument, so one signature per dtype serves head_dim 128 and 64 alike.
+KERNELS += [
+    KernelSpec(
+        "rotary_cache",
+        "rotary_and_cache_kernel",
+        _both(
+            "void(int64[::1], {t}[:, :], {t}[:, :], int64, float32[:, ::1], boolean, boolean,"
+            " {t}[:, :, :], {t}[:, :, :], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int64[::1],"
+            " boolean)"
+        ),
+    ),
+]
+
 # sampling.py
 KERNELS += [
     KernelSpec(

@@ -171,10 +171,10 @@ def _rotate_chunk(x, t, base, j, half, cs, sn, is_neox):
         st8(x, (t, base + 2 * j + VEC), tup8(o, VEC))
 
 
-@cuda.jit
-def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox, vec):
-    t = cuda.blockIdx.x
-    pos = positions[t]
+@cuda.jit(device=True, inline="always")
+def rotate_row(t, pos, q, k, head_dim, cos_sin_cache, is_neox, vec):
+    """Rotates row t of q and k at position pos; the block's threads share the (head, pair)
+    items. The kernel below, and the first half of rotary_cache.rotary_and_cache_kernel."""
     half = cos_sin_cache.shape[1] // 2
     q_heads = q.shape[1] // head_dim
     heads = q_heads + k.shape[1] // head_dim
@@ -215,6 +215,12 @@ def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox, v
             kh = h - q_heads
             _rotate_pair(k, t, kh * head_dim + i1, kh * head_dim + i2, c, s)
         e += cuda.blockDim.x
+
+
+@cuda.jit
+def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox, vec):
+    t = cuda.blockIdx.x
+    rotate_row(t, positions[t], q, k, head_dim, cos_sin_cache, is_neox, vec)
 
 
 def rotary_embedding_cuda(

@@ -89,13 +89,22 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
             k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
-        # Otherwise q and k stay row views of qkv: rotary works on them in place.
-        ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q = q.view(T, self.num_heads, self.head_dim)
+        # Otherwise q and k stay row views of qkv: rotary works on them in place, and the same
+        # launch writes the rotated k and v into the paged cache.
         k_cache, v_cache = kv_cache
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.rotary_and_cache(
+            positions,
+            q,
+            k,
+            v,
+            self.head_dim,
+            cos_sin_cache,
+            True,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
+        q = q.view(T, self.num_heads, self.head_dim)
         if meta.is_decode:
             o = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
