@@ -18,6 +18,7 @@ from itertools import chain
 import numpy as np
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
@@ -163,6 +164,10 @@ class ModelRunner:
         )
         self.model.ops = self.ops
         self.sampler = Sampler(self.ops, self.device)
+        # GEMV or cuBLAS per decode linear shape, timed on CUDA; before any capture (graphs bake
+        # the choice in) and before KV sizing (its buffers are freed by then).
+        linear_plan = plan_linears(self.model, self.ops)
+        self.ops.linear_plan = linear_plan
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
@@ -180,6 +185,7 @@ class ModelRunner:
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
+            self.ops.linear_plan = linear_plan
             self.model.ops = self.ops
             self.sampler = Sampler(self.ops, self.device)
         logger.info(

@@ -87,3 +87,61 @@ def test_gemv_in_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         _check(out, x, w, None)
+
+
+# ---- gemv_silu: silu_and_mul fused into the down projection's input ---------------------------
+
+# (K, N): Llama-3-8B down_proj (14336 = 28 full 512-element steps) and Qwen2.5-0.5B down_proj
+# (4864: a guarded partial step).
+SILU_SHAPES = [(14336, 4096), (4864, 896)]
+
+
+@pytest.mark.parametrize("K,N", SILU_SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
+def test_gemv_silu_matches_silu_then_linear(K, N, M):
+    from voltserve.kernels.activation import silu_and_mul_cuda, silu_and_mul_ref
+    from voltserve.kernels.gemv import gemv_cuda, gemv_silu_cuda, supports_silu
+
+    x = torch.randn(M, 2 * K, device=DEV, dtype=torch.float16) * 2  # gate | up
+    w = torch.empty(N, K, device=DEV, dtype=torch.float16).normal_(0, 0.02)
+    bias = torch.randn(N, device=DEV, dtype=torch.float16) if M == 3 else None
+    assert supports_silu(x, w)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float16)
+    gemv_silu_cuda(x, w, bias, out=out)
+    torch.cuda.synchronize()
+    # h as silu_and_mul stores it (fp16), then the product against an fp32 reference.
+    _check(out, silu_and_mul_ref(x), w, bias)
+    # Against the two launches it replaces: h rounded the same way, so at most an ulp apart.
+    unfused = gemv_cuda(silu_and_mul_cuda(x), w, bias)
+    torch.testing.assert_close(out, unfused, atol=2e-3, rtol=2e-3)
+
+
+def test_gemv_silu_fp32_and_graph():
+    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.gemv import gemv_silu_cuda
+
+    K, N = 4864, 896
+    x = torch.randn(2, 2 * K, device=DEV)
+    w = torch.empty(N, K, device=DEV).normal_(0, 0.02)
+    b = torch.randn(N, device=DEV)
+    out = gemv_silu_cuda(x, w, b)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.linear(silu_and_mul_ref(x.double()), w.double(), b.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+    x16, w16 = x[:1].half(), w.half()
+    out16 = torch.empty(1, N, device=DEV, dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemv_silu_cuda(x16, w16, out=out16)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv_silu_cuda(x16, w16, out=out16)
+    for _ in range(2):
+        x16.copy_(torch.randn_like(x16))
+        out16.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out16, silu_and_mul_ref(x16), w16, None)

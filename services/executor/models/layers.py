@@ -14,11 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.linear_plan import (
+    GEMV,
+    GEMV_SILU,
+    MAX_ROWS,
+    down_impl,
+    linear_impl,
+)
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
-# the lm_head) go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins once
-# the product has enough rows to use tensor cores. On CPU ops.gemv is F.linear itself.
-GEMV_MAX_ROWS = 8
+# the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
+# once the product has enough rows to use tensor cores. Which of the two serves each weight shape
+# and row count is ops.linear_plan's choice (measured at start-up on CUDA, see linear_plan.py);
+# without a plan (CPU, tests) every such linear goes to ops.gemv, which is F.linear on CPU.
+GEMV_MAX_ROWS = MAX_ROWS
 
 
 def linear(
@@ -27,10 +36,32 @@ def linear(
     bias: torch.Tensor | None = None,
     ops: KernelDispatch | None = None,
 ) -> torch.Tensor:
-    """y = x W^T (+ b) for x [T, K]: ops.gemv when T <= GEMV_MAX_ROWS, else torch."""
-    if ops is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+    """y = x W^T (+ b) for x [T, K]: ops.gemv when T <= GEMV_MAX_ROWS and the plan says so,
+    else torch."""
+    if (
+        ops is not None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and linear_impl(ops, x.shape[0], weight.shape[0], weight.shape[1]) == GEMV
+    ):
         return ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def silu_and_down(gate_up: torch.Tensor, down: Linear, ops: KernelDispatch) -> torch.Tensor:
+    """down(silu_and_mul(gate_up)): the gated MLP's second half. Decode-sized inputs may run it
+    as one gemv_silu launch (silu_and_mul fused into the GEMV's input), as the plan says."""
+    if type(down) is not Linear or gate_up.dim() != 2:
+        # A quantized linear has its own forward; keep the unfused path for it.
+        return down(ops.silu_and_mul(gate_up), ops)
+    w, b = down.weight, down.bias
+    impl = down_impl(ops, gate_up.shape[0], w.shape[0], w.shape[1])
+    if impl == GEMV_SILU:
+        return ops.gemv_silu(gate_up, w, b)
+    h = ops.silu_and_mul(gate_up)
+    if impl == GEMV:
+        return ops.gemv(h, w, b)
+    return F.linear(h, w, b)
 
 
 @dataclass

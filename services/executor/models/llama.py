@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
-from voltserve.services.executor.models.layers import AttentionMetadata, Linear, RMSNorm, linear
+from voltserve.services.executor.models.layers import (
+    AttentionMetadata,
+    Linear,
+    RMSNorm,
+    linear,
+    silu_and_down,
+)
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -135,7 +141,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
+        # At decode sizes the plan may fuse silu_and_mul into the down projection's GEMV.
+        return silu_and_down(self.gate_up_proj(x, ops), self.down_proj, ops)
 
 
 class DecoderLayer(nn.Module):

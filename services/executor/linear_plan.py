@@ -1,0 +1,280 @@
+"""Which decode linears run the weight-streaming GEMV kernel and which run cuBLAS, per weight
+shape and row count, measured once at start-up.
+
+Why measure: at one input row the GEMV kernel beats cuBLAS on every Llama-3-8B linear, but at
+eight rows it is up to twice as slow (it rereads x per weight row while cuBLAS uses tensor
+cores), and where the cross-over lies depends on the shape and the card. So before the decode
+graphs are captured the runner times both on the model's own weights, for every distinct weight
+shape and every row bucket a decode graph uses (1, 2, 4, 8; other counts run the next larger
+bucket's graph and kernel), and keeps the faster. The down projection has three candidates:
+gemv_silu (silu_and_mul fused into the GEMV's input), silu_and_mul + GEMV, silu_and_mul + cuBLAS.
+
+The plan is fixed before capture (graphs bake the choice in) and reaches `linear()` through
+`KernelDispatch.linear_plan`. `VOLTSERVE_GEMV=0` keeps everything on cuBLAS, `VOLTSERVE_GEMV=1`
+sends everything of <= 8 rows to the GEMV kernels without timing; unset, the plan is measured.
+On CPU there is no plan: ops.gemv is F.linear there, so the choice does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GEMV_ENV = "VOLTSERVE_GEMV"
+# Row buckets: the GEMV kernel variants (kernels/gemv.py VARIANTS) and the smallest decode graph
+# sizes (cuda_graphs.graph_batch_sizes), which agree: rows 3 and 5..7 run the next bucket.
+ROW_BUCKETS = (1, 2, 4, 8)
+MAX_ROWS = ROW_BUCKETS[-1]
+
+# Implementations. A plain linear: "gemv" | "cublas". A down projection (input: the gate_up
+# output): "gemv_silu" | "gemv" (silu_and_mul, then GEMV) | "cublas" (silu_and_mul, then cuBLAS).
+GEMV, CUBLAS, GEMV_SILU = "gemv", "cublas", "gemv_silu"
+LINEAR, DOWN = "linear", "down"  # kinds of weight
+_CHOICES = {LINEAR: (GEMV, CUBLAS), DOWN: (GEMV_SILU, GEMV, CUBLAS)}
+
+
+def row_bucket(rows: int) -> int | None:
+    """The bucket that serves `rows` input rows, or None past the largest (always cuBLAS)."""
+    for b in ROW_BUCKETS:
+        if rows <= b:
+            return b if rows > 0 else None
+    return None
+
+
+@dataclass
+class LinearPlan:
+    """Decisions per (kind, out_features N, in_features K, row bucket) -> implementation.
+
+    Shapes the plan does not list use `default_linear` / `default_down` (an explicit plan for
+    tests, or the env switch, is just these two defaults). More than MAX_ROWS rows always run
+    cuBLAS. `times_us` keeps what was measured (for the log and for tests)."""
+
+    choices: dict[tuple[str, int, int, int], str] = field(default_factory=dict)
+    default_linear: str = GEMV
+    default_down: str = GEMV_SILU
+    times_us: dict[tuple[str, int, int, int], dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, impl in self.choices.items():
+            if impl not in _CHOICES[key[0]]:
+                raise ValueError(f"{key}: {impl!r} is not one of {_CHOICES[key[0]]}")
+        if self.default_linear not in _CHOICES[LINEAR]:
+            raise ValueError(f"default_linear {self.default_linear!r}")
+        if self.default_down not in _CHOICES[DOWN]:
+            raise ValueError(f"default_down {self.default_down!r}")
+
+    @classmethod
+    def fixed(cls, gemv: bool) -> LinearPlan:
+        """Every linear of <= 8 rows on the GEMV kernels (gemv=True), or all on cuBLAS."""
+        if gemv:
+            return cls(default_linear=GEMV, default_down=GEMV_SILU)
+        return cls(default_linear=CUBLAS, default_down=CUBLAS)
+
+    def linear_impl(self, rows: int, n: int, k: int) -> str:
+        """Implementation ("gemv" or "cublas") for x [rows, k] @ W[n, k]^T."""
+        b = row_bucket(rows)
+        if b is None:
+            return CUBLAS
+        return self.choices.get((LINEAR, n, k, b), self.default_linear)
+
+    def down_impl(self, rows: int, n: int, k: int) -> str:
+        """Implementation ("gemv_silu", "gemv" or "cublas") for silu_and_mul(x [rows, 2k]) @ W[n, k]^T."""
+        b = row_bucket(rows)
+        if b is None:
+            return CUBLAS
+        return self.choices.get((DOWN, n, k, b), self.default_down)
+
+    def table(self) -> str:
+        """One line: each measured shape and bucket, its times (us) and the choice (*)."""
+        parts = []
+        for key in sorted(self.times_us):
+            kind, n, k, b = key
+            ts = self.times_us[key]
+            pick = self.choices.get(key)
+            cells = " ".join(f"{i}{'*' if i == pick else ''}={t:.1f}" for i, t in ts.items())
+            parts.append(f"{kind} {k}->{n} x{b}: {cells}")
+        return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which weights a model has
+
+
+def model_linear_weights(
+    model: nn.Module,
+) -> dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """(kind, N, K) -> the (weight, bias) of every layer with that shape, in model order.
+
+    A down projection is the `down_proj` of a module that also has a `gate_up_proj` (the MLP
+    fuses silu_and_mul into it); every other module with a 2-D `weight` and a `load_weight`
+    (the Linear class) is a plain linear; so is the lm_head weight (tied or not)."""
+    from voltserve.services.executor.models.layers import Linear
+
+    down_ids = {
+        id(m.down_proj)
+        for m in model.modules()
+        if isinstance(getattr(m, "down_proj", None), Linear)
+        and isinstance(getattr(m, "gate_up_proj", None), Linear)
+    }
+    out: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    seen: set[int] = set()
+
+    def add(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        if id(w) in seen or w.dim() != 2:
+            return
+        seen.add(id(w))
+        out.setdefault((kind, w.shape[0], w.shape[1]), []).append((w, b))
+
+    for m in model.modules():
+        # Only the plain Linear: a quantized subclass has its own forward (no GEMV choice).
+        if type(m) is Linear:
+            add(DOWN if id(m) in down_ids else LINEAR, m.weight, m.bias)
+    head = getattr(model, "lm_head_weight", None)
+    if callable(head):
+        add(LINEAR, head(), None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+# Cycles per second assumed for torch.cuda._sleep (a spin on the SM clock): high on purpose, so
+# the spin is at least as long as asked on every card (a longer spin costs only idle time).
+_SPIN_HZ = 2.0e9
+
+
+def _time_us(fns: dict[str, Callable[[int], object]], reps: int, spin_s: float) -> dict[str, float]:
+    """GPU microseconds per call of each fn(i) (i = rep index, to rotate weights).
+
+    All calls are queued behind one spin kernel, so the GPU runs them back to back whatever the
+    CPU's launch cost (a numba launch costs tens of microseconds of CPU, which the decode graphs
+    do not pay); CUDA events between the groups give each one's GPU time."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
+    torch.cuda._sleep(int(spin_s * _SPIN_HZ))
+    events[0].record()
+    for j, fn in enumerate(fns.values()):
+        for i in range(reps):
+            fn(i)
+        events[j + 1].record()
+    events[-1].synchronize()
+    return {name: events[j].elapsed_time(events[j + 1]) * 1e3 / reps for j, name in enumerate(fns)}
+
+
+def _measure_group(
+    fns: dict[str, Callable[[int], object]], reps: int, rounds: int = 2
+) -> dict[str, float]:
+    """Best of `rounds` timed passes (us per call) of each fn, after a warm-up pass."""
+    for fn in fns.values():  # compiles the numba kernels, lets cuBLAS pick and allocate
+        fn(0)
+    torch.cuda.synchronize()
+    # What queuing one call of each costs the CPU sizes the spin of the timed passes.
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        fn(1)
+    enqueue_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, t in _time_us(fns, reps, spin_s=2.0 * enqueue_s * reps + 1e-4).items():
+            best[name] = min(t, best.get(name, t))
+    return best
+
+
+def _candidates(
+    ops, kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
+) -> dict[str, Callable[[int], object]]:
+    """What to time for one input x: name -> fn(i) running on layer i's weight (rotated)."""
+    L = len(layers)
+    if kind == LINEAR:
+        return {
+            GEMV: lambda i: ops.gemv(x, *layers[i % L]),
+            CUBLAS: lambda i: F.linear(x, *layers[i % L]),
+        }
+    if kind == GEMV_SILU:
+        return {GEMV_SILU: lambda i: ops.gemv_silu(x, *layers[i % L])}
+    h = ops.silu_and_mul(x)
+    return {
+        GEMV: lambda i: ops.gemv(ops.silu_and_mul(x), *layers[i % L]),
+        CUBLAS: lambda i: F.linear(ops.silu_and_mul(x), *layers[i % L]),
+        "gemv_only": lambda i: ops.gemv(h, *layers[i % L]),  # for the gemv_silu bound
+    }
+
+
+@torch.inference_mode()
+def measure_linear_plan(model: nn.Module, ops, reps: int = 8) -> LinearPlan:
+    """Times GEMV against cuBLAS for every distinct linear weight shape of `model` and every row
+    bucket, on the model's own weights (rotated over the layers, so a weight is not in L2 from
+    the previous call), and returns the plan keeping the faster of each. CUDA only; must not run
+    while a CUDA graph is being captured."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("measure_linear_plan must run before CUDA graph capture, not in it")
+    gemv_ok = ops.impl.get("gemv") == "cuda"
+    silu_ok = ops.impl.get("gemv_silu") == "cuda"
+    plan = LinearPlan(default_linear=GEMV if gemv_ok else CUBLAS, default_down=CUBLAS)
+    if not gemv_ok:
+        return plan
+    t_start = time.perf_counter()
+    for (kind, n, k), layers in model_linear_weights(model).items():
+        dtype, device = layers[0][0].dtype, layers[0][0].device
+        gen = torch.Generator(device=device).manual_seed(n * 7919 + k)  # leaves torch's RNG be
+        for b in ROW_BUCKETS:
+            width = 2 * k if kind == DOWN else k
+            x = torch.randn(b, width, generator=gen, device=device, dtype=torch.float32)
+            x = x.to(dtype)
+            ts = _measure_group(_candidates(ops, kind, x, layers), reps)
+            if kind == DOWN:
+                # The fused kernel streams the same weight and does more work per byte than the
+                # plain GEMV: it can win only where the GEMV alone beats silu + cuBLAS. Elsewhere
+                # it is not timed (nor compiled: start-up time).
+                g_only = ts.pop("gemv_only")
+                if silu_ok and g_only < ts[CUBLAS]:
+                    ts.update(_measure_group(_candidates(ops, GEMV_SILU, x, layers), reps))
+            key = (kind, n, k, b)
+            plan.times_us[key] = ts
+            plan.choices[key] = min(ts, key=ts.__getitem__)
+    logger.info(
+        "decode linear plan (us per call, * = kept; %.2f s): %s",
+        time.perf_counter() - t_start,
+        plan.table(),
+    )
+    return plan
+
+
+def plan_linears(model: nn.Module, ops) -> LinearPlan | None:
+    """The plan the runner hands to `ops.linear_plan` before capturing graphs: None on CPU (the
+    fixed rule; ops.gemv is F.linear there), fixed by VOLTSERVE_GEMV=0/1, else measured."""
+    if ops.device.type != "cuda":
+        return None
+    env = os.environ.get(GEMV_ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return LinearPlan.fixed(gemv=False)
+    if env in ("1", "true", "yes", "on"):
+        return LinearPlan.fixed(gemv=True)
+    return measure_linear_plan(model, ops)
+
+
+def linear_impl(ops, rows: int, n: int, k: int) -> str:
+    """The lookup `linear()` uses: the plan's choice, or without a plan the fixed rule (GEMV for
+    <= 8 rows)."""
+    plan = getattr(ops, "linear_plan", None)
+    if plan is None:
+        return GEMV if 0 < rows <= MAX_ROWS else CUBLAS
+    return plan.linear_impl(rows, n, k)
+
+
+def down_impl(ops, rows: int, n: int, k: int) -> str:
+    """The lookup the MLP uses for its down projection. Without a plan: silu_and_mul, then the
+    fixed rule of `linear_impl` (the unfused path, as before plans existed)."""
+    plan = getattr(ops, "linear_plan", None)
+    if plan is None:
+        return linear_impl(ops, rows, n, k)
+    return plan.down_impl(rows, n, k)

@@ -1,0 +1,227 @@
+"""The decode linear plan (services/executor/linear_plan.py) on the CPU: row buckets, explicit
+plans and their lookups, the VOLTSERVE_GEMV switch, which weights a model has, and that every plan
+routes linear() and the MLP to the implementation it names while the model's output stays that
+of the plain torch path. Timing is CUDA-only (tests/gpu/test_linear_plan_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from voltserve.kernels.activation import silu_and_mul_ref
+from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor import linear_plan as lp
+from voltserve.services.executor.linear_plan import LinearPlan, plan_linears, row_bucket
+from voltserve.services.executor.models.layers import (
+    AttentionMetadata,
+    Linear,
+    linear,
+    silu_and_down,
+)
+
+from tests.checkpoints import checkpoint
+
+
+def test_row_buckets_follow_kernel_variants_and_graph_sizes():
+    from voltserve.kernels.gemv import VARIANTS
+    from voltserve.services.executor.cuda_graphs import graph_batch_sizes
+
+    assert lp.ROW_BUCKETS == VARIANTS
+    assert tuple(graph_batch_sizes(64)[:4]) == lp.ROW_BUCKETS
+    want = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
+    assert {r: row_bucket(r) for r in range(1, 9)} == want
+    assert row_bucket(0) is None and row_bucket(9) is None and row_bucket(512) is None
+
+
+def test_explicit_plan_lookups():
+    plan = LinearPlan(
+        choices={
+            ("linear", 48, 32, 1): "gemv",
+            ("linear", 48, 32, 2): "cublas",
+            ("linear", 48, 32, 8): "cublas",
+            ("down", 32, 64, 1): "gemv_silu",
+            ("down", 32, 64, 4): "gemv",
+            ("down", 32, 64, 8): "cublas",
+        },
+        default_linear="cublas",
+        default_down="cublas",
+    )
+    assert plan.linear_impl(1, 48, 32) == "gemv"
+    assert plan.linear_impl(2, 48, 32) == "cublas"
+    assert plan.linear_impl(3, 48, 32) == "cublas"  # bucket 4: not listed -> default
+    assert [plan.linear_impl(r, 48, 32) for r in (5, 6, 7, 8)] == ["cublas"] * 4
+    assert plan.linear_impl(1, 48, 40) == "cublas"  # another shape -> default
+    assert plan.down_impl(1, 32, 64) == "gemv_silu"
+    assert plan.down_impl(3, 32, 64) == "gemv"
+    assert plan.down_impl(7, 32, 64) == "cublas"
+    # Past 8 rows cuBLAS whatever the plan says.
+    gemv_all = LinearPlan.fixed(gemv=True)
+    assert gemv_all.linear_impl(8, 1, 1) == "gemv" and gemv_all.down_impl(8, 1, 1) == "gemv_silu"
+    assert gemv_all.linear_impl(9, 1, 1) == "cublas" and gemv_all.down_impl(9, 1, 1) == "cublas"
+    blas = LinearPlan.fixed(gemv=False)
+    assert blas.linear_impl(1, 1, 1) == "cublas" and blas.down_impl(1, 1, 1) == "cublas"
+    with pytest.raises(ValueError, match="gemv_silu"):
+        LinearPlan(choices={("linear", 4, 4, 1): "gemv_silu"})
+    with pytest.raises(ValueError, match="default_down"):
+        LinearPlan(default_down="fast")
+
+
+def test_lookup_without_plan_is_the_fixed_rule():
+    ops = KernelDispatch("cpu", torch.float32)
+    assert ops.linear_plan is None
+    assert [lp.linear_impl(ops, r, 8, 8) for r in (0, 1, 8, 9)] == [
+        "cublas",
+        "gemv",
+        "gemv",
+        "cublas",
+    ]
+    # No plan: the MLP stays unfused (silu_and_mul, then the fixed rule).
+    assert lp.down_impl(ops, 1, 8, 8) == "gemv" and lp.down_impl(ops, 9, 8, 8) == "cublas"
+
+
+def test_env_switch(monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    assert plan_linears(model, KernelDispatch("cpu")) is None  # CPU: no plan, whatever the env
+    for value, gemv in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("VOLTSERVE_GEMV", value)
+        ops = KernelDispatch("cuda")  # resolving touches no device
+        plan = plan_linears(model, ops)  # fixed: no timing (none could run here)
+        assert plan == LinearPlan.fixed(gemv=gemv)
+        assert plan.linear_impl(8, 4, 4) == ("gemv" if gemv else "cublas")
+        assert plan.down_impl(1, 4, 4) == ("gemv_silu" if gemv else "cublas")
+        assert not plan.times_us
+        assert ops.impl["gemv"] == ("cuda" if gemv else "ref")
+
+
+def test_measuring_refuses_to_run_inside_a_capture(monkeypatch):
+    # The check comes before any CUDA work, so it can be seen on the CPU.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before CUDA graph capture"):
+        lp.measure_linear_plan(torch.nn.Linear(4, 4), KernelDispatch("cuda"))
+
+
+def _spy(ops: KernelDispatch, names: tuple[str, ...]) -> list[str]:
+    """Record which ops run (wrapping the real ones)."""
+    calls: list[str] = []
+    for name in names:
+        fn = getattr(ops, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            calls.append(_name)
+            return _fn(*a, **kw)
+
+        setattr(ops, name, wrapped)
+    return calls
+
+
+def test_linear_and_mlp_follow_the_plan():
+    ops = KernelDispatch("cpu", torch.float32)
+    calls = _spy(ops, ("gemv", "gemv_silu", "silu_and_mul"))
+    K, N, inter = 32, 24, 40
+    w, b = torch.randn(N, K), torch.randn(N)
+    down = Linear(inter, {None: N}, True, torch.float32)
+    down.weight.data.normal_()
+    down.bias.data.normal_()
+    ops.linear_plan = LinearPlan(
+        choices={
+            ("linear", N, K, 1): "gemv",
+            ("linear", N, K, 4): "cublas",
+            ("down", N, inter, 1): "gemv_silu",
+            ("down", N, inter, 2): "gemv",
+            ("down", N, inter, 4): "cublas",
+        },
+        default_linear="cublas",
+        default_down="cublas",
+    )
+    for rows, want in ((1, ["gemv"]), (3, []), (8, []), (12, [])):
+        calls.clear()
+        x = torch.randn(rows, K)
+        torch.testing.assert_close(linear(x, w, b, ops), F.linear(x, w, b))
+        assert calls == want, rows
+    for rows, want in (
+        (1, ["gemv_silu"]),
+        (2, ["silu_and_mul", "gemv"]),
+        (4, ["silu_and_mul"]),
+        (6, ["silu_and_mul"]),  # bucket 8: default cuBLAS
+        (20, ["silu_and_mul"]),
+    ):
+        calls.clear()
+        gu = torch.randn(rows, 2 * inter)
+        want_y = F.linear(silu_and_mul_ref(gu), down.weight, down.bias)
+        torch.testing.assert_close(silu_and_down(gu, down, ops), want_y)
+        assert calls == want, rows
+
+
+def _decode_logits(model, ops: KernelDispatch, B: int, L: int, seed: int) -> torch.Tensor:
+    """Prefill B sequences of L tokens, then one decode step of B rows; its logits."""
+    arch = model.arch
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    kv = [
+        (
+            torch.zeros(B + 1, arch.num_kv_heads, bs, arch.head_dim),
+            torch.zeros(B + 1, arch.num_kv_heads, bs, arch.head_dim),
+        )
+        for _ in range(arch.num_layers)
+    ]
+    ids = torch.randint(0, arch.vocab_size, (B, L + 1), generator=g)
+    tables = torch.arange(B, dtype=torch.int32).view(B, 1)
+    pre = AttentionMetadata(
+        slot_mapping=(torch.arange(B).repeat_interleave(L) * bs + torch.arange(L).repeat(B)),
+        block_tables=tables,
+        seq_lens=torch.full((B,), L, dtype=torch.int32),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32) * L,
+        is_decode=False,
+        max_query_len=L,
+    )
+    model.ops = ops
+    model(ids[:, :L].reshape(-1), torch.arange(L).repeat(B), pre, kv)
+    dec = AttentionMetadata(
+        slot_mapping=torch.arange(B) * bs + L,
+        block_tables=tables,
+        seq_lens=torch.full((B,), L + 1, dtype=torch.int32),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32),
+        is_decode=True,
+    )
+    return model(ids[:, L], torch.full((B,), L), dec, kv)
+
+
+def test_model_weights_and_plans_keep_the_output():
+    from voltserve.services.executor.loader import load_model
+
+    model = load_model(checkpoint("llama"), torch.float32, torch.device("cpu")).model
+    a = model.arch
+    weights = lp.model_linear_weights(model)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    inter, H = a.intermediate_size, a.hidden_size
+    assert set(weights) == {
+        ("linear", q + 2 * kv, H),
+        ("linear", H, q),
+        ("linear", 2 * inter, H),
+        ("down", H, inter),
+        ("linear", a.vocab_size, H),
+    }
+    assert [len(v) for v in weights.values()].count(a.num_layers) == 4  # per layer, + lm_head
+    assert weights[("down", H, inter)][0][0] is model.model.layers[0].mlp.down_proj.weight
+
+    ops = KernelDispatch("cpu", torch.float32)
+    calls = _spy(ops, ("gemv", "gemv_silu"))
+    ref = _decode_logits(model, ops, 3, 5, seed=1)  # no plan: the fixed rule
+    mixed = LinearPlan(
+        choices={("linear", q + 2 * kv, H, 4): "cublas", ("down", H, inter, 4): "gemv"},
+        default_linear="gemv",
+        default_down="gemv_silu",
+    )
+    n = a.num_layers
+    # (plan, gemv launches, gemv_silu launches) in the decode step (the prefill has 15 rows).
+    cases = [
+        (LinearPlan.fixed(True), 3 * n + 1, n),  # qkv, o, gate_up per layer + lm_head; down
+        (LinearPlan.fixed(False), 0, 0),
+        (mixed, 3 * n + 1, 0),  # qkv on cuBLAS; down unfused on gemv
+    ]
+    for plan, n_gemv, n_silu in cases:
+        calls.clear()
+        ops.linear_plan = plan
+        out = _decode_logits(model, ops, 3, 5, seed=1)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert (calls.count("gemv"), calls.count("gemv_silu")) == (n_gemv, n_silu)
