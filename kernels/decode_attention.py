@@ -96,11 +96,14 @@ def _layout(cfg: DecodeConfig) -> dict[str, int]:
     return dict(nchunk=nchunk, tpt=tpt, tpp=tpp, npass=npass, batch=batch, sc=sc)
 
 
-def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
+def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     """Source of the partition kernel for one shape, with every loop over a compile-time count
     written out: loaded words, q, scores and accumulators are named scalars, so they live in
     registers (a numba local array indexed in a loop the compiler did not unroll lives in local
     memory, which is what held the first version of this kernel to under half the bandwidth)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    direct, merge = mode == "direct", mode == "merge"
     D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
     lay = _layout(cfg)
     NCHUNK, TPT, TPP, NPASS, BATCH, SC = (
@@ -154,7 +157,7 @@ def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
         return f"{'half_hi' if j % 2 else 'half_lo'}({r}_{j // 2})"
 
     emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
-    emit(0, "           max_logits, exp_sums, tmp_out):")
+    emit(0, "           max_logits, exp_sums, tmp_out, counters):")
     emit(1, "part = cuda.blockIdx.x")
     emit(1, "y = cuda.blockIdx.y")
     emit(1, "b = cuda.blockIdx.z")
@@ -166,9 +169,10 @@ def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
     emit(1, "seq_len = seq_lens[b]")
     emit(1, f"start = part * {PART}")
     emit(1, "if start >= seq_len:")
-    if direct:  # only seq_len == 0 gets here: padding rows read nothing and write zeros
-        emit(2, f"for i in range(tid, {GD}, {NT}):")
-        emit(3, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
+    if direct or merge:  # seq_len == 0 (graph padding): partition 0 writes a zero output
+        emit(2, "if part == 0:")
+        emit(3, f"for i in range(tid, {GD}, {NT}):")
+        emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
     emit(2, "return")
     emit(1, f"n_tok = min({PART}, seq_len - start)")
     emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
@@ -210,6 +214,19 @@ def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
         emit(1, f"w_ps{j} = ((rs + {j}) // {G}) * {TPP}")
         emit(1, f"w_g{j} = (rs + {j}) % {G}")
     emit(1, "cuda.syncthreads()")
+
+    # When one batch of loads covers a KV block, the V rows of the warp's first block are loaded
+    # now, so their memory latency overlaps the score and softmax phases instead of following
+    # them (short partitions give each warp one block: that is the whole PV phase).
+    prefetch = NPASS == BATCH
+    if prefetch:
+        emit(1, "ip = min(warp, n_blk - 1)")
+        emit(1, f"vbase = (int64(tbl[ip]) * num_kv_heads + kvh) * {ROW} + lane_off")
+        for ps in range(BATCH):
+            emit(
+                1,
+                f"vp{ps}_0, vp{ps}_1, vp{ps}_2, vp{ps}_3 = ld_u32x4(v_cache, vbase + {ps * TPP * D})",
+            )
 
     # Scores: logits[g, t] = q_g . k_t (scale folded into q).
     emit(1, f"for i in range(warp, n_blk, {NW}):")
@@ -264,9 +281,19 @@ def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
     emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
     emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
     for bt in range(NPASS // BATCH):
+        ind = 2
+        if prefetch:
+            emit(2, "if i == warp:")
+            for ps in range(BATCH):
+                emit(
+                    3,
+                    f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = vp{ps}_0, vp{ps}_1, vp{ps}_2, vp{ps}_3",
+                )
+            emit(2, "else:")
+            ind = 3
         for ps in range(BATCH):
             off = (bt * BATCH + ps) * TPP * D
-            emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
+            emit(ind, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
         for ps in range(BATCH):
             emit(2, f"tpos = t0 + {(bt * BATCH + ps) * TPP}")
             # Rows past the context hold stale data (maybe NaN): skip, never multiply by 0.
@@ -298,14 +325,76 @@ def _kernel_source(cfg: DecodeConfig, direct: bool) -> str:
         emit(1, f"if tid < {G}:")
         emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
+    if merge:
+        _emit_merge(emit, G, D, NT, NW, PART)
     return "\n".join(out) + "\n"
 
 
+def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
+    """The last partition block of a (sequence, head group) to finish merges the group's
+    partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
+
+    Each block publishes its partials (fence, then a counter ticket); the block that takes the
+    last ticket resets the counter for the next launch and reads the others' partials. Those
+    reads may hit this SM's L1, which is not coherent with other SMs: they are safe because no
+    block reads a group's partials before they are complete, and every group's partials sit on
+    cache lines of their own (the launcher pads the partition axis to MERGE_MAX_PARTITIONS
+    floats = 128 bytes), so no earlier merge on this SM can have cached a line of them."""
+    emit(1, "cuda.threadfence()")
+    emit(1, "cuda.syncthreads()")
+    emit(1, "flag = cuda.shared.array(1, int32)")
+    emit(1, f"n_done = (seq_len + {PART - 1}) // {PART}")
+    emit(1, "cidx = b * cuda.gridDim.y + y")
+    emit(1, "if tid == 0:")
+    emit(2, "ticket = cuda.atomic.add(counters, cidx, 1)")
+    emit(2, "flag[0] = 0")
+    emit(2, "if ticket == n_done - 1:")
+    emit(3, "flag[0] = 1")
+    emit(3, "counters[cidx] = 0")
+    emit(1, "cuda.syncthreads()")
+    emit(1, "if flag[0] == 0:")
+    emit(2, "return")
+    emit(1, "cuda.threadfence()")
+    # Per head (one warp each, lane = partition): global max, then weight = exp(m_p - m) / sum.
+    emit(1, f"w_s = cuda.shared.array(({G}, {MERGE_MAX_PARTITIONS}), float32)")
+    emit(1, f"for g in range(warp, {G}, {NW}):")
+    emit(2, "ml = float32(-math.inf)")
+    emit(2, "es = float32(0.0)")
+    emit(2, "if lane < n_done:")
+    emit(3, "ml = max_logits[b, h0 + g, lane]")
+    emit(3, "es = exp_sums[b, h0 + g, lane]")
+    emit(2, "m = ml")
+    for k in range(5):
+        emit(2, f"m = max(m, shfl_xor(m, {16 >> k}))")
+    emit(2, "e = float32(0.0)")
+    emit(2, "if lane < n_done:")
+    emit(3, "e = math.exp(ml - m)")
+    emit(2, "tot = es * e")
+    for k in range(5):
+        emit(2, f"tot += shfl_xor(tot, {16 >> k})")
+    # Every partition that ran holds >= 1 token, so its sum is >= 1 and tot > 0.
+    emit(2, "w_s[g, lane] = e / tot")
+    emit(1, "cuda.syncthreads()")
+    emit(1, f"for i in range(tid, {G * D}, {NT}):")
+    emit(2, f"g = i // {D}")
+    emit(2, f"d = i % {D}")
+    emit(2, "acc = float32(0.0)")
+    emit(2, "for p in range(n_done):")
+    emit(3, "acc += tmp_out[b, h0 + g, p, d] * w_s[g, p]")
+    emit(2, "out[b, h0 + g, d] = acc")
+
+
+# direct: one partition covers the context: normalise and write `out`.
+# split: write the partials (max, sum, unnormalised out); decode_reduce_kernel merges them.
+# merge: write the partials; the group's last block to finish merges them (<= 32 partitions).
+MODES = ("direct", "split", "merge")
+MERGE_MAX_PARTITIONS = 32  # one warp lane per partition in the in-kernel merge
+
+
 @functools.cache
-def decode_kernel(cfg: DecodeConfig, direct: bool):
-    """The partition kernel for one shape. direct=True: a single partition covers the context, so
-    normalise and write `out`; otherwise write the partial (max, sum, unnormalised out)."""
-    src = _kernel_source(cfg, direct)
+def decode_kernel(cfg: DecodeConfig, mode: str):
+    """The partition kernel for one shape and mode (see MODES)."""
+    src = _kernel_source(cfg, mode)
     namespace = dict(
         cuda=cuda,
         math=math,
@@ -317,7 +406,7 @@ def decode_kernel(cfg: DecodeConfig, direct: bool):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} direct={direct}>"
+    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}>"
     exec(compile(src, name, "exec"), namespace)
     return cuda.jit(fastmath=False)(namespace["kernel"])
 
@@ -481,28 +570,34 @@ def paged_decode_attention_cuda(
         )
     cfg = decode_config(H, kvh, D, partition_size, num_threads)
     n_part = num_partitions(max_seq_len, cfg.partition)
-    direct = n_part == 1
+    mode = "direct" if n_part == 1 else "split"
+    # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
+    # _emit_merge): always so for the workspace allocated here.
+    if 1 < n_part <= MERGE_MAX_PARTITIONS and (
+        workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS
+    ):
+        mode = "merge"
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
-        p_ws = 1 if direct else n_part
+        p_ws = {"direct": 1, "split": n_part, "merge": MERGE_MAX_PARTITIONS}[mode]
         workspace = (
             torch.empty((B, H, p_ws), dtype=torch.float32, device=q.device),
             torch.empty((B, H, p_ws), dtype=torch.float32, device=q.device),
             torch.empty((B, H, p_ws, D), dtype=torch.float32, device=q.device),
         )
-    elif not direct and workspace[2].shape[2] < n_part:
+    elif mode != "direct" and workspace[2].shape[2] < n_part:
         raise ValueError(f"workspace holds {workspace[2].shape[2]} partitions, need {n_part}")
     if B == 0:
         return out
     stream = torch_stream()
     ml, es, tmp = (as_numba(t) for t in workspace)
     sl = as_numba(seq_lens)
-    kernel = decode_kernel(cfg, direct)
     grid = (n_part, kvh * cfg.split, B)
-    kernel[grid, cfg.num_threads, stream](
+    counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
+    decode_kernel(cfg, mode)[grid, cfg.num_threads, stream](
         as_numba(out),
         as_numba(q),
         as_numba(k_cache.view(-1)),
@@ -514,18 +609,49 @@ def paged_decode_attention_cuda(
         ml,
         es,
         tmp,
+        as_numba(counters),
     )
-    if not direct:
+    if mode == "split":
         decode_reduce_kernel[(H, B), REDUCE_THREADS, stream](
             as_numba(out), ml, es, tmp, sl, cfg.partition
         )
     return out
 
 
+class MergeCounters:
+    """Per device, one int32 array of arrival counters for the in-kernel merge, zero between
+    launches (the merging block resets its own counter). One array serves every launch on a
+    device because launches on one stream run one after another; the executor runs all its
+    kernels on one stream. Grown only outside CUDA-graph capture (a capture must not allocate
+    and zero new memory that outlives it): the runner's eager warm-up step sizes it first."""
+
+    def __init__(self) -> None:
+        self._arrays: dict = {}
+
+    def get(self, device, n: int):
+        import torch
+
+        arr = self._arrays.get(device)
+        if arr is None or arr.numel() < n:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "decode attention: merge counters must be allocated before CUDA-graph "
+                    "capture; run the same batch size once eagerly first"
+                )
+            arr = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+            self._arrays[device] = arr
+        return arr
+
+
+_COUNTERS = MergeCounters()
+
+
 # Representative instances that `voltserve check-kernels` compiles (see kernels/registry.py):
 # Llama-3-8B (128 dims, 4 heads per KV head), Qwen2.5-0.5B-like (64 dims, 7 -> split as 7),
-# MHA with 256 dims, each in the split and the single-partition form.
-decode_kernel_d128_g4 = decode_kernel(decode_config(32, 8, 128), direct=False)
-decode_kernel_d128_g4_direct = decode_kernel(decode_config(32, 8, 128), direct=True)
-decode_kernel_d64_g7 = decode_kernel(decode_config(14, 2, 64), direct=False)
-decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), direct=False)
+# MHA with 256 dims, in the split, single-partition and in-kernel-merge forms.
+decode_kernel_d128_g4 = decode_kernel(decode_config(32, 8, 128), "split")
+decode_kernel_d128_g4_direct = decode_kernel(decode_config(32, 8, 128), "direct")
+decode_kernel_d128_g4_merge = decode_kernel(decode_config(32, 8, 128, 64), "merge")
+decode_kernel_d64_g7 = decode_kernel(decode_config(14, 2, 64), "split")
+decode_kernel_d64_g7_merge = decode_kernel(decode_config(14, 2, 64, 64), "merge")
+decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")

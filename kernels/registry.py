@@ -121,17 +121,20 @@ KERNELS += [
 
 # decode_attention.py: the kernels are built per shape by decode_kernel(); the module exposes a
 # few representative instances. Arguments: out, q, flat k/v caches, block_tables, seq_lens,
-# scale, num_kv_heads, max_logits, exp_sums, tmp_out.
+# scale, num_kv_heads, max_logits, exp_sums, tmp_out, merge counters.
 _DECODE_SIG = (
     "void(float16[:, :, ::1], float16[:, :, ::1], float16[::1], float16[::1], int32[:, ::1],"
-    " int32[::1], float64, int64, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])"
+    " int32[::1], float64, int64, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1],"
+    " int32[::1])"
 )
 KERNELS += [
     KernelSpec("decode_attention", name, (_DECODE_SIG,))
     for name in (
         "decode_kernel_d128_g4",
         "decode_kernel_d128_g4_direct",
+        "decode_kernel_d128_g4_merge",
         "decode_kernel_d64_g7",
+        "decode_kernel_d64_g7_merge",
         "decode_kernel_d256_g1",
     )
 ]

@@ -160,3 +160,58 @@ def test_decode_cuda_graph_replay_with_new_seq_lens():
             if n == 0:
                 ref[b] = 0
         check(out, ref)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 4), (128, 8)])
+def test_decode_small_batch_in_kernel_merge_graph(head_dim, group):
+    """Small batches with short partitions (the batch-1 decode shape): the group's last block
+    merges the partitions in the same kernel. Captured in a graph with the default workspace and
+    replayed with new lengths: every replay must merge again (the arrival counters reset), and
+    the counters must be zero after each replay."""
+    from voltserve.kernels.decode_attention import _COUNTERS, paged_decode_attention_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    B, kvh, max_len = 2, 2, 1120  # 18 partitions of 64: the in-kernel merge path
+    H = kvh * group
+    k, v, tables = make_cache([max_len] * B, kvh, head_dim, gen)
+    q = torch.randn((B, H, head_dim), generator=gen, device="cuda").half()
+    sl = torch.full((B,), 1, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+
+    def step():
+        paged_decode_attention_cuda(
+            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64
+        )
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile, and size the counters outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for lens in ([1, 1], [640, 65], [1120, 0], [64, 1119], [17, 1024], [1120, 1120]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn((B, H, head_dim), generator=gen, device="cuda").half())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, scale)
+        for b, n in enumerate(lens):
+            if n == 0:
+                ref[b] = 0
+        check(out, ref)
+        assert not _COUNTERS.get(q.device, 1).any(), "merge counters must be zero after a launch"
+    # Eager launches with the default partitioning at batch 1 (what a batch-1 decode step runs).
+    for n in (1, 100, 640, 1000):
+        sl1 = torch.tensor([n], dtype=torch.int32, device="cuda")
+        o1 = torch.full_like(q[:1], float("nan"))
+        paged_decode_attention_cuda(q[:1], k, v, tables[:1], sl1, scale, o1, max_seq_len=max_len)
+        torch.cuda.synchronize()
+        check(
+            o1,
+            paged_decode_attention_ref(q[:1].float(), k.float(), v.float(), tables[:1], sl1, scale),
+        )

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # the root conftest does this too; keep the f
 from voltserve.kernels.attention_ref import paged_attention_ref  # noqa: E402
 from voltserve.kernels.decode_attention import (  # noqa: E402
     BLOCK_SIZE,
+    MERGE_MAX_PARTITIONS,
     decode_config,
     decode_kernel,
     decode_reduce_kernel,
@@ -55,21 +56,26 @@ def make_cache(rng, seq_lens, num_kv_heads, head_dim, extra_blocks=3):
     return k, v, tables
 
 
-def run_decode(q, k, v, tables, seq_lens, scale, max_seq_len):
+def run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge=False, counters=None):
+    """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
+    counters that must be zero before and are zero again after the launch)."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS)
     n_part = num_partitions(max_seq_len, cfg.partition)
-    direct = n_part == 1
+    mode = "direct" if n_part == 1 else ("merge" if merge else "split")
+    p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
     out = np.full_like(q, np.nan)
-    ml = np.full((B, H, n_part), np.nan, np.float32)
-    es = np.full((B, H, n_part), np.nan, np.float32)
-    tmp = np.full((B, H, n_part, D), np.nan, np.float32)
+    ml = np.full((B, H, p_ws), np.nan, np.float32)
+    es = np.full((B, H, p_ws), np.nan, np.float32)
+    tmp = np.full((B, H, p_ws, D), np.nan, np.float32)
     sl = np.asarray(seq_lens, np.int32)
     grid = (n_part, k.shape[1] * cfg.split, B)
-    decode_kernel(cfg, direct)[grid, THREADS](
-        out, q, k.reshape(-1), v.reshape(-1), tables, sl, scale, k.shape[1], ml, es, tmp
+    if counters is None:
+        counters = np.zeros(grid[1] * B, np.int32)
+    decode_kernel(cfg, mode)[grid, THREADS](
+        out, q, k.reshape(-1), v.reshape(-1), tables, sl, scale, k.shape[1], ml, es, tmp, counters
     )
-    if not direct:
+    if mode == "split":
         decode_reduce_kernel[(H, B), THREADS](out, ml, es, tmp, sl, cfg.partition)
     return out
 
@@ -97,14 +103,15 @@ def reference(q, k, v, tables, seq_lens, qsl, scale):
         (32, 4, 2, [48]),  # exactly 3 partitions, plus an empty one from a larger bound
     ],
 )
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
+@pytest.mark.parametrize("merge", [False, True], ids=["merge-kernel", "in-kernel-merge"])
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, merge):
     rng = np.random.default_rng()
     k, v, tables = make_cache(rng, seq_lens, num_kv_heads, head_dim)
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float16)
     scale = head_dim**-0.5
     # The grid bound is larger than the longest context for the last case: empty partitions.
     max_seq_len = max(seq_lens) + (20 if len(seq_lens) == 1 else 0)
-    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len)
+    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge)
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
         if s == 0:
@@ -112,6 +119,21 @@ def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
             ref[b] = 0
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_in_kernel_merge_resets_counters():
+    """The merging block zeroes its counter, so a second launch (a graph replay) with other
+    lengths merges again; a counter left non-zero would skip or misplace the merge."""
+    rng = np.random.default_rng()
+    H, kvh, D = 4, 2, 32
+    counters = np.zeros(kvh * 2, np.int32)
+    for seq_lens in ([70, 33], [5, 96]):
+        k, v, tables = make_cache(rng, seq_lens, kvh, D)
+        q = rng.standard_normal((2, H, D)).astype(np.float16)
+        out = run_decode(q, k, v, tables, seq_lens, 0.2, 96, True, counters)
+        ref = reference(q, k, v, tables, seq_lens, [0, 1, 2], 0.2)
+        assert not counters.any(), "counters must be zero after the launch"
+        np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
 
 
 def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
