@@ -77,10 +77,19 @@ def rotary_and_cache_kernel(
     cache_row(t, slot_mapping[t], key, value, k_cache, v_cache, vec_cache)
 
 
-def _fusable(*ts: torch.Tensor) -> bool:
+def _fusable(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
     # What the kernel (and the registered signatures) are written for: one fp16/fp32 storage
-    # dtype across q/k/v and the caches, an fp32 cos/sin cache, int64 positions and slots.
-    positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping = ts
+    # dtype across q/k/v and the caches, an fp32 cos/sin cache, int64 positions and slots,
+    # contiguous caches. Anything else takes the two separate launchers.
     return (
         q.dtype in (torch.float16, torch.float32)
         and all(t.dtype == q.dtype for t in (k, v, k_cache, v_cache))
