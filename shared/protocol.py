@@ -10,7 +10,7 @@ Streams (see DESIGN.md):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -107,7 +107,10 @@ def encode(msg: Any) -> bytes:
             "deltas": [x.__dict__ for x in msg.deltas],
         }
     else:
-        d = asdict(msg)
+        # Every other message holds plain data only (no nested dataclasses): a shallow copy of
+        # its fields is the map asdict would build, without asdict's element-by-element deep
+        # copy (milliseconds for a 1K-token prompt, paid per hop).
+        d = dict(msg.__dict__)
     d["t"] = type(msg).__name__
     return msgpack.packb(d, use_bin_type=True)
 

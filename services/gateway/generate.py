@@ -104,7 +104,7 @@ class Generation:
             max_tokens_explicit=s.max_tokens_explicit,
         )
         try:
-            await streams.xadd(self.gw.redis, streams.render_stream(), msg)
+            await self.gw.appender.xadd(streams.render_stream(), msg)
         except (OverflowError, ValueError) as e:
             # msgpack refused a value the parameter checks let through (an integer past 64 bits
             # deep in messages or chat_template_kwargs): the caller's 400, and nothing was sent.
@@ -198,7 +198,7 @@ class Generation:
     def abort(self, engine_ids: list[str], reason: str) -> None:
         if engine_ids:
             msg = AbortRequest(request_ids=engine_ids, reason=reason)
-            self.gw.spawn(streams.xadd(self.gw.redis, streams.sched_stream(), msg))
+            self.gw.spawn(self.gw.appender.xadd(streams.sched_stream(), msg))
 
     def close(self, reason: str = "client gone") -> None:
         """Always called when the HTTP handler ends: abort whatever still runs, forget the id."""

@@ -10,6 +10,7 @@ from typing import Any
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.renderer.render import Renderer
+from voltserve.shared.appender import StreamAppender
 
 
 @dataclass
@@ -24,6 +25,13 @@ class GatewayState:
     metrics: GatewayMetrics
     dispatcher: OutputDispatcher
     background: set[asyncio.Task] = field(default_factory=set)
+    # Appends to the render/scheduler streams, batched across requests (a burst of arrivals
+    # costs a round trip, not one each). Built from `redis` when not given.
+    appender: StreamAppender | None = None
+
+    def __post_init__(self) -> None:
+        if self.appender is None:
+            self.appender = StreamAppender(self.redis)
 
     @property
     def tokenizer(self) -> Any:

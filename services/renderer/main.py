@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 DONE_TTL_S = 3600
 
 
+RENDER_CONCURRENCY = 32
+
+
 def done_key(request_id: str) -> str:
     return f"vs:rendered:{request_id}"
 
@@ -87,6 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
             consumer,
             service.handle,
             stop=stop,
+            # Requests are independent: render a burst in parallel (tokenizers in threads).
+            concurrency=RENDER_CONCURRENCY,
         )
     finally:
         await redis.aclose()

@@ -110,7 +110,11 @@ class Scheduler:
             asyncio.create_task(lease.keep(), name="lease"),
             asyncio.create_task(
                 streams.consume(
-                    r, streams.sched_stream(), streams.SCHED_GROUP, self.token, self._handle
+                    r,
+                    streams.sched_stream(),
+                    streams.SCHED_GROUP,
+                    self.token,
+                    self._handle,
                 ),
                 name="consume",
             ),
@@ -243,6 +247,7 @@ class Scheduler:
         async with self.lock:
             executors = list(self.registry.alive.values())
             load = self.tracker.load()
+            placed: list[tuple[Tracked, str]] = []
             while len(self.queue):
                 req = self.queue.peek()
                 t = self.tracker.requests.get(req.request_id)
@@ -255,11 +260,18 @@ class Scheduler:
                 self.queue.pop()
                 t.executor_id, t.instance = eid, self.registry.alive[eid].instance
                 load[eid] = load.get(eid, 0) + 1
-                async with self.r.pipeline(transaction=False) as p:
-                    p.hset(streams.scheduler_routes_key(), req.request_id, t.to_record())
+                placed.append((t, eid))
+            if not placed:
+                return
+            # Every placement of this pass in one round trip (a burst of arrivals is placed
+            # together instead of one request per round trip).
+            async with self.r.pipeline(transaction=False) as p:
+                for t, eid in placed:
+                    p.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
                     await streams.xadd(p, streams.exec_stream(eid), self.tracker.resend_request(t))
-                    await p.execute()
-                logger.debug("placed %s on %s", req.request_id, eid)
+                await p.execute()
+            for t, eid in placed:
+                logger.debug("placed %s on %s", t.req.request_id, eid)
 
     # ---- heartbeats and failover ----
 

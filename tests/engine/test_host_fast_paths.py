@@ -128,6 +128,26 @@ def test_step_output_encoding_equals_asdict(rng) -> None:
     assert decode(encode(msg)) == msg
 
 
+def test_other_messages_encode_as_asdict(rng) -> None:
+    """encode() copies the fields of the other messages shallowly: same bytes as asdict."""
+    from voltserve.shared.protocol import AbortRequest, EngineRequest, RenderRequest, RequestError
+
+    ids = [rng.randrange(1 << 17) for _ in range(rng.randint(1, 2000))]
+    msgs = [
+        EngineRequest("r.0", "gw", ids, {"max_tokens": 7, "seed": rng.randrange(1 << 62)}, 1.5),
+        EngineRequest("r.1", "gw", ids[:3], {}, 0.0, [rng.randrange(100) for _ in range(5)]),
+        RenderRequest("r", "gw", "chat", messages=[{"role": "user", "content": "hi"}], n=3),
+        RenderRequest("r", "gw", "completion", prompt=ids, sampling={"top_p": 0.5}),
+        AbortRequest([f"r{i}" for i in range(rng.randint(0, 5))], "failover"),
+        RequestError("r", 400, "bad", param="prompt"),
+    ]
+    for msg in msgs:
+        plain = asdict(msg)
+        plain["t"] = type(msg).__name__
+        assert encode(msg) == msgpack.packb(plain, use_bin_type=True)
+        assert decode(encode(msg)) == msg
+
+
 def test_prepare_equals_per_row_rebuild(rng) -> None:
     """The eager flat batch (mixed prefill chunks and decodes, requests holding extra blocks,
     prompt/output boundaries inside a chunk) against the per-row definition."""

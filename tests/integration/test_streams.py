@@ -187,3 +187,60 @@ async def test_heartbeat_expires(redis_url, n):
     await asyncio.sleep(0.5)
     assert not await r.exists("hb:x")
     await r.aclose()
+
+
+async def test_concurrent_handlers_handle_every_message_once_and_ack(redis_url):
+    """concurrency > 1: handlers of one batch overlap (they wait on each other here), every
+    message is handled once, a failing handler's message is still acked."""
+    r = streams.connect(redis_url)
+    stream, group = f"t:{uuid.uuid4().hex}", "g"
+    sent = [rand_request() for _ in range(random.randrange(40, 120))]
+    bad = random.randrange(len(sent))
+    for m in sent:
+        await streams.xadd(r, stream, m)
+    got: list = []
+    running = 0
+    peak = 0
+
+    async def handler(msg_id, msg):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        if msg.request_id == sent[bad].request_id:
+            raise RuntimeError("boom")
+        got.append(msg)
+
+    stop, task = await run_consumer(r, stream, group, "c1", handler, concurrency=16)
+    await wait_for(lambda: len(got) == len(sent) - 1)
+    stop.set()
+    await task
+    assert sorted(m.request_id for m in got) == sorted(
+        m.request_id for i, m in enumerate(sent) if i != bad
+    )
+    assert 1 < peak <= 16
+    assert await pending(r, stream, group) == 0
+    await r.aclose()
+
+
+async def test_appender_batches_concurrent_appends(redis_url):
+    """StreamAppender: many coroutines append at once; every message lands exactly once with
+    the id its caller got back, across streams; a message msgpack cannot encode raises in its
+    caller and sends nothing."""
+    from voltserve.shared.appender import StreamAppender
+
+    r = streams.connect(redis_url)
+    app = StreamAppender(r, max_batch=32)
+    names = [f"t:{uuid.uuid4().hex}" for _ in range(3)]
+    sent = [(random.choice(names), rand_request()) for _ in range(random.randrange(50, 200))]
+    ids = await asyncio.gather(*(app.xadd(s, m) for s, m in sent))
+    assert len({(s, i) for (s, _), i in zip(sent, ids, strict=True)}) == len(sent)
+    for name in names:
+        entries = await r.xrange(name)
+        want = {i: m for (s, m), i in zip(sent, ids, strict=True) if s == name}
+        assert {e[0]: streams.decode_fields(e[1]) for e in entries} == want
+    with pytest.raises((OverflowError, ValueError)):
+        await app.xadd(names[0], EngineRequest("x", "gw", [1 << 70], {}))
+    assert await r.xlen(names[0]) == len([1 for s, _ in sent if s == names[0]])
+    await r.aclose()
