@@ -17,8 +17,9 @@ with a pinned host twin of the same layout. The runner's decode path (`stage` + 
 writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
 the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
 
-Sampling stays outside the graph: the graph ends with the logits of every row, and the sampler's
-greedy fast path is a single argmax on them.
+Sampling stays outside the graph: the graph ends with the logits of every row and their argmax
+(captured with the step, so the sampler's greedy fast path launches nothing: it copies the ids
+back); any other sampling runs on the logits.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.argmax: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         self._capture_all()
 
@@ -108,6 +110,7 @@ class CudaGraphRunner:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[bs] = self._forward(bs)
+                self.argmax[bs] = self.outputs[bs].argmax(dim=-1)
             self.graphs[bs] = g
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -136,6 +139,10 @@ class CudaGraphRunner:
             self.host_slots[num_seqs:bs] = -1
             self.host_seq_lens[num_seqs:bs] = 1
         return bs
+
+    def argmax_of_last(self, num_seqs: int) -> torch.Tensor:
+        """The argmax ids [B] of the logits the last replay_staged(num_seqs) returned."""
+        return self.argmax[self.padded_size(num_seqs)][:num_seqs]
 
     def replay_staged(self, num_seqs: int) -> torch.Tensor:
         """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab]."""

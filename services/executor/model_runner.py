@@ -449,7 +449,9 @@ class ModelRunner:
         ):
             reqs = self._stage_decode(plan)
             logits = self.graphs.replay_staged(len(reqs))
-            return self.sampler.sample_last(logits, reqs, tuple(self.eos_token_ids))
+            return self.sampler.sample_last(
+                logits, reqs, tuple(self.eos_token_ids), self.graphs.argmax_of_last(len(reqs))
+            )
         batch, rows = self.prepare(plan)
         if rows:
             logits = self.model(

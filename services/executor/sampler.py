@@ -77,11 +77,16 @@ class Sampler:
         return False
 
     def sample_last(
-        self, logits: torch.Tensor, reqs: list[Request], eos_token_ids: tuple[int, ...]
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        eos_token_ids: tuple[int, ...],
+        argmax: torch.Tensor | None = None,
     ) -> SampledIds | list[SampledToken]:
         """A decode step's tokens: row i samples reqs[i]'s next output token (output position
         len(output_token_ids)). Same result as __call__ with those SampleRows; when every row is
-        plain greedy past its min_tokens, no per-row object is built at all."""
+        plain greedy past its min_tokens, no per-row object is built at all.
+        argmax: logits.argmax(-1) already computed on the device (the decode graph does it)."""
         for r in reqs:
             plain = r.plain_greedy
             if plain is None:
@@ -89,7 +94,9 @@ class Sampler:
             if not plain or len(r.output_token_ids) < r.params.min_tokens:
                 rows = [SampleRow(q, len(q.output_token_ids), eos_token_ids) for q in reqs]
                 return self(logits, rows)
-        return SampledIds(logits.argmax(dim=-1).tolist())
+        if argmax is None:
+            argmax = logits.argmax(dim=-1)
+        return SampledIds(argmax.tolist())
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
