@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh OUT_DIR [STAGE ...]
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
+# (and `attention`: the decode/prefill attention benchmark alone)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -70,8 +71,13 @@ for stage in $STAGES; do
     tests)
       # numba compiles every kernel shape the tests use (minutes on one core): spread the
       # tests over processes when pytest-xdist is there (they share the GPU; memory is ample).
+      # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
-      run tests $PY -m pytest -q --timeout 600 $XDIST tests/gpu tests/kernels -p no:cacheprovider
+      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} -p no:cacheprovider
+      ;;
+    attention)
+      run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
+      run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -82,7 +88,7 @@ for stage in $STAGES; do
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
       ;;
     decode-8b)
-      run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --out "$OUT/profile_decode.json"
+      run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1,8}" --out "$OUT/profile_decode.json"
       run decode_llama8b $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 1 --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b.json"
       ;;
     serving)
