@@ -210,3 +210,10 @@ KERNELS += [
         "gemv_silu_kernel_m8",
     )
 ]
+
+# l2_prefetch.py: reads a weight into L2 on a side branch of the batch-1 decode graph.
+KERNELS += [
+    KernelSpec(
+        "l2_prefetch", "l2_prefetch_kernel", ("void(float16[::1], int64, int64[::1], int64)",)
+    )
+]

@@ -29,9 +29,12 @@ class EmulatedGraphs(CudaGraphRunner):
     def _capture_all(self) -> None:
         for bs in self.sizes:
             self.outputs[bs] = self._forward(bs)
+            self.argmax[bs] = self.outputs[bs].argmax(dim=-1)
 
             def replay(bs=bs):
+                # What the captured graph does: the step's logits, then their argmax.
                 self.outputs[bs].copy_(self._forward(bs))
+                self.argmax[bs].copy_(self.outputs[bs].argmax(dim=-1))
 
             self.graphs[bs] = _Replay(replay)
 

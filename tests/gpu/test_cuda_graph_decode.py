@@ -91,3 +91,24 @@ def test_fp16_runner_tracks_fp32_transformers() -> None:
         lp = torch.log_softmax(logits[0], -1)
         for t, v in r.trace[0].top_logprobs:
             assert abs(v - lp[t].item()) < 5e-2
+
+
+@pytest.mark.parametrize("prefetch", ["0", "1"], ids=["plain", "l2-prefetch"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_greedy_graph_path_equals_eager(arch: str, prefetch: str, monkeypatch) -> None:
+    """Greedy without logprobs takes the graph's own argmax (no sampler launch); with
+    VOLTSERVE_L2_PREFETCH=1 the graph also holds the o_proj prefetch branch. Both must give
+    the eager runner's tokens."""
+    monkeypatch.setenv("VOLTSERVE_L2_PREFETCH", prefetch)
+    graph = _runner(arch, "float16", eager=False)
+    assert (graph.ops.l2_prefetch is not None) == (prefetch == "1")
+    monkeypatch.setenv("VOLTSERVE_L2_PREFETCH", "0")
+    eager = _runner(arch, "float16", eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    a, b = _requests(3, 6, params), _requests(3, 6, params)
+    before = graph.graphs.num_replays
+    drive(graph, a, 16, chunk=32)
+    assert graph.graphs.num_replays > before
+    drive(eager, b, 16, chunk=32)
+    for ra, rb in zip(a, b):
+        assert ra.output_token_ids == rb.output_token_ids

@@ -24,6 +24,9 @@ from voltserve.services.executor.models.layers import (
     silu_and_down,
 )
 
+# Decode batches up to this many rows prefetch o_proj into L2 (when the runner enables it).
+PREFETCH_MAX_ROWS = 8
+
 KVCache = tuple[
     torch.Tensor, torch.Tensor
 ]  # K and V: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -91,6 +94,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x, ops)
+        prefetch = getattr(ops, "l2_prefetch", None)
+        if prefetch is not None and meta.is_decode and T <= PREFETCH_MAX_ROWS:
+            # A graph branch streams o_proj's weight into L2 while the latency-bound middle of
+            # the layer (rotary + KV write, attention) runs; o_proj then reads it from L2
+            # (kernels/l2_prefetch.py).
+            main = torch.cuda.current_stream()
+            prefetch.stream.wait_stream(main)
+            with torch.cuda.stream(prefetch.stream):
+                prefetch(self.o_proj.weight)
+        else:
+            prefetch = None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
@@ -130,6 +144,8 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
+        if prefetch is not None:
+            main.wait_stream(prefetch.stream)
         return self.o_proj(o.view(T, self.q_size), ops)
 
 
