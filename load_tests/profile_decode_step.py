@@ -181,7 +181,8 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
 def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     """One row per op of the decode step at padded batch size bs."""
-    from voltserve.kernels.gemv import gemv_cuda, supports
+    from voltserve.kernels.gemv import gemv_cuda, gemv_silu_cuda, supports
+    from voltserve.services.executor.linear_plan import down_impl, linear_impl
 
     runner = engine.runner
     model, ops, arch, g = runner.model, runner.ops, runner.arch, runner.graphs
@@ -205,14 +206,19 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
             }
         )
 
-    def linear_row(name: str, weights: list[torch.Tensor], biases: list, count: int) -> None:
+    def linear_row(
+        name: str, weights: list[torch.Tensor], biases: list, count: int, down: bool = False
+    ) -> None:
+        """cuBLAS and the gemv kernel on the layer weights; `impl` is what the step runs (the
+        runner's linear plan). For the down projection the fused gemv_silu is timed too (its
+        input is the gate_up output) and `impl` may be "gemv_silu"."""
         N, K = weights[0].shape
         x = torch.randn(bs, K, device=dev, dtype=dt)
         n_w = len(weights)
         t_blas = time_op(
             lambda i: F.linear(x, weights[i % n_w], biases[i % n_w]), launches, args.reps
         )
-        t_gemv = None
+        t_gemv = t_silu = None
         if supports(x, weights[0]):
             out = torch.empty(bs, N, device=dev, dtype=dt)
             t_gemv = time_op(
@@ -220,8 +226,15 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
                 launches,
                 args.reps,
             )
-        impl = "gemv" if (uses_gemv and t_gemv is not None and bs <= 8) else "cublas"
-        used = t_gemv if impl == "gemv" else t_blas
+            if down:
+                gu2 = torch.randn(bs, 2 * K, device=dev, dtype=dt)
+                t_silu = time_op(
+                    lambda i: gemv_silu_cuda(gu2, weights[i % n_w], biases[i % n_w], out=out),
+                    launches,
+                    args.reps,
+                )
+        impl = (down_impl if down else linear_impl)(ops, bs, N, K) if uses_gemv else "cublas"
+        used = {"gemv": t_gemv, "gemv_silu": t_silu}.get(impl) or t_blas
         nbytes = N * K * weights[0].element_size()
         add(
             name,
@@ -230,11 +243,13 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
             shape=[bs, K, N],
             cublas_us=t_blas * 1e6,
             gemv_us=None if t_gemv is None else t_gemv * 1e6,
+            gemv_silu_us=None if t_silu is None else t_silu * 1e6,
             weight_bytes=nbytes,
             cublas_GBps=nbytes / t_blas / 1e9,
             gemv_GBps=None if t_gemv is None else nbytes / t_gemv / 1e9,
             impl=impl,
         )
+        return impl
 
     att = [ly.self_attn for ly in layers]
     mlp = [ly.mlp for ly in layers]
@@ -243,7 +258,9 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     linear_row(
         "gate_up_proj", [m.gate_up_proj.weight for m in mlp], [m.gate_up_proj.bias for m in mlp], L
     )
-    linear_row("down_proj", [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp], L)
+    down = linear_row(
+        "down_proj", [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp], L, True
+    )
     linear_row("lm_head", [model.lm_head_weight()], [None], 1)
 
     x = torch.randn(bs, H, device=dev, dtype=dt)
@@ -267,30 +284,26 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     qkv = torch.randn(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     positions = g.positions[:bs]
+    caches = runner.kv_caches
+    slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
     add(
-        "rotary_embedding",
+        "rotary_and_cache",
         L,
         time_op(
-            lambda i: ops.rotary_embedding(positions, q, k, D, model.cos_sin_cache, True),
+            lambda i: ops.rotary_and_cache(
+                positions, q, k, v, D, model.cos_sin_cache, True, *caches[i % L], slots
+            ),
             launches,
             args.reps,
         ),
     )
     inter = arch.intermediate_size
     gu = torch.randn(bs, 2 * inter, device=dev, dtype=dt)
-    add("silu_and_mul", L, time_op(lambda i: ops.silu_and_mul(gu), launches, args.reps))
-    caches = runner.kv_caches
-    k3 = k.view(bs, arch.num_kv_heads, D)
-    v3 = v.view(bs, arch.num_kv_heads, D)
-    slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
+    # Fused into the down projection when the plan runs gemv_silu there.
     add(
-        "reshape_and_cache",
-        L,
-        time_op(
-            lambda i: ops.reshape_and_cache(k3, v3, caches[i % L][0], caches[i % L][1], slots),
-            launches,
-            args.reps,
-        ),
+        "silu_and_mul",
+        0 if down == "gemv_silu" else L,
+        time_op(lambda i: ops.silu_and_mul(gu), launches, args.reps),
     )
     q3 = torch.randn(bs, arch.num_heads, D, device=dev, dtype=dt)
     tables, lens = g.block_tables[:bs], g.seq_lens[:bs]
@@ -313,13 +326,8 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     logits16 = torch.randn(bs, arch.vocab_size, device=dev, dtype=dt)
     add("logits_to_fp32", 1, time_op(lambda i: logits16.float(), launches, args.reps))
     logits = logits16.float()
-    # Outside the graph: the sampler's greedy path (argmax, then one copy of the ids back).
-    add(
-        "argmax (sampler, outside graph)",
-        1,
-        time_op(lambda i: logits.argmax(dim=-1), launches, args.reps),
-        in_graph=False,
-    )
+    # The graph ends with the argmax the sampler's greedy path copies back.
+    add("argmax", 1, time_op(lambda i: logits.argmax(dim=-1), launches, args.reps))
     return rows
 
 
