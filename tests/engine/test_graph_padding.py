@@ -69,6 +69,7 @@ def test_emulated_graph_decode_equals_eager() -> None:
     eager, graph = ModelRunner(cfg), ModelRunner(cfg)
     graph.kv_caches = graph._alloc_kv_caches(40, scratch=True)
     graph.ops.reshape_and_cache = dispatch._reshape_and_cache_capturable
+    graph.ops.rotary_and_cache = dispatch._rotary_and_cache_capturable
     graph.ops.paged_decode_attention = dispatch._paged_decode_attention_capturable
     graph.graphs = EmulatedGraphs(graph, 8)
     guard = [kc[:40].clone() for kc, _ in graph.kv_caches]
@@ -113,6 +114,7 @@ def _emulated_graph_runner(cfg: EngineConfig, max_batch: int) -> ModelRunner:
     runner = ModelRunner(cfg)
     runner.kv_caches = runner._alloc_kv_caches(cfg.num_kv_blocks, scratch=True)
     runner.ops.reshape_and_cache = dispatch._reshape_and_cache_capturable
+    runner.ops.rotary_and_cache = dispatch._rotary_and_cache_capturable
     runner.ops.paged_decode_attention = dispatch._paged_decode_attention_capturable
     runner.graphs = EmulatedGraphs(runner, max_batch)
     return runner
