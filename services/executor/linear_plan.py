@@ -1,7 +1,7 @@
 """Which decode linears run the weight-streaming GEMV kernel and which run cuBLAS, per weight
-shape and row count, measured once at start-up.
+shape and row count: by a rule (the default) or measured once at start-up.
 
-Why measure: at one input row the GEMV kernel beats cuBLAS on every Llama-3-8B linear, but at
+Why it matters: at one input row the GEMV kernel beats cuBLAS on every Llama-3-8B linear, but at
 eight rows it is up to twice as slow (it rereads x per weight row while cuBLAS uses tensor
 cores), and where the cross-over lies depends on the shape and the card. So before the decode
 graphs are captured the runner times both on the model's own weights, for every distinct weight
@@ -11,7 +11,9 @@ gemv_silu (silu_and_mul fused into the GEMV's input), silu_and_mul + GEMV, silu_
 
 The plan is fixed before capture (graphs bake the choice in) and reaches `linear()` through
 `KernelDispatch.linear_plan`. `VOLTSERVE_GEMV=0` keeps everything on cuBLAS, `VOLTSERVE_GEMV=1`
-sends everything of <= 8 rows to the GEMV kernels without timing; unset, the plan is measured.
+sends everything of <= 8 rows to the GEMV kernels without timing, `VOLTSERVE_GEMV=measure`
+times every candidate (start-up pays a compile of each); unset, `LinearPlan.rule()`: GEMV up to
+2 rows, unfused, which is what measuring chose on an H200 (see plan_linears).
 On CPU there is no plan: ops.gemv is F.linear there, so the choice does not matter.
 """
 
@@ -34,6 +36,7 @@ GEMV_ENV = "VOLTSERVE_GEMV"
 # sizes (cuda_graphs.graph_batch_sizes), which agree: rows 3 and 5..7 run the next bucket.
 ROW_BUCKETS = (1, 2, 4, 8)
 MAX_ROWS = ROW_BUCKETS[-1]
+DEFAULT_GEMV_ROWS = 2  # LinearPlan.rule(): the measured cross-over on an H200
 
 # Implementations. A plain linear: "gemv" | "cublas". A down projection (input: the gate_up
 # output): "gemv_silu" | "gemv" (silu_and_mul, then GEMV) | "cublas" (silu_and_mul, then cuBLAS).
@@ -62,6 +65,8 @@ class LinearPlan:
     default_linear: str = GEMV
     default_down: str = GEMV_SILU
     times_us: dict[tuple[str, int, int, int], dict[str, float]] = field(default_factory=dict)
+    # Row buckets past this run cuBLAS unless `choices` says otherwise.
+    max_gemv_rows: int = MAX_ROWS
 
     def __post_init__(self) -> None:
         for key, impl in self.choices.items():
@@ -79,19 +84,29 @@ class LinearPlan:
             return cls(default_linear=GEMV, default_down=GEMV_SILU)
         return cls(default_linear=CUBLAS, default_down=CUBLAS)
 
+    @classmethod
+    def rule(cls, max_gemv_rows: int = DEFAULT_GEMV_ROWS) -> LinearPlan:
+        """The default without timing: GEMV up to max_gemv_rows rows (down projections unfused),
+        cuBLAS beyond. Read off a measured plan on an H200 (BENCHMARKS.md): the GEMV kernel
+        wins at 1 and 2 rows on every Llama-3-8B shape (gate_up at 2 rows within 4%), loses at
+        4 and 8, and the fused gemv_silu lost everywhere (58 vs 35 us at 1 row)."""
+        return cls(default_linear=GEMV, default_down=GEMV, max_gemv_rows=max_gemv_rows)
+
     def linear_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv" or "cublas") for x [rows, k] @ W[n, k]^T."""
         b = row_bucket(rows)
         if b is None:
             return CUBLAS
-        return self.choices.get((LINEAR, n, k, b), self.default_linear)
+        default = self.default_linear if b <= self.max_gemv_rows else CUBLAS
+        return self.choices.get((LINEAR, n, k, b), default)
 
     def down_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv_silu", "gemv" or "cublas") for silu_and_mul(x [rows, 2k]) @ W[n, k]^T."""
         b = row_bucket(rows)
         if b is None:
             return CUBLAS
-        return self.choices.get((DOWN, n, k, b), self.default_down)
+        default = self.default_down if b <= self.max_gemv_rows else CUBLAS
+        return self.choices.get((DOWN, n, k, b), default)
 
     def table(self) -> str:
         """One line: each measured shape and bucket, its times (us) and the choice (*)."""
@@ -251,7 +266,10 @@ def measure_linear_plan(model: nn.Module, ops, reps: int = 8) -> LinearPlan:
 
 def plan_linears(model: nn.Module, ops) -> LinearPlan | None:
     """The plan the runner hands to `ops.linear_plan` before capturing graphs: None on CPU (the
-    fixed rule; ops.gemv is F.linear there), fixed by VOLTSERVE_GEMV=0/1, else measured."""
+    fixed rule; ops.gemv is F.linear there); VOLTSERVE_GEMV=0: all cuBLAS, =1: all GEMV (fused
+    down), =measure: timed per shape at start-up; unset: `LinearPlan.rule()`. Measuring is not
+    the default: it compiles every GEMV variant to time it, which took 53 s of start-up on an
+    H200 for Llama-3-8B, and there it chose what the rule chooses."""
     if ops.device.type != "cuda":
         return None
     env = os.environ.get(GEMV_ENV, "").strip().lower()
@@ -259,7 +277,9 @@ def plan_linears(model: nn.Module, ops) -> LinearPlan | None:
         return LinearPlan.fixed(gemv=False)
     if env in ("1", "true", "yes", "on"):
         return LinearPlan.fixed(gemv=True)
-    return measure_linear_plan(model, ops)
+    if env == "measure":
+        return measure_linear_plan(model, ops)
+    return LinearPlan.rule()
 
 
 def linear_impl(ops, rows: int, n: int, k: int) -> str:

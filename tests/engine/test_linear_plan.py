@@ -91,6 +91,12 @@ def test_env_switch(monkeypatch):
         assert plan.down_impl(1, 4, 4) == ("gemv_silu" if gemv else "cublas")
         assert not plan.times_us
         assert ops.impl["gemv"] == ("cuda" if gemv else "ref")
+    # Unset: the rule (GEMV up to 2 rows, unfused down projections), no timing.
+    monkeypatch.delenv("VOLTSERVE_GEMV")
+    plan = plan_linears(model, KernelDispatch("cuda"))
+    assert plan == LinearPlan.rule() and not plan.times_us
+    assert [plan.linear_impl(r, 4, 4) for r in (1, 2, 3, 4, 8, 9)] == ["gemv"] * 2 + ["cublas"] * 4
+    assert [plan.down_impl(r, 4, 4) for r in (1, 2, 4)] == ["gemv", "gemv", "cublas"]
 
 
 def test_measuring_refuses_to_run_inside_a_capture(monkeypatch):

@@ -150,8 +150,8 @@ def _requests(seed: int, n: int):
 
 
 def test_runner_graph_decode_with_plans_equals_cublas(monkeypatch):
-    """fp32 (so greedy ties cannot flip): runners with the measured plan and with everything on
-    the GEMV kernels produce cuBLAS's tokens through their decode graphs (batches 5 -> 8, ..., 1)."""
+    """fp32 (so greedy ties cannot flip): runners with the default rule, the measured plan and
+    everything on the GEMV kernels produce cuBLAS's tokens through their decode graphs (batches 5 -> 8, ..., 1)."""
     from voltserve.services.executor.model_runner import ModelRunner
     from voltserve.shared.config import EngineConfig
 
@@ -177,9 +177,11 @@ def test_runner_graph_decode_with_plans_equals_cublas(monkeypatch):
 
     blas, want = run("0")
     assert blas.ops.linear_plan == LinearPlan.fixed(False)
-    for env in (None, "1"):
+    for env in (None, "measure", "1"):
         runner, got = run(env)
         if env is None:
+            assert runner.ops.linear_plan == LinearPlan.rule()  # the default: no timing
+        if env == "measure":
             assert runner.ops.linear_plan.times_us  # measured
         for a, b in zip(got, want, strict=True):
             assert a.output_token_ids == b.output_token_ids
