@@ -144,13 +144,19 @@ class CudaGraphRunner:
         """The argmax ids [B] of the logits the last replay_staged(num_seqs) returned."""
         return self.argmax[self.padded_size(num_seqs)][:num_seqs]
 
-    def replay_staged(self, num_seqs: int) -> torch.Tensor:
-        """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab]."""
+    def replay_staged(
+        self, num_seqs: int, ids_on_device: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab].
+        ids_on_device: the rows' input ids, already on the device (they replace the staged ones:
+        the pipelined decode feeds a step the previous step's argmax without a host round trip)."""
         bs = self.padded_size(num_seqs)
         if self._dev is not self._host:
             n = self._off_tables + 4 * bs * self.width  # the rows the bs graph reads
             self._dev[:n].copy_(self._host[:n], non_blocking=True)
             self._copy_done.record()
+        if ids_on_device is not None:
+            self.input_ids[:num_seqs].copy_(ids_on_device)
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs][:num_seqs]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.l2_prefetch import L2Prefetcher, fits_in_l2
+from voltserve.services.executor.decode_pipeline import DecodePipeline, pipeline_enabled
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
@@ -181,6 +182,7 @@ class ModelRunner:
             self.num_kv_blocks: int = self._decide_num_blocks()
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
         self.graphs = None
+        self.pipeline: DecodePipeline | None = None
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         why_not = self._why_no_graphs(graph_batch) if use_graphs else "enforce_eager or CPU"
         if why_not is None:
@@ -188,6 +190,8 @@ class ModelRunner:
 
             with startup.phase("compiling kernels and capturing CUDA graphs"):
                 self.graphs = CudaGraphRunner(self, graph_batch)
+            if pipeline_enabled():
+                self.pipeline = DecodePipeline(self)
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
@@ -424,26 +428,35 @@ class ModelRunner:
         """Write a decode-only step (one new token per request, each sampling) into the CUDA
         graph's host staging buffer: the same values prepare() would compute, per row, written
         with a few whole-batch numpy operations. Returns the requests, in row order."""
-        g = self.graphs
         reqs = [s.request for s in plan.scheduled]
+        # Decode-only: every row computes its last known token (position num_tokens - 1).
+        ids = [
+            r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs
+        ]
+        self.stage_decode_rows(reqs, [r.num_computed_tokens for r in reqs], ids)
+        return reqs
+
+    def stage_decode_rows(
+        self, reqs: list[Request], positions: list[int], ids: list[int] | None
+    ) -> None:
+        """Stage one decode row per request: row b computes token ids[b] at positions[b] (ids
+        None: the caller puts them on the device, see decode_pipeline.py)."""
+        g = self.graphs
         B = len(reqs)
         bs = self.block_size
         rows, counts = self._tables.sync(reqs)
         g.stage(B, zero_rows=False)  # rows [0, B) are written in full below
-        # Decode-only: every row computes its last known token (position num_tokens - 1).
-        g.host_pos[:B] = [r.num_computed_tokens for r in reqs]
+        g.host_pos[:B] = positions
         pos = g.host_pos[:B]
         blk_idx = pos // bs
         tables = g.host_tables[:B]
         np.take(self._tables.table[:, : g.width], rows, axis=0, out=tables)
         if counts != (blk_idx + 1).tolist():
             self._fix_table_rows(reqs, tables, pos, counts)
-        g.host_ids[:B] = [
-            r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs
-        ]
+        if ids is not None:
+            g.host_ids[:B] = ids
         g.host_slots[:B] = tables[np.arange(B), blk_idx].astype(np.int64) * bs + pos % bs
         g.host_seq_lens[:B] = pos + 1
-        return reqs
 
     def _fix_table_rows(self, reqs: list[Request], tables, pos, counts: list[int]) -> None:
         """Rows whose request holds more or fewer blocks than the step reads: too few is an
@@ -467,11 +480,17 @@ class ModelRunner:
             and self.graphs.can_run(len(plan.scheduled))
             and plan.is_decode_only
         ):
+            if self.pipeline is not None:
+                ids = self.pipeline.execute(plan)
+                if ids is not None:
+                    return ids
             reqs = self._stage_decode(plan)
             logits = self.graphs.replay_staged(len(reqs))
             return self.sampler.sample_last(
                 logits, reqs, tuple(self.eos_token_ids), self.graphs.argmax_of_last(len(reqs))
             )
+        if self.pipeline is not None:
+            self.pipeline.discard()  # a step launched ahead is not this one
         batch, rows = self.prepare(plan)
         if rows:
             logits = self.model(

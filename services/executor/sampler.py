@@ -49,6 +49,18 @@ def _plain_greedy(r: Request) -> bool:
     return p.greedy and p.logprobs is None and not p.logit_bias and not _has_penalties(r)
 
 
+def plain_argmax_step(reqs: list[Request]) -> bool:
+    """True when each request's next token is the raw logits' argmax: plain greedy (cached on
+    the request) and past min_tokens. The condition of `Sampler.sample_last`'s fast path."""
+    for r in reqs:
+        plain = r.plain_greedy
+        if plain is None:
+            plain = r.plain_greedy = _plain_greedy(r)
+        if not plain or len(r.output_token_ids) < r.params.min_tokens:
+            return False
+    return True
+
+
 def _min_tokens_ban(row: SampleRow) -> list[int]:
     """Token ids banned at this position by min_tokens: stop_token_ids, and eos unless ignore_eos
     (with ignore_eos an eos does not finish the request, so there is nothing to hold back)."""
@@ -87,13 +99,9 @@ class Sampler:
         len(output_token_ids)). Same result as __call__ with those SampleRows; when every row is
         plain greedy past its min_tokens, no per-row object is built at all.
         argmax: logits.argmax(-1) already computed on the device (the decode graph does it)."""
-        for r in reqs:
-            plain = r.plain_greedy
-            if plain is None:
-                plain = r.plain_greedy = _plain_greedy(r)
-            if not plain or len(r.output_token_ids) < r.params.min_tokens:
-                rows = [SampleRow(q, len(q.output_token_ids), eos_token_ids) for q in reqs]
-                return self(logits, rows)
+        if not plain_argmax_step(reqs):
+            rows = [SampleRow(q, len(q.output_token_ids), eos_token_ids) for q in reqs]
+            return self(logits, rows)
         if argmax is None:
             argmax = logits.argmax(dim=-1)
         return SampledIds(argmax.tolist())

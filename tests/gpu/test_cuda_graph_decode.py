@@ -93,16 +93,24 @@ def test_fp16_runner_tracks_fp32_transformers() -> None:
             assert abs(v - lp[t].item()) < 5e-2
 
 
-@pytest.mark.parametrize("prefetch", ["0", "1"], ids=["plain", "l2-prefetch"])
+@pytest.mark.parametrize(
+    "prefetch,pipeline", [("0", "0"), ("1", "0"), ("0", "1")], ids=["plain", "l2", "pipelined"]
+)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_plain_greedy_graph_path_equals_eager(arch: str, prefetch: str, monkeypatch) -> None:
+def test_plain_greedy_graph_path_equals_eager(
+    arch: str, prefetch: str, pipeline: str, monkeypatch
+) -> None:
     """Greedy without logprobs takes the graph's own argmax (no sampler launch); with
-    VOLTSERVE_L2_PREFETCH=1 the graph also holds the o_proj prefetch branch. Both must give
-    the eager runner's tokens."""
+    VOLTSERVE_L2_PREFETCH=1 the graph also holds the o_proj prefetch branch; with
+    VOLTSERVE_PIPELINE_DECODE=1 each step is launched before the previous one's ids are back
+    (and discarded when the batch changes). All must give the eager runner's tokens."""
     monkeypatch.setenv("VOLTSERVE_L2_PREFETCH", prefetch)
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", pipeline)
     graph = _runner(arch, "float16", eager=False)
     assert (graph.ops.l2_prefetch is not None) == (prefetch == "1")
+    assert (graph.pipeline is not None) == (pipeline == "1")
     monkeypatch.setenv("VOLTSERVE_L2_PREFETCH", "0")
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "0")
     eager = _runner(arch, "float16", eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     a, b = _requests(3, 6, params), _requests(3, 6, params)
@@ -112,3 +120,5 @@ def test_plain_greedy_graph_path_equals_eager(arch: str, prefetch: str, monkeypa
     drive(eager, b, 16, chunk=32)
     for ra, rb in zip(a, b):
         assert ra.output_token_ids == rb.output_token_ids
+    if graph.pipeline is not None:
+        assert graph.pipeline.used > 0

@@ -1,0 +1,71 @@
+"""Pipelined graph decode (services/executor/decode_pipeline.py) on the CPU emulation of the
+decode graphs: an engine that launches each step ahead and discards it whenever the next plan
+differs must produce exactly the eager engine's tokens, under churn (arrivals, finishes,
+preemption, block boundaries, non-greedy requests that take the ordinary path)."""
+
+from __future__ import annotations
+
+import random
+
+from voltserve.services.executor.engine import LLMEngine
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.sampling_params import SamplingParams
+
+from tests.checkpoints import checkpoint, tokenizer
+from tests.engine.test_graph_padding import _emulated_graph_runner
+
+
+def _run(engine: LLMEngine, arrivals) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    step = 0
+    while step < 25 or engine.has_unfinished_requests():
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert engine.check_all_free()
+    return got
+
+
+def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
+    from voltserve.services.executor.decode_pipeline import DecodePipeline
+
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
+    rng = random.Random()
+    cfg = EngineConfig(
+        model=str(checkpoint("llama")),
+        num_kv_blocks=16,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+    )
+    runner = _emulated_graph_runner(cfg, 4)
+    runner.pipeline = DecodePipeline(runner, max_batch=4)
+    V = len(tokenizer())
+    arrivals = []
+    for i in range(12):
+        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 50))]
+        params = SamplingParams(
+            temperature=rng.choice((0.0, 0.0, 0.0, 0.9)),
+            max_tokens=rng.randint(1, 45),
+            ignore_eos=rng.random() < 0.7,
+            min_tokens=rng.choice((0, 0, 3)),
+            seed=rng.randrange(1 << 30),
+        )
+        arrivals.append((rng.randrange(0, 25), f"r{i}", prompt, params))
+    piped = _run(LLMEngine(cfg, runner), arrivals)
+    eager = _run(LLMEngine(cfg), arrivals)
+    assert piped == eager
+    p = runner.pipeline
+    assert p.used > 10, (p.launched, p.used)  # steps whose ids were already on their way
+    assert p.launched > p.used  # and some were discarded (finishes, arrivals)
+
+
+def test_pipeline_is_off_by_default(monkeypatch) -> None:
+    from voltserve.services.executor.model_runner import ModelRunner
+
+    monkeypatch.delenv("VOLTSERVE_PIPELINE_DECODE", raising=False)
+    cfg = EngineConfig(model=str(checkpoint("llama")), num_kv_blocks=8, max_model_len=64)
+    assert ModelRunner(cfg).pipeline is None
