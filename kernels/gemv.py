@@ -326,6 +326,29 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def _run(x, w, bias, out, silu: bool, ok: bool, ref) -> torch.Tensor:
+    """Launch the (silu) gemv kernel for what the caller's `supports` check accepted (ok), or
+    compute `ref` (into out when given)."""
+    if not ok:
+        if out is None:
+            return ref(x, w, bias)
+        out.copy_(ref(x, w, bias))
+        return out
+    M, N = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
+    launch(
+        gemv_kernel(M, silu=silu),
+        grid_for(M, N, silu=silu),
+        THREADS,
+        (dev(x), dev(w), dev(b), dev(out), has_bias),
+        current_stream(),
+    )
+    return out
+
+
 def gemv_cuda(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -334,24 +357,7 @@ def gemv_cuda(
 ) -> torch.Tensor:
     """Same meaning as gemv_ref for what `supports` accepts (anything else goes to gemv_ref).
     Launches on torch's current stream without a host sync, so it can be graph-captured."""
-    if not supports(x, w):
-        if out is None:
-            return gemv_ref(x, w, bias)
-        out.copy_(gemv_ref(x, w, bias))
-        return out
-    M, N = x.shape[0], w.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    launch(
-        gemv_kernel(M),
-        grid_for(M, N),
-        THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias),
-        current_stream(),
-    )
-    return out
+    return _run(x, w, bias, out, False, supports(x, w), gemv_ref)
 
 
 def supports_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -372,24 +378,7 @@ def gemv_silu_cuda(
 ) -> torch.Tensor:
     """Same meaning as gemv_silu_ref for what `supports_silu` accepts (anything else goes to
     gemv_silu_ref). Launches on torch's current stream without a host sync (graph-capturable)."""
-    if not supports_silu(x, w):
-        if out is None:
-            return gemv_silu_ref(x, w, bias)
-        out.copy_(gemv_silu_ref(x, w, bias))
-        return out
-    M, N = x.shape[0], w.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    launch(
-        gemv_kernel(M, silu=True),
-        grid_for(M, N, silu=True),
-        THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias),
-        current_stream(),
-    )
-    return out
+    return _run(x, w, bias, out, True, supports_silu(x, w), gemv_silu_ref)
 
 
 __all__ = [

@@ -12,21 +12,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint, tokenizer
-from tests.engine.test_graph_padding import _emulated_graph_runner
-
-
-def _run(engine: LLMEngine, arrivals) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    step = 0
-    while step < 25 or engine.has_unfinished_requests():
-        for at, rid, prompt, params in arrivals:
-            if at == step:
-                engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        step += 1
-    assert engine.check_all_free()
-    return got
+from tests.engine.test_graph_padding import _emulated_graph_runner, run_arrivals
 
 
 def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
@@ -55,8 +41,8 @@ def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
             seed=rng.randrange(1 << 30),
         )
         arrivals.append((rng.randrange(0, 25), f"r{i}", prompt, params))
-    piped = _run(LLMEngine(cfg, runner), arrivals)
-    eager = _run(LLMEngine(cfg), arrivals)
+    piped = run_arrivals(LLMEngine(cfg, runner), arrivals, 25)
+    eager = run_arrivals(LLMEngine(cfg), arrivals, 25)
     assert piped == eager
     p = runner.pipeline
     assert p.used > 10, (p.launched, p.used)  # steps whose ids were already on their way

@@ -120,6 +120,22 @@ def _emulated_graph_runner(cfg: EngineConfig, max_batch: int) -> ModelRunner:
     return runner
 
 
+def run_arrivals(engine, arrivals, min_steps: int) -> dict[str, list[int]]:
+    """Step the engine at least min_steps times and until it is idle, adding each (step, id,
+    prompt, params) of `arrivals` at its step; every request's tokens. All blocks end free."""
+    got: dict[str, list[int]] = {}
+    step = 0
+    while step < min_steps or engine.has_unfinished_requests():
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert engine.check_all_free()
+    return got
+
+
 def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     """The decode staging is written incrementally (block tables kept across steps in a mirror,
     whole-batch numpy writes). Under churn (requests arriving and finishing, so rows change
@@ -171,19 +187,7 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
             seed=rng.randrange(1 << 30),
         )
         arrivals.append((rng.randrange(0, 20), f"r{i}", prompt[:100], params))
-    results = []
-    for engine in (graph_engine, eager_engine):
-        got: dict[str, list[int]] = {}
-        step = 0
-        while step < 21 or engine.has_unfinished_requests():
-            for at, rid, prompt, params in arrivals:
-                if at == step:
-                    engine.add_request(rid, prompt, params)
-            for out in engine.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-            step += 1
-        assert engine.check_all_free()
-        results.append(got)
+    results = [run_arrivals(e, arrivals, 21) for e in (graph_engine, eager_engine)]
     assert results[0] == results[1]
     assert g.num_replays == staged > 20
     assert graph_engine.batcher.num_preemptions > 0
