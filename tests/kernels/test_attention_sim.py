@@ -103,9 +103,12 @@ def reference(q, k, v, tables, seq_lens, qsl, scale):
         (32, 4, 2, [48]),  # exactly 3 partitions, plus an empty one from a larger bound
     ],
 )
-@pytest.mark.parametrize("merge", [False, True], ids=["merge-kernel", "in-kernel-merge"])
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, merge):
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
     rng = np.random.default_rng()
+    # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
+    # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
+    # tests run both on every case, zero rows included.
+    merge = len(seq_lens) == 1
     k, v, tables = make_cache(rng, seq_lens, num_kv_heads, head_dim)
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float16)
     scale = head_dim**-0.5
@@ -125,13 +128,13 @@ def test_decode_in_kernel_merge_resets_counters():
     """The merging block zeroes its counter, so a second launch (a graph replay) with other
     lengths merges again; a counter left non-zero would skip or misplace the merge."""
     rng = np.random.default_rng()
-    H, kvh, D = 4, 2, 32
-    counters = np.zeros(kvh * 2, np.int32)
-    for seq_lens in ([70, 33], [5, 96]):
+    H, kvh, D = 1, 1, 32
+    counters = np.zeros(kvh, np.int32)
+    for seq_lens in ([40], [64]):
         k, v, tables = make_cache(rng, seq_lens, kvh, D)
-        q = rng.standard_normal((2, H, D)).astype(np.float16)
-        out = run_decode(q, k, v, tables, seq_lens, 0.2, 96, True, counters)
-        ref = reference(q, k, v, tables, seq_lens, [0, 1, 2], 0.2)
+        q = rng.standard_normal((1, H, D)).astype(np.float16)
+        out = run_decode(q, k, v, tables, seq_lens, 0.2, 64, True, counters)
+        ref = reference(q, k, v, tables, seq_lens, [0, 1], 0.2)
         assert not counters.any(), "counters must be zero after the launch"
         np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
 
