@@ -32,20 +32,24 @@ def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
     V = len(tokenizer())
     arrivals = []
     for i in range(12):
-        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 50))]
+        # The first three (greedy, short prompts, at step 0) give the pipeline a steady stretch
+        # before the others start arriving at step 12 and churn the batch.
+        long_greedy = i < 3
+        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 16 if long_greedy else 50))]
+        max_tokens = 40 if long_greedy else rng.randint(1, 45)
         params = SamplingParams(
-            temperature=rng.choice((0.0, 0.0, 0.0, 0.9)),
-            max_tokens=rng.randint(1, 45),
-            ignore_eos=rng.random() < 0.7,
-            min_tokens=rng.choice((0, 0, 3)),
+            temperature=0.0 if long_greedy else rng.choice((0.0, 0.0, 0.0, 0.9)),
+            max_tokens=max_tokens,
+            ignore_eos=long_greedy or rng.random() < 0.7,
+            min_tokens=0 if long_greedy else min(max_tokens, rng.choice((0, 0, 3))),
             seed=rng.randrange(1 << 30),
         )
-        arrivals.append((rng.randrange(0, 25), f"r{i}", prompt, params))
+        arrivals.append((0 if long_greedy else rng.randrange(12, 30), f"r{i}", prompt, params))
     piped = run_arrivals(LLMEngine(cfg, runner), arrivals, 25)
     eager = run_arrivals(LLMEngine(cfg), arrivals, 25)
     assert piped == eager
     p = runner.pipeline
-    assert p.used > 10, (p.launched, p.used)  # steps whose ids were already on their way
+    assert p.used >= 5, (p.launched, p.used)  # steps whose ids were already on their way
     assert p.launched > p.used  # and some were discarded (finishes, arrivals)
 
 
