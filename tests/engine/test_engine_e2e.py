@@ -154,8 +154,11 @@ def test_shared_prefix_hits_prefix_cache(rng):
 @pytest.mark.parametrize("caching", [True, False])
 def test_preemption_with_tiny_kv_pool(caching, rng):
     engine = make_engine("mistral", num_kv_blocks=8, enable_prefix_caching=caching)
+    # 8 blocks of 16 tokens; prompts of 17-32 tokens take 2 blocks each, so four running
+    # requests fill the pool, and each needs a third block within 16 tokens of output (up to 47):
+    # preemption is certain, whatever the draw (a looser draw once produced none).
     arrivals = [
-        (rng.randrange(0, 3), f"r{i}", rand_prompt(rng, 15, 40), greedy(rng.randrange(10, 24)))
+        (rng.randrange(0, 2), f"r{i}", rand_prompt(rng, 17, 32), greedy(rng.randrange(33, 48)))
         for i in range(8)
     ]
     outputs, _ = run_staggered(engine, list(arrivals))
