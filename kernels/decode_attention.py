@@ -602,6 +602,7 @@ def paged_decode_attention_cuda(
     ml, es, tmp = (as_numba(t) for t in workspace)
     sl = as_numba(seq_lens)
     grid = (n_part, kvh * cfg.split, B)
+    # Only the merge mode reads the counters; the others get any int32 array of the right type.
     counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
     decode_kernel(cfg, mode)[grid, cfg.num_threads, stream](
         as_numba(out),

@@ -234,21 +234,28 @@ def rotary_embedding_cuda(
     """Same meaning as rotary_embedding_ref (in place). q/k: [T, heads * head_dim] (row views of
     the fused qkv output are fine); positions int64; cos_sin_cache fp32."""
     if q.shape[0]:
-        q2, k2 = q.view(q.shape[0], -1), k.view(k.shape[0], -1)
-        half = cos_sin_cache.shape[1] // 2
-        vec = half % VEC == 0 and head_dim % VEC == 0 and vec_ok(q2, k2, cos_sin_cache)
         launch(
             rotary_embedding_kernel,
             q.shape[0],
             BLOCK,
-            (
-                dev(positions),
-                dev(q2),
-                dev(k2),
-                int(head_dim),
-                dev(cos_sin_cache),
-                bool(is_neox),
-                vec,
-            ),
+            rotary_args(positions, q, k, head_dim, cos_sin_cache, is_neox),
             current_stream(),
         )
+
+
+def rotary_args(positions, q, k, head_dim: int, cos_sin_cache, is_neox: bool) -> tuple:
+    """The rotary part of a kernel's arguments (rotary_embedding_kernel, and the first seven of
+    rotary_cache.rotary_and_cache_kernel): positions, q/k as 2-D rows, head_dim, the cos/sin
+    cache, is_neox, and whether the 16-byte vector path applies."""
+    q2, k2 = q.view(q.shape[0], -1), k.view(k.shape[0], -1)
+    half = cos_sin_cache.shape[1] // 2
+    vec = half % VEC == 0 and head_dim % VEC == 0 and vec_ok(q2, k2, cos_sin_cache)
+    return (
+        dev(positions),
+        dev(q2),
+        dev(k2),
+        int(head_dim),
+        dev(cos_sin_cache),
+        bool(is_neox),
+        vec,
+    )

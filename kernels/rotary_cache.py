@@ -15,6 +15,7 @@ from voltserve.kernels.kv_cache import (
     reshape_and_cache_ref,
 )
 from voltserve.kernels.rotary import (
+    rotary_args,
     rotary_embedding_cuda,
     rotary_embedding_ref,
     rotate_row,
@@ -50,7 +51,7 @@ def rotary_and_cache_ref(
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
-from voltserve.kernels.vec_io import VEC, vec_ok  # noqa: E402
+from voltserve.kernels.vec_io import vec_ok  # noqa: E402
 
 BLOCK = 128
 
@@ -123,22 +124,13 @@ def rotary_and_cache_cuda(
         rotary_embedding_cuda(positions, q, k, head_dim, cos_sin_cache, is_neox)
         reshape_and_cache_cuda(key, value, k_cache, v_cache, slot_mapping)
         return
-    q2, k2 = q.view(T, -1), k.view(T, -1)
-    half = cos_sin_cache.shape[1] // 2
-    vec_rot = half % VEC == 0 and head_dim % VEC == 0 and vec_ok(q2, k2, cos_sin_cache)
     vec_cache = vec_ok(key, value, k_cache, v_cache)
     launch(
         rotary_and_cache_kernel,
         T,
         BLOCK,
         (
-            dev(positions),
-            dev(q2),
-            dev(k2),
-            int(head_dim),
-            dev(cos_sin_cache),
-            bool(is_neox),
-            vec_rot,
+            *rotary_args(positions, q, k, head_dim, cos_sin_cache, is_neox),
             dev(key),
             dev(value),
             dev(k_cache),

@@ -116,10 +116,7 @@ class DecodePipeline:
         runner, g = self.runner, self.runner.graphs
         B = len(reqs)
         if ids_from is None:
-            ids = [
-                r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                for r in reqs
-            ]
+            ids = [r.last_token_id for r in reqs]
             runner.stage_decode_rows(reqs, positions, ids)
             g.replay_staged(B)
         else:

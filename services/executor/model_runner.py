@@ -430,9 +430,7 @@ class ModelRunner:
         with a few whole-batch numpy operations. Returns the requests, in row order."""
         reqs = [s.request for s in plan.scheduled]
         # Decode-only: every row computes its last known token (position num_tokens - 1).
-        ids = [
-            r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs
-        ]
+        ids = [r.last_token_id for r in reqs]
         self.stage_decode_rows(reqs, [r.num_computed_tokens for r in reqs], ids)
         return reqs
 

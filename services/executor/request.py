@@ -51,6 +51,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def last_token_id(self) -> int:
+        """The newest known token: what a decode step feeds in."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
