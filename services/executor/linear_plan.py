@@ -94,19 +94,17 @@ class LinearPlan:
 
     def linear_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv" or "cublas") for x [rows, k] @ W[n, k]^T."""
-        b = row_bucket(rows)
-        if b is None:
-            return CUBLAS
-        default = self.default_linear if b <= self.max_gemv_rows else CUBLAS
-        return self.choices.get((LINEAR, n, k, b), default)
+        return self._lookup(LINEAR, self.default_linear, rows, n, k)
 
     def down_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv_silu", "gemv" or "cublas") for silu_and_mul(x [rows, 2k]) @ W[n, k]^T."""
+        return self._lookup(DOWN, self.default_down, rows, n, k)
+
+    def _lookup(self, kind: str, default: str, rows: int, n: int, k: int) -> str:
         b = row_bucket(rows)
         if b is None:
             return CUBLAS
-        default = self.default_down if b <= self.max_gemv_rows else CUBLAS
-        return self.choices.get((DOWN, n, k, b), default)
+        return self.choices.get((kind, n, k, b), default if b <= self.max_gemv_rows else CUBLAS)
 
     def table(self) -> str:
         """One line: each measured shape and bucket, its times (us) and the choice (*)."""
