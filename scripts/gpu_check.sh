@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh OUT_DIR [STAGE ...]
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
-# (and `attention`: the decode/prefill attention benchmark alone)
+# (and `attention`: the decode/prefill attention benchmark alone; `decode-b1`: the batch-1
+# profile and one bench_decode per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -90,6 +91,16 @@ for stage in $STAGES; do
     decode-8b)
       run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1,8}" --out "$OUT/profile_decode.json"
       run decode_llama8b $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 1 --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b.json"
+      ;;
+    decode-b1)
+      # Batch 1 only, no transformers: the per-op profile, then bench_decode once per variant in
+      # DECODE_VARIANTS ("name:VAR=1,VAR2=1 ..."; "base" = the defaults).
+      run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" --out "$OUT/profile_decode.json"
+      for variant in ${DECODE_VARIANTS:-base}; do
+        name=${variant%%:*}
+        envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
+        run "decode_b1_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --skip-transformers --out "$OUT/decode_llama3-8b_b1_$name.json"
+      done
       ;;
     serving)
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine --transformers-baseline --out "$OUT/serving_llama3-8b.json"
