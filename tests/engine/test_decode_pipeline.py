@@ -53,9 +53,16 @@ def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
     assert p.launched > p.used  # and some were discarded (finishes, arrivals)
 
 
-def test_pipeline_is_off_by_default(monkeypatch) -> None:
+def test_pipeline_switch(monkeypatch) -> None:
+    from voltserve.services.executor.decode_pipeline import pipeline_enabled
     from voltserve.services.executor.model_runner import ModelRunner
 
     monkeypatch.delenv("VOLTSERVE_PIPELINE_DECODE", raising=False)
+    assert pipeline_enabled()  # on by default
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", off)
+        assert not pipeline_enabled()
+    monkeypatch.delenv("VOLTSERVE_PIPELINE_DECODE")
+    # Without CUDA graphs (here: CPU) there is nothing to launch ahead.
     cfg = EngineConfig(model=str(checkpoint("llama")), num_kv_blocks=8, max_model_len=64)
     assert ModelRunner(cfg).pipeline is None
