@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's keys or values as [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size

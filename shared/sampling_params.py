@@ -57,9 +57,7 @@ class SamplingParams:
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-            )
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.logit_bias:

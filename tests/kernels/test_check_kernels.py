@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cc 7.0 compile check runs in CI with the CUDA 12 NVVM"
 )
 
+
 def test_check_kernels_cc70_compiles_every_registered_kernel():
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)  # must compile for real, not simulate

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cc 7.0 compile check runs in CI with the CUDA 12 NVVM"
 )
 
+
 def test_wmma_cu_compiles_for_volta():
     ptx = compile_cu_ptx(WMMA_CU, (7, 0))
     check_ptx(ptx, (7, 0))  # .target sm_70, nothing Volta lacks
