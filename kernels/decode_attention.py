@@ -376,13 +376,30 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     # Every partition that ran holds >= 1 token, so its sum is >= 1 and tot > 0.
     emit(2, "w_s[g, lane] = e / tot")
     emit(1, "cuda.syncthreads()")
-    emit(1, f"for i in range(tid, {G * D}, {NT}):")
-    emit(2, f"g = i // {D}")
-    emit(2, f"d = i % {D}")
-    emit(2, "acc = float32(0.0)")
-    emit(2, "for p in range(n_done):")
-    emit(3, "acc += tmp_out[b, h0 + g, p, d] * w_s[g, p]")
-    emit(2, "out[b, h0 + g, d] = acc")
+    # Each thread owns E outputs and reads MERGE_CHUNK partitions of all of them before the first
+    # multiply: E x MERGE_CHUNK independent loads in flight, so the tail costs ~n_done / 8 L2
+    # round trips instead of one per partition (a `for p` loop waits on each load in turn).
+    E = -(-G * D // NT)
+    for e in range(E):
+        emit(1, f"i{e} = tid + {e * NT}")
+        emit(1, f"ok{e} = i{e} < {G * D}")
+        emit(1, f"g{e} = min(i{e}, {G * D - 1}) // {D}")
+        emit(1, f"d{e} = i{e} % {D}")
+        emit(1, f"acc{e} = float32(0.0)")
+    emit(1, f"for p0 in range(0, n_done, {MERGE_CHUNK}):")
+    for e in range(E):
+        for j in range(MERGE_CHUNK):
+            # Partitions past n_done hold stale words (maybe NaN): not loaded, never times 0.
+            emit(2, f"x{e}_{j} = float32(0.0)")
+            emit(2, f"if p0 + {j} < n_done:")
+            emit(3, f"x{e}_{j} = tmp_out[b, h0 + g{e}, p0 + {j}, d{e}]")
+    for e in range(E):
+        for j in range(MERGE_CHUNK):
+            # w_s is 0 past n_done; p0 + j < MERGE_MAX_PARTITIONS (a multiple of MERGE_CHUNK).
+            emit(2, f"acc{e} += x{e}_{j} * w_s[g{e}, p0 + {j}]")
+    for e in range(E):
+        emit(1, f"if ok{e}:")
+        emit(2, f"out[b, h0 + g{e}, d{e}] = acc{e}")
 
 
 # direct: one partition covers the context: normalise and write `out`.
@@ -390,6 +407,8 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
 # merge: write the partials; the group's last block to finish merges them (<= 32 partitions).
 MODES = ("direct", "split", "merge")
 MERGE_MAX_PARTITIONS = 32  # one warp lane per partition in the in-kernel merge
+MERGE_CHUNK = 8  # partitions whose partial outputs the merge loads before using any
+assert MERGE_MAX_PARTITIONS % MERGE_CHUNK == 0
 MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K registers)
 
 
