@@ -58,8 +58,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
     # Linears of up to 8 rows (decode); models/layers.py calls it only for such inputs.
     "gemv": (("gemv",), "gemv", "gemv_ref"),
-    # The down projection with silu_and_mul fused into its input (x = the gate_up output).
-    "gemv_silu": (("gemv",), "gemv", "gemv_silu_ref"),
+    # The gate_up projection with silu_and_mul fused into its output (out = the activation).
+    "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -81,7 +81,7 @@ _CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
 }
 
 # Ops with their own off switch: the env var set to 0/false/no/off keeps the op on its reference.
-_OP_ENV: dict[str, str] = {"gemv": "VOLTSERVE_GEMV", "gemv_silu": "VOLTSERVE_GEMV"}
+_OP_ENV: dict[str, str] = {"gemv": "VOLTSERVE_GEMV", "gemv_gate_up": "VOLTSERVE_GEMV"}
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
 _CAPTURABLE_REFS = {
@@ -90,7 +90,7 @@ _CAPTURABLE_REFS = {
     "rotary_embedding",
     "silu_and_mul",
     "gemv",
-    "gemv_silu",
+    "gemv_gate_up",
 }
 # What a decode step runs inside a captured graph (sampling stays outside).
 DECODE_GRAPH_OPS = (
@@ -143,7 +143,7 @@ class KernelDispatch:
         self.block_size = block_size
         self.force_ref = force_ref_from_env() if force_ref is None else force_ref
         self.impl: dict[str, str] = {}  # op -> "cuda" | "ref" | "torch-capturable"
-        # Which decode linears run ops.gemv / ops.gemv_silu rather than cuBLAS, per weight shape
+        # Which decode linears run ops.gemv / ops.gemv_gate_up rather than cuBLAS, per weight shape
         # and row count: a LinearPlan (services/executor/linear_plan.py) the runner sets before
         # graph capture. None: every linear of <= 8 rows runs ops.gemv, MLPs stay unfused.
         self.linear_plan: Any = None
@@ -193,7 +193,7 @@ class KernelDispatch:
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
-    gemv_silu: Callable[..., torch.Tensor]
+    gemv_gate_up: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

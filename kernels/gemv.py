@@ -21,12 +21,14 @@ accumulators and the in-flight loads stay in registers (no local memory).
 Rounding: fp32 accumulation in a different order than cuBLAS, so fp16 outputs can differ from
 torch by an ulp or two; the reference is `gemv_ref` (torch's linear).
 
-The down projection variant (`gemv_silu_cuda`, reference `gemv_silu_ref`) takes the gate_up
-output [M, 2I] and applies silu_and_mul while it loads x: h = silu(gate) * up, rounded to the
-storage dtype exactly as the silu_and_mul kernel rounds it (silu first, then the product), so the
-result is gemv_ref(silu_and_mul_ref(x), w) up to the summation order, and the separate activation
-launch (launch-latency bound at decode) is gone. Every warp recomputes h for the K chunks it
-reads, so its warps own more rows (R = 4): one h chunk serves four weight rows.
+The gate_up variant (`gemv_gate_up_cuda`, reference `gemv_gate_up_ref`) produces the MLP's
+activation directly: h[M, I] = silu(x @ Wg^T) * (x @ Wu^T) for the merged gate_up weight [2I, K]
+(gate rows, then up rows). A warp owns gate row j and up row I + j (R = 2), so both sums of h[j]
+end in the same warp; they are rounded to the storage dtype as the linear would store them, and
+h is rounded exactly as the silu_and_mul kernel rounds it (silu first, then the product). The
+separate activation launch (latency-bound at decode: ~3 us of a ~57 us gate_up) is gone, and no
+[M, 2I] intermediate is written. (A first attempt fused silu into the down projection's input
+instead: every warp recomputed h for its K chunks, and it lost to the plain GEMV, 58 vs 35 us.)
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
     return F.linear(x, w, bias)
 
 
-def gemv_silu_ref(
+def gemv_gate_up_ref(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x: [M, 2K] (gate then up), w: [N, K] -> silu_and_mul(x) @ w^T (+ bias): [M, N].
+    """x: [M, K], w: [2I, K] (gate rows then up rows) -> silu_and_mul(x @ w^T (+ bias)): [M, I].
     Never syncs with the host (a CUDA graph can capture it)."""
-    return F.linear(silu_and_mul_ref(x), w, bias)
+    return silu_and_mul_ref(F.linear(x, w, bias))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,16 +99,15 @@ else:
         return v
 
 
-def tile_for(m: int, silu: bool = False) -> tuple[int, int]:
+def tile_for(m: int, gate_up: bool = False) -> tuple[int, int]:
     """(R rows per warp, U chunks per lane per step) for M inputs.
 
     R * U = 8 loads of 16 bytes in flight per lane. Small M: one row a warp (more warps, better
     spread over the SMs). Larger M: two rows a warp, so each x chunk read (M of them per step)
-    serves two weight rows and L1 traffic for x stays below the weight stream's. The silu variant
-    computes each h chunk once per warp (an exp and a division per element), so four rows a warp
-    share it: a quarter of the activation work per weight byte of one row a warp."""
-    if silu:
-        return (4, 2)
+    serves two weight rows and L1 traffic for x stays below the weight stream's. The gate_up
+    variant always takes two rows (gate j and up I + j, the pair one output needs)."""
+    if gate_up:
+        return (2, 4)
     return (1, 8) if m <= 2 else (2, 4)
 
 
@@ -136,57 +137,41 @@ def _ld8_guard(arr, row, col, K):
     return _Z8
 
 
-@cuda.jit(device=True, inline="always")
-def _silu8(g, u, x):
-    """h = silu(g) * u for 8 elements, rounded to x's storage dtype as silu_and_mul rounds it."""
-    return (
-        round_like(_silu_mul(g[0], u[0], x), x),
-        round_like(_silu_mul(g[1], u[1], x), x),
-        round_like(_silu_mul(g[2], u[2], x), x),
-        round_like(_silu_mul(g[3], u[3], x), x),
-        round_like(_silu_mul(g[4], u[4], x), x),
-        round_like(_silu_mul(g[5], u[5], x), x),
-        round_like(_silu_mul(g[6], u[6], x), x),
-        round_like(_silu_mul(g[7], u[7], x), x),
-    )
-
-
-@cuda.jit(device=True, inline="always")
-def _h8(x, row, col, K):
-    """h[row, col:col+8] of the gate_up row x[row] = [gate (K) | up (K)]."""
-    return _silu8(ld8(x, (row, col)), ld8(x, (row, K + col)), x)
-
-
-@cuda.jit(device=True, inline="always")
-def _h8_guard(x, row, col, K):
-    """_h8, or zeros when the chunk lies past K (silu(0) * 0 = 0 as well, but no load)."""
-    if col < K:
-        return _h8(x, row, col, K)
-    return _Z8
-
-
-def _source(M: int, R: int, U: int, silu: bool = False) -> str:
+def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
     Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
     below its size threshold, and a loop it keeps turns the accumulators and the in-flight loads
     into local-memory arrays (and serialises the loads). Written out, every one is a register.
 
-    silu: x is the gate_up output [M, 2K] and each x chunk is h = silu(gate) * up (`_h8`)."""
+    gate_up: w is [2I, K], out [M, I]; the warp's two rows are j and I + j, and lane m writes
+    h[m, j] = silu(gate) * up from the two sums."""
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
         "def kernel(x, w, bias, out, has_bias):",
         "    lane = cuda.threadIdx.x & 31",
         "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
-        "    N = w.shape[0]",
         "    K = w.shape[1]",
-        f"    row0 = warp * {R}",
-        "    if row0 >= N:",
-        "        return  # the whole warp leaves together: the shuffles stay full-mask",
     ]
-    # A partial last group of rows re-reads row N-1 (never written): no guard in the loop.
-    L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
+    if gate_up:
+        L += [
+            "    N = w.shape[0] >> 1  # outputs: one per gate/up row pair",
+            "    row0 = warp",
+            "    if row0 >= N:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+            "    rw0 = row0",
+            "    rw1 = row0 + N",
+        ]
+    else:
+        L += [
+            "    N = w.shape[0]",
+            f"    row0 = warp * {R}",
+            "    if row0 >= N:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+        ]
+        # A partial last group of rows re-reads row N-1 (never written): no guard in the loop.
+        L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
     # Fewer inputs than the variant's M: the missing rows re-read the last one (L1 hits) and
     # their outputs are not written.
     L.append("    Mx = x.shape[0]")
@@ -207,10 +192,7 @@ def _source(M: int, R: int, U: int, silu: bool = False) -> str:
         for j in range(U):
             for m in range(M):
                 xm = f"xm{m}" if m else "0"
-                if silu:
-                    fn = "_h8_guard" if guarded else "_h8"
-                    out.append(f"{indent}xv = {fn}(x, {xm}, c{j}, K)")
-                elif guarded:
+                if guarded:
                     out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
                 else:
                     out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
@@ -223,6 +205,26 @@ def _source(M: int, R: int, U: int, silu: bool = False) -> str:
     L.append(f"        k0 += {step}")
     L.append("    if k0 < K:")
     L += body("        ", True)
+    if gate_up:
+        # Butterfly sums; lane m keeps row m's gate and up totals and writes h[m, row0].
+        L += ["    g = float32(0.0)", "    u = float32(0.0)"]
+        for m in range(M):
+            L += [
+                f"    tg = _warp_sum(a{m}_0)",
+                f"    tu = _warp_sum(a{m}_1)",
+                f"    if lane == {m}:",
+                "        g = tg",
+                "        u = tu",
+            ]
+        L += [
+            f"    if lane < {M} and lane < Mx:",
+            "        if has_bias:",
+            "            g += float32(bias[rw0])",
+            "            u += float32(bias[rw1])",
+            "        # As the linear stores gate and up, then as silu_and_mul rounds h.",
+            "        out[lane, row0] = _silu_mul(round_like(g, out), round_like(u, out), out)",
+        ]
+        return "\n".join(L) + "\n"
     # Butterfly sums: every lane ends with every total; lane i writes output i = m * R + r.
     L.append("    mine = float32(0.0)")
     for i, a in enumerate(acc):
@@ -240,24 +242,24 @@ def _source(M: int, R: int, U: int, silu: bool = False) -> str:
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int, silu: bool = False):
+def _build(M: int, R: int, U: int, gate_up: bool = False):
     scope = {
         "cuda": cuda,
         "float32": float32,
         "ld8": ld8,
         "_ld8_guard": _ld8_guard,
-        "_h8": _h8,
-        "_h8_guard": _h8_guard,
         "_dot8": _dot8,
         "_warp_sum": _warp_sum,
+        "_silu_mul": _silu_mul,
+        "round_like": round_like,
     }
-    name = f"<gemv{'_silu' if silu else ''} M={M} R={R} U={U}>"
-    code = compile(_source(M, R, U, silu), name, "exec")
+    name = f"<gemv{'_gate_up' if gate_up else ''} M={M} R={R} U={U}>"
+    code = compile(_source(M, R, U, gate_up), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[tuple[int, bool], object] = {}  # (variant M, silu) -> kernel
+_KERNELS: dict[tuple[int, bool], object] = {}  # (variant M, gate_up) -> kernel
 
 
 VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
@@ -269,13 +271,13 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def gemv_kernel(m: int, silu: bool = False):
-    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once); silu:
-    the gemv_silu variant (x is the gate_up output)."""
+def gemv_kernel(m: int, gate_up: bool = False):
+    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once);
+    gate_up: the gemv_gate_up variant (w is a merged gate_up weight, out the activation)."""
     v = variant_for(m)
-    k = _KERNELS.get((v, silu))
+    k = _KERNELS.get((v, gate_up))
     if k is None:
-        k = _KERNELS[(v, silu)] = _build(v, *tile_for(v, silu), silu)
+        k = _KERNELS[(v, gate_up)] = _build(v, *tile_for(v, gate_up), gate_up)
     return k
 
 
@@ -284,15 +286,16 @@ gemv_kernel_m1 = gemv_kernel(1)
 gemv_kernel_m2 = gemv_kernel(2)
 gemv_kernel_m4 = gemv_kernel(4)
 gemv_kernel_m8 = gemv_kernel(8)
-gemv_silu_kernel_m1 = gemv_kernel(1, silu=True)
-gemv_silu_kernel_m2 = gemv_kernel(2, silu=True)
-gemv_silu_kernel_m4 = gemv_kernel(4, silu=True)
-gemv_silu_kernel_m8 = gemv_kernel(8, silu=True)
+gemv_gate_up_kernel_m1 = gemv_kernel(1, gate_up=True)
+gemv_gate_up_kernel_m2 = gemv_kernel(2, gate_up=True)
+gemv_gate_up_kernel_m4 = gemv_kernel(4, gate_up=True)
+gemv_gate_up_kernel_m8 = gemv_kernel(8, gate_up=True)
 
 
-def grid_for(m: int, n: int, silu: bool = False) -> int:
-    r, _ = tile_for(variant_for(m), silu)
-    rows_per_block = WARPS * r
+def grid_for(m: int, n: int, gate_up: bool = False) -> int:
+    """Blocks for n outputs per input row (gate_up: n = I, half the weight's rows)."""
+    r, _ = tile_for(variant_for(m), gate_up)
+    rows_per_block = WARPS * (1 if gate_up else r)
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -300,7 +303,7 @@ def grid_for(m: int, n: int, silu: bool = False) -> int:
 # Host side
 
 gemv_cuda_dtypes = (torch.float16, torch.float32)
-gemv_silu_cuda_dtypes = gemv_cuda_dtypes
+gemv_gate_up_cuda_dtypes = gemv_cuda_dtypes
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -326,22 +329,28 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def _run(x, w, bias, out, silu: bool, ok: bool, ref) -> torch.Tensor:
-    """Launch the (silu) gemv kernel for what the caller's `supports` check accepted (ok), or
+def supports_gate_up(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """`supports` for gemv_gate_up: w [2I, K] has an even number of rows."""
+    return w.dim() == 2 and w.shape[0] % 2 == 0 and supports(x, w)
+
+
+def _run(x, w, bias, out, gate_up: bool, ok: bool, ref) -> torch.Tensor:
+    """Launch the (gate_up) gemv kernel for what the caller's `supports` check accepted (ok), or
     compute `ref` (into out when given)."""
     if not ok:
         if out is None:
             return ref(x, w, bias)
         out.copy_(ref(x, w, bias))
         return out
-    M, N = x.shape[0], w.shape[0]
+    M = x.shape[0]
+    N = w.shape[0] // 2 if gate_up else w.shape[0]
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
     launch(
-        gemv_kernel(M, silu=silu),
-        grid_for(M, N, silu=silu),
+        gemv_kernel(M, gate_up=gate_up),
+        grid_for(M, N, gate_up=gate_up),
         THREADS,
         (dev(x), dev(w), dev(b), dev(out), has_bias),
         current_stream(),
@@ -360,35 +369,25 @@ def gemv_cuda(
     return _run(x, w, bias, out, False, supports(x, w), gemv_ref)
 
 
-def supports_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """`supports` for gemv_silu: x [M, 2K] is the gate_up output of w [N, K]'s layer."""
-    return (
-        x.dim() == 2
-        and w.dim() == 2
-        and x.shape[1] == 2 * w.shape[1]
-        and supports(x[:, : w.shape[1]], w)
-    )
-
-
-def gemv_silu_cuda(
+def gemv_gate_up_cuda(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same meaning as gemv_silu_ref for what `supports_silu` accepts (anything else goes to
-    gemv_silu_ref). Launches on torch's current stream without a host sync (graph-capturable)."""
-    return _run(x, w, bias, out, True, supports_silu(x, w), gemv_silu_ref)
+    """Same meaning as gemv_gate_up_ref for what `supports_gate_up` accepts (anything else goes
+    to gemv_gate_up_ref). Launches on torch's current stream without a host sync."""
+    return _run(x, w, bias, out, True, supports_gate_up(x, w), gemv_gate_up_ref)
 
 
 __all__ = [
     "gemv_ref",
-    "gemv_silu_ref",
+    "gemv_gate_up_ref",
     "gemv_cuda",
-    "gemv_silu_cuda",
+    "gemv_gate_up_cuda",
     "gemv_kernel",
     "supports",
-    "supports_silu",
+    "supports_gate_up",
     "tile_for",
     "grid_for",
 ]

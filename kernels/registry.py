@@ -195,15 +195,14 @@ KERNELS += [
     )
     for name in ("gemv_kernel_m1", "gemv_kernel_m2", "gemv_kernel_m4", "gemv_kernel_m8")
 ]
-# The gemv_silu variants (gemv_kernel(M, silu=True)): same arguments, x is the gate_up output
-# [M, 2K]. Only the smallest and largest M in fp16: the variants share one generated source and
-# are large (up to 360 KB of PTX each), and only VOLTSERVE_GEMV=1 runs them (they lost to
-# silu_and_mul + GEMV at every measured shape).
+# The gemv_gate_up variants (gemv_kernel(M, gate_up=True)): same arguments, w is the merged
+# gate_up weight [2I, K] and out the activation [M, I]. fp16 only (what decode runs) at the
+# sizes the rule sends to them and the largest.
 KERNELS += [
     KernelSpec(
         "gemv", name, ("void(float16[:, :], float16[:, :], float16[::1], float16[:, :], boolean)",)
     )
-    for name in ("gemv_silu_kernel_m1", "gemv_silu_kernel_m8")
+    for name in ("gemv_gate_up_kernel_m1", "gemv_gate_up_kernel_m2", "gemv_gate_up_kernel_m8")
 ]
 
 # l2_prefetch.py: reads a weight into L2 on a side branch of the batch-1 decode graph.

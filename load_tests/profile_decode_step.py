@@ -181,8 +181,8 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
 def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     """One row per op of the decode step at padded batch size bs."""
-    from voltserve.kernels.gemv import gemv_cuda, gemv_silu_cuda, supports
-    from voltserve.services.executor.linear_plan import down_impl, linear_impl
+    from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports
+    from voltserve.services.executor.linear_plan import gate_up_impl, linear_impl
 
     runner = engine.runner
     model, ops, arch, g = runner.model, runner.ops, runner.arch, runner.graphs
@@ -207,18 +207,18 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
         )
 
     def linear_row(
-        name: str, weights: list[torch.Tensor], biases: list, count: int, down: bool = False
-    ) -> None:
+        name: str, weights: list[torch.Tensor], biases: list, count: int, gate_up: bool = False
+    ) -> str:
         """cuBLAS and the gemv kernel on the layer weights; `impl` is what the step runs (the
-        runner's linear plan). For the down projection the fused gemv_silu is timed too (its
-        input is the gate_up output) and `impl` may be "gemv_silu"."""
+        runner's linear plan). For the gate_up projection the fused gemv_gate_up (GEMV and
+        silu_and_mul in one kernel) is timed too and `impl` may be "gemv_gate_up"."""
         N, K = weights[0].shape
         x = torch.randn(bs, K, device=dev, dtype=dt)
         n_w = len(weights)
         t_blas = time_op(
             lambda i: F.linear(x, weights[i % n_w], biases[i % n_w]), launches, args.reps
         )
-        t_gemv = t_silu = None
+        t_gemv = t_fused = None
         if supports(x, weights[0]):
             out = torch.empty(bs, N, device=dev, dtype=dt)
             t_gemv = time_op(
@@ -226,15 +226,16 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
                 launches,
                 args.reps,
             )
-            if down:
-                gu2 = torch.randn(bs, 2 * K, device=dev, dtype=dt)
-                t_silu = time_op(
-                    lambda i: gemv_silu_cuda(gu2, weights[i % n_w], biases[i % n_w], out=out),
+            if gate_up:
+                act = torch.empty(bs, N // 2, device=dev, dtype=dt)
+                t_fused = time_op(
+                    lambda i: gemv_gate_up_cuda(x, weights[i % n_w], biases[i % n_w], out=act),
                     launches,
                     args.reps,
                 )
-        impl = (down_impl if down else linear_impl)(ops, bs, N, K) if uses_gemv else "cublas"
-        used = {"gemv": t_gemv, "gemv_silu": t_silu}.get(impl) or t_blas
+        lookup = gate_up_impl if gate_up else linear_impl
+        impl = lookup(ops, bs, N, K) if uses_gemv else "cublas"
+        used = {"gemv": t_gemv, "gemv_gate_up": t_fused}.get(impl) or t_blas
         nbytes = N * K * weights[0].element_size()
         add(
             name,
@@ -243,7 +244,7 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
             shape=[bs, K, N],
             cublas_us=t_blas * 1e6,
             gemv_us=None if t_gemv is None else t_gemv * 1e6,
-            gemv_silu_us=None if t_silu is None else t_silu * 1e6,
+            gemv_gate_up_us=None if t_fused is None else t_fused * 1e6,
             weight_bytes=nbytes,
             cublas_GBps=nbytes / t_blas / 1e9,
             gemv_GBps=None if t_gemv is None else nbytes / t_gemv / 1e9,
@@ -255,12 +256,14 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     mlp = [ly.mlp for ly in layers]
     linear_row("qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L)
     linear_row("o_proj", [a.o_proj.weight for a in att], [a.o_proj.bias for a in att], L)
-    linear_row(
-        "gate_up_proj", [m.gate_up_proj.weight for m in mlp], [m.gate_up_proj.bias for m in mlp], L
+    gate_up = linear_row(
+        "gate_up_proj",
+        [m.gate_up_proj.weight for m in mlp],
+        [m.gate_up_proj.bias for m in mlp],
+        L,
+        True,
     )
-    down = linear_row(
-        "down_proj", [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp], L, True
-    )
+    linear_row("down_proj", [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp], L)
     linear_row("lm_head", [model.lm_head_weight()], [None], 1)
 
     x = torch.randn(bs, H, device=dev, dtype=dt)
@@ -299,10 +302,10 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     )
     inter = arch.intermediate_size
     gu = torch.randn(bs, 2 * inter, device=dev, dtype=dt)
-    # Fused into the down projection when the plan runs gemv_silu there.
+    # Fused into the gate_up projection when the plan runs gemv_gate_up there.
     add(
         "silu_and_mul",
-        0 if down == "gemv_silu" else L,
+        0 if gate_up == "gemv_gate_up" else L,
         time_op(lambda i: ops.silu_and_mul(gu), launches, args.reps),
     )
     q3 = torch.randn(bs, arch.num_heads, D, device=dev, dtype=dt)

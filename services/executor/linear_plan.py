@@ -6,14 +6,16 @@ eight rows it is up to twice as slow (it rereads x per weight row while cuBLAS u
 cores), and where the cross-over lies depends on the shape and the card. So before the decode
 graphs are captured the runner times both on the model's own weights, for every distinct weight
 shape and every row bucket a decode graph uses (1, 2, 4, 8; other counts run the next larger
-bucket's graph and kernel), and keeps the faster. The down projection has three candidates:
-gemv_silu (silu_and_mul fused into the GEMV's input), silu_and_mul + GEMV, silu_and_mul + cuBLAS.
+bucket's graph and kernel), and keeps the faster. The gate_up projection has three candidates:
+gemv_gate_up (silu_and_mul fused into the GEMV's output), GEMV + silu_and_mul, cuBLAS +
+silu_and_mul.
 
 The plan is fixed before capture (graphs bake the choice in) and reaches `linear()` through
 `KernelDispatch.linear_plan`. `VOLTSERVE_GEMV=0` keeps everything on cuBLAS, `VOLTSERVE_GEMV=1`
 sends everything of <= 8 rows to the GEMV kernels without timing, `VOLTSERVE_GEMV=measure`
 times every candidate (start-up pays a compile of each); unset, `LinearPlan.rule()`: GEMV up to
-2 rows, unfused, which is what measuring chose on an H200 (see plan_linears).
+2 rows (gate_up fused with its activation), cuBLAS beyond, read off a measured plan on an H200
+(see plan_linears).
 On CPU there is no plan: ops.gemv is F.linear there, so the choice does not matter.
 """
 
@@ -38,11 +40,12 @@ ROW_BUCKETS = (1, 2, 4, 8)
 MAX_ROWS = ROW_BUCKETS[-1]
 DEFAULT_GEMV_ROWS = 2  # LinearPlan.rule(): the measured cross-over on an H200
 
-# Implementations. A plain linear: "gemv" | "cublas". A down projection (input: the gate_up
-# output): "gemv_silu" | "gemv" (silu_and_mul, then GEMV) | "cublas" (silu_and_mul, then cuBLAS).
-GEMV, CUBLAS, GEMV_SILU = "gemv", "cublas", "gemv_silu"
-LINEAR, DOWN = "linear", "down"  # kinds of weight
-_CHOICES = {LINEAR: (GEMV, CUBLAS), DOWN: (GEMV_SILU, GEMV, CUBLAS)}
+# Implementations. A plain linear: "gemv" | "cublas". A gated MLP's gate_up projection (output:
+# silu_and_mul of the product): "gemv_gate_up" (one kernel) | "gemv" (GEMV, then silu_and_mul) |
+# "cublas" (cuBLAS, then silu_and_mul).
+GEMV, CUBLAS, GEMV_GATE_UP = "gemv", "cublas", "gemv_gate_up"
+LINEAR, GATE_UP = "linear", "gate_up"  # kinds of weight
+_CHOICES = {LINEAR: (GEMV, CUBLAS), GATE_UP: (GEMV_GATE_UP, GEMV, CUBLAS)}
 
 
 def row_bucket(rows: int) -> int | None:
@@ -57,13 +60,13 @@ def row_bucket(rows: int) -> int | None:
 class LinearPlan:
     """Decisions per (kind, out_features N, in_features K, row bucket) -> implementation.
 
-    Shapes the plan does not list use `default_linear` / `default_down` (an explicit plan for
+    Shapes the plan does not list use `default_linear` / `default_gate_up` (an explicit plan for
     tests, or the env switch, is just these two defaults). More than MAX_ROWS rows always run
     cuBLAS. `times_us` keeps what was measured (for the log and for tests)."""
 
     choices: dict[tuple[str, int, int, int], str] = field(default_factory=dict)
     default_linear: str = GEMV
-    default_down: str = GEMV_SILU
+    default_gate_up: str = GEMV_GATE_UP
     times_us: dict[tuple[str, int, int, int], dict[str, float]] = field(default_factory=dict)
     # Row buckets past this run cuBLAS unless `choices` says otherwise.
     max_gemv_rows: int = MAX_ROWS
@@ -74,31 +77,31 @@ class LinearPlan:
                 raise ValueError(f"{key}: {impl!r} is not one of {_CHOICES[key[0]]}")
         if self.default_linear not in _CHOICES[LINEAR]:
             raise ValueError(f"default_linear {self.default_linear!r}")
-        if self.default_down not in _CHOICES[DOWN]:
-            raise ValueError(f"default_down {self.default_down!r}")
+        if self.default_gate_up not in _CHOICES[GATE_UP]:
+            raise ValueError(f"default_gate_up {self.default_gate_up!r}")
 
     @classmethod
     def fixed(cls, gemv: bool) -> LinearPlan:
         """Every linear of <= 8 rows on the GEMV kernels (gemv=True), or all on cuBLAS."""
         if gemv:
-            return cls(default_linear=GEMV, default_down=GEMV_SILU)
-        return cls(default_linear=CUBLAS, default_down=CUBLAS)
+            return cls(default_linear=GEMV, default_gate_up=GEMV_GATE_UP)
+        return cls(default_linear=CUBLAS, default_gate_up=CUBLAS)
 
     @classmethod
     def rule(cls, max_gemv_rows: int = DEFAULT_GEMV_ROWS) -> LinearPlan:
-        """The default without timing: GEMV up to max_gemv_rows rows (down projections unfused),
-        cuBLAS beyond. Read off a measured plan on an H200 (BENCHMARKS.md): the GEMV kernel
-        wins at 1 and 2 rows on every Llama-3-8B shape (gate_up at 2 rows within 4%), loses at
-        4 and 8, and the fused gemv_silu lost everywhere (58 vs 35 us at 1 row)."""
-        return cls(default_linear=GEMV, default_down=GEMV, max_gemv_rows=max_gemv_rows)
+        """The default without timing: GEMV up to max_gemv_rows rows (gate_up fused with its
+        activation), cuBLAS beyond. Read off a measured plan on an H200 (BENCHMARKS.md): the
+        GEMV kernel wins at 1 and 2 rows on every Llama-3-8B shape (gate_up at 2 rows within
+        4%) and loses at 4 and 8."""
+        return cls(default_linear=GEMV, default_gate_up=GEMV_GATE_UP, max_gemv_rows=max_gemv_rows)
 
     def linear_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv" or "cublas") for x [rows, k] @ W[n, k]^T."""
         return self._lookup(LINEAR, self.default_linear, rows, n, k)
 
-    def down_impl(self, rows: int, n: int, k: int) -> str:
-        """Implementation ("gemv_silu", "gemv" or "cublas") for silu_and_mul(x [rows, 2k]) @ W[n, k]^T."""
-        return self._lookup(DOWN, self.default_down, rows, n, k)
+    def gate_up_impl(self, rows: int, n: int, k: int) -> str:
+        """Implementation ("gemv_gate_up", "gemv" or "cublas") for silu_and_mul(x [rows, k] @ W[n, k]^T)."""
+        return self._lookup(GATE_UP, self.default_gate_up, rows, n, k)
 
     def _lookup(self, kind: str, default: str, rows: int, n: int, k: int) -> str:
         b = row_bucket(rows)
@@ -127,13 +130,13 @@ def model_linear_weights(
 ) -> dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """(kind, N, K) -> the (weight, bias) of every layer with that shape, in model order.
 
-    A down projection is the `down_proj` of a module that also has a `gate_up_proj` (the MLP
+    A gate_up weight is the `gate_up_proj` of a module that also has a `down_proj` (the MLP
     fuses silu_and_mul into it); every other module with a 2-D `weight` and a `load_weight`
     (the Linear class) is a plain linear; so is the lm_head weight (tied or not)."""
     from voltserve.services.executor.models.layers import Linear
 
-    down_ids = {
-        id(m.down_proj)
+    gate_up_ids = {
+        id(m.gate_up_proj)
         for m in model.modules()
         if isinstance(getattr(m, "down_proj", None), Linear)
         and isinstance(getattr(m, "gate_up_proj", None), Linear)
@@ -150,7 +153,7 @@ def model_linear_weights(
     for m in model.modules():
         # Only the plain Linear: a quantized subclass has its own forward (no GEMV choice).
         if type(m) is Linear:
-            add(DOWN if id(m) in down_ids else LINEAR, m.weight, m.bias)
+            add(GATE_UP if id(m) in gate_up_ids else LINEAR, m.weight, m.bias)
     head = getattr(model, "lm_head_weight", None)
     if callable(head):
         add(LINEAR, head(), None)
@@ -212,13 +215,10 @@ def _candidates(
             GEMV: lambda i: ops.gemv(x, *layers[i % L]),
             CUBLAS: lambda i: F.linear(x, *layers[i % L]),
         }
-    if kind == GEMV_SILU:
-        return {GEMV_SILU: lambda i: ops.gemv_silu(x, *layers[i % L])}
-    h = ops.silu_and_mul(x)
     return {
-        GEMV: lambda i: ops.gemv(ops.silu_and_mul(x), *layers[i % L]),
-        CUBLAS: lambda i: F.linear(ops.silu_and_mul(x), *layers[i % L]),
-        "gemv_only": lambda i: ops.gemv(h, *layers[i % L]),  # for the gemv_silu bound
+        GEMV_GATE_UP: lambda i: ops.gemv_gate_up(x, *layers[i % L]),
+        GEMV: lambda i: ops.silu_and_mul(ops.gemv(x, *layers[i % L])),
+        CUBLAS: lambda i: ops.silu_and_mul(F.linear(x, *layers[i % L])),
     }
 
 
@@ -231,8 +231,7 @@ def measure_linear_plan(model: nn.Module, ops, reps: int = 8) -> LinearPlan:
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("measure_linear_plan must run before CUDA graph capture, not in it")
     gemv_ok = ops.impl.get("gemv") == "cuda"
-    silu_ok = ops.impl.get("gemv_silu") == "cuda"
-    plan = LinearPlan(default_linear=GEMV if gemv_ok else CUBLAS, default_down=CUBLAS)
+    plan = LinearPlan(default_linear=GEMV if gemv_ok else CUBLAS, default_gate_up=CUBLAS)
     if not gemv_ok:
         return plan
     t_start = time.perf_counter()
@@ -240,17 +239,9 @@ def measure_linear_plan(model: nn.Module, ops, reps: int = 8) -> LinearPlan:
         dtype, device = layers[0][0].dtype, layers[0][0].device
         gen = torch.Generator(device=device).manual_seed(n * 7919 + k)  # leaves torch's RNG be
         for b in ROW_BUCKETS:
-            width = 2 * k if kind == DOWN else k
-            x = torch.randn(b, width, generator=gen, device=device, dtype=torch.float32)
+            x = torch.randn(b, k, generator=gen, device=device, dtype=torch.float32)
             x = x.to(dtype)
             ts = _measure_group(_candidates(ops, kind, x, layers), reps)
-            if kind == DOWN:
-                # The fused kernel streams the same weight and does more work per byte than the
-                # plain GEMV: it can win only where the GEMV alone beats silu + cuBLAS. Elsewhere
-                # it is not timed (nor compiled: start-up time).
-                g_only = ts.pop("gemv_only")
-                if silu_ok and g_only < ts[CUBLAS]:
-                    ts.update(_measure_group(_candidates(ops, GEMV_SILU, x, layers), reps))
             key = (kind, n, k, b)
             plan.times_us[key] = ts
             plan.choices[key] = min(ts, key=ts.__getitem__)
@@ -265,7 +256,7 @@ def measure_linear_plan(model: nn.Module, ops, reps: int = 8) -> LinearPlan:
 def plan_linears(model: nn.Module, ops) -> LinearPlan | None:
     """The plan the runner hands to `ops.linear_plan` before capturing graphs: None on CPU (the
     fixed rule; ops.gemv is F.linear there); VOLTSERVE_GEMV=0: all cuBLAS, =1: all GEMV (fused
-    down), =measure: timed per shape at start-up; unset: `LinearPlan.rule()`. Measuring is not
+    gate_up), =measure: timed per shape at start-up; unset: `LinearPlan.rule()`. Measuring is not
     the default: it compiles every GEMV variant to time it, which took 53 s of start-up on an
     H200 for Llama-3-8B, and there it chose what the rule chooses."""
     if ops.device.type != "cuda":
@@ -289,10 +280,10 @@ def linear_impl(ops, rows: int, n: int, k: int) -> str:
     return plan.linear_impl(rows, n, k)
 
 
-def down_impl(ops, rows: int, n: int, k: int) -> str:
-    """The lookup the MLP uses for its down projection. Without a plan: silu_and_mul, then the
-    fixed rule of `linear_impl` (the unfused path, as before plans existed)."""
+def gate_up_impl(ops, rows: int, n: int, k: int) -> str:
+    """The lookup the MLP uses for its gate_up projection. Without a plan: the fixed rule of
+    `linear_impl`, then silu_and_mul (the unfused path, as before plans existed)."""
     plan = getattr(ops, "linear_plan", None)
     if plan is None:
         return linear_impl(ops, rows, n, k)
-    return plan.down_impl(rows, n, k)
+    return plan.gate_up_impl(rows, n, k)

@@ -15,8 +15,8 @@ from voltserve.services.executor.linear_plan import LinearPlan, plan_linears, ro
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
+    gate_up_silu,
     linear,
-    silu_and_down,
 )
 
 from tests.checkpoints import checkpoint
@@ -39,31 +39,32 @@ def test_explicit_plan_lookups():
             ("linear", 48, 32, 1): "gemv",
             ("linear", 48, 32, 2): "cublas",
             ("linear", 48, 32, 8): "cublas",
-            ("down", 32, 64, 1): "gemv_silu",
-            ("down", 32, 64, 4): "gemv",
-            ("down", 32, 64, 8): "cublas",
+            ("gate_up", 64, 32, 1): "gemv_gate_up",
+            ("gate_up", 64, 32, 4): "gemv",
+            ("gate_up", 64, 32, 8): "cublas",
         },
         default_linear="cublas",
-        default_down="cublas",
+        default_gate_up="cublas",
     )
     assert plan.linear_impl(1, 48, 32) == "gemv"
     assert plan.linear_impl(2, 48, 32) == "cublas"
     assert plan.linear_impl(3, 48, 32) == "cublas"  # bucket 4: not listed -> default
     assert [plan.linear_impl(r, 48, 32) for r in (5, 6, 7, 8)] == ["cublas"] * 4
     assert plan.linear_impl(1, 48, 40) == "cublas"  # another shape -> default
-    assert plan.down_impl(1, 32, 64) == "gemv_silu"
-    assert plan.down_impl(3, 32, 64) == "gemv"
-    assert plan.down_impl(7, 32, 64) == "cublas"
+    assert plan.gate_up_impl(1, 64, 32) == "gemv_gate_up"
+    assert plan.gate_up_impl(3, 64, 32) == "gemv"
+    assert plan.gate_up_impl(7, 64, 32) == "cublas"
     # Past 8 rows cuBLAS whatever the plan says.
     gemv_all = LinearPlan.fixed(gemv=True)
-    assert gemv_all.linear_impl(8, 1, 1) == "gemv" and gemv_all.down_impl(8, 1, 1) == "gemv_silu"
-    assert gemv_all.linear_impl(9, 1, 1) == "cublas" and gemv_all.down_impl(9, 1, 1) == "cublas"
+    assert gemv_all.linear_impl(8, 1, 1) == "gemv"
+    assert gemv_all.gate_up_impl(8, 1, 1) == "gemv_gate_up"
+    assert gemv_all.linear_impl(9, 1, 1) == "cublas" and gemv_all.gate_up_impl(9, 1, 1) == "cublas"
     blas = LinearPlan.fixed(gemv=False)
-    assert blas.linear_impl(1, 1, 1) == "cublas" and blas.down_impl(1, 1, 1) == "cublas"
-    with pytest.raises(ValueError, match="gemv_silu"):
-        LinearPlan(choices={("linear", 4, 4, 1): "gemv_silu"})
-    with pytest.raises(ValueError, match="default_down"):
-        LinearPlan(default_down="fast")
+    assert blas.linear_impl(1, 1, 1) == "cublas" and blas.gate_up_impl(1, 1, 1) == "cublas"
+    with pytest.raises(ValueError, match="gemv_gate_up"):
+        LinearPlan(choices={("linear", 4, 4, 1): "gemv_gate_up"})
+    with pytest.raises(ValueError, match="default_gate_up"):
+        LinearPlan(default_gate_up="fast")
 
 
 def test_lookup_without_plan_is_the_fixed_rule():
@@ -75,8 +76,8 @@ def test_lookup_without_plan_is_the_fixed_rule():
         "gemv",
         "cublas",
     ]
-    # No plan: the MLP stays unfused (silu_and_mul, then the fixed rule).
-    assert lp.down_impl(ops, 1, 8, 8) == "gemv" and lp.down_impl(ops, 9, 8, 8) == "cublas"
+    # No plan: the MLP stays unfused (the fixed rule, then silu_and_mul).
+    assert lp.gate_up_impl(ops, 1, 8, 8) == "gemv" and lp.gate_up_impl(ops, 9, 8, 8) == "cublas"
 
 
 def test_env_switch(monkeypatch):
@@ -88,15 +89,15 @@ def test_env_switch(monkeypatch):
         plan = plan_linears(model, ops)  # fixed: no timing (none could run here)
         assert plan == LinearPlan.fixed(gemv=gemv)
         assert plan.linear_impl(8, 4, 4) == ("gemv" if gemv else "cublas")
-        assert plan.down_impl(1, 4, 4) == ("gemv_silu" if gemv else "cublas")
+        assert plan.gate_up_impl(1, 4, 4) == ("gemv_gate_up" if gemv else "cublas")
         assert not plan.times_us
         assert ops.impl["gemv"] == ("cuda" if gemv else "ref")
-    # Unset: the rule (GEMV up to 2 rows, unfused down projections), no timing.
+    # Unset: the rule (GEMV up to 2 rows, gate_up fused with its activation), no timing.
     monkeypatch.delenv("VOLTSERVE_GEMV")
     plan = plan_linears(model, KernelDispatch("cuda"))
     assert plan == LinearPlan.rule() and not plan.times_us
     assert [plan.linear_impl(r, 4, 4) for r in (1, 2, 3, 4, 8, 9)] == ["gemv"] * 2 + ["cublas"] * 4
-    assert [plan.down_impl(r, 4, 4) for r in (1, 2, 4)] == ["gemv", "gemv", "cublas"]
+    assert [plan.gate_up_impl(r, 4, 4) for r in (1, 2, 4)] == ["gemv_gate_up"] * 2 + ["cublas"]
 
 
 def test_measuring_refuses_to_run_inside_a_capture(monkeypatch):
@@ -122,22 +123,22 @@ def _spy(ops: KernelDispatch, names: tuple[str, ...]) -> list[str]:
 
 def test_linear_and_mlp_follow_the_plan():
     ops = KernelDispatch("cpu", torch.float32)
-    calls = _spy(ops, ("gemv", "gemv_silu", "silu_and_mul"))
+    calls = _spy(ops, ("gemv", "gemv_gate_up", "silu_and_mul"))
     K, N, inter = 32, 24, 40
     w, b = torch.randn(N, K), torch.randn(N)
-    down = Linear(inter, {None: N}, True, torch.float32)
-    down.weight.data.normal_()
-    down.bias.data.normal_()
+    gate_up = Linear(K, {0: inter, 1: inter}, True, torch.float32)
+    gate_up.weight.data.normal_()
+    gate_up.bias.data.normal_()
     ops.linear_plan = LinearPlan(
         choices={
             ("linear", N, K, 1): "gemv",
             ("linear", N, K, 4): "cublas",
-            ("down", N, inter, 1): "gemv_silu",
-            ("down", N, inter, 2): "gemv",
-            ("down", N, inter, 4): "cublas",
+            ("gate_up", 2 * inter, K, 1): "gemv_gate_up",
+            ("gate_up", 2 * inter, K, 2): "gemv",
+            ("gate_up", 2 * inter, K, 4): "cublas",
         },
         default_linear="cublas",
-        default_down="cublas",
+        default_gate_up="cublas",
     )
     for rows, want in ((1, ["gemv"]), (3, []), (8, []), (12, [])):
         calls.clear()
@@ -145,16 +146,16 @@ def test_linear_and_mlp_follow_the_plan():
         torch.testing.assert_close(linear(x, w, b, ops), F.linear(x, w, b))
         assert calls == want, rows
     for rows, want in (
-        (1, ["gemv_silu"]),
-        (2, ["silu_and_mul", "gemv"]),
+        (1, ["gemv_gate_up"]),
+        (2, ["gemv", "silu_and_mul"]),
         (4, ["silu_and_mul"]),
         (6, ["silu_and_mul"]),  # bucket 8: default cuBLAS
         (20, ["silu_and_mul"]),
     ):
         calls.clear()
-        gu = torch.randn(rows, 2 * inter)
-        want_y = F.linear(silu_and_mul_ref(gu), down.weight, down.bias)
-        torch.testing.assert_close(silu_and_down(gu, down, ops), want_y)
+        x = torch.randn(rows, K)
+        want_h = silu_and_mul_ref(F.linear(x, gate_up.weight, gate_up.bias))
+        torch.testing.assert_close(gate_up_silu(x, gate_up, ops), want_h)
         assert calls == want, rows
 
 
@@ -203,31 +204,31 @@ def test_model_weights_and_plans_keep_the_output():
     assert set(weights) == {
         ("linear", q + 2 * kv, H),
         ("linear", H, q),
-        ("linear", 2 * inter, H),
-        ("down", H, inter),
+        ("gate_up", 2 * inter, H),
+        ("linear", H, inter),
         ("linear", a.vocab_size, H),
     }
     assert [len(v) for v in weights.values()].count(a.num_layers) == 4  # per layer, + lm_head
-    assert weights[("down", H, inter)][0][0] is model.model.layers[0].mlp.down_proj.weight
+    assert weights[("gate_up", 2 * inter, H)][0][0] is model.model.layers[0].mlp.gate_up_proj.weight
 
     ops = KernelDispatch("cpu", torch.float32)
-    calls = _spy(ops, ("gemv", "gemv_silu"))
+    calls = _spy(ops, ("gemv", "gemv_gate_up"))
     ref = _decode_logits(model, ops, 3, 5, seed=1)  # no plan: the fixed rule
     mixed = LinearPlan(
-        choices={("linear", q + 2 * kv, H, 4): "cublas", ("down", H, inter, 4): "gemv"},
+        choices={("linear", q + 2 * kv, H, 4): "cublas", ("gate_up", 2 * inter, H, 4): "gemv"},
         default_linear="gemv",
-        default_down="gemv_silu",
+        default_gate_up="gemv_gate_up",
     )
     n = a.num_layers
-    # (plan, gemv launches, gemv_silu launches) in the decode step (the prefill has 15 rows).
+    # (plan, gemv launches, gemv_gate_up launches) in the decode step (the prefill has 15 rows).
     cases = [
-        (LinearPlan.fixed(True), 3 * n + 1, n),  # qkv, o, gate_up per layer + lm_head; down
+        (LinearPlan.fixed(True), 3 * n + 1, n),  # qkv, o, down per layer + lm_head; gate_up
         (LinearPlan.fixed(False), 0, 0),
-        (mixed, 3 * n + 1, 0),  # qkv on cuBLAS; down unfused on gemv
+        (mixed, 3 * n + 1, 0),  # qkv on cuBLAS; gate_up unfused on gemv
     ]
-    for plan, n_gemv, n_silu in cases:
+    for plan, n_gemv, n_fused in cases:
         calls.clear()
         ops.linear_plan = plan
         out = _decode_logits(model, ops, 3, 5, seed=1)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert (calls.count("gemv"), calls.count("gemv_silu")) == (n_gemv, n_silu)
+        assert (calls.count("gemv"), calls.count("gemv_gate_up")) == (n_gemv, n_fused)

@@ -89,59 +89,65 @@ def test_gemv_in_cuda_graph():
         _check(out, x, w, None)
 
 
-# ---- gemv_silu: silu_and_mul fused into the down projection's input ---------------------------
+# ---- gemv_gate_up: silu_and_mul fused into the gate_up projection's output -------------------
 
-# (K, N): Llama-3-8B down_proj (14336 = 28 full 512-element steps) and Qwen2.5-0.5B down_proj
-# (4864: a guarded partial step).
-SILU_SHAPES = [(14336, 4096), (4864, 896)]
+# (K, 2I): Llama-3-8B gate_up (4096 = 4 full 1024-element steps) and Qwen2.5-0.5B gate_up
+# (896: a guarded partial step).
+GATE_UP_SHAPES = [(4096, 28672), (896, 9728)]
 
 
-@pytest.mark.parametrize("K,N", SILU_SHAPES)
+@pytest.mark.parametrize("K,N", GATE_UP_SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
-def test_gemv_silu_matches_silu_then_linear(K, N, M):
+def test_gemv_gate_up_matches_linear_then_silu(K, N, M):
     from voltserve.kernels.activation import silu_and_mul_cuda, silu_and_mul_ref
-    from voltserve.kernels.gemv import gemv_cuda, gemv_silu_cuda, supports_silu
+    from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports_gate_up
 
-    x = torch.randn(M, 2 * K, device=DEV, dtype=torch.float16) * 2  # gate | up
-    w = torch.empty(N, K, device=DEV, dtype=torch.float16).normal_(0, 0.02)
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.empty(N, K, device=DEV, dtype=torch.float16).normal_(0, 0.04)  # gate ~ N(0, 2.5)
     bias = torch.randn(N, device=DEV, dtype=torch.float16) if M == 3 else None
-    assert supports_silu(x, w)
-    out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float16)
-    gemv_silu_cuda(x, w, bias, out=out)
+    assert supports_gate_up(x, w)
+    out = torch.full((M, N // 2), float("nan"), device=DEV, dtype=torch.float16)
+    gemv_gate_up_cuda(x, w, bias, out=out)
     torch.cuda.synchronize()
-    # h as silu_and_mul stores it (fp16), then the product against an fp32 reference.
-    _check(out, silu_and_mul_ref(x), w, bias)
-    # Against the two launches it replaces: h rounded the same way, so at most an ulp apart.
-    unfused = gemv_cuda(silu_and_mul_cuda(x), w, bias)
-    torch.testing.assert_close(out, unfused, atol=2e-3, rtol=2e-3)
+    assert not torch.isnan(out).any(), "poisoned (NaN) outputs left"
+    # Against the fp32 product rounded to fp16 (what the linear stores), then silu_and_mul.
+    y16 = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    ref = silu_and_mul_ref(y16.half())
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    # Against the two launches it replaces (same roundings, summation order aside).
+    unfused = silu_and_mul_cuda(gemv_cuda(x, w, bias))
+    torch.testing.assert_close(out, unfused, atol=2e-2, rtol=2e-2)
+    close = (out.float() - unfused.float()).abs() <= 1e-3 + 2**-10 * unfused.float().abs()
+    assert close.float().mean() > 0.99, "more than 1% of outputs off by more than an ulp"
 
 
-def test_gemv_silu_fp32_and_graph():
+def test_gemv_gate_up_fp32_and_graph():
     from voltserve.kernels.activation import silu_and_mul_ref
-    from voltserve.kernels.gemv import gemv_silu_cuda
+    from voltserve.kernels.gemv import gemv_gate_up_cuda
 
-    K, N = 4864, 896
-    x = torch.randn(2, 2 * K, device=DEV)
-    w = torch.empty(N, K, device=DEV).normal_(0, 0.02)
+    K, N = 896, 9728
+    x = torch.randn(2, K, device=DEV)
+    w = torch.empty(N, K, device=DEV).normal_(0, 0.04)
     b = torch.randn(N, device=DEV)
-    out = gemv_silu_cuda(x, w, b)
+    out = gemv_gate_up_cuda(x, w, b)
     torch.cuda.synchronize()
-    ref = torch.nn.functional.linear(silu_and_mul_ref(x.double()), w.double(), b.double())
+    ref = silu_and_mul_ref(torch.nn.functional.linear(x.double(), w.double(), b.double()))
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
     x16, w16 = x[:1].half(), w.half()
-    out16 = torch.empty(1, N, device=DEV, dtype=torch.float16)
+    out16 = torch.empty(1, N // 2, device=DEV, dtype=torch.float16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        gemv_silu_cuda(x16, w16, out=out16)  # compile outside the capture
+        gemv_gate_up_cuda(x16, w16, out=out16)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gemv_silu_cuda(x16, w16, out=out16)
+        gemv_gate_up_cuda(x16, w16, out=out16)
     for _ in range(2):
         x16.copy_(torch.randn_like(x16))
         out16.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        _check(out16, silu_and_mul_ref(x16), w16, None)
+        y = torch.nn.functional.linear(x16.float(), w16.float()).half()
+        torch.testing.assert_close(out16, silu_and_mul_ref(y), atol=2e-2, rtol=2e-2)

@@ -70,7 +70,7 @@ def test_measured_plan_covers_every_shape_and_bucket():
             # Lookups of every row count land on the bucket's choice.
             for rows in range(1, 9):
                 if lp.row_bucket(rows) == b:
-                    impl = plan.linear_impl if kind == "linear" else plan.down_impl
+                    impl = plan.linear_impl if kind == "linear" else plan.gate_up_impl
                     assert impl(rows, n, k) == plan.choices[key]
     assert again < 3.0, f"timing the plan took {again:.2f} s"
 

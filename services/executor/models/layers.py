@@ -16,9 +16,9 @@ from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.linear_plan import (
     GEMV,
-    GEMV_SILU,
+    GEMV_GATE_UP,
     MAX_ROWS,
-    down_impl,
+    gate_up_impl,
     linear_impl,
 )
 
@@ -48,20 +48,19 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def silu_and_down(gate_up: torch.Tensor, down: Linear, ops: KernelDispatch) -> torch.Tensor:
-    """down(silu_and_mul(gate_up)): the gated MLP's second half. Decode-sized inputs may run it
-    as one gemv_silu launch (silu_and_mul fused into the GEMV's input), as the plan says."""
-    if type(down) is not Linear or gate_up.dim() != 2:
+def gate_up_silu(x: torch.Tensor, gate_up: Linear, ops: KernelDispatch) -> torch.Tensor:
+    """silu_and_mul(gate_up(x)): the gated MLP's first half. Decode-sized inputs may run it as
+    one gemv_gate_up launch (silu_and_mul fused into the GEMV's output), as the plan says."""
+    if type(gate_up) is not Linear or x.dim() != 2:
         # A quantized linear has its own forward; keep the unfused path for it.
-        return down(ops.silu_and_mul(gate_up), ops)
-    w, b = down.weight, down.bias
-    impl = down_impl(ops, gate_up.shape[0], w.shape[0], w.shape[1])
-    if impl == GEMV_SILU:
-        return ops.gemv_silu(gate_up, w, b)
-    h = ops.silu_and_mul(gate_up)
+        return ops.silu_and_mul(gate_up(x, ops))
+    w, b = gate_up.weight, gate_up.bias
+    impl = gate_up_impl(ops, x.shape[0], w.shape[0], w.shape[1])
+    if impl == GEMV_GATE_UP:
+        return ops.gemv_gate_up(x, w, b)
     if impl == GEMV:
-        return ops.gemv(h, w, b)
-    return F.linear(h, w, b)
+        return ops.silu_and_mul(ops.gemv(x, w, b))
+    return ops.silu_and_mul(F.linear(x, w, b))
 
 
 @dataclass

@@ -20,8 +20,8 @@ from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
     RMSNorm,
+    gate_up_silu,
     linear,
-    silu_and_down,
 )
 
 # Decode batches up to this many rows prefetch o_proj into L2 (when the runner enables it).
@@ -157,8 +157,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
-        # At decode sizes the plan may fuse silu_and_mul into the down projection's GEMV.
-        return silu_and_down(self.gate_up_proj(x, ops), self.down_proj, ops)
+        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
+        return self.down_proj(gate_up_silu(x, self.gate_up_proj, ops), ops)
 
 
 class DecoderLayer(nn.Module):
