@@ -60,6 +60,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv": (("gemv",), "gemv", "gemv_ref"),
     # The gate_up projection with silu_and_mul fused into its output (out = the activation).
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
+    # The qkv projection with rotary and the KV-cache write fused into its output (decode).
+    "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -81,7 +83,11 @@ _CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
 }
 
 # Ops with their own off switch: the env var set to 0/false/no/off keeps the op on its reference.
-_OP_ENV: dict[str, str] = {"gemv": "VOLTSERVE_GEMV", "gemv_gate_up": "VOLTSERVE_GEMV"}
+_OP_ENV: dict[str, str] = {
+    "gemv": "VOLTSERVE_GEMV",
+    "gemv_gate_up": "VOLTSERVE_GEMV",
+    "gemv_qkv_rope": "VOLTSERVE_GEMV",
+}
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
 _CAPTURABLE_REFS = {
@@ -194,6 +200,7 @@ class KernelDispatch:
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
+    gemv_qkv_rope: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

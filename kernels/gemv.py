@@ -65,6 +65,7 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     launch,
     round_like,
 )
+from voltserve.kernels.rotary import _rot1  # noqa: E402
 from voltserve.kernels.vec_io import VEC, ld8  # noqa: E402
 
 MAX_M = 8
@@ -99,14 +100,18 @@ else:
         return v
 
 
-def tile_for(m: int, gate_up: bool = False) -> tuple[int, int]:
+PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"  # kernel kinds (see _source)
+KINDS = (PLAIN, GATE_UP, QKV_ROPE)
+
+
+def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
     """(R rows per warp, U chunks per lane per step) for M inputs.
 
     R * U = 8 loads of 16 bytes in flight per lane. Small M: one row a warp (more warps, better
     spread over the SMs). Larger M: two rows a warp, so each x chunk read (M of them per step)
-    serves two weight rows and L1 traffic for x stays below the weight stream's. The gate_up
-    variant always takes two rows (gate j and up I + j, the pair one output needs)."""
-    if gate_up:
+    serves two weight rows and L1 traffic for x stays below the weight stream's. The paired kinds
+    (gate_up, qkv_rope) always take two rows: the pair one output needs."""
+    if kind != PLAIN:
         return (2, 4)
     return (1, 8) if m <= 2 else (2, 4)
 
@@ -137,7 +142,7 @@ def _ld8_guard(arr, row, col, K):
     return _Z8
 
 
-def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
+def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
     Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
@@ -145,11 +150,20 @@ def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
     into local-memory arrays (and serialises the loads). Written out, every one is a register.
 
     gate_up: w is [2I, K], out [M, I]; the warp's two rows are j and I + j, and lane m writes
-    h[m, j] = silu(gate) * up from the two sums."""
+    h[m, j] = silu(gate) * up from the two sums.
+    qkv_rope: w is the fused qkv weight, out [M, N]; the warp's two rows are dims j and j + D/2
+    of one head (a NeoX rotary pair), and lane m rotates q and k rows at positions[m] and writes
+    them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py)."""
+    if kind not in KINDS:
+        raise ValueError(f"gemv kind {kind!r} is not one of {KINDS}")
+    gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
+    args = "x, w, bias, out, has_bias"
+    if rope:
+        args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
-        "def kernel(x, w, bias, out, has_bias):",
+        f"def kernel({args}):",
         "    lane = cuda.threadIdx.x & 31",
         "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
         "    K = w.shape[1]",
@@ -162,6 +176,17 @@ def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
             "        return  # the whole warp leaves together: the shuffles stay full-mask",
             "    rw0 = row0",
             "    rw1 = row0 + N",
+        ]
+    elif rope:
+        L += [
+            "    D = k_cache.shape[3]",
+            "    half = D >> 1",
+            "    if warp >= w.shape[0] >> 1:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+            "    head = warp // half",
+            "    j = warp - head * half",
+            "    rw0 = head * D + j",
+            "    rw1 = rw0 + half",
         ]
     else:
         L += [
@@ -205,6 +230,45 @@ def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
     L.append(f"        k0 += {step}")
     L.append("    if k0 < K:")
     L += body("        ", True)
+    if rope:
+        # Butterfly sums; lane m keeps input m's two totals, rotates q/k and writes.
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            L += [
+                f"    ta = _warp_sum(a{m}_0)",
+                f"    tb = _warp_sum(a{m}_1)",
+                f"    if lane == {m}:",
+                "        a = ta",
+                "        b = tb",
+            ]
+        L += [
+            f"    if lane < {M} and lane < Mx:",
+            "        if has_bias:",
+            "            a += float32(bias[rw0])",
+            "            b += float32(bias[rw1])",
+            "        # Rounded as the linear stores q/k/v, then rotated as rotary.py rotates.",
+            "        a = round_like(a, out)",
+            "        b = round_like(b, out)",
+            "        if head < n_q + n_kv:",
+            "            pos = positions[lane]",
+            "            c = round_like(cos_sin[pos, j], out)",
+            "            s = round_like(cos_sin[pos, half + j], out)",
+            "            a, b = _rot1(a, b, c, s, out)",
+            "        out[lane, rw0] = a",
+            "        out[lane, rw1] = b",
+            "        slot = slots[lane]",
+            "        if head >= n_q and slot >= 0:",
+            "            bs = k_cache.shape[2]",
+            "            blk = slot // bs",
+            "            off = slot - blk * bs",
+            "            if head < n_q + n_kv:",
+            "                k_cache[blk, head - n_q, off, j] = a",
+            "                k_cache[blk, head - n_q, off, j + half] = b",
+            "            else:",
+            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
+            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
+        ]
+        return "\n".join(L) + "\n"
     if gate_up:
         # Butterfly sums; lane m keeps row m's gate and up totals and writes h[m, row0].
         L += ["    g = float32(0.0)", "    u = float32(0.0)"]
@@ -242,7 +306,7 @@ def _source(M: int, R: int, U: int, gate_up: bool = False) -> str:
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int, gate_up: bool = False):
+def _build(M: int, R: int, U: int, kind: str = PLAIN):
     scope = {
         "cuda": cuda,
         "float32": float32,
@@ -252,14 +316,15 @@ def _build(M: int, R: int, U: int, gate_up: bool = False):
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
+        "_rot1": _rot1,
     }
-    name = f"<gemv{'_gate_up' if gate_up else ''} M={M} R={R} U={U}>"
-    code = compile(_source(M, R, U, gate_up), name, "exec")
+    name = f"<gemv {kind} M={M} R={R} U={U}>"
+    code = compile(_source(M, R, U, kind), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[tuple[int, bool], object] = {}  # (variant M, gate_up) -> kernel
+_KERNELS: dict[tuple[int, str], object] = {}  # (variant M, kind) -> kernel
 
 
 VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
@@ -271,13 +336,13 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def gemv_kernel(m: int, gate_up: bool = False):
-    """The kernel that serves M = m inputs (the M = variant_for(m) kernel, built once);
-    gate_up: the gemv_gate_up variant (w is a merged gate_up weight, out the activation)."""
+def gemv_kernel(m: int, kind: str = PLAIN):
+    """The kernel of `kind` that serves M = m inputs (the M = variant_for(m) kernel, built
+    once): plain, gate_up (w a merged gate_up weight, out the activation) or qkv_rope."""
     v = variant_for(m)
-    k = _KERNELS.get((v, gate_up))
+    k = _KERNELS.get((v, kind))
     if k is None:
-        k = _KERNELS[(v, gate_up)] = _build(v, *tile_for(v, gate_up), gate_up)
+        k = _KERNELS[(v, kind)] = _build(v, *tile_for(v, kind), kind)
     return k
 
 
@@ -286,16 +351,18 @@ gemv_kernel_m1 = gemv_kernel(1)
 gemv_kernel_m2 = gemv_kernel(2)
 gemv_kernel_m4 = gemv_kernel(4)
 gemv_kernel_m8 = gemv_kernel(8)
-gemv_gate_up_kernel_m1 = gemv_kernel(1, gate_up=True)
-gemv_gate_up_kernel_m2 = gemv_kernel(2, gate_up=True)
-gemv_gate_up_kernel_m4 = gemv_kernel(4, gate_up=True)
-gemv_gate_up_kernel_m8 = gemv_kernel(8, gate_up=True)
+gemv_gate_up_kernel_m1 = gemv_kernel(1, GATE_UP)
+gemv_gate_up_kernel_m2 = gemv_kernel(2, GATE_UP)
+gemv_gate_up_kernel_m4 = gemv_kernel(4, GATE_UP)
+gemv_gate_up_kernel_m8 = gemv_kernel(8, GATE_UP)
+gemv_qkv_rope_kernel_m1 = gemv_kernel(1, QKV_ROPE)
+gemv_qkv_rope_kernel_m2 = gemv_kernel(2, QKV_ROPE)
 
 
-def grid_for(m: int, n: int, gate_up: bool = False) -> int:
-    """Blocks for n outputs per input row (gate_up: n = I, half the weight's rows)."""
-    r, _ = tile_for(variant_for(m), gate_up)
-    rows_per_block = WARPS * (1 if gate_up else r)
+def grid_for(m: int, n: int, kind: str = PLAIN) -> int:
+    """Blocks for n weight rows (plain) or n row pairs (gate_up: n = I; qkv_rope: N / 2)."""
+    r, _ = tile_for(variant_for(m), kind)
+    rows_per_block = WARPS * (r if kind == PLAIN else 1)
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -349,8 +416,8 @@ def _run(x, w, bias, out, gate_up: bool, ok: bool, ref) -> torch.Tensor:
     has_bias = bias is not None
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
     launch(
-        gemv_kernel(M, gate_up=gate_up),
-        grid_for(M, N, gate_up=gate_up),
+        gemv_kernel(M, GATE_UP if gate_up else PLAIN),
+        grid_for(M, N, GATE_UP if gate_up else PLAIN),
         THREADS,
         (dev(x), dev(w), dev(b), dev(out), has_bias),
         current_stream(),

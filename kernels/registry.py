@@ -195,7 +195,7 @@ KERNELS += [
     )
     for name in ("gemv_kernel_m1", "gemv_kernel_m2", "gemv_kernel_m4", "gemv_kernel_m8")
 ]
-# The gemv_gate_up variants (gemv_kernel(M, gate_up=True)): same arguments, w is the merged
+# The gemv_gate_up variants (gemv_kernel(M, GATE_UP)): same arguments, w is the merged
 # gate_up weight [2I, K] and out the activation [M, I]. fp16 only (what decode runs) at the
 # sizes the rule sends to them and the largest.
 KERNELS += [
@@ -203,6 +203,22 @@ KERNELS += [
         "gemv", name, ("void(float16[:, :], float16[:, :], float16[::1], float16[:, :], boolean)",)
     )
     for name in ("gemv_gate_up_kernel_m1", "gemv_gate_up_kernel_m2", "gemv_gate_up_kernel_m8")
+]
+
+# gemv_qkv_rope.py (gemv_kernel(M, QKV_ROPE)): the gemv arguments, then positions [M] int64, the
+# fp32 cos/sin cache, the K and V caches [blocks, kv_heads, 16, head_dim], slots [M] int64, and
+# the q and kv head counts. fp16 at the row counts the rule sends to it.
+KERNELS += [
+    KernelSpec(
+        "gemv",
+        name,
+        (
+            "void(float16[:, :], float16[:, :], float16[::1], float16[:, :], boolean, int64[::1], "
+            "float32[:, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64[::1], int64, "
+            "int64)",
+        ),
+    )
+    for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
 
 # l2_prefetch.py: reads a weight into L2 on a side branch of the batch-1 decode graph.

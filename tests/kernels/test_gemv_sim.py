@@ -99,7 +99,7 @@ def run_gate_up_kernel(x, w, bias):
     out = torch.full((M, inter), float("nan"), dtype=x.dtype)
     b = bias if bias is not None else w[0]
     launch(
-        gemv.gemv_kernel(M, gate_up=True),
+        gemv.gemv_kernel(M, gemv.GATE_UP),
         inter,  # one warp (here: one block) per output column
         32,
         (x.numpy(), w.numpy(), b.numpy(), out.numpy(), bias is not None),
@@ -147,10 +147,10 @@ def test_gemv_gate_up_host_side():
     x = torch.randn(3, 32)
     assert not gemv.supports_gate_up(x, w)  # CPU tensors: the torch path
     torch.testing.assert_close(gemv.gemv_gate_up_cuda(x, w), silu_and_mul_ref(x @ w.T))
-    assert gemv.gemv_kernel(6, gate_up=True) is gemv.gemv_kernel(8, gate_up=True)
-    assert gemv.gemv_kernel(8, gate_up=True) is not gemv.gemv_kernel(8)
-    assert gemv.grid_for(1, 14336, gate_up=True) == 14336 // gemv.WARPS  # one warp per output
-    src = gemv._source(2, *gemv.tile_for(2, gate_up=True), gate_up=True)
+    assert gemv.gemv_kernel(6, gemv.GATE_UP) is gemv.gemv_kernel(8, gemv.GATE_UP)
+    assert gemv.gemv_kernel(8, gemv.GATE_UP) is not gemv.gemv_kernel(8)
+    assert gemv.grid_for(1, 14336, gemv.GATE_UP) == 14336 // gemv.WARPS  # one warp per output
+    src = gemv._source(2, *gemv.tile_for(2, gemv.GATE_UP), gemv.GATE_UP)
     assert "rw1 = row0 + N" in src and "_silu_mul(" in src
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
+from voltserve.services.executor.linear_plan import GEMV, linear_impl
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
@@ -93,7 +94,24 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x, ops)
+        k_cache, v_cache = kv_cache
+        fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
+        if fused:
+            # One launch: the projection, rotary on q and k, and the KV-cache write.
+            qkv = ops.gemv_qkv_rope(
+                x,
+                self.qkv_proj.weight,
+                self.qkv_proj.bias,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+        else:
+            qkv = self.qkv_proj(x, ops)
         prefetch = getattr(ops, "l2_prefetch", None)
         if prefetch is not None and meta.is_decode and T <= PREFETCH_MAX_ROWS:
             # A graph branch streams o_proj's weight into L2 while the latency-bound middle of
@@ -111,19 +129,19 @@ class Attention(nn.Module):
             k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
         # Otherwise q and k stay row views of qkv: rotary works on them in place, and the same
         # launch writes the rotated k and v into the paged cache.
-        k_cache, v_cache = kv_cache
-        ops.rotary_and_cache(
-            positions,
-            q,
-            k,
-            v,
-            self.head_dim,
-            cos_sin_cache,
-            True,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-        )
+        if not fused:
+            ops.rotary_and_cache(
+                positions,
+                q,
+                k,
+                v,
+                self.head_dim,
+                cos_sin_cache,
+                True,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
         q = q.view(T, self.num_heads, self.head_dim)
         if meta.is_decode:
             o = ops.paged_decode_attention(
@@ -147,6 +165,28 @@ class Attention(nn.Module):
         if prefetch is not None:
             main.wait_stream(prefetch.stream)
         return self.o_proj(o.view(T, self.q_size), ops)
+
+    def _qkv_rope_fused(
+        self,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> bool:
+        """Decode rows the plan sends to the GEMV kernel, with plain full NeoX rotary (no q/k
+        norm, rotary_dim = head_dim): qkv, rotary and the KV write in one launch. On CUDA only
+        where the fused kernel itself runs (its reference syncs, so no graph could hold it); on
+        CPU the reference, so the CPU tests walk the same path."""
+        w = self.qkv_proj.weight
+        return (
+            meta.is_decode
+            and self.q_norm is None
+            and type(self.qkv_proj) is Linear
+            and x.dim() == 2
+            and cos_sin_cache.shape[1] == self.head_dim
+            and (ops.impl["gemv_qkv_rope"] == "cuda" or ops.device.type == "cpu")
+            and linear_impl(ops, x.shape[0], w.shape[0], w.shape[1]) == GEMV
+        )
 
 
 class MLP(nn.Module):
