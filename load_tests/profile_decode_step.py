@@ -254,7 +254,47 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
 
     att = [ly.self_attn for ly in layers]
     mlp = [ly.mlp for ly in layers]
-    linear_row("qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L)
+    qkv_impl = linear_row(
+        "qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L
+    )
+    caches = runner.kv_caches
+    positions = g.positions[:bs]
+    slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
+    # Where the model fuses rotary and the KV write into the qkv GEMV (llama.py
+    # _qkv_rope_fused), the step runs that kernel instead of qkv_proj + rotary_and_cache.
+    qkv_fused = (
+        qkv_impl == "gemv"
+        and ops.impl["gemv_qkv_rope"] == "cuda"
+        and att[0].q_norm is None
+        and model.cos_sin_cache.shape[1] == D
+    )
+    if qkv_fused:
+        from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_cuda
+
+        xq = torch.randn(bs, H, device=dev, dtype=dt)
+        qkv_out = torch.empty(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
+        t_fused = time_op(
+            lambda i: gemv_qkv_rope_cuda(
+                xq,
+                att[i % L].qkv_proj.weight,
+                att[i % L].qkv_proj.bias,
+                positions,
+                model.cos_sin_cache,
+                *caches[i % L],
+                slots,
+                arch.num_heads,
+                arch.num_kv_heads,
+                out=qkv_out,
+            ),
+            launches,
+            args.reps,
+        )
+        rows[-1].update(
+            impl="gemv_qkv_rope",
+            us_each=t_fused * 1e6,
+            us_per_step=t_fused * 1e6 * L,
+            gemv_qkv_rope_us=t_fused * 1e6,
+        )
     linear_row("o_proj", [a.o_proj.weight for a in att], [a.o_proj.bias for a in att], L)
     gate_up = linear_row(
         "gate_up_proj",
@@ -286,12 +326,9 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
         )
     qkv = torch.randn(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    positions = g.positions[:bs]
-    caches = runner.kv_caches
-    slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
     add(
         "rotary_and_cache",
-        L,
+        0 if qkv_fused else L,
         time_op(
             lambda i: ops.rotary_and_cache(
                 positions, q, k, v, D, model.cos_sin_cache, True, *caches[i % L], slots
