@@ -212,7 +212,7 @@ def test_model_weights_and_plans_keep_the_output():
     assert weights[("gate_up", 2 * inter, H)][0][0] is model.model.layers[0].mlp.gate_up_proj.weight
 
     ops = KernelDispatch("cpu", torch.float32)
-    calls = _spy(ops, ("gemv", "gemv_gate_up"))
+    calls = _spy(ops, ("gemv", "gemv_gate_up", "gemv_qkv_rope"))
     ref = _decode_logits(model, ops, 3, 5, seed=1)  # no plan: the fixed rule
     mixed = LinearPlan(
         choices={("linear", q + 2 * kv, H, 4): "cublas", ("gate_up", 2 * inter, H, 4): "gemv"},
@@ -220,15 +220,17 @@ def test_model_weights_and_plans_keep_the_output():
         default_gate_up="gemv_gate_up",
     )
     n = a.num_layers
-    # (plan, gemv launches, gemv_gate_up launches) in the decode step (the prefill has 15 rows).
+    # (plan, gemv, gemv_gate_up, gemv_qkv_rope launches) in the decode step (the prefill has 15
+    # rows: all cuBLAS).
     cases = [
-        (LinearPlan.fixed(True), 3 * n + 1, n),  # qkv, o, down per layer + lm_head; gate_up
-        (LinearPlan.fixed(False), 0, 0),
-        (mixed, 3 * n + 1, 0),  # qkv on cuBLAS; gate_up unfused on gemv
+        (LinearPlan.fixed(True), 2 * n + 1, n, n),  # o, down per layer + lm_head; gate_up; qkv
+        (LinearPlan.fixed(False), 0, 0, 0),
+        (mixed, 3 * n + 1, 0, 0),  # qkv on cuBLAS (unfused); gate_up unfused on gemv
     ]
-    for plan, n_gemv, n_fused in cases:
+    for plan, n_gemv, n_gate_up, n_qkv in cases:
         calls.clear()
         ops.linear_plan = plan
         out = _decode_logits(model, ops, 3, 5, seed=1)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert (calls.count("gemv"), calls.count("gemv_gate_up")) == (n_gemv, n_fused)
+        counts = tuple(calls.count(k) for k in ("gemv", "gemv_gate_up", "gemv_qkv_rope"))
+        assert counts == (n_gemv, n_gate_up, n_qkv)
