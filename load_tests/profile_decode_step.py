@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -420,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU")
     device, dtype = "cuda", torch.float16
+    # One graph replay per engine step, so (b) - (a) is the host's share of a step: the
+    # pipelined decode (on by default) hides that share by launching steps ahead.
+    os.environ["VOLTSERVE_PIPELINE_DECODE"] = "0"
     hf_config = make_hf_config(args.preset, dtype)
     wbytes = weight_bytes(hf_config, dtype)
     bw = measure_copy_bandwidth(device)
