@@ -70,6 +70,10 @@ class LinearPlan:
     times_us: dict[tuple[str, int, int, int], dict[str, float]] = field(default_factory=dict)
     # Row buckets past this run cuBLAS unless `choices` says otherwise.
     max_gemv_rows: int = MAX_ROWS
+    # Weights wider than wide_n with fewer than short_k inputs run cuBLAS unless `choices` says
+    # otherwise (0 = no such exception): see rule().
+    wide_n: int = 0
+    short_k: int = 0
 
     def __post_init__(self) -> None:
         for key, impl in self.choices.items():
@@ -92,8 +96,17 @@ class LinearPlan:
         """The default without timing: GEMV up to max_gemv_rows rows (gate_up fused with its
         activation), cuBLAS beyond. Read off a measured plan on an H200 (BENCHMARKS.md): the
         GEMV kernel wins at 1 and 2 rows on every Llama-3-8B shape (gate_up at 2 rows within
-        4%) and loses at 4 and 8."""
-        return cls(default_linear=GEMV, default_gate_up=GEMV_GATE_UP, max_gemv_rows=max_gemv_rows)
+        4%) and loses at 4 and 8. One exception, from the Qwen2.5-0.5B profile: its lm_head
+        (151936 x 896) took 97.6 us on the GEMV kernel and 65.3 us on cuBLAS. Under one GEMV
+        step of K (1024) each warp streams one short row, and a wide N makes that tens of
+        thousands of blocks, whose scheduling the stream cannot hide."""
+        return cls(
+            default_linear=GEMV,
+            default_gate_up=GEMV_GATE_UP,
+            max_gemv_rows=max_gemv_rows,
+            wide_n=32768,
+            short_k=1024,
+        )
 
     def linear_impl(self, rows: int, n: int, k: int) -> str:
         """Implementation ("gemv" or "cublas") for x [rows, k] @ W[n, k]^T."""
@@ -107,7 +120,9 @@ class LinearPlan:
         b = row_bucket(rows)
         if b is None:
             return CUBLAS
-        return self.choices.get((kind, n, k, b), default if b <= self.max_gemv_rows else CUBLAS)
+        if b > self.max_gemv_rows or (self.wide_n and n > self.wide_n and k < self.short_k):
+            default = CUBLAS
+        return self.choices.get((kind, n, k, b), default)
 
     def table(self) -> str:
         """One line: each measured shape and bucket, its times (us) and the choice (*)."""

@@ -98,6 +98,14 @@ def test_env_switch(monkeypatch):
     assert plan == LinearPlan.rule() and not plan.times_us
     assert [plan.linear_impl(r, 4, 4) for r in (1, 2, 3, 4, 8, 9)] == ["gemv"] * 2 + ["cublas"] * 4
     assert [plan.gate_up_impl(r, 4, 4) for r in (1, 2, 4)] == ["gemv_gate_up"] * 2 + ["cublas"]
+    # The measured exception: a wide weight with a short K (Qwen2.5-0.5B's lm_head) on cuBLAS;
+    # Llama-3-8B's lm_head (K = 4096) and Qwen's own narrow 896-wide linears stay on the GEMV.
+    assert plan.linear_impl(1, 151936, 896) == "cublas"
+    assert plan.linear_impl(1, 128256, 4096) == "gemv"
+    assert plan.linear_impl(1, 1152, 896) == "gemv"
+    assert plan.gate_up_impl(1, 9728, 896) == "gemv_gate_up"
+    explicit = LinearPlan(choices={("linear", 151936, 896, 1): "gemv"}, wide_n=32768, short_k=1024)
+    assert explicit.linear_impl(1, 151936, 896) == "gemv"  # a measured choice wins
 
 
 def test_measuring_refuses_to_run_inside_a_capture(monkeypatch):
