@@ -230,8 +230,8 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     L.append(f"        k0 += {step}")
     L.append("    if k0 < K:")
     L += body("        ", True)
-    if rope:
-        # Butterfly sums; lane m keeps input m's two totals, rotates q/k and writes.
+    if rope or gate_up:
+        # Butterfly sums of the warp's two rows; lane m keeps input m's pair (a, b), biased.
         L += ["    a = float32(0.0)", "    b = float32(0.0)"]
         for m in range(M):
             L += [
@@ -246,6 +246,14 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
             "        if has_bias:",
             "            a += float32(bias[rw0])",
             "            b += float32(bias[rw1])",
+        ]
+        if gate_up:
+            L += [
+                "        # As the linear stores gate and up, then as silu_and_mul rounds h.",
+                "        out[lane, row0] = _silu_mul(round_like(a, out), round_like(b, out), out)",
+            ]
+            return "\n".join(L) + "\n"
+        L += [
             "        # Rounded as the linear stores q/k/v, then rotated as rotary.py rotates.",
             "        a = round_like(a, out)",
             "        b = round_like(b, out)",
@@ -267,26 +275,6 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
             "            else:",
             "                v_cache[blk, head - n_q - n_kv, off, j] = a",
             "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
-        ]
-        return "\n".join(L) + "\n"
-    if gate_up:
-        # Butterfly sums; lane m keeps row m's gate and up totals and writes h[m, row0].
-        L += ["    g = float32(0.0)", "    u = float32(0.0)"]
-        for m in range(M):
-            L += [
-                f"    tg = _warp_sum(a{m}_0)",
-                f"    tu = _warp_sum(a{m}_1)",
-                f"    if lane == {m}:",
-                "        g = tg",
-                "        u = tu",
-            ]
-        L += [
-            f"    if lane < {M} and lane < Mx:",
-            "        if has_bias:",
-            "            g += float32(bias[rw0])",
-            "            u += float32(bias[rw1])",
-            "        # As the linear stores gate and up, then as silu_and_mul rounds h.",
-            "        out[lane, row0] = _silu_mul(round_like(g, out), round_like(u, out), out)",
         ]
         return "\n".join(L) + "\n"
     # Butterfly sums: every lane ends with every total; lane i writes output i = m * R + r.
