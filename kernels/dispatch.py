@@ -153,8 +153,6 @@ class KernelDispatch:
         # and row count: a LinearPlan (services/executor/linear_plan.py) the runner sets before
         # graph capture. None: every linear of <= 8 rows runs ops.gemv, MLPs stay unfused.
         self.linear_plan: Any = None
-        # An L2Prefetcher (kernels/l2_prefetch.py) when the runner enables it, else None.
-        self.l2_prefetch: Any = None
         self._fns: dict[str, Callable] = {}
         use_cuda = self.device.type == "cuda" and not self.force_ref
         for op, (families, ref_mod, ref_name) in _OPS.items():

@@ -220,10 +220,3 @@ KERNELS += [
     )
     for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
-
-# l2_prefetch.py: reads a weight into L2 on a side branch of the batch-1 decode graph.
-KERNELS += [
-    KernelSpec(
-        "l2_prefetch", "l2_prefetch_kernel", ("void(float16[::1], int64, int64[::1], int64)",)
-    )
-]

@@ -12,14 +12,12 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.l2_prefetch import L2Prefetcher, fits_in_l2
 from voltserve.services.executor.decode_pipeline import DecodePipeline, pipeline_enabled
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
@@ -30,8 +28,6 @@ from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-L2_PREFETCH_ENV = "VOLTSERVE_L2_PREFETCH"
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -173,8 +169,6 @@ class ModelRunner:
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
-        l2_prefetch = self._l2_prefetcher()
-        self.ops.l2_prefetch = l2_prefetch
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
@@ -196,7 +190,6 @@ class ModelRunner:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
             self.ops.linear_plan = linear_plan
-            self.ops.l2_prefetch = l2_prefetch
             self.model.ops = self.ops
             self.sampler = Sampler(self.ops, self.device)
         logger.info(
@@ -225,19 +218,6 @@ class ModelRunner:
             logger.warning("capping max_model_len %d at the sliding window %d", n, sw)
             n = sw
         return n
-
-    def _l2_prefetcher(self) -> L2Prefetcher | None:
-        """VOLTSERVE_L2_PREFETCH=1: small decode batches stream each layer's o_proj weight into
-        L2 on a side branch while rotary, the KV write and attention run (kernels/l2_prefetch.py),
-        where the weight fits in L2. Off by default until measured to pay on a card."""
-        flag = os.environ.get(L2_PREFETCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-        if not flag or self.device.type != "cuda" or not self.model.model.layers:
-            return None
-        w = self.model.model.layers[0].self_attn.o_proj.weight
-        if w.dtype != torch.float16 or not fits_in_l2(w):
-            logger.info("L2 prefetch off: the o_proj weight does not fit in L2")
-            return None
-        return L2Prefetcher(self.device)
 
     def _why_no_graphs(self, graph_batch: int) -> str | None:
         if graph_batch < 1:

@@ -25,9 +25,6 @@ from voltserve.services.executor.models.layers import (
     linear,
 )
 
-# Decode batches up to this many rows prefetch o_proj into L2 (when the runner enables it).
-PREFETCH_MAX_ROWS = 8
-
 KVCache = tuple[
     torch.Tensor, torch.Tensor
 ]  # K and V: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -112,17 +109,6 @@ class Attention(nn.Module):
             )
         else:
             qkv = self.qkv_proj(x, ops)
-        prefetch = getattr(ops, "l2_prefetch", None)
-        if prefetch is not None and meta.is_decode and T <= PREFETCH_MAX_ROWS:
-            # A graph branch streams o_proj's weight into L2 while the latency-bound middle of
-            # the layer (rotary + KV write, attention) runs; o_proj then reads it from L2
-            # (kernels/l2_prefetch.py).
-            main = torch.cuda.current_stream()
-            prefetch.stream.wait_stream(main)
-            with torch.cuda.stream(prefetch.stream):
-                prefetch(self.o_proj.weight)
-        else:
-            prefetch = None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
@@ -162,8 +148,6 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
-        if prefetch is not None:
-            main.wait_stream(prefetch.stream)
         return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
