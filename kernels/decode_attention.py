@@ -413,8 +413,9 @@ MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K 
 
 
 @functools.cache
-def decode_kernel(cfg: DecodeConfig, mode: str):
-    """The partition kernel for one shape and mode (see MODES)."""
+def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
+    """The partition kernel for one shape and mode (see MODES). max_registers: -1 = the default
+    below, None = no cap, or a cap (load_tests/bench_attention.py --sweep compares them)."""
     src = _kernel_source(cfg, mode)
     namespace = dict(
         cuda=cuda,
@@ -432,7 +433,9 @@ def decode_kernel(cfg: DecodeConfig, mode: str):
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
     # ~142, a few bytes of spill outside the loops) fits 4 blocks of 128 threads per SM instead
     # of 3, a third more loads in flight. Direct mode (short contexts, small grids) is left free.
-    opts = {"max_registers": MAX_REGISTERS} if mode != "direct" and not SIM else {}
+    if max_registers == -1:
+        max_registers = MAX_REGISTERS if mode != "direct" else None
+    opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
 
 
@@ -557,6 +560,7 @@ def paged_decode_attention_cuda(
     partition_size: int | None = None,
     workspace=None,
     num_threads: int = 128,
+    max_registers: int | None = -1,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -566,7 +570,9 @@ def paged_decode_attention_cuda(
     the bound and the SM count, so fixed per captured graph).
     workspace: optional (max_logits [B, H, P], exp_sums [B, H, P], tmp_out [B, H, P, D]) fp32
     with P >= the partition count; allocated from torch's allocator when absent (inside a graph
-    capture that memory belongs to the graph's pool)."""
+    capture that memory belongs to the graph's pool). A workspace with P != MERGE_MAX_PARTITIONS
+    selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
+    max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs)."""
     import torch
 
     B, H, D = q.shape
@@ -623,7 +629,7 @@ def paged_decode_attention_cuda(
     grid = (n_part, kvh * cfg.split, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
     counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
-    decode_kernel(cfg, mode)[grid, cfg.num_threads, stream](
+    decode_kernel(cfg, mode, max_registers)[grid, cfg.num_threads, stream](
         as_numba(out),
         as_numba(q),
         as_numba(k_cache.view(-1)),

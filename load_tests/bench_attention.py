@@ -81,6 +81,78 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
     return t, nbytes
 
 
+SWEEP_PARTITIONS = (32, 64, 128)
+SWEEP_THREADS = (64, 128)
+SWEEP_REGISTERS = (-1, None)  # the decode default (a 128 cap in split/merge modes), no cap
+
+
+def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) -> list[dict]:
+    """Small-batch decode attention over its launch knobs (partition, threads per block, the
+    in-kernel merge or the merge kernel, register cap): one row per variant with its time and
+    its largest difference from the default launch's output (a broken variant shows there)."""
+    from voltserve.kernels.decode_attention import (
+        MERGE_MAX_PARTITIONS,
+        num_partitions,
+        paged_decode_attention_cuda,
+    )
+
+    H = kvh * group
+    n_blocks = batch * context // BLOCK
+    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    tables = torch.randperm(n_blocks, device="cuda").int().view(batch, context // BLOCK)
+    sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, H, head_dim), device="cuda").half()
+    scale = head_dim**-0.5
+    want = paged_decode_attention_cuda(q, k, v, tables, sl, scale, max_seq_len=context)
+    rows = []
+    for part in SWEEP_PARTITIONS:
+        n_part = num_partitions(context, part)
+        for threads in SWEEP_THREADS:
+            for mode in ("merge", "split"):
+                if mode == "merge" and n_part > MERGE_MAX_PARTITIONS:
+                    continue
+                p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
+                ws = (
+                    torch.empty((batch, H, p_ws), device="cuda"),
+                    torch.empty((batch, H, p_ws), device="cuda"),
+                    torch.empty((batch, H, p_ws, head_dim), device="cuda"),
+                )
+                for regs in SWEEP_REGISTERS:
+                    out = torch.full_like(q, float("nan"))
+
+                    def call(out=out, ws=ws, part=part, threads=threads, regs=regs):
+                        paged_decode_attention_cuda(
+                            q,
+                            k,
+                            v,
+                            tables,
+                            sl,
+                            scale,
+                            out,
+                            max_seq_len=context,
+                            partition_size=part,
+                            workspace=ws,
+                            num_threads=threads,
+                            max_registers=regs,
+                        )
+
+                    t = time_graph(call, iters=20, repeats=10)
+                    rows.append(
+                        dict(
+                            batch=batch,
+                            context=context,
+                            partition=part,
+                            threads=threads,
+                            mode=mode if n_part > 1 else "direct",
+                            max_registers="default" if regs == -1 else "none",
+                            time_us=t * 1e6,
+                            max_abs_diff=(out.float() - want.float()).abs().max().item(),
+                        )
+                    )
+    return rows
+
+
 def partition_for(batch: int, context: int, kvh: int, group: int) -> int:
     """The partition size the launcher picks for this point (reported next to its time)."""
     from voltserve.kernels.decode_attention import _num_sms, choose_partition, decode_config
@@ -118,6 +190,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="BATCHxCONTEXT,... e.g. 1x512,1x1024: also time the decode kernel's launch variants "
+        "there (partition, threads, merge mode, register cap)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
@@ -148,6 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         flops = 4 * H * args.head_dim * q_len * q_len / 2  # causal: half the score matrix
         prefill.append(dict(q_len=q_len, time_ms=t * 1e3, tflops=flops / t / 1e12))
 
+    sweep = []
+    for point in filter(None, args.sweep.split(",")):
+        b, c = (int(x) for x in point.lower().split("x"))
+        sweep += sweep_decode(b, c, args.kv_heads, args.group, args.head_dim)
+
     result = dict(
         device=torch.cuda.get_device_name(),
         shape=dict(
@@ -157,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         decode=rows,
         partitions={f"{r['batch']}x{r['context']}": r["partition"] for r in rows},
         prefill=prefill,
+        sweep=sweep,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -169,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     for p in prefill:
         print(f"prefill q_len {p['q_len']}: {p['time_ms']:.2f} ms, {p['tflops']:.1f} TFLOP/s")
+    for r in sorted(sweep, key=lambda r: (r["batch"], r["context"], r["time_us"])):
+        print(
+            f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
+            f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} regs "
+            f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 #   scripts/gpu_check.sh OUT_DIR [STAGE ...]
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
-# (and `attention`: the decode/prefill attention benchmark alone; `decode-b1`: the batch-1
-# profile and one bench_decode per DECODE_VARIANTS entry)
+# (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
+# attention's launch variants at small batch; `decode-b1`: the batch-1 profile and one
+# bench_decode per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -79,6 +80,10 @@ for stage in $STAGES; do
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
       run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
+      ;;
+    attention-sweep)
+      # Small-batch decode attention over its launch knobs (~24 kernel builds, ~2 minutes).
+      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --sweep "${SWEEP:-1x512,1x1024,1x4096,8x1024}" --out "$OUT/bench_attention_sweep.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
