@@ -54,6 +54,8 @@ def gemv_gate_up_ref(
 # ---------------------------------------------------------------------------------------------
 # numba.cuda kernels
 
+import math  # noqa: E402
+
 from numba import cuda  # noqa: E402
 from voltserve.kernels.activation import _silu_mul  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
@@ -142,7 +144,53 @@ def _ld8_guard(arr, row, col, K):
     return _Z8
 
 
-def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
+@cuda.jit(device=True, inline="always")
+def _sq8(acc, v):
+    return (
+        acc
+        + v[0] * v[0]
+        + v[1] * v[1]
+        + v[2] * v[2]
+        + v[3] * v[3]
+        + v[4] * v[4]
+        + v[5] * v[5]
+        + v[6] * v[6]
+        + v[7] * v[7]
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def _nrm(v, w, inv, x):
+    # rmsnorm.py's rounding: the normalised value in the storage dtype, then times the weight.
+    return round_like(w * round_like(v * inv, x), x)
+
+
+@cuda.jit(device=True, inline="always")
+def _norm8(v, w, inv, x):
+    """RMSNorm of an 8-element chunk of x with weight chunk w and 1/rms inv."""
+    return (
+        _nrm(v[0], w[0], inv, x),
+        _nrm(v[1], w[1], inv, x),
+        _nrm(v[2], w[2], inv, x),
+        _nrm(v[3], w[3], inv, x),
+        _nrm(v[4], w[4], inv, x),
+        _nrm(v[5], w[5], inv, x),
+        _nrm(v[6], w[6], inv, x),
+        _nrm(v[7], w[7], inv, x),
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def _ld8_guard1(arr, col, K):
+    """arr[col:col+8] of a 1-D array, or zeros past K."""
+    if col < K:
+        return ld8(arr, (col,))
+    return _Z8
+
+
+def _source(
+    M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: bool = False
+) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
     Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
@@ -153,13 +201,24 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     h[m, j] = silu(gate) * up from the two sums.
     qkv_rope: w is the fused qkv weight, out [M, N]; the warp's two rows are dims j and j + D/2
     of one head (a NeoX rotary pair), and lane m rotates q and k rows at positions[m] and writes
-    them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py)."""
+    them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py).
+
+    norm (any kind): x is the residual stream and the product takes RMSNorm(x) * nw instead
+    (extra arguments nw, eps): each warp first sums the squares of its x rows (every warp reads
+    the whole rows: a few KB from L1/L2) and then normalises each chunk as it reads it, rounded
+    as rmsnorm.py rounds. res (plain only): out is the residual stream and the kernel adds the
+    product to it (rounded as the linear stores it, then the sum rounded as the add stores it).
+    Together they remove the fused add + RMSNorm launches between the decode linears."""
     if kind not in KINDS:
         raise ValueError(f"gemv kind {kind!r} is not one of {KINDS}")
+    if res and kind != PLAIN:
+        raise ValueError("the residual-add epilogue exists for the plain kind only")
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     args = "x, w, bias, out, has_bias"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
+    if norm:
+        args += ", nw, eps"
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
@@ -203,6 +262,19 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
+    if norm:
+        # 1/rms of each x row (rmsnorm._inv_rms's arithmetic), summed over the whole warp.
+        L += [f"    ss{m} = float32(0.0)" for m in range(M)]
+        L += ["    c = lc", "    while c < K:"]
+        L += [
+            f"        ss{m} = _sq8(ss{m}, ld8(x, ({f'xm{m}' if m else '0'}, c)))" for m in range(M)
+        ]
+        L += [f"        c += {WARP_ELEMS}"]
+        L += [
+            f"    inv{m} = float32(float32(1.0) / float32(math.sqrt("
+            f"float32(_warp_sum(ss{m}) / float32(K)) + float32(eps))))"
+            for m in range(M)
+        ]
 
     def body(indent: str, guarded: bool) -> list[str]:
         out = [f"{indent}c{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
@@ -215,12 +287,19 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
                     out.append(f"{indent}w{r}_{j} = ld8(w, (rw{r}, c{j}))")
         # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
         for j in range(U):
+            if norm:  # the norm weight chunk, shared by the M rows
+                if guarded:
+                    out.append(f"{indent}nv = _ld8_guard1(nw, c{j}, K)")
+                else:
+                    out.append(f"{indent}nv = ld8(nw, (c{j},))")
             for m in range(M):
                 xm = f"xm{m}" if m else "0"
                 if guarded:
                     out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
                 else:
                     out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
+                if norm:
+                    out.append(f"{indent}xv = _norm8(xv, nv, inv{m}, x)")
                 for r in range(R):
                     out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
         return out
@@ -289,12 +368,18 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
         f"        if row < N and lane // {R} < Mx:",
         "            if has_bias:",
         "                mine += float32(bias[row])",
-        f"            out[lane // {R}, row] = mine",
     ]
+    if res:
+        L += [
+            f"            m = lane // {R}",
+            "            out[m, row] = round_like(float32(out[m, row]) + round_like(mine, out), out)",
+        ]
+    else:
+        L.append(f"            out[lane // {R}, row] = mine")
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int, kind: str = PLAIN):
+def _build(M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: bool = False):
     scope = {
         "cuda": cuda,
         "float32": float32,
@@ -305,14 +390,18 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         "_silu_mul": _silu_mul,
         "round_like": round_like,
         "_rot1": _rot1,
+        "_sq8": _sq8,
+        "_norm8": _norm8,
+        "_ld8_guard1": _ld8_guard1,
+        "math": math,
     }
-    name = f"<gemv {kind} M={M} R={R} U={U}>"
-    code = compile(_source(M, R, U, kind), name, "exec")
+    name = f"<gemv {kind}{' norm' if norm else ''}{' res' if res else ''} M={M} R={R} U={U}>"
+    code = compile(_source(M, R, U, kind, norm, res), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[tuple[int, str], object] = {}  # (variant M, kind) -> kernel
+_KERNELS: dict[tuple[int, str, bool, bool], object] = {}  # (variant M, kind, norm, res)
 
 
 VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
@@ -324,13 +413,15 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def gemv_kernel(m: int, kind: str = PLAIN):
+def gemv_kernel(m: int, kind: str = PLAIN, norm: bool = False, res: bool = False):
     """The kernel of `kind` that serves M = m inputs (the M = variant_for(m) kernel, built
-    once): plain, gate_up (w a merged gate_up weight, out the activation) or qkv_rope."""
+    once): plain, gate_up (w a merged gate_up weight, out the activation) or qkv_rope; norm /
+    res: the RMSNorm prologue / residual-add epilogue (see _source)."""
     v = variant_for(m)
-    k = _KERNELS.get((v, kind))
+    key = (v, kind, norm, res)
+    k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[(v, kind)] = _build(v, *tile_for(v, kind), kind)
+        k = _KERNELS[key] = _build(v, *tile_for(v, kind), kind, norm, res)
     return k
 
 
@@ -345,6 +436,9 @@ gemv_gate_up_kernel_m4 = gemv_kernel(4, GATE_UP)
 gemv_gate_up_kernel_m8 = gemv_kernel(8, GATE_UP)
 gemv_qkv_rope_kernel_m1 = gemv_kernel(1, QKV_ROPE)
 gemv_qkv_rope_kernel_m2 = gemv_kernel(2, QKV_ROPE)
+gemv_residual_kernel_m1 = gemv_kernel(1, PLAIN, res=True)
+gemv_gate_up_norm_kernel_m1 = gemv_kernel(1, GATE_UP, norm=True)
+gemv_qkv_rope_norm_kernel_m1 = gemv_kernel(1, QKV_ROPE, norm=True)
 
 
 def grid_for(m: int, n: int, kind: str = PLAIN) -> int:

@@ -16,7 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
-from voltserve.services.executor.linear_plan import GEMV, linear_impl
+from voltserve.services.executor.linear_plan import (
+    GEMV,
+    GEMV_GATE_UP,
+    gate_up_impl,
+    linear_impl,
+)
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
@@ -89,11 +94,31 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """norm / residual_out (the fused-norm decode, see LlamaForCausalLM.fuse_norms): x is
+        the residual stream, normalised inside the qkv GEMV, and o_proj adds into residual_out
+        (returned) instead of returning its product."""
         T = x.shape[0]
         k_cache, v_cache = kv_cache
-        fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
-        if fused:
+        fused = norm is not None or self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
+        if norm is not None:
+            qkv = ops.gemv_qkv_rope_norm(
+                x,
+                self.qkv_proj.weight,
+                self.qkv_proj.bias,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+                norm.weight,
+                norm.eps,
+            )
+        elif fused:
             # One launch: the projection, rotary on q and k, and the KV-cache write.
             qkv = ops.gemv_qkv_rope(
                 x,
@@ -148,6 +173,10 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
+        if residual_out is not None:
+            return ops.gemv_residual(
+                o.view(T, self.q_size), self.o_proj.weight, self.o_proj.bias, residual_out
+            )
         return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
@@ -180,9 +209,24 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, {0: inter, 1: inter}, arch.mlp_bias, dtype)
         self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
 
-    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
-        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
-        return self.down_proj(gate_up_silu(x, self.gate_up_proj, ops), ops)
+    def forward(
+        self,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """norm / residual_out: as in Attention.forward (the fused-norm decode)."""
+        if norm is not None:
+            gu = self.gate_up_proj
+            h = ops.gemv_gate_up_norm(x, gu.weight, gu.bias, norm.weight, norm.eps)
+        else:
+            # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
+            h = gate_up_silu(x, self.gate_up_proj, ops)
+        if residual_out is not None:
+            d = self.down_proj
+            return ops.gemv_residual(h, d.weight, d.bias, residual_out)
+        return self.down_proj(h, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -211,6 +255,23 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache)
         x = self.post_attention_layernorm(ops, x, residual)
         return self.mlp(ops, x), residual
+
+    def forward_fused_norms(
+        self,
+        ops: KernelDispatch,
+        positions: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        """The layer on the residual stream, in place: each norm runs inside the GEMV that reads
+        it and each residual add inside the GEMV that produces it (no norm launches)."""
+        attn = self.self_attn
+        attn(
+            ops, positions, residual, kv_cache, meta, cos_sin_cache, self.input_layernorm, residual
+        )
+        self.mlp(ops, residual, self.post_attention_layernorm, residual)
 
 
 class LlamaModel(nn.Module):
@@ -249,6 +310,32 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.ops: KernelDispatch | None = None  # set by the runner once the device is known
 
+    def fuse_norms(self, ops: KernelDispatch, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """The fused-norm decode (ops.fuse_norms, from VOLTSERVE_FUSE_NORM=1; kernels/
+        gemv_norm.py) where every linear of the layer runs a GEMV kernel: decode rows the plan
+        sends to the GEMV (qkv with rotary, gate_up with SiLU), plain Linear layers. On CUDA only
+        where the fused kernels themselves run; on CPU their references."""
+        if not getattr(ops, "fuse_norms", False) or not self.model.layers:
+            return False
+        layer = self.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        rows = x.shape[0]
+        if not attn._qkv_rope_fused(ops, x, meta, self.cos_sin_cache):
+            return False
+        if any(type(m) is not Linear for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return False
+        if ops.device.type == "cuda" and any(
+            ops.impl[op] != "cuda"
+            for op in ("gemv_residual", "gemv_gate_up_norm", "gemv_qkv_rope_norm")
+        ):
+            return False
+        o, gu, d = attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight
+        return (
+            linear_impl(ops, rows, *o.shape) == GEMV
+            and linear_impl(ops, rows, *d.shape) == GEMV
+            and gate_up_impl(ops, rows, *gu.shape) == GEMV_GATE_UP
+        )
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -265,10 +352,16 @@ class LlamaForCausalLM(nn.Module):
         ops = self.ops
         assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
-        x = self.model.norm(ops, x, residual)
+        layers = zip(self.model.layers, kv_caches, strict=True)
+        if self.fuse_norms(ops, x, meta):
+            for layer, kv_cache in layers:  # x is the residual stream, updated in place
+                layer.forward_fused_norms(ops, positions, x, kv_cache, meta, self.cos_sin_cache)
+            x = self.model.norm(ops, x)
+        else:
+            residual = None
+            for layer, kv_cache in layers:
+                x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
+            x = self.model.norm(ops, x, residual)
         if logits_indices is not None:
             x = x[logits_indices]
         # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.
