@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from voltserve.kernels.gemv import (
     GATE_UP,
     PLAIN,
-    QKV_ROPE,
     THREADS,
     gemv_gate_up_ref,
     gemv_kernel,
@@ -29,7 +28,11 @@ from voltserve.kernels.gemv import (
     supports,
     supports_gate_up,
 )
-from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_ref, supports_qkv_rope
+from voltserve.kernels.gemv_qkv_rope import (
+    gemv_qkv_rope_ref,
+    launch_qkv_rope,
+    supports_qkv_rope,
+)
 from voltserve.kernels.numba_common import current_stream, dev, launch
 from voltserve.kernels.rmsnorm import rms_norm_ref
 
@@ -160,29 +163,4 @@ def gemv_qkv_rope_norm_cuda(
     rope = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
     if not (supports_qkv_rope(x, w, *rope) and _norm_ok(x, norm_weight)):
         return gemv_qkv_rope_norm_ref(x, w, bias, *rope, norm_weight, eps)
-    M, N = x.shape[0], w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    b, has_bias = _bias_arg(w, bias)
-    launch(
-        gemv_kernel(M, QKV_ROPE, norm=True),
-        grid_for(M, N // 2, QKV_ROPE),
-        THREADS,
-        (
-            dev(x),
-            dev(w),
-            dev(b),
-            dev(out),
-            has_bias,
-            dev(positions),
-            dev(cos_sin_cache),
-            dev(k_cache),
-            dev(v_cache),
-            dev(slot_mapping),
-            int(n_q),
-            int(n_kv),
-            dev(norm_weight),
-            float(eps),
-        ),
-        current_stream(),
-    )
-    return out
+    return launch_qkv_rope(x, w, bias, rope, norm=(norm_weight, eps))

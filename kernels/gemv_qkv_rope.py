@@ -113,13 +113,22 @@ def gemv_qkv_rope_cuda(
     args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
     if not supports_qkv_rope(x, w, *args):
         return gemv_qkv_rope_ref(x, w, bias, *args, out=out)
+    return launch_qkv_rope(x, w, bias, args, out)
+
+
+def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm: tuple = ()) -> torch.Tensor:
+    """One launch of the qkv_rope kernel for inputs its caller checked; rope_args: (positions,
+    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: () or (norm weight, eps)
+    for the RMSNorm prologue (gemv_norm.py)."""
+    positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
     M, N = x.shape[0], w.shape[0]
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
+    extra = (dev(norm[0]), float(norm[1])) if norm else ()
     launch(
-        gemv_kernel(M, QKV_ROPE),
+        gemv_kernel(M, QKV_ROPE, norm=bool(norm)),
         grid_for(M, N // 2, QKV_ROPE),
         THREADS,
         (
@@ -135,6 +144,7 @@ def gemv_qkv_rope_cuda(
             dev(slot_mapping),
             int(n_q),
             int(n_kv),
+            *extra,
         ),
         current_stream(),
     )

@@ -103,24 +103,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         k_cache, v_cache = kv_cache
         fused = norm is not None or self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
-        if norm is not None:
-            qkv = ops.gemv_qkv_rope_norm(
-                x,
-                self.qkv_proj.weight,
-                self.qkv_proj.bias,
-                positions,
-                cos_sin_cache,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                self.num_heads,
-                self.num_kv_heads,
-                norm.weight,
-                norm.eps,
-            )
-        elif fused:
-            # One launch: the projection, rotary on q and k, and the KV-cache write.
-            qkv = ops.gemv_qkv_rope(
+        if fused:
+            # One launch: the projection, rotary on q and k, and the KV-cache write (and with
+            # `norm`, the input RMSNorm as x is read).
+            args = (
                 x,
                 self.qkv_proj.weight,
                 self.qkv_proj.bias,
@@ -132,6 +118,10 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )
+            if norm is None:
+                qkv = ops.gemv_qkv_rope(*args)
+            else:
+                qkv = ops.gemv_qkv_rope_norm(*args, norm.weight, norm.eps)
         else:
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
