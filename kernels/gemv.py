@@ -483,28 +483,40 @@ def supports_gate_up(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.shape[0] % 2 == 0 and supports(x, w)
 
 
-def _run(x, w, bias, out, gate_up: bool, ok: bool, ref) -> torch.Tensor:
-    """Launch the (gate_up) gemv kernel for what the caller's `supports` check accepted (ok), or
+def launch_gemv(
+    x, w, bias, out, kind: str = PLAIN, extra: tuple = (), norm: tuple = (), res: bool = False
+) -> torch.Tensor:
+    """One launch of the `kind` kernel for inputs its caller checked. out: the output, or None
+    for a new one ([M, outputs]; res: the residual it adds into); extra: the kind's arguments
+    after has_bias (qkv_rope's, already converted); norm: () or (norm weight, eps) for the
+    RMSNorm prologue. Every gemv launcher (here, gemv_qkv_rope.py, gemv_norm.py) goes through
+    it."""
+    M, rows = x.shape[0], w.shape[0]
+    if out is None:  # gate_up writes one activation per row pair; the others a column per row
+        cols = rows // 2 if kind == GATE_UP else rows
+        out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
+    tail = (dev(norm[0]), float(norm[1])) if norm else ()
+    launch(
+        gemv_kernel(M, kind, norm=bool(norm), res=res),
+        grid_for(M, rows if kind == PLAIN else rows // 2, kind),
+        THREADS,
+        (dev(x), dev(w), dev(b), dev(out), has_bias, *extra, *tail),
+        current_stream(),
+    )
+    return out
+
+
+def _run(x, w, bias, out, kind: str, ok: bool, ref) -> torch.Tensor:
+    """Launch the `kind` kernel for what the caller's `supports` check accepted (ok), or
     compute `ref` (into out when given)."""
     if not ok:
         if out is None:
             return ref(x, w, bias)
         out.copy_(ref(x, w, bias))
         return out
-    M = x.shape[0]
-    N = w.shape[0] // 2 if gate_up else w.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    launch(
-        gemv_kernel(M, GATE_UP if gate_up else PLAIN),
-        grid_for(M, N, GATE_UP if gate_up else PLAIN),
-        THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias),
-        current_stream(),
-    )
-    return out
+    return launch_gemv(x, w, bias, out, kind)
 
 
 def gemv_cuda(
@@ -515,7 +527,7 @@ def gemv_cuda(
 ) -> torch.Tensor:
     """Same meaning as gemv_ref for what `supports` accepts (anything else goes to gemv_ref).
     Launches on torch's current stream without a host sync, so it can be graph-captured."""
-    return _run(x, w, bias, out, False, supports(x, w), gemv_ref)
+    return _run(x, w, bias, out, PLAIN, supports(x, w), gemv_ref)
 
 
 def gemv_gate_up_cuda(
@@ -526,7 +538,7 @@ def gemv_gate_up_cuda(
 ) -> torch.Tensor:
     """Same meaning as gemv_gate_up_ref for what `supports_gate_up` accepts (anything else goes
     to gemv_gate_up_ref). Launches on torch's current stream without a host sync."""
-    return _run(x, w, bias, out, True, supports_gate_up(x, w), gemv_gate_up_ref)
+    return _run(x, w, bias, out, GATE_UP, supports_gate_up(x, w), gemv_gate_up_ref)
 
 
 __all__ = [

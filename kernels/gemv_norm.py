@@ -21,10 +21,8 @@ import torch.nn.functional as F
 from voltserve.kernels.gemv import (
     GATE_UP,
     PLAIN,
-    THREADS,
     gemv_gate_up_ref,
-    gemv_kernel,
-    grid_for,
+    launch_gemv,
     supports,
     supports_gate_up,
 )
@@ -33,7 +31,6 @@ from voltserve.kernels.gemv_qkv_rope import (
     launch_qkv_rope,
     supports_qkv_rope,
 )
-from voltserve.kernels.numba_common import current_stream, dev, launch
 from voltserve.kernels.rmsnorm import rms_norm_ref
 
 gemv_residual_cuda_dtypes = (torch.float16, torch.float32)
@@ -93,11 +90,6 @@ def _norm_ok(x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     )
 
 
-def _bias_arg(w: torch.Tensor, bias: torch.Tensor | None):
-    # Any 1-D array of the dtype stands in for a missing bias (not read without has_bias).
-    return (bias if bias is not None else w[0]), bias is not None
-
-
 def gemv_residual_cuda(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
 ) -> torch.Tensor:
@@ -111,15 +103,7 @@ def gemv_residual_cuda(
     )
     if not ok:
         return gemv_residual_ref(x, w, bias, residual)
-    b, has_bias = _bias_arg(w, bias)
-    launch(
-        gemv_kernel(M, PLAIN, res=True),
-        grid_for(M, N, PLAIN),
-        THREADS,
-        (dev(x), dev(w), dev(b), dev(residual), has_bias),
-        current_stream(),
-    )
-    return residual
+    return launch_gemv(x, w, bias, residual, PLAIN, res=True)
 
 
 def gemv_gate_up_norm_cuda(
@@ -132,17 +116,7 @@ def gemv_gate_up_norm_cuda(
     """Same meaning as gemv_gate_up_norm_ref; one launch, no host sync."""
     if not (supports_gate_up(x, w) and _norm_ok(x, norm_weight)):
         return gemv_gate_up_norm_ref(x, w, bias, norm_weight, eps)
-    M, inter = x.shape[0], w.shape[0] // 2
-    out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
-    b, has_bias = _bias_arg(w, bias)
-    launch(
-        gemv_kernel(M, GATE_UP, norm=True),
-        grid_for(M, inter, GATE_UP),
-        THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias, dev(norm_weight), float(eps)),
-        current_stream(),
-    )
-    return out
+    return launch_gemv(x, w, bias, None, GATE_UP, norm=(norm_weight, eps))
 
 
 def gemv_qkv_rope_norm_cuda(

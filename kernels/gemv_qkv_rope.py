@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from voltserve.kernels.gemv import QKV_ROPE, THREADS, gemv_kernel, grid_for, supports
-from voltserve.kernels.numba_common import current_stream, dev, launch
+from voltserve.kernels.gemv import QKV_ROPE, launch_gemv, supports
+from voltserve.kernels.numba_common import dev
 from voltserve.kernels.rotary_cache import rotary_and_cache_ref
 
 
@@ -121,31 +121,13 @@ def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm: tuple = ()) ->
     cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: () or (norm weight, eps)
     for the RMSNorm prologue (gemv_norm.py)."""
     positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
-    M, N = x.shape[0], w.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    extra = (dev(norm[0]), float(norm[1])) if norm else ()
-    launch(
-        gemv_kernel(M, QKV_ROPE, norm=bool(norm)),
-        grid_for(M, N // 2, QKV_ROPE),
-        THREADS,
-        (
-            dev(x),
-            dev(w),
-            dev(b),
-            dev(out),
-            has_bias,
-            dev(positions),
-            dev(cos_sin_cache),
-            dev(k_cache),
-            dev(v_cache),
-            dev(slot_mapping),
-            int(n_q),
-            int(n_kv),
-            *extra,
-        ),
-        current_stream(),
+    extra = (
+        dev(positions),
+        dev(cos_sin_cache),
+        dev(k_cache),
+        dev(v_cache),
+        dev(slot_mapping),
+        int(n_q),
+        int(n_kv),
     )
-    return out
+    return launch_gemv(x, w, bias, out, QKV_ROPE, extra, norm)

@@ -59,16 +59,22 @@ def copy_bandwidth() -> float:
     return measure_copy_bandwidth("cuda")["bandwidth_GBps"] * 1e9
 
 
-def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int):
-    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
-
-    H = kvh * group
+def decode_inputs(batch: int, context: int, kvh: int, group: int, head_dim: int):
+    """q [B, H, D], one layer's K and V caches with every sequence at `context` tokens in
+    shuffled blocks, their block tables and seq_lens (fp16, random)."""
     n_blocks = batch * context // BLOCK
     k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
     tables = torch.randperm(n_blocks, device="cuda").int().view(batch, context // BLOCK)
     sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn((batch, H, head_dim), device="cuda").half()
+    q = torch.randn((batch, kvh * group, head_dim), device="cuda").half()
+    return q, k, v, tables, sl
+
+
+def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int):
+    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+
+    q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     out = torch.empty_like(q)
     t = time_graph(
         lambda: paged_decode_attention_cuda(
@@ -97,12 +103,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     )
 
     H = kvh * group
-    n_blocks = batch * context // BLOCK
-    k = torch.randn((n_blocks, kvh, BLOCK, head_dim), device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
-    tables = torch.randperm(n_blocks, device="cuda").int().view(batch, context // BLOCK)
-    sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn((batch, H, head_dim), device="cuda").half()
+    q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     scale = head_dim**-0.5
     want = paged_decode_attention_cuda(q, k, v, tables, sl, scale, max_seq_len=context)
     rows = []

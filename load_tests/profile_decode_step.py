@@ -255,24 +255,26 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
 
     att = [ly.self_attn for ly in layers]
     mlp = [ly.mlp for ly in layers]
-    qkv_impl = linear_row(
-        "qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L
-    )
+    linear_row("qkv_proj", [a.qkv_proj.weight for a in att], [a.qkv_proj.bias for a in att], L)
     caches = runner.kv_caches
     positions = g.positions[:bs]
     slots = g.slot_mapping[:bs]  # the last step's slots: rewritten, then the requests end
-    # Where the model fuses rotary and the KV write into the qkv GEMV (llama.py
-    # _qkv_rope_fused), the step runs that kernel instead of qkv_proj + rotary_and_cache.
-    qkv_fused = (
-        qkv_impl == "gemv"
-        and ops.impl["gemv_qkv_rope"] == "cuda"
-        and att[0].q_norm is None
-        and model.cos_sin_cache.shape[1] == D
+    # Where the model fuses rotary and the KV write into the qkv GEMV (asked of the model
+    # itself), the step runs that kernel instead of qkv_proj + rotary_and_cache.
+    from voltserve.services.executor.models.layers import AttentionMetadata
+
+    xq = torch.randn(bs, H, device=dev, dtype=dt)
+    decode_meta = AttentionMetadata(
+        slots,
+        g.block_tables[:bs],
+        g.seq_lens[:bs],
+        torch.arange(bs + 1, dtype=torch.int32, device=dev),
+        is_decode=True,
     )
+    qkv_fused = att[0]._qkv_rope_fused(ops, xq, decode_meta, model.cos_sin_cache)
     if qkv_fused:
         from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_cuda
 
-        xq = torch.randn(bs, H, device=dev, dtype=dt)
         qkv_out = torch.empty(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
         t_fused = time_op(
             lambda i: gemv_qkv_rope_cuda(
