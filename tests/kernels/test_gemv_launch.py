@@ -1,0 +1,44 @@
+"""What gemv.launch_gemv (the one launch body of every GEMV launcher) hands the kernel, checked
+on the CPU by recording the launch instead of running it: the kernel variant, the grid (one warp
+per row, or per row pair), the argument order each kernel's signature expects, and the output
+it allocates. The kernels themselves are checked in the simulator and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from voltserve.kernels import gemv
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv, "dev", lambda t: t)
+    monkeypatch.setattr(gemv, "current_stream", lambda: "stream")
+    monkeypatch.setattr(gemv, "launch", lambda *a: calls.append(a))
+    return calls
+
+
+def test_launch_arguments_per_kind(recorded):
+    M, K = 2, 64
+    x = torch.randn(M, K)
+    w = torch.randn(48, K)
+    nw = torch.randn(K)
+    cases = [
+        # (kind, out, extra, norm, res) -> (out shape, grid rows, tail)
+        (gemv.PLAIN, None, (), (), False, (M, 48), 48),
+        (gemv.GATE_UP, None, (), (nw, 1e-5), False, (M, 24), 24),
+        (gemv.QKV_ROPE, None, ("r0", "r1"), (), False, (M, 48), 24),
+        (gemv.PLAIN, torch.zeros(M, 48), (), (), True, (M, 48), 48),
+    ]
+    for kind, out, extra, norm, res, shape, units in cases:
+        recorded.clear()
+        got = gemv.launch_gemv(x, w, None, out, kind, extra, norm, res)
+        assert got.shape == shape and (out is None or got is out)
+        ((kernel, grid, block, args, stream),) = recorded
+        assert kernel is gemv.gemv_kernel(M, kind, norm=bool(norm), res=res)
+        assert grid == gemv.grid_for(M, units, kind) and block == gemv.THREADS
+        assert args[0] is x and args[1] is w and args[3] is got and args[4] is False
+        assert args[2] is not None  # a stand-in row for the missing bias
+        tail = (norm[0], float(norm[1])) if norm else ()
+        assert args[5:] == (*extra, *tail) and stream == "stream"
