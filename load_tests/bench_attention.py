@@ -89,13 +89,28 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
 
 SWEEP_PARTITIONS = (32, 64, 128)
 SWEEP_THREADS = (64, 128)
-SWEEP_REGISTERS = (-1, None)  # the decode default (a 128 cap in split/merge modes), no cap
+
+
+def sweep_variants(n_part_of) -> list[tuple[int, int, str, int | None]]:
+    """(partition, threads, mode, max_registers) to time: every partition x threads in the
+    in-kernel merge mode (the separate merge kernel too where it is the only mode), plus the
+    register cap off and the split mode for the default 64-token, 128-thread launch. Each is a
+    numba compile (~5 s), so the list stays short."""
+    from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS
+
+    out = []
+    for part in SWEEP_PARTITIONS:
+        for threads in SWEEP_THREADS:
+            merge_ok = n_part_of(part) <= MERGE_MAX_PARTITIONS
+            out.append((part, threads, "merge" if merge_ok else "split", -1))
+    out += [(64, 128, "merge", None), (64, 128, "split", -1)]
+    return out
 
 
 def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) -> list[dict]:
-    """Small-batch decode attention over its launch knobs (partition, threads per block, the
-    in-kernel merge or the merge kernel, register cap): one row per variant with its time and
-    its largest difference from the default launch's output (a broken variant shows there)."""
+    """Small-batch decode attention over its launch knobs (see sweep_variants): one row per
+    variant with its time and its largest difference from the default launch's output (a
+    broken variant shows there). Rows are printed as they are measured."""
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
         num_partitions,
@@ -107,51 +122,56 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     scale = head_dim**-0.5
     want = paged_decode_attention_cuda(q, k, v, tables, sl, scale, max_seq_len=context)
     rows = []
-    for part in SWEEP_PARTITIONS:
+    for part, threads, mode, regs in sweep_variants(lambda p: num_partitions(context, p)):
         n_part = num_partitions(context, part)
-        for threads in SWEEP_THREADS:
-            for mode in ("merge", "split"):
-                if mode == "merge" and n_part > MERGE_MAX_PARTITIONS:
-                    continue
-                p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
-                ws = (
-                    torch.empty((batch, H, p_ws), device="cuda"),
-                    torch.empty((batch, H, p_ws), device="cuda"),
-                    torch.empty((batch, H, p_ws, head_dim), device="cuda"),
-                )
-                for regs in SWEEP_REGISTERS:
-                    out = torch.full_like(q, float("nan"))
+        if mode == "merge" and n_part > MERGE_MAX_PARTITIONS:
+            continue
+        p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
+        ws = (
+            torch.empty((batch, H, p_ws), device="cuda"),
+            torch.empty((batch, H, p_ws), device="cuda"),
+            torch.empty((batch, H, p_ws, head_dim), device="cuda"),
+        )
+        out = torch.full_like(q, float("nan"))
 
-                    def call(out=out, ws=ws, part=part, threads=threads, regs=regs):
-                        paged_decode_attention_cuda(
-                            q,
-                            k,
-                            v,
-                            tables,
-                            sl,
-                            scale,
-                            out,
-                            max_seq_len=context,
-                            partition_size=part,
-                            workspace=ws,
-                            num_threads=threads,
-                            max_registers=regs,
-                        )
+        def call(out=out, ws=ws, part=part, threads=threads, regs=regs):
+            paged_decode_attention_cuda(
+                q,
+                k,
+                v,
+                tables,
+                sl,
+                scale,
+                out,
+                max_seq_len=context,
+                partition_size=part,
+                workspace=ws,
+                num_threads=threads,
+                max_registers=regs,
+            )
 
-                    t = time_graph(call, iters=20, repeats=10)
-                    rows.append(
-                        dict(
-                            batch=batch,
-                            context=context,
-                            partition=part,
-                            threads=threads,
-                            mode=mode if n_part > 1 else "direct",
-                            max_registers="default" if regs == -1 else "none",
-                            time_us=t * 1e6,
-                            max_abs_diff=(out.float() - want.float()).abs().max().item(),
-                        )
-                    )
+        t = time_graph(call, iters=20, repeats=10)
+        row = dict(
+            batch=batch,
+            context=context,
+            partition=part,
+            threads=threads,
+            mode=mode if n_part > 1 else "direct",
+            max_registers="default" if regs == -1 else "none",
+            time_us=t * 1e6,
+            max_abs_diff=(out.float() - want.float()).abs().max().item(),
+        )
+        print(sweep_line(row), flush=True)
+        rows.append(row)
     return rows
+
+
+def sweep_line(r: dict) -> str:
+    return (
+        f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
+        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} regs "
+        f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
+    )
 
 
 def partition_for(batch: int, context: int, kvh: int, group: int) -> int:
@@ -197,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         help="BATCHxCONTEXT,... e.g. 1x512,1x1024: also time the decode kernel's launch variants "
         "there (partition, threads, merge mode, register cap)",
     )
+    ap.add_argument(
+        "--skip-prefill", action="store_true", help="leave out the prefill kernel's timing"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
@@ -221,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
     prefill = []
-    for q_len in (1024, 4096):
+    for q_len in () if args.skip_prefill else (1024, 4096):
         t = bench_prefill(q_len, args.kv_heads, args.group, args.head_dim)
         H = args.kv_heads * args.group
         flops = 4 * H * args.head_dim * q_len * q_len / 2  # causal: half the score matrix
@@ -255,11 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     for p in prefill:
         print(f"prefill q_len {p['q_len']}: {p['time_ms']:.2f} ms, {p['tflops']:.1f} TFLOP/s")
     for r in sorted(sweep, key=lambda r: (r["batch"], r["context"], r["time_us"])):
-        print(
-            f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
-            f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} regs "
-            f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
-        )
+        print(sweep_line(r))
 
 
 if __name__ == "__main__":

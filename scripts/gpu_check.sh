@@ -82,8 +82,9 @@ for stage in $STAGES; do
       run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
       ;;
     attention-sweep)
-      # Small-batch decode attention over its launch knobs (~24 kernel builds, ~2 minutes).
-      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --sweep "${SWEEP:-1x512,1x1024,1x4096,8x1024}" --out "$OUT/bench_attention_sweep.json"
+      # Small-batch decode attention over its launch knobs (8 kernel builds per point, ~5 s
+      # each; rows are printed to the log as they are measured).
+      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --out "$OUT/bench_attention_sweep.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -100,7 +101,9 @@ for stage in $STAGES; do
     decode-b1)
       # Batch 1 only, no transformers: the per-op profile, then bench_decode once per variant in
       # DECODE_VARIANTS ("name:VAR=1,VAR2=1 ..."; "base" = the defaults).
-      run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" --out "$OUT/profile_decode.json"
+      # PROFILE_ENV: the switches the profile runs with (e.g. VOLTSERVE_FUSE_NORM=1); PROFILE=0
+      # leaves the profile out.
+      [ "${PROFILE:-1}" = 0 ] || run profile_decode env ${PROFILE_ENV:-} $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" --out "$OUT/profile_decode.json"
       for variant in ${DECODE_VARIANTS:-base}; do
         name=${variant%%:*}
         envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
