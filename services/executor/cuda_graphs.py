@@ -29,6 +29,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+from voltserve.kernels.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.shared import startup
 
@@ -110,7 +111,7 @@ class CudaGraphRunner:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[bs] = self._forward(bs)
-                self.argmax[bs] = self.outputs[bs].argmax(dim=-1)
+                self.argmax[bs] = chunked_argmax(self.outputs[bs])
             self.graphs[bs] = g
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
