@@ -59,6 +59,9 @@ class DecodeConfig:
     split: int  # thread blocks per KV head along the heads (num_heads // num_kv_heads // group)
     partition: int  # context tokens per thread block
     num_threads: int
+    # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
+    # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
+    online: bool = False
 
 
 def decode_config(
@@ -67,6 +70,7 @@ def decode_config(
     head_dim: int,
     partition_size: int | None = None,
     num_threads: int = 128,
+    online: bool = False,
 ) -> DecodeConfig:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -79,7 +83,7 @@ def decode_config(
     partition = partition_size or DEFAULT_PARTITION
     if partition % BLOCK_SIZE:
         raise ValueError(f"partition_size {partition} must be a multiple of {BLOCK_SIZE}")
-    return DecodeConfig(head_dim, group, ratio // group, partition, num_threads)
+    return DecodeConfig(head_dim, group, ratio // group, partition, num_threads, online)
 
 
 def _layout(cfg: DecodeConfig) -> dict[str, int]:
@@ -107,16 +111,11 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     direct, merge = mode == "direct", mode == "merge"
     D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
     lay = _layout(cfg)
-    NCHUNK, TPT, TPP, NPASS, BATCH, SC = (
-        lay[k] for k in ("nchunk", "tpt", "tpp", "npass", "batch", "sc")
-    )
-    NW = NT // 32
+    NCHUNK, TPT, SC = lay["nchunk"], lay["tpt"], lay["sc"]
     GD = G * D
-    ROW = BLOCK_SIZE * D
     NVAL = SC * G
     NPAD = next_pow2(NVAL)
     masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
-    log_tpp = TPP.bit_length() - 1
     out: list[str] = []
 
     def emit(indent: int, line: str) -> None:
@@ -178,13 +177,15 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, f"n_tok = min({PART}, seq_len - start)")
     emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
     emit(1, f"blk0 = start // {BLOCK_SIZE}")
-    emit(1, f"logits = cuda.shared.array(({G}, {PART}), float32)")
+    if not cfg.online:
+        emit(1, f"logits = cuda.shared.array(({G}, {PART}), float32)")
     emit(1, f"acc_s = cuda.shared.array({GD}, float32)")
     emit(1, f"m_s = cuda.shared.array({G}, float32)")
     emit(1, f"l_s = cuda.shared.array({G}, float32)")
     emit(1, f"tbl = cuda.shared.array({PART // BLOCK_SIZE}, int32)")
-    emit(1, f"for i in range(tid, {GD}, {NT}):")
-    emit(2, "acc_s[i] = 0.0")
+    if not cfg.online:  # the online core writes every element
+        emit(1, f"for i in range(tid, {GD}, {NT}):")
+        emit(2, "acc_s[i] = 0.0")
     emit(1, f"for i in range(tid, n_blk, {NT}):")
     emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     emit(1, f"sub = lane // {TPT}")
@@ -202,6 +203,27 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     for g in range(G):
         for j in range(8):
             emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+    if cfg.online:
+        emit(1, "cuda.syncthreads()")
+        _emit_online_core(emit, cfg, lay, word)
+    else:
+        _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
+    _emit_epilogue(emit, cfg, mode)
+    return "\n".join(out) + "\n"
+
+
+def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word) -> None:
+    """Scores of the partition into shared memory, then one softmax over them, then PV; the
+    block's sums land in acc_s / m_s / l_s (the epilogue's inputs)."""
+    D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
+    NCHUNK, TPT, TPP, NPASS, BATCH, SC = (
+        lay[k] for k in ("nchunk", "tpt", "tpp", "npass", "batch", "sc")
+    )
+    NW = NT // 32
+    ROW = BLOCK_SIZE * D
+    NVAL = SC * G
+    NPAD = next_pow2(NVAL)
+    log_tpp = TPP.bit_length() - 1
     for m, _ in steps:
         emit(1, f"bit{m} = (lane & {m}) != 0")
     emit(1, "rs = 0")
@@ -316,6 +338,14 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
             emit(2, f"cuda.atomic.add(acc_s, {g * D} + ce * 8 + {j}, a{g}_{j})")
     emit(1, "cuda.syncthreads()")
 
+
+def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
+    """From the block's acc_s (unnormalised PV sums), m_s (score max) and l_s (exp sums):
+    direct: the output; split/merge: the partials (and, merge, the last block's merge)."""
+    direct, merge = mode == "direct", mode == "merge"
+    D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
+    NW = NT // 32
+    GD = G * D
     if direct:
         emit(1, f"for i in range(tid, {GD}, {NT}):")
         emit(2, f"g = i // {D}")
@@ -328,7 +358,113 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
     if merge:
         _emit_merge(emit, G, D, NT, NW, PART)
-    return "\n".join(out) + "\n"
+
+
+def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
+    """Each warp takes whole KV blocks (16 tokens) and keeps its own running softmax in
+    registers: K and V rows of a block loaded together (one memory round trip), scores summed
+    over the token's lanes by butterflies (every lane of a token holds its score), the block's
+    max per head by one or two more shuffles, then the running max, sum and PV accumulators
+    rescaled and updated. One barrier at the end, where the warps' (max, sum, PV) are combined
+    into acc_s / m_s / l_s. Against the block-wide phases (scores to shared memory, a barrier,
+    a softmax pass, a barrier, PV, shared atomics, a barrier) this shortens a block's critical
+    path, which is what a batch-1 decode step waits on (one wave of blocks, ~1-2 KV blocks per
+    warp). Costs more registers (K and V in flight together): used for small grids only."""
+    D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
+    TPT, TPP, NPASS = lay["tpt"], lay["tpp"], lay["npass"]
+    NW = NT // 32
+    GD = G * D
+    ROW = BLOCK_SIZE * D
+    tok_masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # lanes of one token
+    sub_masks = [TPT << k for k in range(TPP.bit_length() - 1)]  # the tokens of one pass
+    for g in range(G):
+        emit(1, f"m{g} = float32(-math.inf)")
+        emit(1, f"l{g} = float32(0.0)")
+        for j in range(8):
+            emit(1, f"a{g}_{j} = float32(0.0)")
+    emit(1, f"for i in range(warp, n_blk, {NW}):")
+    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    for ps in range(NPASS):
+        emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(k_cache, base + {ps * TPP * D})")
+    for ps in range(NPASS):
+        emit(2, f"v{ps}_0, v{ps}_1, v{ps}_2, v{ps}_3 = ld_u32x4(v_cache, base + {ps * TPP * D})")
+    for ps in range(NPASS):
+        for j in range(8):
+            emit(2, f"k{j} = {word(f'r{ps}', j)}")
+        for g in range(G):
+            terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(8))
+            emit(2, f"s{ps}_{g} = {terms}")
+    # Butterflies over a token's lanes, all scores of the step interleaved (independent chains).
+    for m in tok_masks:
+        for ps in range(NPASS):
+            for g in range(G):
+                emit(2, f"s{ps}_{g} += shfl_xor(s{ps}_{g}, {m})")
+    for ps in range(NPASS):
+        emit(2, f"ok{ps} = t0 + {ps * TPP} < n_tok")
+        for g in range(G):
+            emit(2, f"s{ps}_{g} = s{ps}_{g} if ok{ps} else float32(-math.inf)")
+    for g in range(G):
+        emit(
+            2,
+            f"mx = {'max(' * (NPASS - 1)}s0_{g}"
+            + "".join(f", s{ps}_{g})" for ps in range(1, NPASS)),
+        )
+        for m in sub_masks:
+            emit(2, f"mx = max(mx, shfl_xor(mx, {m}))")
+        # The block's first token is < n_tok, so mx is finite; exp(-inf) = 0 on the first step.
+        emit(2, f"mn = max(m{g}, mx)")
+        emit(2, f"f = math.exp(m{g} - mn)")
+        emit(2, f"m{g} = mn")
+        emit(2, f"l{g} *= f")
+        for j in range(8):
+            emit(2, f"a{g}_{j} *= f")
+        for ps in range(NPASS):
+            emit(2, f"p{ps}_{g} = math.exp(s{ps}_{g} - mn)")
+            emit(2, f"l{g} += p{ps}_{g}")
+    for ps in range(NPASS):
+        # Rows past the context hold stale data (maybe NaN): skipped, never multiplied by 0.
+        emit(2, f"if ok{ps}:")
+        for j in range(8):
+            emit(3, f"w{j} = {word(f'v{ps}', j)}")
+        for g in range(G):
+            for j in range(8):
+                emit(3, f"a{g}_{j} += p{ps}_{g} * w{j}")
+    # Sums over the tokens of a pass (lanes with the same chunk c), then the warps' partials.
+    for g in range(G):
+        for m in sub_masks:
+            emit(1, f"l{g} += shfl_xor(l{g}, {m})")
+            for j in range(8):
+                emit(1, f"a{g}_{j} += shfl_xor(a{g}_{j}, {m})")
+    emit(1, f"wm = cuda.shared.array(({NW}, {G}), float32)")
+    emit(1, f"wl = cuda.shared.array(({NW}, {G}), float32)")
+    emit(1, f"wa = cuda.shared.array(({NW}, {GD}), float32)")
+    emit(1, "if lane == 0:")
+    for g in range(G):
+        emit(2, f"wm[warp, {g}] = m{g}")
+        emit(2, f"wl[warp, {g}] = l{g}")
+    emit(1, "if sub == 0 and active:")
+    for g in range(G):
+        for j in range(8):
+            emit(2, f"wa[warp, {g * D} + ce * 8 + {j}] = a{g}_{j}")
+    emit(1, "cuda.syncthreads()")
+    # A warp that had no KV block has max -inf and zero sums: weighed by 0, not exp(nan).
+    emit(1, f"for i in range(tid, {GD + G}, {NT}):")
+    emit(2, f"g = i // {D} if i < {GD} else i - {GD}")
+    emit(2, "mg = float32(-math.inf)")
+    emit(2, f"for w in range({NW}):")
+    emit(3, "mg = max(mg, wm[w, g])")
+    emit(2, "acc = float32(0.0)")
+    emit(2, f"for w in range({NW}):")
+    emit(3, "mw = wm[w, g]")
+    emit(3, "if mw > float32(-math.inf):")
+    emit(4, f"acc += (wa[w, i] if i < {GD} else wl[w, g]) * math.exp(mw - mg)")
+    emit(2, f"if i < {GD}:")
+    emit(3, "acc_s[i] = acc")
+    emit(2, "else:")
+    emit(3, "m_s[g] = mg")
+    emit(3, "l_s[g] = acc")
+    emit(1, "cuda.syncthreads()")
 
 
 def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
@@ -428,13 +564,15 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}>"
+    core = " online" if cfg.online else ""
+    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
     # ~142, a few bytes of spill outside the loops) fits 4 blocks of 128 threads per SM instead
     # of 3, a third more loads in flight. Direct mode (short contexts, small grids) is left free.
+    # The online core holds K and V in flight together and runs on small grids: left free too.
     if max_registers == -1:
-        max_registers = MAX_REGISTERS if mode != "direct" else None
+        max_registers = MAX_REGISTERS if mode != "direct" and not cfg.online else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
 
@@ -519,6 +657,12 @@ def num_partitions(max_seq_len: int, partition: int) -> int:
 
 PARTITION_CHOICES = (512, 256, 128, 64)  # largest first
 BLOCKS_PER_SM = 4  # thread blocks wanted per SM before partitions get shorter
+# Grids up to this many blocks per SM run the online core: one wave at its register count
+# (~170 per thread uncapped, so 2-3 blocks of 128 threads per SM), latency-bound.
+ONLINE_MAX_BLOCKS_PER_SM = 2
+# Its q and PV accumulators take 2 x group x 8 registers per lane: on sm_70 ptxas fits 7 heads
+# of 128 dims in 255 registers without spilling, 8 spill (244 B): those stay on the block core.
+ONLINE_MAX_GROUP_DIMS = 7 * 128
 
 
 def choose_partition(
@@ -561,6 +705,7 @@ def paged_decode_attention_cuda(
     workspace=None,
     num_threads: int = 128,
     max_registers: int | None = -1,
+    online: bool | None = None,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -572,7 +717,9 @@ def paged_decode_attention_cuda(
     with P >= the partition count; allocated from torch's allocator when absent (inside a graph
     capture that memory belongs to the graph's pool). A workspace with P != MERGE_MAX_PARTITIONS
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
-    max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs)."""
+    max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
+    online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
     import torch
 
     B, H, D = q.shape
@@ -601,6 +748,14 @@ def paged_decode_attention_cuda(
         )
     cfg = decode_config(H, kvh, D, partition_size, num_threads)
     n_part = num_partitions(max_seq_len, cfg.partition)
+    if online is None:
+        blocks = B * kvh * cfg.split * n_part
+        online = (
+            blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
+            and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
+        )
+    if online:
+        cfg = decode_config(H, kvh, D, cfg.partition, num_threads, online=True)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -687,3 +842,6 @@ decode_kernel_d128_g4_merge = decode_kernel(decode_config(32, 8, 128, 64), "merg
 decode_kernel_d64_g7 = decode_kernel(decode_config(14, 2, 64), "split")
 decode_kernel_d64_g7_merge = decode_kernel(decode_config(14, 2, 64, 64), "merge")
 decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
+decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
+decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
+decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")

@@ -136,6 +136,9 @@ KERNELS += [
         "decode_kernel_d64_g7",
         "decode_kernel_d64_g7_merge",
         "decode_kernel_d256_g1",
+        "decode_kernel_d128_g4_online",
+        "decode_kernel_d64_g7_online",
+        "decode_kernel_d256_g1_online",
     )
 ]
 KERNELS += [

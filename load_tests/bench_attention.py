@@ -88,22 +88,22 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
 
 
 SWEEP_PARTITIONS = (32, 64, 128)
-SWEEP_THREADS = (64, 128)
 
 
-def sweep_variants(n_part_of) -> list[tuple[int, int, str, int | None]]:
-    """(partition, threads, mode, max_registers) to time: every partition x threads in the
-    in-kernel merge mode (the separate merge kernel too where it is the only mode), plus the
-    register cap off and the split mode for the default 64-token, 128-thread launch. Each is a
-    numba compile (~5 s), so the list stays short."""
+def sweep_variants(n_part_of) -> list[tuple[int, int, str, int | None, bool]]:
+    """(partition, threads, mode, max_registers, online core) to time: every partition with
+    the online core and with the block core, in the in-kernel merge mode (the merge kernel
+    where that is the only mode), 128 threads; and 64 threads for the default partition (64
+    threads lost 6 us at 1K context on an H200 with the block core). Each is a numba compile
+    (~10 s on the device), so the list stays short."""
     from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS
 
     out = []
-    for part in SWEEP_PARTITIONS:
-        for threads in SWEEP_THREADS:
-            merge_ok = n_part_of(part) <= MERGE_MAX_PARTITIONS
-            out.append((part, threads, "merge" if merge_ok else "split", -1))
-    out += [(64, 128, "merge", None), (64, 128, "split", -1)]
+    for online in (True, False):
+        for part in SWEEP_PARTITIONS:
+            mode = "merge" if n_part_of(part) <= MERGE_MAX_PARTITIONS else "split"
+            out.append((part, 128, mode, -1, online))
+    out.append((64, 64, "merge" if n_part_of(64) <= MERGE_MAX_PARTITIONS else "split", -1, True))
     return out
 
 
@@ -120,9 +120,11 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     H = kvh * group
     q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     scale = head_dim**-0.5
-    want = paged_decode_attention_cuda(q, k, v, tables, sl, scale, max_seq_len=context)
+    want = paged_decode_attention_cuda(
+        q, k, v, tables, sl, scale, max_seq_len=context, online=False
+    )
     rows = []
-    for part, threads, mode, regs in sweep_variants(lambda p: num_partitions(context, p)):
+    for part, threads, mode, regs, online in sweep_variants(lambda p: num_partitions(context, p)):
         n_part = num_partitions(context, part)
         if mode == "merge" and n_part > MERGE_MAX_PARTITIONS:
             continue
@@ -134,7 +136,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
         )
         out = torch.full_like(q, float("nan"))
 
-        def call(out=out, ws=ws, part=part, threads=threads, regs=regs):
+        def call(out=out, ws=ws, part=part, threads=threads, regs=regs, online=online):
             paged_decode_attention_cuda(
                 q,
                 k,
@@ -148,6 +150,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
                 workspace=ws,
                 num_threads=threads,
                 max_registers=regs,
+                online=online,
             )
 
         t = time_graph(call, iters=20, repeats=10)
@@ -158,6 +161,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
             threads=threads,
             mode=mode if n_part > 1 else "direct",
             max_registers="default" if regs == -1 else "none",
+            core="online" if online else "block",
             time_us=t * 1e6,
             max_abs_diff=(out.float() - want.float()).abs().max().item(),
         )
@@ -169,7 +173,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
 def sweep_line(r: dict) -> str:
     return (
         f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
-        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} regs "
+        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} {r.get('core', 'block'):>6} regs "
         f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
     )
 

@@ -48,9 +48,10 @@ def check(out, ref):
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("online", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode(head_dim, group):
+def test_decode(head_dim, group, online):
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -64,14 +65,17 @@ def test_decode(head_dim, group):
     ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, scale)
     for max_seq_len in (None, max(seq_lens)):  # table-width bound, exact bound
         out = torch.full_like(q, float("nan"))
-        paged_decode_attention_cuda(q, k, v, tables, sl, scale, out, max_seq_len=max_seq_len)
+        paged_decode_attention_cuda(
+            q, k, v, tables, sl, scale, out, max_seq_len=max_seq_len, online=online
+        )
         torch.cuda.synchronize()
         check(out, ref)
 
 
+@pytest.mark.parametrize("online", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_short_single_partition(head_dim, group):
+def test_decode_short_single_partition(head_dim, group, online):
     """Contexts within one partition take the direct path (no merge kernel); a 0 row is zero."""
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
@@ -81,7 +85,9 @@ def test_decode_short_single_partition(head_dim, group):
     q = torch.randn((len(seq_lens), 4 * group, head_dim), generator=gen, device="cuda").half()
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention_cuda(q, k, v, tables, sl, 0.1, out, max_seq_len=512, partition_size=512)
+    paged_decode_attention_cuda(
+        q, k, v, tables, sl, 0.1, out, max_seq_len=512, partition_size=512, online=online
+    )
     ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, 0.1)
     ref[5] = 0
     check(out, ref)
@@ -162,8 +168,9 @@ def test_decode_cuda_graph_replay_with_new_seq_lens():
         check(out, ref)
 
 
+@pytest.mark.parametrize("online", [False, True])
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 4), (128, 8)])
-def test_decode_small_batch_in_kernel_merge_graph(head_dim, group):
+def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, online):
     """Small batches with short partitions (the batch-1 decode shape): the group's last block
     merges the partitions in the same kernel. Captured in a graph with the default workspace and
     replayed with new lengths: every replay must merge again (the arrival counters reset), and
@@ -181,7 +188,7 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group):
 
     def step():
         paged_decode_attention_cuda(
-            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64
+            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64, online=online
         )
 
     s = torch.cuda.Stream()
@@ -209,7 +216,9 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group):
     for n in (1, 100, 640, 1000):
         sl1 = torch.tensor([n], dtype=torch.int32, device="cuda")
         o1 = torch.full_like(q[:1], float("nan"))
-        paged_decode_attention_cuda(q[:1], k, v, tables[:1], sl1, scale, o1, max_seq_len=max_len)
+        paged_decode_attention_cuda(
+            q[:1], k, v, tables[:1], sl1, scale, o1, max_seq_len=max_len, online=online
+        )
         torch.cuda.synchronize()
         check(
             o1,

@@ -56,11 +56,14 @@ def make_cache(rng, seq_lens, num_kv_heads, head_dim, extra_blocks=3):
     return k, v, tables
 
 
-def run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge=False, counters=None):
+def run_decode(
+    q, k, v, tables, seq_lens, scale, max_seq_len, merge=False, counters=None, online=False
+):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
-    counters that must be zero before and are zero again after the launch)."""
+    counters that must be zero before and are zero again after the launch). online: the
+    per-warp online-softmax core instead of the block-wide phases."""
     B, H, D = q.shape
-    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS)
+    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
@@ -94,16 +97,21 @@ def reference(q, k, v, tables, seq_lens, qsl, scale):
     return out.numpy()
 
 
+DECODE_CASES = [
+    (32, 2, 2, [1, 15, 16, 17]),  # MHA, block boundaries, one partition (direct path)
+    (64, 4, 2, [33, 50, 5]),  # 2 heads per KV head, 2 partitions with a partial last one
+    (32, 8, 2, [40, 0, 23]),  # 4 heads per KV head, a padding row (seq_len 0)
+    (32, 4, 2, [48]),  # exactly 3 partitions, plus an empty one from a larger bound
+]
+
+
+# The online core (per-warp softmax) on the direct and in-kernel-merge cases: the simulator
+# takes ~40 s for each of the others; the GPU tests run it on every case.
 @pytest.mark.parametrize(
-    "head_dim,num_heads,num_kv_heads,seq_lens",
-    [
-        (32, 2, 2, [1, 15, 16, 17]),  # MHA, block boundaries, one partition (direct path)
-        (64, 4, 2, [33, 50, 5]),  # 2 heads per KV head, 2 partitions with a partial last one
-        (32, 8, 2, [40, 0, 23]),  # 4 heads per KV head, a padding row (seq_len 0)
-        (32, 4, 2, [48]),  # exactly 3 partitions, plus an empty one from a larger bound
-    ],
+    "head_dim,num_heads,num_kv_heads,seq_lens,online",
+    [(*c, False) for c in DECODE_CASES] + [(*c, True) for c in (DECODE_CASES[0], DECODE_CASES[3])],
 )
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, online):
     rng = np.random.default_rng()
     # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
     # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
@@ -114,7 +122,7 @@ def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens):
     scale = head_dim**-0.5
     # The grid bound is larger than the longest context for the last case: empty partitions.
     max_seq_len = max(seq_lens) + (20 if len(seq_lens) == 1 else 0)
-    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge)
+    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge, online=online)
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
         if s == 0:
