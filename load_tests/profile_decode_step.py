@@ -182,6 +182,7 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
 def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     """One row per op of the decode step at padded batch size bs."""
+    from voltserve.kernels.sampling import chunked_argmax
     from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports
     from voltserve.services.executor.linear_plan import gate_up_impl, linear_impl
 
@@ -369,8 +370,8 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     logits16 = torch.randn(bs, arch.vocab_size, device=dev, dtype=dt)
     add("logits_to_fp32", 1, time_op(lambda i: logits16.float(), launches, args.reps))
     logits = logits16.float()
-    # The graph ends with the argmax the sampler's greedy path copies back.
-    add("argmax", 1, time_op(lambda i: logits.argmax(dim=-1), launches, args.reps))
+    # The graph ends with the (chunked) argmax the sampler's greedy path copies back.
+    add("argmax", 1, time_op(lambda i: chunked_argmax(logits), launches, args.reps))
     return rows
 
 
