@@ -182,8 +182,8 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
 def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     """One row per op of the decode step at padded batch size bs."""
-    from voltserve.kernels.sampling import chunked_argmax
     from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports
+    from voltserve.kernels.sampling import chunked_argmax
     from voltserve.services.executor.linear_plan import gate_up_impl, linear_impl
 
     runner = engine.runner
