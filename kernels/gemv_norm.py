@@ -10,8 +10,10 @@ ms of a ~4.8 ms Llama-3-8B step) between its linears. Here they disappear into t
   rounds), each warp first summing the squares of the row itself.
 
 Meanings (the references): the unfused ops in sequence, see each `_ref`. The kernels are the
-gemv.py generator's `norm` / `res` options. Written and checked in the simulator; not yet timed
-on a GPU, hence off by default (services/executor/models/llama.py decides where it applies).
+gemv.py generator's `norm` / `res` options. They pass their GPU tests, but on an H200 the
+Llama-3-8B step took 4.93 ms with them against 4.74 without: every warp summing the row's
+squares before its first weight load, and normalising each chunk, costs more than the launches
+saved. Hence off by default (services/executor/models/llama.py decides where it applies).
 """
 
 from __future__ import annotations
