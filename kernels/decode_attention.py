@@ -218,6 +218,15 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _emit_pv(emit, indent: int, G: int, word, regs: str, vname: str, probs: list[str]) -> None:
+    """a{g}_{j} += probs[g] * v_j for the 8 fp16 values of one lane's V chunk held in regs."""
+    for j in range(8):
+        emit(indent, f"{vname}{j} = {word(regs, j)}")
+    for g in range(G):
+        for j in range(8):
+            emit(indent, f"a{g}_{j} += {probs[g]} * {vname}{j}")
+
+
 def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word) -> None:
     """Scores of the partition into shared memory, then one softmax over them, then PV; the
     block's sums land in acc_s / m_s / l_s (the epilogue's inputs)."""
@@ -329,11 +338,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
             emit(2, "if tpos < n_tok:")
             for g in range(G):
                 emit(3, f"p{g} = logits[{g}, tpos]")
-            for j in range(8):
-                emit(3, f"v{j} = {word(f'r{ps}', j)}")
-            for g in range(G):
-                for j in range(8):
-                    emit(3, f"a{g}_{j} += p{g} * v{j}")
+            _emit_pv(emit, 3, G, word, f"r{ps}", "v", [f"p{g}" for g in range(G)])
     for g in range(G):
         for j in range(8):
             for k in range(log_tpp):
@@ -431,11 +436,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     for ps in range(NPASS):
         # Rows past the context hold stale data (maybe NaN): skipped, never multiplied by 0.
         emit(2, f"if ok{ps}:")
-        for j in range(8):
-            emit(3, f"w{j} = {word(f'v{ps}', j)}")
-        for g in range(G):
-            for j in range(8):
-                emit(3, f"a{g}_{j} += p{ps}_{g} * w{j}")
+        _emit_pv(emit, 3, G, word, f"v{ps}", "w", [f"p{ps}_{g}" for g in range(G)])
     # Sums over the tokens of a pass (lanes with the same chunk c), then the warps' partials.
     for g in range(G):
         for m in sub_masks:
