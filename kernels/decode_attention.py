@@ -37,6 +37,7 @@ sequence of length 0 (graph padding) gets a zero output. No host sync anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -396,10 +397,10 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     emit(1, f"for i in range(warp, n_blk, {NW}):")
     emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
     emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
-    for ps in range(NPASS):
-        emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(k_cache, base + {ps * TPP * D})")
-    for ps in range(NPASS):
-        emit(2, f"v{ps}_0, v{ps}_1, v{ps}_2, v{ps}_3 = ld_u32x4(v_cache, base + {ps * TPP * D})")
+    for reg, cache in (("r", "k_cache"), ("v", "v_cache")):
+        for ps in range(NPASS):
+            r = f"{reg}{ps}"
+            emit(2, f"{r}_0, {r}_1, {r}_2, {r}_3 = ld_u32x4({cache}, base + {ps * TPP * D})")
     for ps in range(NPASS):
         for j in range(8):
             emit(2, f"k{j} = {word(f'r{ps}', j)}")
@@ -698,6 +699,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def decode_workspace(B: int, H: int, partitions: int, D: int, device):
+    """(max_logits [B, H, P], exp_sums [B, H, P], tmp_out [B, H, P, D]) fp32 for P partitions
+    (P = MERGE_MAX_PARTITIONS selects the in-kernel merge, see paged_decode_attention_cuda)."""
+    import torch
+
+    return (
+        torch.empty((B, H, partitions), dtype=torch.float32, device=device),
+        torch.empty((B, H, partitions), dtype=torch.float32, device=device),
+        torch.empty((B, H, partitions, D), dtype=torch.float32, device=device),
+    )
+
+
 def paged_decode_attention_cuda(
     q,  # [B, H, D] fp16
     k_cache,  # [num_blocks, num_kv_heads, 16, D] fp16
@@ -762,7 +775,7 @@ def paged_decode_attention_cuda(
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
     if online:
-        cfg = decode_config(H, kvh, D, cfg.partition, num_threads, online=True)
+        cfg = dataclasses.replace(cfg, online=True)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -776,11 +789,7 @@ def paged_decode_attention_cuda(
         out = torch.empty_like(q)
     if workspace is None:
         p_ws = {"direct": 1, "split": n_part, "merge": MERGE_MAX_PARTITIONS}[mode]
-        workspace = (
-            torch.empty((B, H, p_ws), dtype=torch.float32, device=q.device),
-            torch.empty((B, H, p_ws), dtype=torch.float32, device=q.device),
-            torch.empty((B, H, p_ws, D), dtype=torch.float32, device=q.device),
-        )
+        workspace = decode_workspace(B, H, p_ws, D, q.device)
     elif mode != "direct" and workspace[2].shape[2] < n_part:
         raise ValueError(f"workspace holds {workspace[2].shape[2]} partitions, need {n_part}")
     if B == 0:

@@ -145,21 +145,6 @@ def _ld8_guard(arr, row, col, K):
 
 
 @cuda.jit(device=True, inline="always")
-def _sq8(acc, v):
-    return (
-        acc
-        + v[0] * v[0]
-        + v[1] * v[1]
-        + v[2] * v[2]
-        + v[3] * v[3]
-        + v[4] * v[4]
-        + v[5] * v[5]
-        + v[6] * v[6]
-        + v[7] * v[7]
-    )
-
-
-@cuda.jit(device=True, inline="always")
 def _nrm(v, w, inv, x):
     # rmsnorm.py's rounding: the normalised value in the storage dtype, then times the weight.
     return round_like(w * round_like(v * inv, x), x)
@@ -266,9 +251,11 @@ def _source(
         # 1/rms of each x row (rmsnorm._inv_rms's arithmetic), summed over the whole warp.
         L += [f"    ss{m} = float32(0.0)" for m in range(M)]
         L += ["    c = lc", "    while c < K:"]
-        L += [
-            f"        ss{m} = _sq8(ss{m}, ld8(x, ({f'xm{m}' if m else '0'}, c)))" for m in range(M)
-        ]
+        for m in range(M):
+            L += [
+                f"        xv = ld8(x, ({f'xm{m}' if m else '0'}, c))",
+                f"        ss{m} = _dot8(ss{m}, xv, xv)",
+            ]
         L += [f"        c += {WARP_ELEMS}"]
         L += [
             f"    inv{m} = float32(float32(1.0) / float32(math.sqrt("
@@ -390,7 +377,6 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: b
         "_silu_mul": _silu_mul,
         "round_like": round_like,
         "_rot1": _rot1,
-        "_sq8": _sq8,
         "_norm8": _norm8,
         "_ld8_guard1": _ld8_guard1,
         "math": math,

@@ -113,6 +113,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     broken variant shows there). Rows are printed as they are measured."""
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
+        decode_workspace,
         num_partitions,
         paged_decode_attention_cuda,
     )
@@ -126,14 +127,8 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     rows = []
     for part, threads, mode, regs, online in sweep_variants(lambda p: num_partitions(context, p)):
         n_part = num_partitions(context, part)
-        if mode == "merge" and n_part > MERGE_MAX_PARTITIONS:
-            continue
         p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
-        ws = (
-            torch.empty((batch, H, p_ws), device="cuda"),
-            torch.empty((batch, H, p_ws), device="cuda"),
-            torch.empty((batch, H, p_ws, head_dim), device="cuda"),
-        )
+        ws = decode_workspace(batch, H, p_ws, head_dim, "cuda")
         out = torch.full_like(q, float("nan"))
 
         def call(out=out, ws=ws, part=part, threads=threads, regs=regs, online=online):
@@ -173,7 +168,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
 def sweep_line(r: dict) -> str:
     return (
         f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
-        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} {r.get('core', 'block'):>6} regs "
+        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} {r['core']:>6} regs "
         f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
     )
 
