@@ -148,23 +148,26 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
     timed = _Timed(runner.execute)
     runner.execute = timed
     step_s: list[float] = []
-    replays_before = runner.graphs.num_replays
     try:
-        for k in range(n_steps):
+        # Warm steps settle the batch (with the pipelined decode, the rows whose prefill ended
+        # last join one step later); every timed step must then be a whole-batch graph replay.
+        for _ in range(args.warm_steps):
+            engine.step()
+        replays_before = runner.graphs.num_replays
+        for _ in range(args.steps):
             t = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t
             if len(outs) != batch:
                 raise RuntimeError(f"decode step returned {len(outs)} outputs, expected {batch}")
-            if k >= args.warm_steps:
-                step_s.append(dt)
+            step_s.append(dt)
     finally:
         del runner.execute  # back to the class's method
-    if runner.graphs.num_replays - replays_before != n_steps:
+    if runner.graphs.num_replays - replays_before != args.steps:
         raise RuntimeError("decode steps did not all run as CUDA graphs")
     bs = runner.graphs.padded_size(batch)
     graph_s = time_replays(runner.graphs.graphs[bs].replay, args.reps)
-    exec_s = timed.times[args.warm_steps :]
+    exec_s = timed.times[args.warm_steps :]  # execute runs once per step
     return {
         "ids": ids,
         "padded_batch": bs,
