@@ -75,6 +75,7 @@ WARPS = 4  # warps per block
 THREADS = 32 * WARPS
 LANE_ELEMS = VEC  # elements a lane reads per chunk (one 16-byte load for fp16)
 WARP_ELEMS = 32 * LANE_ELEMS  # elements a warp reads per chunk (256)
+SS_SLOTS = 32  # partial sums of squares per row (norm / res; one per lane of the reading warp)
 
 if SIM:
     from voltserve.kernels.attention_common import shfl_xor as _sim_shfl
@@ -189,21 +190,29 @@ def _source(
     them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py).
 
     norm (any kind): x is the residual stream and the product takes RMSNorm(x) * nw instead
-    (extra arguments nw, eps): each warp first sums the squares of its x rows (every warp reads
-    the whole rows: a few KB from L1/L2) and then normalises each chunk as it reads it, rounded
-    as rmsnorm.py rounds. res (plain only): out is the residual stream and the kernel adds the
-    product to it (rounded as the linear stores it, then the sum rounded as the add stores it).
-    Together they remove the fused add + RMSNorm launches between the decode linears."""
+    (extra arguments nw, eps, ss): ss [M, SS_SLOTS] fp32 holds each x row's sum of squares,
+    split over SS_SLOTS partial sums (what the res epilogue that wrote x left there), so a warp
+    reads 32 floats (one load per lane, issued with its first weight loads) instead of the whole
+    row; it normalises each chunk as it reads it, rounded as rmsnorm.py rounds.
+    res (plain only; extra argument ss): out is the residual stream and the kernel adds the
+    product to it (rounded as the linear stores it, then the sum rounded as the add stores it),
+    and adds the square of every value it writes to ss[m, warp % SS_SLOTS] (atomics spread over
+    the slots, so no one address takes them all). Together they remove the fused add + RMSNorm
+    launches between the decode linears."""
     if kind not in KINDS:
         raise ValueError(f"gemv kind {kind!r} is not one of {KINDS}")
     if res and kind != PLAIN:
         raise ValueError("the residual-add epilogue exists for the plain kind only")
+    if res and norm:
+        raise ValueError("a kernel takes the norm prologue or the residual epilogue, not both")
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     args = "x, w, bias, out, has_bias"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
     if norm:
-        args += ", nw, eps"
+        args += ", nw, eps, ss"
+    if res:
+        args += ", ss"
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
@@ -248,18 +257,11 @@ def _source(
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
     if norm:
-        # 1/rms of each x row (rmsnorm._inv_rms's arithmetic), summed over the whole warp.
-        L += [f"    ss{m} = float32(0.0)" for m in range(M)]
-        L += ["    c = lc", "    while c < K:"]
-        for m in range(M):
-            L += [
-                f"        xv = ld8(x, ({f'xm{m}' if m else '0'}, c))",
-                f"        ss{m} = _dot8(ss{m}, xv, xv)",
-            ]
-        L += [f"        c += {WARP_ELEMS}"]
+        # 1/rms of each x row (rmsnorm._inv_rms's arithmetic) from its SS_SLOTS partial sums:
+        # lane l holds slot l.
         L += [
-            f"    inv{m} = float32(float32(1.0) / float32(math.sqrt("
-            f"float32(_warp_sum(ss{m}) / float32(K)) + float32(eps))))"
+            f"    inv{m} = float32(float32(1.0) / float32(math.sqrt(float32("
+            f"_warp_sum(ss[{f'xm{m}' if m else '0'}, lane]) / float32(K)) + float32(eps))))"
             for m in range(M)
         ]
 
@@ -359,7 +361,9 @@ def _source(
     if res:
         L += [
             f"            m = lane // {R}",
-            "            out[m, row] = round_like(float32(out[m, row]) + round_like(mine, out), out)",
+            "            v = round_like(float32(out[m, row]) + round_like(mine, out), out)",
+            "            out[m, row] = v",
+            f"            cuda.atomic.add(ss, (m, warp & {SS_SLOTS - 1}), v * v)",
         ]
     else:
         L.append(f"            out[lane // {R}, row] = mine")
@@ -470,22 +474,25 @@ def supports_gate_up(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def launch_gemv(
-    x, w, bias, out, kind: str = PLAIN, extra: tuple = (), norm: tuple = (), res: bool = False
+    x, w, bias, out, kind: str = PLAIN, extra: tuple = (), norm: tuple = (), res_ss=None
 ) -> torch.Tensor:
     """One launch of the `kind` kernel for inputs its caller checked. out: the output, or None
-    for a new one ([M, outputs]; res: the residual it adds into); extra: the kind's arguments
-    after has_bias (qkv_rope's, already converted); norm: () or (norm weight, eps) for the
-    RMSNorm prologue. Every gemv launcher (here, gemv_qkv_rope.py, gemv_norm.py) goes through
-    it."""
+    for a new one ([M, outputs]; with res_ss: the residual it adds into); extra: the kind's
+    arguments after has_bias (qkv_rope's, already converted); norm: () or (norm weight, eps,
+    ss) for the RMSNorm prologue; res_ss: None, or the [M, SS_SLOTS] fp32 sums of squares the
+    residual-add epilogue adds to. Every gemv launcher (here, gemv_qkv_rope.py, gemv_norm.py)
+    goes through it."""
     M, rows = x.shape[0], w.shape[0]
     if out is None:  # gate_up writes one activation per row pair; the others a column per row
         cols = rows // 2 if kind == GATE_UP else rows
         out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    tail = (dev(norm[0]), float(norm[1])) if norm else ()
+    tail = (dev(norm[0]), float(norm[1]), dev(norm[2])) if norm else ()
+    if res_ss is not None:
+        tail = (dev(res_ss),)
     launch(
-        gemv_kernel(M, kind, norm=bool(norm), res=res),
+        gemv_kernel(M, kind, norm=bool(norm), res=res_ss is not None),
         grid_for(M, rows if kind == PLAIN else rows // 2, kind),
         THREADS,
         (dev(x), dev(w), dev(b), dev(out), has_bias, *extra, *tail),

@@ -118,8 +118,8 @@ def gemv_qkv_rope_cuda(
 
 def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm: tuple = ()) -> torch.Tensor:
     """One launch of the qkv_rope kernel for inputs its caller checked; rope_args: (positions,
-    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: () or (norm weight, eps)
-    for the RMSNorm prologue (gemv_norm.py)."""
+    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: () or (norm weight, eps,
+    sums of squares) for the RMSNorm prologue (gemv_norm.py)."""
     positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
     extra = (
         dev(positions),

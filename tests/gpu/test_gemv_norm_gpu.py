@@ -16,6 +16,16 @@ DEV = "cuda"
 H16 = dict(device=DEV, dtype=torch.float16)
 
 
+def _spread_ss(x: torch.Tensor) -> torch.Tensor:
+    """x's row sums of squares split over the slots in random shares (as the residual epilogue
+    leaves them: a kernel that reads only some slots gets a wrong rms)."""
+    from voltserve.kernels.gemv import SS_SLOTS
+
+    share = torch.rand(x.shape[0], SS_SLOTS, device=DEV)
+    share /= share.sum(-1, keepdim=True)
+    return (share * x.float().square().sum(-1, keepdim=True)).contiguous()
+
+
 @pytest.mark.parametrize("K,N", [(4096, 4096), (14336, 4096), (896, 896), (4864, 896)])
 @pytest.mark.parametrize("M", [1, 2])
 def test_gemv_residual(K, N, M):
@@ -26,11 +36,15 @@ def test_gemv_residual(K, N, M):
     residual = torch.randn(M, N, **H16)
     want32 = residual.float() + torch.nn.functional.linear(x.float(), w.float())
     want16 = residual + torch.nn.functional.linear(x, w)  # the unfused pair (cuBLAS, then add)
-    got = gemv_residual_cuda(x, w, None, residual)
+    ss = torch.rand(M, 32, device=DEV)  # the kernel adds to what is there
+    ss0 = ss.clone()
+    got = gemv_residual_cuda(x, w, None, residual, ss)
     torch.cuda.synchronize()
     assert got is residual
     torch.testing.assert_close(residual.float(), want32, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(residual, want16, atol=2e-2, rtol=2e-2)
+    gained = (ss - ss0).sum(-1)
+    torch.testing.assert_close(gained, residual.float().square().sum(-1), atol=1e-2, rtol=1e-4)
 
 
 @pytest.mark.parametrize("K,N", [(4096, 28672), (896, 9728)])
@@ -43,7 +57,7 @@ def test_gemv_gate_up_norm(K, N, M):
     x = torch.randn(M, K, **H16) * 4  # a residual stream far from unit rms
     w = torch.empty(N, K, **H16).normal_(0, 0.04)
     nw = torch.rand(K, **H16) + 0.5
-    got = gemv_gate_up_norm_cuda(x, w, None, nw, 1e-5)
+    got = gemv_gate_up_norm_cuda(x, w, None, nw, 1e-5, _spread_ss(x))
     xn = rms_norm_cuda(x, nw, 1e-5)  # the unfused kernel's normalised rows
     want = silu_and_mul_ref(torch.nn.functional.linear(xn.float(), w.float()).half())
     torch.cuda.synchronize()
@@ -67,9 +81,10 @@ def test_gemv_qkv_rope_norm(K, n_q, n_kv, D, M):
     kc = torch.full((64, n_kv, 16, D), float("nan"), **H16)
     vc = kc.clone()
     kr, vr = kc.float(), vc.float()
-    got = gemv_qkv_rope_norm_cuda(x, w, None, pos, cache, kc, vc, slots, n_q, n_kv, nw, 1e-5)
+    ss = _spread_ss(x)
+    got = gemv_qkv_rope_norm_cuda(x, w, None, pos, cache, kc, vc, slots, n_q, n_kv, nw, 1e-5, ss)
     want = gemv_qkv_rope_norm_ref(
-        x.float(), w.float(), None, pos, cache, kr, vr, slots, n_q, n_kv, nw.float(), 1e-5
+        x.float(), w.float(), None, pos, cache, kr, vr, slots, n_q, n_kv, nw.float(), 1e-5, ss
     )
     torch.cuda.synchronize()
     assert not torch.isnan(got).any()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from voltserve.kernels import gemv, gemv_norm
+from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_ref
 from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.rmsnorm import rms_norm_ref
 from voltserve.kernels.rotary import build_cos_sin_cache
 
 sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
@@ -17,6 +19,21 @@ TOL32 = dict(atol=1e-4, rtol=1e-4)
 
 def _np(*ts):
     return tuple(t.numpy() for t in ts)
+
+
+def _spread_ss(x: torch.Tensor) -> torch.Tensor:
+    """x's row sums of squares split over the SS_SLOTS slots in random shares (as the residual
+    epilogue leaves them: a kernel that reads only some slots gets a wrong rms)."""
+    share = torch.rand(x.shape[0], gemv.SS_SLOTS)
+    share /= share.sum(-1, keepdim=True)
+    return (share * x.float().square().sum(-1, keepdim=True)).contiguous()
+
+
+def test_rms_norm_from_ss_ref_equals_rms_norm_ref():
+    x = (torch.randn(3, 40) * 3).half()
+    nw = (torch.rand(40) + 0.5).half()
+    got = gemv_norm.rms_norm_from_ss_ref(x, nw, 1e-5, _spread_ss(x))
+    torch.testing.assert_close(got, rms_norm_ref(x, nw, 1e-5), atol=2e-3, rtol=2e-3)
 
 
 @sim_only
@@ -29,18 +46,24 @@ def test_gemv_residual_adds_into_the_residual(dtype, M, K, with_bias):
     w = (torch.randn(N, K) / K**0.5).to(dtype)
     bias = torch.randn(N, dtype=dtype) if with_bias else None
     residual = torch.randn(M, N).to(dtype)
-    want = gemv_norm.gemv_residual_ref(x, w, bias, residual.clone())
+    # Sums of squares start from what is there (the kernel adds): fresh random values.
+    ss = torch.rand(M, gemv.SS_SLOTS)
+    ss0, ss_want = ss.clone(), ss.clone()
+    want = gemv_norm.gemv_residual_ref(x, w, bias, residual.clone(), ss_want)
     b = bias if bias is not None else w[0]
     launch(
         gemv.gemv_kernel(M, gemv.PLAIN, res=True),
         N,  # one warp (here: one block) per row
         32,
-        (*_np(x, w, b, residual), with_bias),
+        (*_np(x, w, b, residual), with_bias, ss.numpy()),
     )
-    torch.testing.assert_close(
-        residual.float(), want.float(), **(TOL16 if dtype == torch.float16 else TOL32)
-    )
+    tol = TOL16 if dtype == torch.float16 else TOL32
+    torch.testing.assert_close(residual.float(), want.float(), **tol)
     assert not torch.equal(residual, want - want)  # not left at zero
+    # Row totals gained the new residual's squares (the spread over slots is the kernel's own).
+    gained = ss.sum(-1) - ss0.sum(-1)
+    torch.testing.assert_close(gained, residual.float().square().sum(-1), **TOL32)
+    torch.testing.assert_close(ss.sum(-1), ss_want.sum(-1), **TOL32)
 
 
 @sim_only
@@ -60,12 +83,12 @@ def test_gemv_gate_up_norm_matches_norm_then_gate_up(dtype, M, K, with_bias):
         gemv.gemv_kernel(M, gemv.GATE_UP, norm=True),
         inter,
         32,
-        (*_np(x, w, b, out), with_bias, nw.numpy(), eps),
+        (*_np(x, w, b, out), with_bias, nw.numpy(), eps, _spread_ss(x).numpy()),
     )
     assert not torch.isnan(out).any()
-    want = gemv_norm.gemv_gate_up_norm_ref(
-        x.float(), w.float(), None if bias is None else bias.float(), nw.float(), eps
-    )
+    # Against the unfused chain: RMSNorm (its own sum of squares), then gate_up.
+    xn = rms_norm_ref(x.float(), nw.float(), eps)
+    want = gemv.gemv_gate_up_ref(xn, w.float(), None if bias is None else bias.float())
     torch.testing.assert_close(out.float(), want, **(TOL16 if dtype == torch.float16 else TOL32))
     # The norm was applied: without it the product differs.
     plain = gemv.gemv_gate_up_ref(x.float(), w.float(), None if bias is None else bias.float())
@@ -86,8 +109,17 @@ def test_gemv_qkv_rope_norm_matches_norm_then_qkv_rope():
     kc = torch.randn(3, n_kv, bs, D).to(dtype)
     vc = torch.randn_like(kc)
     kr, vr = kc.float(), vc.float()
-    want = gemv_norm.gemv_qkv_rope_norm_ref(
-        x.float(), w.float(), None, positions, cache, kr, vr, slots, n_q, n_kv, nw.float(), 1e-6
+    want = gemv_qkv_rope_ref(
+        rms_norm_ref(x.float(), nw.float(), 1e-6),
+        w.float(),
+        None,
+        positions,
+        cache,
+        kr,
+        vr,
+        slots,
+        n_q,
+        n_kv,
     )
     out = torch.full((M, N), float("nan"), dtype=dtype)
     launch(
@@ -102,6 +134,7 @@ def test_gemv_qkv_rope_norm_matches_norm_then_qkv_rope():
             n_kv,
             nw.numpy(),
             1e-6,
+            _spread_ss(x).numpy(),
         ),
     )
     assert not torch.isnan(out).any()
@@ -144,12 +177,13 @@ def test_fused_norm_decode_equals_unfused_on_cpu():
     got = _decode_logits(model, ops, 2, 5, seed=4)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # prefill (10 rows): the unfused layer (1 rms_norm, 2n - 1 fused adds + the final one);
-    # decode: 2n residual GEMVs, n of each norm GEMV, and the final rms_norm.
+    # decode: 2n residual GEMVs, n gate_up norm GEMVs, n - 1 qkv norm GEMVs (the first layer's
+    # input rms_norm runs alone before its plain qkv GEMV), and the final rms_norm.
     counts = {k: calls.count(k) for k in names}
     assert counts == {
         "gemv_residual": 2 * n,
         "gemv_gate_up_norm": n,
-        "gemv_qkv_rope_norm": n,
-        "rms_norm": 2,
+        "gemv_qkv_rope_norm": n - 1,
+        "rms_norm": 3,
         "fused_add_rms_norm": 2 * n,
     }, counts

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.kernels.gemv_norm import new_sums_of_squares
 from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.linear_plan import (
     GEMV,
@@ -65,6 +66,19 @@ class ModelArch:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+@dataclass
+class FusedNorm:
+    """One half of a layer in the fused-norm decode (LlamaForCausalLM.fuse_norms): its first
+    GEMV normalises the residual stream with `norm` as it reads it, 1/rms from `ss_in` (norm
+    None: the input comes normalised already), and its last GEMV adds into `residual`, leaving
+    the new rows' sums of squares in `ss_out` (kernels/gemv_norm.py)."""
+
+    norm: RMSNorm | None
+    ss_in: torch.Tensor | None
+    residual: torch.Tensor
+    ss_out: torch.Tensor
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
@@ -94,14 +108,14 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        norm: RMSNorm | None = None,
-        residual_out: torch.Tensor | None = None,
+        fn: FusedNorm | None = None,
     ) -> torch.Tensor:
-        """norm / residual_out (the fused-norm decode, see LlamaForCausalLM.fuse_norms): x is
-        the residual stream, normalised inside the qkv GEMV, and o_proj adds into residual_out
-        (returned) instead of returning its product."""
+        """fn (the fused-norm decode): with fn.norm, x is the residual stream, normalised
+        inside the qkv GEMV; o_proj adds into fn.residual (returned) instead of returning its
+        product."""
         T = x.shape[0]
         k_cache, v_cache = kv_cache
+        norm = fn.norm if fn is not None else None
         fused = norm is not None or self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
         if fused:
             # One launch: the projection, rotary on q and k, and the KV-cache write (and with
@@ -121,7 +135,7 @@ class Attention(nn.Module):
             if norm is None:
                 qkv = ops.gemv_qkv_rope(*args)
             else:
-                qkv = ops.gemv_qkv_rope_norm(*args, norm.weight, norm.eps)
+                qkv = ops.gemv_qkv_rope_norm(*args, norm.weight, norm.eps, fn.ss_in)
         else:
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -163,9 +177,10 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
-        if residual_out is not None:
+        if fn is not None:
+            o_proj = self.o_proj
             return ops.gemv_residual(
-                o.view(T, self.q_size), self.o_proj.weight, self.o_proj.bias, residual_out
+                o.view(T, self.q_size), o_proj.weight, o_proj.bias, fn.residual, fn.ss_out
             )
         return self.o_proj(o.view(T, self.q_size), ops)
 
@@ -203,19 +218,15 @@ class MLP(nn.Module):
         self,
         ops: KernelDispatch,
         x: torch.Tensor,
-        norm: RMSNorm | None = None,
-        residual_out: torch.Tensor | None = None,
+        fn: FusedNorm | None = None,
     ) -> torch.Tensor:
-        """norm / residual_out: as in Attention.forward (the fused-norm decode)."""
-        if norm is not None:
-            gu = self.gate_up_proj
-            h = ops.gemv_gate_up_norm(x, gu.weight, gu.bias, norm.weight, norm.eps)
-        else:
-            # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
-            h = gate_up_silu(x, self.gate_up_proj, ops)
-        if residual_out is not None:
-            d = self.down_proj
-            return ops.gemv_residual(h, d.weight, d.bias, residual_out)
+        """fn: as in Attention.forward (the fused-norm decode; fn.norm is never None here)."""
+        if fn is not None:
+            gu, d, norm = self.gate_up_proj, self.down_proj, fn.norm
+            h = ops.gemv_gate_up_norm(x, gu.weight, gu.bias, norm.weight, norm.eps, fn.ss_in)
+            return ops.gemv_residual(h, d.weight, d.bias, fn.residual, fn.ss_out)
+        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
+        h = gate_up_silu(x, self.gate_up_proj, ops)
         return self.down_proj(h, ops)
 
 
@@ -254,14 +265,21 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        ss: torch.Tensor,
+        ss_in: torch.Tensor | None,
     ) -> None:
         """The layer on the residual stream, in place: each norm runs inside the GEMV that reads
-        it and each residual add inside the GEMV that produces it (no norm launches)."""
-        attn = self.self_attn
-        attn(
-            ops, positions, residual, kv_cache, meta, cos_sin_cache, self.input_layernorm, residual
-        )
-        self.mlp(ops, residual, self.post_attention_layernorm, residual)
+        it and each residual add inside the GEMV that produces it. ss: [2, T, SS_SLOTS] zeroed
+        sums of squares for the rows o_proj and down_proj write; ss_in: those of the rows this
+        layer reads (the previous layer's ss[1]), None in the first layer, whose input norm runs
+        alone (no GEMV wrote its rows)."""
+        if ss_in is None:
+            x, attn_fn = self.input_layernorm(ops, residual), FusedNorm(None, None, residual, ss[0])
+        else:
+            x, attn_fn = residual, FusedNorm(self.input_layernorm, ss_in, residual, ss[0])
+        self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache, attn_fn)
+        mlp_fn = FusedNorm(self.post_attention_layernorm, ss[0], residual, ss[1])
+        self.mlp(ops, residual, mlp_fn)
 
 
 class LlamaModel(nn.Module):
@@ -344,8 +362,16 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         layers = zip(self.model.layers, kv_caches, strict=True)
         if self.fuse_norms(ops, x, meta):
-            for layer, kv_cache in layers:  # x is the residual stream, updated in place
-                layer.forward_fused_norms(ops, positions, x, kv_cache, meta, self.cos_sin_cache)
+            # x is the residual stream, updated in place; each layer's two residual GEMVs leave
+            # the sums of squares its successor's norms read (zeroed here: one memset a step).
+            ss = new_sums_of_squares(2 * len(self.model.layers), x.shape[0], x.device)
+            ss_in = None
+            for i, (layer, kv_cache) in enumerate(layers):
+                pair = ss[2 * i : 2 * i + 2]
+                layer.forward_fused_norms(
+                    ops, positions, x, kv_cache, meta, self.cos_sin_cache, pair, ss_in
+                )
+                ss_in = pair[1]
             x = self.model.norm(ops, x)
         else:
             residual = None
