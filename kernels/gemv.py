@@ -257,15 +257,17 @@ def _source(
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
     if norm:
-        # 1/rms of each x row (rmsnorm._inv_rms's arithmetic) from its SS_SLOTS partial sums:
-        # lane l holds slot l.
+        # Each x row's SS_SLOTS partial sums of squares, lane l holding slot l: loaded here,
+        # summed (1/rms) only after the first step's weight loads are issued (first=True).
+        L += [f"    sv{m} = ss[{f'xm{m}' if m else '0'}, lane]" for m in range(M)]
+    if res:
+        # The residual value each writing lane adds to, read now so its trip overlaps the
+        # weight stream instead of following it.
         L += [
-            f"    inv{m} = float32(float32(1.0) / float32(math.sqrt(float32("
-            f"_warp_sum(ss[{f'xm{m}' if m else '0'}, lane]) / float32(K)) + float32(eps))))"
-            for m in range(M)
+            f"    old = float32(out[min(lane // {R}, Mx - 1), min(row0 + lane % {R}, N - 1)])",
         ]
 
-    def body(indent: str, guarded: bool) -> list[str]:
+    def body(indent: str, guarded: bool, first: bool = False) -> list[str]:
         out = [f"{indent}c{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
         # Every weight load of the step before the first use: R * U * 16 bytes in flight.
         for r in range(R):
@@ -274,6 +276,12 @@ def _source(
                     out.append(f"{indent}w{r}_{j} = _ld8_guard(w, rw{r}, c{j}, K)")
                 else:
                     out.append(f"{indent}w{r}_{j} = ld8(w, (rw{r}, c{j}))")
+        if first:  # 1/rms of each x row (rmsnorm._inv_rms's arithmetic)
+            out += [
+                f"{indent}inv{m} = float32(float32(1.0) / float32(math.sqrt(float32("
+                f"_warp_sum(sv{m}) / float32(K)) + float32(eps))))"
+                for m in range(M)
+            ]
         # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
         for j in range(U):
             if norm:  # the norm weight chunk, shared by the M rows
@@ -293,6 +301,13 @@ def _source(
                     out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
         return out
 
+    if norm:  # the first step peeled: it computes 1/rms once its weight loads are out
+        L.append(f"    if {step} <= K:")
+        L += body("        ", False, first=True)
+        L.append(f"        k0 += {step}")
+        L.append("    else:")
+        L += body("        ", True, first=True)
+        L.append("        k0 = K")
     L.append(f"    while k0 + {step} <= K:")
     L += body("        ", False)
     L.append(f"        k0 += {step}")
@@ -361,7 +376,7 @@ def _source(
     if res:
         L += [
             f"            m = lane // {R}",
-            "            v = round_like(float32(out[m, row]) + round_like(mine, out), out)",
+            "            v = round_like(old + round_like(mine, out), out)",
             "            out[m, row] = v",
             f"            cuda.atomic.add(ss, (m, warp & {SS_SLOTS - 1}), v * v)",
         ]
