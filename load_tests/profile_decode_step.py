@@ -93,6 +93,19 @@ def time_op(fn: Callable[[int], Any], launches: int, reps: int) -> float:
 # The engine
 
 
+def batched_tokens(args) -> int:
+    return max(8192, args.prompt_len)
+
+
+def output_budget(args, batch: int) -> int:
+    """Tokens a request may generate: the timed steps, plus the steps the first requests decode
+    while the batch's later prompts are still prefilling (chunked prefill runs them together),
+    plus slack."""
+    budget = batched_tokens(args) - batch  # what the decoding rows leave a step for prefill
+    prefill_steps = -(-batch * args.prompt_len // budget) + 1
+    return args.warm_steps + args.steps + prefill_steps + 8
+
+
 def make_engine(model_dir: Path, args, max_batch: int):
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.shared.config import EngineConfig
@@ -101,9 +114,9 @@ def make_engine(model_dir: Path, args, max_batch: int):
         model=str(model_dir),
         dtype="float16",
         device="cuda",
-        max_model_len=args.prompt_len + args.steps + args.warm_steps + 64,
+        max_model_len=args.prompt_len + output_budget(args, max_batch) + 64,
         max_num_seqs=max(8, max_batch),
-        max_num_batched_tokens=max(8192, args.prompt_len),
+        max_num_batched_tokens=batched_tokens(args),
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_graph_batch_size=max(8, max_batch),
         seed=0,
@@ -131,7 +144,7 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
     vocab = engine.vocab_size
     n_steps = args.warm_steps + args.steps
-    params = SamplingParams(max_tokens=n_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_budget(args, batch), temperature=0.0, ignore_eos=True)
     ids = [f"p{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, rng.integers(16, vocab, size=args.prompt_len).tolist(), params)
