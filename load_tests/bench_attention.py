@@ -87,30 +87,37 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
     return t, nbytes
 
 
-SWEEP_PARTITIONS = (32, 64, 128)
+SWEEP_PARTITIONS = (32, 64, 128)  # small batches: parallel work comes from partitions
+# Larger batches: the grid is full already, so fewer, longer partitions (1024: one per 1K
+# sequence, no merge). At batch 64 and 1K context the 32-128 partitions measured 154-425 us.
+SWEEP_PARTITIONS_BATCHED = (128, 256, 512, 1024)
+SWEEP_SMALL_BATCH = 8
 
 
-def sweep_variants(n_part_of) -> list[tuple[int, int, str, int | None, bool]]:
+def sweep_variants(n_part_of, batch: int = 1) -> list[tuple[int, int, str, int | None, bool]]:
     """(partition, threads, mode, max_registers, online core) to time: every partition with
     the online core and with the block core, in the in-kernel merge mode (the merge kernel
-    where that is the only mode), 128 threads; and 64 threads for the default partition (64
-    threads lost 6 us at 1K context on an H200 with the block core). Each is a numba compile
-    (~10 s on the device), so the list stays short."""
+    where that is the only mode), 128 threads; at small batches also 64 threads for partition
+    64 (64 threads lost 6 us at 1K context on an H200 with the block core). Each is a numba
+    compile (~10 s on the device), so the list stays short."""
     from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS
 
+    small = batch <= SWEEP_SMALL_BATCH
     out = []
     for online in (True, False):
-        for part in SWEEP_PARTITIONS:
+        for part in SWEEP_PARTITIONS if small else SWEEP_PARTITIONS_BATCHED:
             mode = "merge" if n_part_of(part) <= MERGE_MAX_PARTITIONS else "split"
             out.append((part, 128, mode, -1, online))
-    out.append((64, 64, "merge" if n_part_of(64) <= MERGE_MAX_PARTITIONS else "split", -1, True))
+    if small:
+        mode = "merge" if n_part_of(64) <= MERGE_MAX_PARTITIONS else "split"
+        out.append((64, 64, mode, -1, True))
     return out
 
 
 def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) -> list[dict]:
-    """Small-batch decode attention over its launch knobs (see sweep_variants): one row per
-    variant with its time and its largest difference from the default launch's output (a
-    broken variant shows there). Rows are printed as they are measured."""
+    """Decode attention over its launch knobs (see sweep_variants): the default launch, then
+    one row per variant with its time and its largest difference from the block core's output
+    at the default partition (a broken variant shows there). Rows are printed as measured."""
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
         decode_workspace,
@@ -124,8 +131,35 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
     want = paged_decode_attention_cuda(
         q, k, v, tables, sl, scale, max_seq_len=context, online=False
     )
+    # The default launch (the partition and core the launcher picks) first, for max_seq_len =
+    # the context and for 8x it: a graph captured for max_model_len = 8 x the context launches
+    # the larger grid, whose extra blocks find no tokens and exit.
     rows = []
-    for part, threads, mode, regs, online in sweep_variants(lambda p: num_partitions(context, p)):
+    for bound in (1, 8):
+        default_out = torch.full_like(q, float("nan"))
+        # As the runner's tables: max_model_len / 16 columns, zero beyond a sequence's blocks.
+        wide = torch.zeros((batch, bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
+        wide[:, : tables.shape[1]] = tables
+
+        def call(out=default_out, bound=bound, wide=wide):
+            paged_decode_attention_cuda(q, k, v, wide, sl, scale, out, max_seq_len=bound * context)
+
+        t = time_graph(call, iters=20, repeats=10)
+        row = dict(
+            batch=batch,
+            context=context,
+            partition=0,  # the launcher's choice
+            threads=128,
+            mode="default" if bound == 1 else f"dflt{bound}x",
+            max_registers="default",
+            core="auto",
+            time_us=t * 1e6,
+            max_abs_diff=(default_out.float() - want.float()).abs().max().item(),
+        )
+        print(sweep_line(row), flush=True)
+        rows.append(row)
+    variants = sweep_variants(lambda p: num_partitions(context, p), batch)
+    for part, threads, mode, regs, online in variants:
         n_part = num_partitions(context, part)
         p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
         ws = decode_workspace(batch, H, p_ws, head_dim, "cuda")

@@ -24,21 +24,26 @@ def test_launch_arguments_per_kind(recorded):
     x = torch.randn(M, K)
     w = torch.randn(48, K)
     nw = torch.randn(K)
+    ss = torch.rand(M, gemv.SS_SLOTS)
     cases = [
-        # (kind, out, extra, norm, res) -> (out shape, grid rows, tail)
-        (gemv.PLAIN, None, (), (), False, (M, 48), 48),
-        (gemv.GATE_UP, None, (), (nw, 1e-5), False, (M, 24), 24),
-        (gemv.QKV_ROPE, None, ("r0", "r1"), (), False, (M, 48), 24),
-        (gemv.PLAIN, torch.zeros(M, 48), (), (), True, (M, 48), 48),
+        # (kind, out, extra, norm, res_ss) -> (out shape, grid rows)
+        (gemv.PLAIN, None, (), (), None, (M, 48), 48),
+        (gemv.GATE_UP, None, (), (nw, 1e-5, ss), None, (M, 24), 24),
+        (gemv.QKV_ROPE, None, ("r0", "r1"), (), None, (M, 48), 24),
+        (gemv.PLAIN, torch.zeros(M, 48), (), (), ss, (M, 48), 48),
     ]
-    for kind, out, extra, norm, res, shape, units in cases:
+    for kind, out, extra, norm, res_ss, shape, units in cases:
         recorded.clear()
-        got = gemv.launch_gemv(x, w, None, out, kind, extra, norm, res)
+        got = gemv.launch_gemv(x, w, None, out, kind, extra, norm, res_ss)
         assert got.shape == shape and (out is None or got is out)
         ((kernel, grid, block, args, stream),) = recorded
+        res = res_ss is not None
         assert kernel is gemv.gemv_kernel(M, kind, norm=bool(norm), res=res)
         assert grid == gemv.grid_for(M, units, kind) and block == gemv.THREADS
         assert args[0] is x and args[1] is w and args[3] is got and args[4] is False
         assert args[2] is not None  # a stand-in row for the missing bias
-        tail = (norm[0], float(norm[1])) if norm else ()
-        assert args[5:] == (*extra, *tail) and stream == "stream"
+        # The prologue's (norm weight, eps, sums of squares) or the epilogue's sums of squares.
+        tail = (norm[0], float(norm[1]), norm[2]) if norm else (res_ss,) if res else ()
+        assert len(args[5:]) == len(extra) + len(tail) and stream == "stream"
+        assert args[5 : 5 + len(extra)] == extra
+        assert all(a is t or a == t for a, t in zip(args[5 + len(extra) :], tail, strict=True))

@@ -146,6 +146,8 @@ def test_gemv_qkv_rope_norm_matches_norm_then_qkv_rope():
 def test_res_epilogue_only_for_plain():
     with pytest.raises(ValueError, match="plain kind only"):
         gemv._source(1, *gemv.tile_for(1, gemv.GATE_UP), gemv.GATE_UP, res=True)
+    with pytest.raises(ValueError, match="not both"):
+        gemv._source(1, *gemv.tile_for(1), gemv.PLAIN, norm=True, res=True)
 
 
 def test_fused_norm_decode_equals_unfused_on_cpu():
