@@ -33,6 +33,11 @@ CUDA graphs: the grid depends only on an upper bound of the context (`max_seq_le
 the block table width x block size), never on the values of seq_lens. Partitions past a
 sequence's length exit at once; the merge reads each sequence's own partition count; a
 sequence of length 0 (graph padding) gets a zero output. No host sync anywhere.
+
+Persistent form (`persistent=True`, opt-in until timed): the same body inside a loop over the
+(partition, head group, sequence) items, on a grid of the blocks that fit at once. A graph
+captured with a large bound (max_model_len) then pays a seq_lens read, not a block launch, for
+each partition past a sequence's end (at batch 64, 1K contexts and an 8K bound, 3 of 4 blocks).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
+    # A fixed grid of blocks that loop over the (partition, head group, sequence) items (see
+    # _kernel_source) instead of one block per item: partitions past a sequence's end cost a
+    # seq_lens read instead of a block launch, and the grid fills whole waves.
+    persistent: bool = False
 
 
 def decode_config(
@@ -124,9 +133,10 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     NPAD = next_pow2(NVAL)
     masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
     out: list[str] = []
+    base = 0  # persistent: the body sits one level deeper, inside the loop over items
 
     def emit(indent: int, line: str) -> None:
-        out.append("    " * indent + line)
+        out.append("    " * (indent + (base if indent else 0)) + line)
 
     # Reduce-scatter plan: at a step whose list has >= 2 values, lanes split it (the lane with
     # the mask bit set keeps the upper half) and add what the partner sends; once one value is
@@ -164,10 +174,25 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         return f"{'half_hi' if j % 2 else 'half_lo'}({r}_{j // 2})"
 
     emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
-    emit(0, "           max_logits, exp_sums, tmp_out, counters):")
-    emit(1, "part = cuda.blockIdx.x")
-    emit(1, "y = cuda.blockIdx.y")
-    emit(1, "b = cuda.blockIdx.z")
+    if cfg.persistent:
+        # Items in partition-fastest order; each block strides over them. Every exit of the
+        # body is block-uniform (`continue` where the one-item kernel returns), and the barrier
+        # at the top keeps one item's shared-memory writes behind the last item's readers.
+        emit(0, "           max_logits, exp_sums, tmp_out, counters, n_part, n_y):")
+        emit(1, "n_items = n_part * n_y * q.shape[0]")
+        emit(1, "for item in range(cuda.blockIdx.x, n_items, cuda.gridDim.x):")
+        emit(2, "cuda.syncthreads()")
+        emit(2, "part = item % n_part")
+        emit(2, "rest = item // n_part")
+        emit(2, "y = rest % n_y")
+        emit(2, "b = rest // n_y")
+        base = 1
+    else:
+        emit(0, "           max_logits, exp_sums, tmp_out, counters):")
+        emit(1, "part = cuda.blockIdx.x")
+        emit(1, "y = cuda.blockIdx.y")
+        emit(1, "b = cuda.blockIdx.z")
+        emit(1, "n_y = cuda.gridDim.y")
     emit(1, f"kvh = y // {cfg.split}")
     emit(1, f"h0 = y * {G}")
     emit(1, "tid = cuda.threadIdx.x")
@@ -180,7 +205,7 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(2, "if part == 0:")
         emit(3, f"for i in range(tid, {GD}, {NT}):")
         emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
-    emit(2, "return")
+    emit(2, _exit(cfg))
     emit(1, f"n_tok = min({PART}, seq_len - start)")
     emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
     emit(1, f"blk0 = start // {BLOCK_SIZE}")
@@ -369,7 +394,7 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
         emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
     if merge:
-        _emit_merge(emit, G, D, NT, NW, PART)
+        _emit_merge(emit, G, D, NT, NW, PART, _exit(cfg))
 
 
 def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
@@ -475,7 +500,12 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     emit(1, "cuda.syncthreads()")
 
 
-def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
+def _exit(cfg: DecodeConfig) -> str:
+    """How the body leaves an item: the one-item kernel returns, the persistent one moves on."""
+    return "continue" if cfg.persistent else "return"
+
+
+def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, leave: str) -> None:
     """The last partition block of a (sequence, head group) to finish merges the group's
     partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
 
@@ -489,7 +519,7 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     emit(1, "cuda.syncthreads()")
     emit(1, "flag = cuda.shared.array(1, int32)")
     emit(1, f"n_done = (seq_len + {PART - 1}) // {PART}")
-    emit(1, "cidx = b * cuda.gridDim.y + y")
+    emit(1, "cidx = b * n_y + y")
     emit(1, "if tid == 0:")
     emit(2, "ticket = cuda.atomic.add(counters, cidx, 1)")
     emit(2, "flag[0] = 0")
@@ -498,7 +528,7 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     emit(3, "counters[cidx] = 0")
     emit(1, "cuda.syncthreads()")
     emit(1, "if flag[0] == 0:")
-    emit(2, "return")
+    emit(2, leave)
     emit(1, "cuda.threadfence()")
     # Per head (one warp each, lane = partition): global max, then weight = exp(m_p - m) / sum.
     emit(1, f"w_s = cuda.shared.array(({G}, {MERGE_MAX_PARTITIONS}), float32)")
@@ -572,7 +602,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    core = " online" if cfg.online else ""
+    core = (" online" if cfg.online else "") + (" persistent" if cfg.persistent else "")
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
@@ -692,6 +722,15 @@ def choose_partition(
     return fits[-1]
 
 
+def persistent_grid(items: int, cfg: DecodeConfig, mode: str, num_sms: int) -> int:
+    """Blocks of the persistent form: as many as stay resident at once (one full wave), or the
+    item count when smaller. Resident blocks of 128 threads per SM from the sm_70 register
+    counts (`voltserve check-kernels`): split/merge capped at 128 registers -> 4, direct ~142
+    -> 3, the online core ~204 -> 2."""
+    per_sm = 2 if cfg.online else 3 if mode == "direct" else 4
+    return max(1, min(items, per_sm * num_sms * 128 // cfg.num_threads))
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     import torch
@@ -726,6 +765,7 @@ def paged_decode_attention_cuda(
     num_threads: int = 128,
     max_registers: int | None = -1,
     online: bool | None = None,
+    persistent: bool = False,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -739,7 +779,10 @@ def paged_decode_attention_cuda(
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
+    persistent: launch the persistent form (DecodeConfig.persistent) on a grid of
+    persistent_grid() blocks; off by default until timed (load_tests/bench_attention.py
+    --sweep compares them)."""
     import torch
 
     B, H, D = q.shape
@@ -774,8 +817,8 @@ def paged_decode_attention_cuda(
             blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
-    if online:
-        cfg = dataclasses.replace(cfg, online=True)
+    if online or persistent:
+        cfg = dataclasses.replace(cfg, online=online, persistent=persistent)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -797,9 +840,15 @@ def paged_decode_attention_cuda(
     stream = torch_stream()
     ml, es, tmp = (as_numba(t) for t in workspace)
     sl = as_numba(seq_lens)
-    grid = (n_part, kvh * cfg.split, B)
+    n_y = kvh * cfg.split
+    grid = (n_part, n_y, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
-    counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
+    counters = _COUNTERS.get(q.device, n_y * B) if mode == "merge" else sl
+    extra = ()
+    if persistent:
+        items = n_part * n_y * B
+        grid = (persistent_grid(items, cfg, mode, _num_sms(q.device.index or 0)),)
+        extra = (n_part, n_y)
     decode_kernel(cfg, mode, max_registers)[grid, cfg.num_threads, stream](
         as_numba(out),
         as_numba(q),
@@ -813,6 +862,7 @@ def paged_decode_attention_cuda(
         es,
         tmp,
         as_numba(counters),
+        *extra,
     )
     if mode == "split":
         decode_reduce_kernel[(H, B), REDUCE_THREADS, stream](
@@ -861,3 +911,6 @@ decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")
+decode_kernel_d128_g4_persistent = decode_kernel(
+    dataclasses.replace(decode_config(32, 8, 128, 512), persistent=True), "merge"
+)

@@ -132,17 +132,28 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
         q, k, v, tables, sl, scale, max_seq_len=context, online=False
     )
     # The default launch (the partition and core the launcher picks) first, for max_seq_len =
-    # the context and for 8x it: a graph captured for max_model_len = 8 x the context launches
-    # the larger grid, whose extra blocks find no tokens and exit.
+    # the context and for 8x it (a graph captured for max_model_len = 8 x the context launches
+    # the larger grid, whose extra blocks find no tokens and exit), each also in the persistent
+    # form (resident blocks looping over the items: no block per empty partition).
     rows = []
-    for bound in (1, 8):
+    for bound, persistent in ((1, False), (8, False), (1, True), (8, True)):
         default_out = torch.full_like(q, float("nan"))
         # As the runner's tables: max_model_len / 16 columns, zero beyond a sequence's blocks.
         wide = torch.zeros((batch, bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
         wide[:, : tables.shape[1]] = tables
 
-        def call(out=default_out, bound=bound, wide=wide):
-            paged_decode_attention_cuda(q, k, v, wide, sl, scale, out, max_seq_len=bound * context)
+        def call(out=default_out, bound=bound, wide=wide, persistent=persistent):
+            paged_decode_attention_cuda(
+                q,
+                k,
+                v,
+                wide,
+                sl,
+                scale,
+                out,
+                max_seq_len=bound * context,
+                persistent=persistent,
+            )
 
         t = time_graph(call, iters=20, repeats=10)
         row = dict(
@@ -150,7 +161,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
             context=context,
             partition=0,  # the launcher's choice
             threads=128,
-            mode="default" if bound == 1 else f"dflt{bound}x",
+            mode=("pers" if persistent else "dflt") + f"{bound}x",
             max_registers="default",
             core="auto",
             time_us=t * 1e6,

@@ -93,6 +93,42 @@ def test_decode_short_single_partition(head_dim, group, online):
     check(out, ref)
 
 
+@pytest.mark.parametrize("partition_size", [None, 64, 256, 4096])
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7)])
+def test_decode_persistent(head_dim, group, partition_size):
+    """The persistent form (resident blocks looping over the items) at batch 48 under a 4096
+    bound: split (64), in-kernel merge (256), direct (4096) and the launcher's choice, with
+    empty partitions and a padding row; more items than resident blocks except in direct."""
+    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    seq_lens = torch.randint(1, 4097, (48,), generator=gen, device="cuda").tolist()
+    seq_lens[:4] = [0, 1, 16, 4096]
+    num_kv_heads = 8
+    k, v, tables = make_cache(seq_lens, num_kv_heads, head_dim, gen)
+    q = torch.randn((48, num_kv_heads * group, head_dim), generator=gen, device="cuda").half()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, scale)
+    ref[0] = 0
+    for _ in range(2):  # twice: the merge counters must be back at zero after a launch
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention_cuda(
+            q,
+            k,
+            v,
+            tables,
+            sl,
+            scale,
+            out,
+            max_seq_len=4096,
+            partition_size=partition_size,
+            persistent=True,
+        )
+        torch.cuda.synchronize()
+        check(out, ref)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_chunked(head_dim, group):
