@@ -609,8 +609,11 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     # ~142, a few bytes of spill outside the loops) fits 4 blocks of 128 threads per SM instead
     # of 3, a third more loads in flight. Direct mode (short contexts, small grids) is left free.
     # The online core holds K and V in flight together and runs on small grids: left free too.
+    # So is the persistent form: its loop keeps more alive (sm_70, Llama-3-8B shape: 218
+    # registers in merge mode, 168 split or direct), and a 128 cap spills 176-408 bytes.
     if max_registers == -1:
-        max_registers = MAX_REGISTERS if mode != "direct" and not cfg.online else None
+        capped = mode != "direct" and not cfg.online and not cfg.persistent
+        max_registers = MAX_REGISTERS if capped else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
 
@@ -724,10 +727,11 @@ def choose_partition(
 
 def persistent_grid(items: int, cfg: DecodeConfig, mode: str, num_sms: int) -> int:
     """Blocks of the persistent form: as many as stay resident at once (one full wave), or the
-    item count when smaller. Resident blocks of 128 threads per SM from the sm_70 register
-    counts (`voltserve check-kernels`): split/merge capped at 128 registers -> 4, direct ~142
-    -> 3, the online core ~204 -> 2."""
-    per_sm = 2 if cfg.online else 3 if mode == "direct" else 4
+    item count when smaller. Resident blocks of 128 threads per SM from its sm_70 register
+    counts at the Llama-3-8B shape (uncapped, see decode_kernel): merge 218 and the online core
+    -> 2, split and direct 168 -> 3. Another shape's counts differ; a grid too large for one
+    wave stays correct (the blocks past it start as the first ones finish)."""
+    per_sm = 2 if cfg.online or mode == "merge" else 3
     return max(1, min(items, per_sm * num_sms * 128 // cfg.num_threads))
 
 
