@@ -98,8 +98,9 @@ def sweep_variants(n_part_of, batch: int = 1) -> list[tuple[int, int, str, int |
     """(partition, threads, mode, max_registers, online core) to time: every partition with
     the online core and with the block core, in the in-kernel merge mode (the merge kernel
     where that is the only mode), 128 threads; at small batches also 64 threads for partition
-    64 (64 threads lost 6 us at 1K context on an H200 with the block core). Each is a numba
-    compile (~10 s on the device), so the list stays short."""
+    64 (64 threads lost 6 us at 1K context on an H200 with the block core), at larger ones the
+    longest partition capped at 128 registers. Each is a numba compile (~10 s on the device),
+    so the list stays short."""
     from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS
 
     small = batch <= SWEEP_SMALL_BATCH
@@ -111,6 +112,13 @@ def sweep_variants(n_part_of, batch: int = 1) -> list[tuple[int, int, str, int |
     if small:
         mode = "merge" if n_part_of(64) <= MERGE_MAX_PARTITIONS else "split"
         out.append((64, 64, mode, -1, True))
+    else:
+        # The longest partition with the block core capped at 128 registers: the direct mode
+        # runs uncapped (~140 on sm_70, 3 blocks per SM), so 512 blocks (batch 64 x 8 KV
+        # heads) take 1.3 waves where 4 per SM would take one.
+        part = SWEEP_PARTITIONS_BATCHED[-1]
+        mode = "merge" if n_part_of(part) <= MERGE_MAX_PARTITIONS else "split"
+        out.append((part, 128, mode, 128, False))
     return out
 
 
@@ -200,7 +208,7 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
             partition=part,
             threads=threads,
             mode=mode if n_part > 1 else "direct",
-            max_registers="default" if regs == -1 else "none",
+            max_registers={-1: "default", None: "none"}.get(regs, str(regs)),
             core="online" if online else "block",
             time_us=t * 1e6,
             max_abs_diff=(out.float() - want.float()).abs().max().item(),
