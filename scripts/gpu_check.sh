@@ -5,8 +5,8 @@
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
-# attention's launch variants at small batch; `decode-b1`: the batch-1 profile and one
-# bench_decode per DECODE_VARIANTS entry)
+# attention's launch variants (SWEEP=BxC,...); `decode-b1`: the batch-1 profile and one
+# bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -110,6 +110,16 @@ for stage in $STAGES; do
         name=${variant%%:*}
         envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
         run "decode_b1_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --skip-transformers --out "$OUT/decode_llama3-8b_b1_$name.json"
+      done
+      ;;
+    decode-batched)
+      # Batch 64 and 256 at 1K context only (one short batch-1 run, no transformers), once per
+      # DECODE_VARIANTS entry (as decode-b1), e.g. "base pipe:VOLTSERVE_PIPELINE_MAX_BATCH=256".
+      for variant in ${DECODE_VARIANTS:-base}; do
+        [ "$variant" = none ] && continue
+        name=${variant%%:*}
+        envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
+        run "decode_batched_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 1 --warmup 0 --skip-transformers --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b_batched_$name.json"
       done
       ;;
     serving)

@@ -40,7 +40,11 @@ class Batcher:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        lookahead_slots: int = 0,
     ):
+        """lookahead_slots: KV slots a decoding request also gets past this step's token when
+        blocks are free (best effort, never by preemption), so that a step launched ahead
+        (decode_pipeline.py) finds its block allocated at a block boundary."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -50,6 +54,7 @@ class Batcher:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead_slots = lookahead_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self.num_preemptions = 0
@@ -94,6 +99,7 @@ class Batcher:
         # avoids property calls and only asks the block manager when a block boundary is
         # crossed. A list copy, since preemption shrinks self.running.
         bs = bm.block_size
+        ahead = self.lookahead_slots
         prefills: list[Request] = []
         mixed = False  # something besides one-token decodes was scheduled
         for req in list(self.running):
@@ -108,6 +114,13 @@ class Batcher:
             if done < len(req.block_ids) * bs or grow(req, 1):
                 scheduled[req.request_id] = ScheduledRequest(req, 1)
                 budget -= 1
+                # The lookahead only for a request that will decode again after this step.
+                if (
+                    ahead
+                    and done + 1 + ahead > len(req.block_ids) * bs
+                    and len(req.output_token_ids) + 1 < req.max_output_tokens
+                ):
+                    bm.append_slots(req, 1 + ahead)  # False (no free block): no lookahead
 
         # 2. Running prefill chunks, oldest first (including recomputation after preemption).
         for req in prefills:

@@ -11,9 +11,12 @@ joined, was preempted or aborted) discards it.
 Discarding is safe because the stream orders everything: the discarded step only wrote the KV
 slot one past each of its requests' positions, inside blocks those requests still held when it
 was launched, and whatever the next step writes there runs after it. The cost of a discard is
-one step of GPU time, so the pipeline runs only for batches up to `max_batch` and only where the
-step's tokens are the plain argmax (greedy, no logprobs, penalties, bias or min_tokens ban), and
-never across a block boundary (the next block is not allocated yet).
+one step of GPU time, so the pipeline runs only for batches up to `max_batch`
+(VOLTSERVE_PIPELINE_MAX_BATCH, default 8, the sizes it was timed at) and only where the step's
+tokens are the plain argmax (greedy, no logprobs, penalties, bias or min_tokens ban). At a block
+boundary it continues only when the block is already there: the engine gives a pipelined
+runner's batcher one slot of lookahead (batcher.py), so a decoding request holds the next block
+one step early whenever a block is free.
 
 On by default (VOLTSERVE_PIPELINE_DECODE=0 turns it off). Checked against the eager engine on the
 CPU emulation of the graphs (tests/engine/test_decode_pipeline.py) and on the GPU
@@ -35,11 +38,26 @@ if TYPE_CHECKING:
     from voltserve.services.executor.model_runner import ModelRunner
 
 PIPELINE_ENV = "VOLTSERVE_PIPELINE_DECODE"
+MAX_BATCH_ENV = "VOLTSERVE_PIPELINE_MAX_BATCH"
 DEFAULT_MAX_BATCH = 8
 
 
 def pipeline_enabled() -> bool:
     return os.environ.get(PIPELINE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def pipeline_max_batch() -> int:
+    """The largest batch the pipeline launches ahead (VOLTSERVE_PIPELINE_MAX_BATCH)."""
+    raw = os.environ.get(MAX_BATCH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_BATCH_ENV} must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{MAX_BATCH_ENV} must be a positive integer, got {raw!r}")
+    return value
 
 
 @dataclass

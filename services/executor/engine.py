@@ -81,8 +81,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
         )
+        # A pipelined runner launches step N+1 before step N's tokens are back: one slot of
+        # lookahead keeps its block allocated at block boundaries.
         self.batcher = Batcher(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            lookahead_slots=1 if getattr(runner, "pipeline", None) is not None else 0,
         )
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self._seed_rng = random.Random(config.seed)

@@ -19,7 +19,11 @@ from itertools import chain
 import numpy as np
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.decode_pipeline import DecodePipeline, pipeline_enabled
+from voltserve.services.executor.decode_pipeline import (
+    DecodePipeline,
+    pipeline_enabled,
+    pipeline_max_batch,
+)
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
@@ -196,7 +200,7 @@ class ModelRunner:
             with startup.phase("compiling kernels and capturing CUDA graphs"):
                 self.graphs = CudaGraphRunner(self, graph_batch)
             if pipeline_enabled():
-                self.pipeline = DecodePipeline(self)
+                self.pipeline = DecodePipeline(self, pipeline_max_batch())
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)

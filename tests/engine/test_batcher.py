@@ -81,10 +81,12 @@ def test_plan_shape_budget_and_seq_cap():
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_preemption_and_aborts(seed):
+def test_random_workload_with_preemption_and_aborts(seed, lookahead):
     """Requests arrive over time with shared prefixes, under a tiny budget and KV pool; some are
-    aborted. Every finished request produces exactly what it produces alone."""
+    aborted. Every finished request produces exactly what it produces alone. lookahead: the
+    pipelined runner's extra decode slot (blocks taken a step early, never by preemption)."""
     rng = random.Random(seed)
     caching = seed % 3 != 2
     engine, runner = make_engine(
@@ -94,6 +96,7 @@ def test_random_workload_with_preemption_and_aborts(seed):
         caching=caching,
         eos_token_ids=(3,),
     )
+    engine.batcher.lookahead_slots = lookahead
     bases = [[rng.randrange(97) for _ in range(40)] for _ in range(3)]
     todo = []
     for i in range(24):
@@ -144,6 +147,44 @@ def test_random_workload_with_preemption_and_aborts(seed):
     assert stats.prefix_cache_queries >= stats.prefix_cache_hits
     if not caching:
         assert stats.prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_lookahead_slot_takes_the_next_block_a_step_early(lookahead):
+    """With one slot of lookahead, after every step a decoding request already holds the block
+    of the position its next step computes (what a step launched ahead writes); without it, it
+    gets that block only when the step is scheduled."""
+    engine, _ = make_engine(num_blocks=8)
+    engine.batcher.lookahead_slots = lookahead
+    bs = engine.block_manager.block_size
+    p = SamplingParams(max_tokens=2 * bs + 3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(1, bs)), p)  # bs - 1 prompt tokens
+    req = engine.requests["a"]
+    outputs, finish = {}, {}
+    covered = []
+    while engine.has_unfinished_requests():
+        step(engine, outputs, finish)
+        if engine.has_unfinished_requests():
+            covered.append(len(req.block_ids) * bs > req.num_computed_tokens)
+    assert finish == {"a": "length"} and len(outputs["a"]) == 2 * bs + 3
+    assert all(covered) if lookahead else not all(covered)
+    assert_all_free(engine)
+
+
+def test_lookahead_never_preempts():
+    """No free block: the lookahead waits and nothing is preempted for it."""
+    engine, _ = make_engine(num_blocks=3)
+    engine.batcher.lookahead_slots = 1
+    bs = engine.block_manager.block_size
+    p = SamplingParams(max_tokens=bs, temperature=0.0, ignore_eos=True)
+    # Two requests at one block each, one free block: each crosses into its second block.
+    engine.add_request("b", list(range(1, bs - 1)), p)
+    engine.add_request("c", list(range(1, bs - 1)), p)
+    outputs, finish = {}, {}
+    run_all(engine, outputs, finish)
+    assert finish == {"b": "length", "c": "length"}
+    assert engine.batcher.num_preemptions == 1  # the one a plain batcher has too
+    assert_all_free(engine)
 
 
 def test_add_request_validation():

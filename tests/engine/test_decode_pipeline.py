@@ -66,3 +66,54 @@ def test_pipeline_switch(monkeypatch) -> None:
     # Without CUDA graphs (here: CPU) there is nothing to launch ahead.
     cfg = EngineConfig(model=str(checkpoint("llama")), num_kv_blocks=8, max_model_len=64)
     assert ModelRunner(cfg).pipeline is None
+
+
+def test_pipeline_continues_across_block_boundaries(monkeypatch) -> None:
+    """A steady greedy batch of 12 (past the default max of 8, as VOLTSERVE_PIPELINE_MAX_BATCH
+    allows) whose rows cross block boundaries at different steps: with the batcher's lookahead
+    slot every decode step after the first is the one launched ahead; without it most steps
+    have a row at a boundary and are not. Tokens equal the eager engine's either way."""
+    from voltserve.services.executor.decode_pipeline import DecodePipeline
+
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
+    rng = random.Random()
+    cfg = EngineConfig(
+        model=str(checkpoint("llama")),
+        num_kv_blocks=48,
+        max_model_len=128,
+        max_num_seqs=12,
+        max_num_batched_tokens=256,
+    )
+    V = len(tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    arrivals = [
+        (0, f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], params)
+        for i in range(12)
+    ]
+    eager = run_arrivals(LLMEngine(cfg), arrivals, 5)
+    used = {}
+    for lookahead in (1, 0):
+        runner = _emulated_graph_runner(cfg, 12)
+        runner.pipeline = DecodePipeline(runner, max_batch=12)
+        engine = LLMEngine(cfg, runner)
+        assert engine.batcher.lookahead_slots == 1  # what the engine gives a pipelined runner
+        engine.batcher.lookahead_slots = lookahead
+        assert run_arrivals(engine, arrivals, 5) == eager
+        used[lookahead] = runner.pipeline.used
+    # 39 decode steps after the prefill step: the first is launched as the step itself.
+    assert used[1] >= 37, used
+    assert used[0] <= used[1] - 5, used  # a row at a boundary stops it (~20 in practice)
+
+
+def test_pipeline_max_batch_switch(monkeypatch) -> None:
+    import pytest
+    from voltserve.services.executor.decode_pipeline import DEFAULT_MAX_BATCH, pipeline_max_batch
+
+    monkeypatch.delenv("VOLTSERVE_PIPELINE_MAX_BATCH", raising=False)
+    assert pipeline_max_batch() == DEFAULT_MAX_BATCH
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_MAX_BATCH", "256")
+    assert pipeline_max_batch() == 256
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("VOLTSERVE_PIPELINE_MAX_BATCH", bad)
+        with pytest.raises(ValueError, match="VOLTSERVE_PIPELINE_MAX_BATCH"):
+            pipeline_max_batch()
