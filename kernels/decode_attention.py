@@ -821,8 +821,7 @@ def paged_decode_attention_cuda(
             blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
-    if online or persistent:
-        cfg = dataclasses.replace(cfg, online=online, persistent=persistent)
+    cfg = dataclasses.replace(cfg, online=online, persistent=persistent)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
