@@ -50,6 +50,14 @@ KERNELS += [
         "fused_add_rms_norm_kernel",
         _both("void({t}[:, ::1], {t}[:, ::1], {t}[::1], float32, boolean)"),
     ),
+    KernelSpec(
+        "rmsnorm", "rms_norm_1c_kernel", _both("void({t}[:, ::1], {t}[::1], {t}[:, ::1], float32)")
+    ),
+    KernelSpec(
+        "rmsnorm",
+        "fused_add_rms_norm_1c_kernel",
+        _both("void({t}[:, ::1], {t}[:, ::1], {t}[::1], float32)"),
+    ),
 ]
 
 # rotary.py

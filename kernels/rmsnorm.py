@@ -46,8 +46,10 @@ from voltserve.kernels.numba_common import (  # noqa: E402
 )
 from voltserve.kernels.vec_io import (  # noqa: E402
     VEC,
+    ld8,
     load_row8,
     load_vec8,
+    st8,
     store_row8,
     tup8,
     vec_ok,
@@ -63,6 +65,58 @@ MAX_BLOCK = 256
 def _inv_rms(ss, scratch, hidden, eps):
     total = block_sum(ss, scratch)
     return float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
+
+
+_Z8 = (float32(0.0),) * VEC
+
+
+@cuda.jit(device=True, inline="always")
+def _sq8(v):
+    return (
+        v[0] * v[0]
+        + v[1] * v[1]
+        + v[2] * v[2]
+        + v[3] * v[3]
+        + v[4] * v[4]
+        + v[5] * v[5]
+        + v[6] * v[6]
+        + v[7] * v[7]
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def _add8(r, v, like):
+    """r + v rounded to like's dtype, as the residual add stores it."""
+    return (
+        round_like(r[0] + v[0], like),
+        round_like(r[1] + v[1], like),
+        round_like(r[2] + v[2], like),
+        round_like(r[3] + v[3], like),
+        round_like(r[4] + v[4], like),
+        round_like(r[5] + v[5], like),
+        round_like(r[6] + v[6], like),
+        round_like(r[7] + v[7], like),
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def _nw(v, w, inv, like):
+    return float32(w) * round_like(v * inv, like)
+
+
+@cuda.jit(device=True, inline="always")
+def _scale8(v, w, inv, like):
+    """The normalised chunk times the weight (rounded as rms_norm_ref rounds; st8 rounds last)."""
+    return (
+        _nw(v[0], w[0], inv, like),
+        _nw(v[1], w[1], inv, like),
+        _nw(v[2], w[2], inv, like),
+        _nw(v[3], w[3], inv, like),
+        _nw(v[4], w[4], inv, like),
+        _nw(v[5], w[5], inv, like),
+        _nw(v[6], w[6], inv, like),
+        _nw(v[7], w[7], inv, like),
+    )
 
 
 @cuda.jit
@@ -163,6 +217,58 @@ def fused_add_rms_norm_kernel(x, residual, weight, eps, vec):
         c += bd * VEC
 
 
+# Decode batches on the 16-byte path: one 8-element chunk per thread and every load of a thread
+# (x, residual and the weight chunk) issued before the block reduction, so a row costs one
+# memory round trip plus the reduction. The general kernels above read the weight after 1/rms,
+# a second round trip (the norm weights do not stay in L2 across a decode step: the layer
+# weights stream through it), and keep up to MAXV chunks per thread.
+ONE_CHUNK_MAX_THREADS = 1024  # rows up to 8192 wide
+
+
+@cuda.jit
+def rms_norm_1c_kernel(x, weight, out, eps):
+    row = cuda.blockIdx.x
+    c = cuda.threadIdx.x * VEC
+    hidden = x.shape[1]
+    scratch = cuda.shared.array(32, float32)
+    ok = c < hidden
+    v = _Z8
+    w = _Z8
+    if ok:
+        v = ld8(x, (row, c))
+        w = ld8(weight, (c,))
+    ss = _sq8(v)
+    inv = _inv_rms(ss, scratch, hidden, eps)
+    if ok:
+        st8(out, (row, c), _scale8(v, w, inv, out))
+
+
+@cuda.jit
+def fused_add_rms_norm_1c_kernel(x, residual, weight, eps):
+    row = cuda.blockIdx.x
+    c = cuda.threadIdx.x * VEC
+    hidden = x.shape[1]
+    scratch = cuda.shared.array(32, float32)
+    ok = c < hidden
+    s = _Z8
+    w = _Z8
+    if ok:
+        r = ld8(residual, (row, c))
+        v = ld8(x, (row, c))
+        w = ld8(weight, (c,))
+        s = _add8(r, v, residual)
+        st8(residual, (row, c), s)
+    ss = _sq8(s)
+    inv = _inv_rms(ss, scratch, hidden, eps)
+    if ok:
+        st8(x, (row, c), _scale8(s, w, inv, x))
+
+
+def one_chunk(rows: int, hidden: int, vec: bool) -> bool:
+    """Whether the one-chunk-per-thread kernels take these rows (decode batches, 16-byte path)."""
+    return vec and rows <= SMALL_BATCH and hidden <= ONE_CHUNK_MAX_THREADS * VEC
+
+
 def block_size(rows: int, hidden: int) -> int:
     """Threads per row: one 8-element chunk per thread for small batches (decode: the row is
     done in about one memory round trip), MAXV chunks per thread for large ones (fewer, fuller
@@ -175,18 +281,31 @@ def block_size(rows: int, hidden: int) -> int:
     return max(32, min(MAX_BLOCK, (want + 31) // 32 * 32))
 
 
+def one_chunk_block(hidden: int) -> int:
+    return max(32, ((hidden + VEC - 1) // VEC + 31) // 32 * 32)
+
+
 def rms_norm_cuda(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Same meaning as rms_norm_ref. x: [T, H] with unit stride along H."""
     if out is None:
         out = torch.empty_like(x)
-    if x.shape[0]:
+    vec = vec_ok(x, weight, out)
+    if x.shape[0] and one_chunk(x.shape[0], x.shape[1], vec):
+        launch(
+            rms_norm_1c_kernel,
+            x.shape[0],
+            one_chunk_block(x.shape[1]),
+            (dev(x), dev(weight), dev(out), float(eps)),
+            current_stream(),
+        )
+    elif x.shape[0]:
         launch(
             rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(weight), dev(out), float(eps), vec_ok(x, weight, out)),
+            (dev(x), dev(weight), dev(out), float(eps), vec),
             current_stream(),
         )
     return out
@@ -196,11 +315,20 @@ def fused_add_rms_norm_cuda(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> None:
     """Same meaning as fused_add_rms_norm_ref (in place on x and residual)."""
-    if x.shape[0]:
+    vec = vec_ok(x, residual, weight)
+    if x.shape[0] and one_chunk(x.shape[0], x.shape[1], vec):
+        launch(
+            fused_add_rms_norm_1c_kernel,
+            x.shape[0],
+            one_chunk_block(x.shape[1]),
+            (dev(x), dev(residual), dev(weight), float(eps)),
+            current_stream(),
+        )
+    elif x.shape[0]:
         launch(
             fused_add_rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(residual), dev(weight), float(eps), vec_ok(x, residual, weight)),
+            (dev(x), dev(residual), dev(weight), float(eps), vec),
             current_stream(),
         )

@@ -13,9 +13,13 @@ Also times the (untuned) prefill kernel for reference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing as mp
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,42 +94,51 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
 SWEEP_PARTITIONS = (32, 64, 128)  # small batches: parallel work comes from partitions
 # Larger batches: the grid is full already, so fewer, longer partitions (1024: one per 1K
 # sequence, no merge). At batch 64 and 1K context the 32-128 partitions measured 154-425 us.
-SWEEP_PARTITIONS_BATCHED = (128, 256, 512, 1024)
+SWEEP_PARTITIONS_BATCHED = (256, 512, 1024)
 SWEEP_SMALL_BATCH = 8
 
 
-def sweep_variants(n_part_of, batch: int = 1) -> list[tuple[int, int, str, int | None, bool]]:
-    """(partition, threads, mode, max_registers, online core) to time: every partition with
-    the online core and with the block core, in the in-kernel merge mode (the merge kernel
-    where that is the only mode), 128 threads; at small batches also 64 threads for partition
-    64 (64 threads lost 6 us at 1K context on an H200 with the block core), at larger ones the
-    longest partition capped at 128 registers. Each is a numba compile (~10 s on the device),
-    so the list stays short."""
-    from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS
+@dataclass(frozen=True)
+class Variant:
+    """One launch of the decode kernel to time. partition 0 = the launcher's choice (the
+    default launch), then bound = max_seq_len / context (a graph captured for a larger
+    max_model_len launches the larger grid; its extra blocks find no tokens) and persistent."""
 
+    partition: int = 0
+    threads: int = 128
+    regs: int | None = -1  # -1 the default, None no cap, else a cap
+    online: bool | None = None  # None: the launcher's choice
+    bound: int = 1
+    persistent: bool = False
+
+
+def sweep_variants(batch: int) -> list[Variant]:
+    """What to time at one point: the default launch at 1x and 8x bounds, each also in the
+    persistent form; then every partition with the online core and with the block core (128
+    threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
+    context on an H200 with the block core), at larger ones the longest partition capped at
+    128 registers (block core: 4 blocks per SM instead of 3) and with 256 threads (online
+    core: twice the warps per block at its register count). Each is a numba compile (~25 s on
+    the device for these unrolled kernels): --jobs spreads the compiles over processes."""
+    out = [Variant(bound=b, persistent=p) for p in (False, True) for b in (1, 8)]
     small = batch <= SWEEP_SMALL_BATCH
-    out = []
     for online in (True, False):
         for part in SWEEP_PARTITIONS if small else SWEEP_PARTITIONS_BATCHED:
-            mode = "merge" if n_part_of(part) <= MERGE_MAX_PARTITIONS else "split"
-            out.append((part, 128, mode, -1, online))
+            out.append(Variant(partition=part, online=online))
     if small:
-        mode = "merge" if n_part_of(64) <= MERGE_MAX_PARTITIONS else "split"
-        out.append((64, 64, mode, -1, True))
+        out.append(Variant(partition=64, threads=64, online=True))
     else:
-        # The longest partition with the block core capped at 128 registers: the direct mode
-        # runs uncapped (~140 on sm_70, 3 blocks per SM), so 512 blocks (batch 64 x 8 KV
-        # heads) take 1.3 waves where 4 per SM would take one.
         part = SWEEP_PARTITIONS_BATCHED[-1]
-        mode = "merge" if n_part_of(part) <= MERGE_MAX_PARTITIONS else "split"
-        out.append((part, 128, mode, 128, False))
+        out.append(Variant(partition=part, regs=128, online=False))
+        out.append(Variant(partition=part, threads=256, online=True))
     return out
 
 
-def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) -> list[dict]:
-    """Decode attention over its launch knobs (see sweep_variants): the default launch, then
-    one row per variant with its time and its largest difference from the block core's output
-    at the default partition (a broken variant shows there). Rows are printed as measured."""
+def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: Variant) -> dict:
+    """Build (compile and warm) one variant, then time it while holding the sweep's GPU lock
+    (only one process times at a time; the others compile on the CPU meanwhile). The row has
+    its time and its largest difference from the torch reference (a broken variant shows)."""
+    from voltserve.kernels.attention_ref import paged_decode_attention_ref
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
         decode_workspace,
@@ -133,88 +146,78 @@ def sweep_decode(batch: int, context: int, kvh: int, group: int, head_dim: int) 
         paged_decode_attention_cuda,
     )
 
-    H = kvh * group
-    q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
+    torch.manual_seed(batch * 7919 + context)
+    q, k, v_cache, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     scale = head_dim**-0.5
-    want = paged_decode_attention_cuda(
-        q, k, v, tables, sl, scale, max_seq_len=context, online=False
-    )
-    # The default launch (the partition and core the launcher picks) first, for max_seq_len =
-    # the context and for 8x it (a graph captured for max_model_len = 8 x the context launches
-    # the larger grid, whose extra blocks find no tokens and exit), each also in the persistent
-    # form (resident blocks looping over the items: no block per empty partition).
-    rows = []
-    for bound, persistent in ((1, False), (8, False), (1, True), (8, True)):
-        default_out = torch.full_like(q, float("nan"))
-        # As the runner's tables: max_model_len / 16 columns, zero beyond a sequence's blocks.
-        wide = torch.zeros((batch, bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
-        wide[:, : tables.shape[1]] = tables
-
-        def call(out=default_out, bound=bound, wide=wide, persistent=persistent):
-            paged_decode_attention_cuda(
-                q,
-                k,
-                v,
-                wide,
-                sl,
-                scale,
-                out,
-                max_seq_len=bound * context,
-                persistent=persistent,
-            )
-
-        t = time_graph(call, iters=20, repeats=10)
-        row = dict(
-            batch=batch,
-            context=context,
-            partition=0,  # the launcher's choice
-            threads=128,
-            mode=("pers" if persistent else "dflt") + f"{bound}x",
-            max_registers="default",
-            core="auto",
-            time_us=t * 1e6,
-            max_abs_diff=(default_out.float() - want.float()).abs().max().item(),
-        )
-        print(sweep_line(row), flush=True)
-        rows.append(row)
-    variants = sweep_variants(lambda p: num_partitions(context, p), batch)
-    for part, threads, mode, regs, online in variants:
-        n_part = num_partitions(context, part)
+    want = paged_decode_attention_ref(q, k, v_cache, tables, sl, scale)
+    out = torch.full_like(q, float("nan"))
+    # As the runner's tables: bound x the context's columns, zero beyond a sequence's blocks.
+    wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
+    wide[:, : tables.shape[1]] = tables
+    kw: dict = dict(max_seq_len=v.bound * context, persistent=v.persistent)
+    mode = "dflt" if not v.persistent else "pers"
+    if v.partition:
+        n_part = num_partitions(context, v.partition)
+        mode = "merge" if n_part <= MERGE_MAX_PARTITIONS else "split"
         p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
-        ws = decode_workspace(batch, H, p_ws, head_dim, "cuda")
-        out = torch.full_like(q, float("nan"))
-
-        def call(out=out, ws=ws, part=part, threads=threads, regs=regs, online=online):
-            paged_decode_attention_cuda(
-                q,
-                k,
-                v,
-                tables,
-                sl,
-                scale,
-                out,
-                max_seq_len=context,
-                partition_size=part,
-                workspace=ws,
-                num_threads=threads,
-                max_registers=regs,
-                online=online,
-            )
-
-        t = time_graph(call, iters=20, repeats=10)
-        row = dict(
-            batch=batch,
-            context=context,
-            partition=part,
-            threads=threads,
-            mode=mode if n_part > 1 else "direct",
-            max_registers={-1: "default", None: "none"}.get(regs, str(regs)),
-            core="online" if online else "block",
-            time_us=t * 1e6,
-            max_abs_diff=(out.float() - want.float()).abs().max().item(),
+        kw.update(
+            partition_size=v.partition,
+            workspace=decode_workspace(batch, kvh * group, p_ws, head_dim, "cuda"),
+            num_threads=v.threads,
+            max_registers=v.regs,
+            online=v.online,
         )
-        print(sweep_line(row), flush=True)
-        rows.append(row)
+        if n_part == 1:
+            mode = "direct"
+    else:
+        mode += f"{v.bound}x"
+
+    def call():
+        paged_decode_attention_cuda(q, k, v_cache, wide, sl, scale, out, **kw)
+
+    call()  # the compile, outside the lock
+    torch.cuda.synchronize()
+    with _GPU_LOCK:
+        t = time_graph(call, iters=20, repeats=10)
+    return dict(
+        batch=batch,
+        context=context,
+        partition=v.partition,
+        threads=v.threads,
+        mode=mode,
+        max_registers={-1: "default", None: "none"}.get(v.regs, str(v.regs)),
+        core={None: "auto", True: "online", False: "block"}[v.online],
+        time_us=t * 1e6,
+        max_abs_diff=(out.float() - want.float()).abs().max().item(),
+    )
+
+
+_GPU_LOCK = contextlib.nullcontext()  # a worker's: the lock its pool's initializer hands it
+
+
+def _init_worker(lock) -> None:
+    global _GPU_LOCK
+    _GPU_LOCK = lock
+
+
+def sweep_decode(points: list[tuple[int, int]], kvh: int, group: int, head_dim: int, jobs: int):
+    """Every sweep variant at every (batch, context) point, over `jobs` worker processes (each
+    builds its variants while another times; timing holds one lock). Rows print as measured."""
+    work = [(b, c, kvh, group, head_dim, v) for b, c in points for v in sweep_variants(b)]
+    if jobs <= 1:
+        rows = [sweep_job(*w) for w in work]
+        for r in rows:
+            print(sweep_line(r), flush=True)
+        return rows
+    ctx = mp.get_context("spawn")
+    lock = ctx.Lock()
+    rows = []
+    with ProcessPoolExecutor(
+        jobs, mp_context=ctx, initializer=_init_worker, initargs=(lock,)
+    ) as ex:
+        for fut in as_completed([ex.submit(sweep_job, *w) for w in work]):
+            rows.append(fut.result())
+            print(sweep_line(rows[-1]), flush=True)
     return rows
 
 
@@ -270,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         "there (partition, threads, merge mode, register cap)",
     )
     ap.add_argument(
+        "--jobs", type=int, default=1, help="sweep worker processes (compiles run in parallel)"
+    )
+    ap.add_argument(
         "--skip-prefill", action="store_true", help="leave out the prefill kernel's timing"
     )
     args = ap.parse_args(argv)
@@ -302,10 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         flops = 4 * H * args.head_dim * q_len * q_len / 2  # causal: half the score matrix
         prefill.append(dict(q_len=q_len, time_ms=t * 1e3, tflops=flops / t / 1e12))
 
-    sweep = []
-    for point in filter(None, args.sweep.split(",")):
-        b, c = (int(x) for x in point.lower().split("x"))
-        sweep += sweep_decode(b, c, args.kv_heads, args.group, args.head_dim)
+    points = [
+        tuple(int(x) for x in p.lower().split("x")) for p in filter(None, args.sweep.split(","))
+    ]
+    sweep = sweep_decode(points, args.kv_heads, args.group, args.head_dim, args.jobs)
 
     result = dict(
         device=torch.cuda.get_device_name(),

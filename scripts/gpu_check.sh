@@ -82,9 +82,9 @@ for stage in $STAGES; do
       run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
       ;;
     attention-sweep)
-      # Small-batch decode attention over its launch knobs (8 kernel builds per point, ~5 s
-      # each; rows are printed to the log as they are measured).
-      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --out "$OUT/bench_attention_sweep.json"
+      # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
+      # spread over SWEEP_JOBS processes; rows are printed to the log as they are measured).
+      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"

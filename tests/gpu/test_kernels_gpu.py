@@ -26,11 +26,13 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 
 
 # 12288: rows wider than the registers hold (tail re-read); 4100: not a multiple of 8 (scalar path)
+# rows: a decode batch (one chunk per thread where the row fits) and a larger one.
+@pytest.mark.parametrize("rows", [1, 257])
 @pytest.mark.parametrize("hidden", [4096, 8192, 12288, 4100])
-def test_rms_norm_gpu(hidden):
+def test_rms_norm_gpu(hidden, rows):
     from voltserve.kernels.rmsnorm import rms_norm_cuda, rms_norm_ref
 
-    x = torch.randn(257, hidden, device=DEV, dtype=torch.float16)
+    x = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
     w = (1 + 0.1 * torch.randn(hidden, device=DEV)).half()
     out = rms_norm_cuda(x, w, 1e-6, out=nan_like(x))
     torch.cuda.synchronize()
@@ -38,12 +40,13 @@ def test_rms_norm_gpu(hidden):
     torch.testing.assert_close(out.float(), rms_norm_ref(x.float(), w.float(), 1e-6), **F16_VS_F32)
 
 
+@pytest.mark.parametrize("rows", [1, 129, 300])
 @pytest.mark.parametrize("hidden", [4096, 8192, 12288, 4100])
-def test_fused_add_rms_norm_gpu(hidden):
+def test_fused_add_rms_norm_gpu(hidden, rows):
     from voltserve.kernels.rmsnorm import fused_add_rms_norm_cuda, fused_add_rms_norm_ref
 
-    x = torch.randn(129, hidden, device=DEV, dtype=torch.float16)
-    res = torch.randn(129, hidden, device=DEV, dtype=torch.float16)
+    x = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
+    res = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
     w = (1 + 0.1 * torch.randn(hidden, device=DEV)).half()
     x_ref, res_ref = x.clone(), res.clone()
     fused_add_rms_norm_ref(x_ref, res_ref, w, 1e-5)

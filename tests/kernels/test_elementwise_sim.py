@@ -64,6 +64,39 @@ def test_fused_add_rms_norm(dtype, hidden, vec):
     assert_close(x, x_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rms_norm_one_chunk(dtype, hidden):
+    # 200 = 25 chunks: the block's last 7 threads own no chunk but join the reduction.
+    x = torch.randn(2, hidden, dtype=dtype) * 2
+    w = torch.randn(hidden, dtype=dtype)
+    out = poisoned_like(x)
+    run(rmsnorm.rms_norm_1c_kernel, 2, rmsnorm.one_chunk_block(hidden), x, w, out, 1e-6)
+    assert_close(out, rmsnorm.rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_fused_add_rms_norm_one_chunk(dtype, hidden):
+    x = torch.randn(2, hidden, dtype=dtype)
+    res = torch.randn(2, hidden, dtype=dtype)
+    w = torch.randn(hidden, dtype=dtype)
+    x_ref, res_ref = x.clone(), res.clone()
+    rmsnorm.fused_add_rms_norm_ref(x_ref, res_ref, w, 1e-5)
+    block = rmsnorm.one_chunk_block(hidden)
+    run(rmsnorm.fused_add_rms_norm_1c_kernel, 2, block, x, res, w, 1e-5)
+    assert torch.equal(res, res_ref)
+    assert_close(x, x_ref)
+
+
+def test_one_chunk_choice():
+    assert rmsnorm.one_chunk(1, 4096, True) and rmsnorm.one_chunk_block(4096) == 512
+    assert not rmsnorm.one_chunk(1, 4096, False)  # the scalar path stays on the general kernel
+    assert not rmsnorm.one_chunk(rmsnorm.SMALL_BATCH + 1, 4096, True)
+    assert not rmsnorm.one_chunk(1, 8200, True)  # wider than one chunk per thread of 1024
+    assert rmsnorm.one_chunk_block(896) == 128
+
+
 def test_vec_ok():
     from voltserve.kernels.vec_io import vec_ok
 
