@@ -5,8 +5,8 @@ Meaning: `paged_decode_attention_ref` in attention_ref.py. Layout: kv_cache.py.
 Work split. One thread block owns (sequence, KV head, context partition) and ALL the query heads
 that share that KV head (grouped-query), so each K/V element is read from memory once. Long
 contexts are cut into partitions so that even batch 1 fills the GPU: `choose_partition` takes
-the longest of 512/256/128/64 tokens that still gives ~4 thread blocks per SM for this batch and
-context bound. A second kernel merges the partitions (rescaling each partial sum by
+the longest of 1024/512/256/128/64 tokens that still gives ~4 thread blocks per SM (3 for 1024)
+for this batch and context bound. A second kernel merges the partitions (rescaling each partial sum by
 exp(partial max - global max)). When the context bound fits one partition the first kernel
 normalises and writes the output itself and the merge is skipped.
 
@@ -33,11 +33,6 @@ CUDA graphs: the grid depends only on an upper bound of the context (`max_seq_le
 the block table width x block size), never on the values of seq_lens. Partitions past a
 sequence's length exit at once; the merge reads each sequence's own partition count; a
 sequence of length 0 (graph padding) gets a zero output. No host sync anywhere.
-
-Persistent form (`persistent=True`, opt-in until timed): the same body inside a loop over the
-(partition, head group, sequence) items, on a grid of the blocks that fit at once. A graph
-captured with a large bound (max_model_len) then pays a seq_lens read, not a block launch, for
-each partition past a sequence's end (at batch 64, 1K contexts and an 8K bound, 3 of 4 blocks).
 """
 
 from __future__ import annotations
@@ -74,10 +69,6 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
-    # A fixed grid of blocks that loop over the (partition, head group, sequence) items (see
-    # _kernel_source) instead of one block per item: partitions past a sequence's end cost a
-    # seq_lens read instead of a block launch, and the grid fills whole waves.
-    persistent: bool = False
 
 
 def decode_config(
@@ -133,10 +124,9 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     NPAD = next_pow2(NVAL)
     masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
     out: list[str] = []
-    base = 0  # persistent: the body sits one level deeper, inside the loop over items
 
     def emit(indent: int, line: str) -> None:
-        out.append("    " * (indent + (base if indent else 0)) + line)
+        out.append("    " * indent + line)
 
     # Reduce-scatter plan: at a step whose list has >= 2 values, lanes split it (the lane with
     # the mask bit set keeps the upper half) and add what the partner sends; once one value is
@@ -174,25 +164,11 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         return f"{'half_hi' if j % 2 else 'half_lo'}({r}_{j // 2})"
 
     emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
-    if cfg.persistent:
-        # Items in partition-fastest order; each block strides over them. Every exit of the
-        # body is block-uniform (`continue` where the one-item kernel returns), and the barrier
-        # at the top keeps one item's shared-memory writes behind the last item's readers.
-        emit(0, "           max_logits, exp_sums, tmp_out, counters, n_part, n_y):")
-        emit(1, "n_items = n_part * n_y * q.shape[0]")
-        emit(1, "for item in range(cuda.blockIdx.x, n_items, cuda.gridDim.x):")
-        emit(2, "cuda.syncthreads()")
-        emit(2, "part = item % n_part")
-        emit(2, "rest = item // n_part")
-        emit(2, "y = rest % n_y")
-        emit(2, "b = rest // n_y")
-        base = 1
-    else:
-        emit(0, "           max_logits, exp_sums, tmp_out, counters):")
-        emit(1, "part = cuda.blockIdx.x")
-        emit(1, "y = cuda.blockIdx.y")
-        emit(1, "b = cuda.blockIdx.z")
-        emit(1, "n_y = cuda.gridDim.y")
+    emit(0, "           max_logits, exp_sums, tmp_out, counters):")
+    emit(1, "part = cuda.blockIdx.x")
+    emit(1, "y = cuda.blockIdx.y")
+    emit(1, "b = cuda.blockIdx.z")
+    emit(1, "n_y = cuda.gridDim.y")
     emit(1, f"kvh = y // {cfg.split}")
     emit(1, f"h0 = y * {G}")
     emit(1, "tid = cuda.threadIdx.x")
@@ -205,7 +181,7 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(2, "if part == 0:")
         emit(3, f"for i in range(tid, {GD}, {NT}):")
         emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
-    emit(2, _exit(cfg))
+    emit(2, "return")
     emit(1, f"n_tok = min({PART}, seq_len - start)")
     emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
     emit(1, f"blk0 = start // {BLOCK_SIZE}")
@@ -394,7 +370,7 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
         emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
     if merge:
-        _emit_merge(emit, G, D, NT, NW, PART, _exit(cfg))
+        _emit_merge(emit, G, D, NT, NW, PART, "return")
 
 
 def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
@@ -500,11 +476,6 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     emit(1, "cuda.syncthreads()")
 
 
-def _exit(cfg: DecodeConfig) -> str:
-    """How the body leaves an item: the one-item kernel returns, the persistent one moves on."""
-    return "continue" if cfg.persistent else "return"
-
-
 def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, leave: str) -> None:
     """The last partition block of a (sequence, head group) to finish merges the group's
     partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
@@ -602,17 +573,15 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    core = (" online" if cfg.online else "") + (" persistent" if cfg.persistent else "")
+    core = " online" if cfg.online else ""
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
     # ~142, a few bytes of spill outside the loops) fits 4 blocks of 128 threads per SM instead
     # of 3, a third more loads in flight. Direct mode (short contexts, small grids) is left free.
     # The online core holds K and V in flight together and runs on small grids: left free too.
-    # So is the persistent form: its loop keeps more alive (sm_70, Llama-3-8B shape: 218
-    # registers in merge mode, 168 split or direct), and a 128 cap spills 176-408 bytes.
     if max_registers == -1:
-        capped = mode != "direct" and not cfg.online and not cfg.persistent
+        capped = mode != "direct" and not cfg.online
         max_registers = MAX_REGISTERS if capped else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
@@ -696,8 +665,12 @@ def num_partitions(max_seq_len: int, partition: int) -> int:
     return max(1, (max_seq_len + partition - 1) // partition)
 
 
-PARTITION_CHOICES = (512, 256, 128, 64)  # largest first
+PARTITION_CHOICES = (1024, 512, 256, 128, 64)  # largest first
 BLOCKS_PER_SM = 4  # thread blocks wanted per SM before partitions get shorter
+# ... except for the longest partition, which one wave of the uncapped direct kernel (3 blocks
+# per SM) is enough for: at batch 64, 1K contexts, Llama-3-8B shape on an H200, 512 blocks of
+# 1024 tokens took 78.8 us where 1024 blocks of 512 took 98.2 (batch 256: 290 vs 348 us).
+LONGEST_BLOCKS_PER_SM = 3
 # Grids up to this many blocks per SM run the online core: one wave at its register count
 # (~170 per thread uncapped, so 2-3 blocks of 128 threads per SM), latency-bound.
 ONLINE_MAX_BLOCKS_PER_SM = 2
@@ -720,19 +693,10 @@ def choose_partition(
         if max_partitions is None or num_partitions(max_seq_len, p) <= max_partitions
     ] or [PARTITION_CHOICES[0]]
     for p in fits:
-        if batch * kv_blocks * num_partitions(max_seq_len, p) >= BLOCKS_PER_SM * num_sms:
+        per_sm = LONGEST_BLOCKS_PER_SM if p == PARTITION_CHOICES[0] else BLOCKS_PER_SM
+        if batch * kv_blocks * num_partitions(max_seq_len, p) >= per_sm * num_sms:
             return p
     return fits[-1]
-
-
-def persistent_grid(items: int, cfg: DecodeConfig, mode: str, num_sms: int) -> int:
-    """Blocks of the persistent form: as many as stay resident at once (one full wave), or the
-    item count when smaller. Resident blocks of 128 threads per SM from its sm_70 register
-    counts at the Llama-3-8B shape (uncapped, see decode_kernel): merge 218 and the online core
-    -> 2, split and direct 168 -> 3. Another shape's counts differ; a grid too large for one
-    wave stays correct (the blocks past it start as the first ones finish)."""
-    per_sm = 2 if cfg.online or mode == "merge" else 3
-    return max(1, min(items, per_sm * num_sms * 128 // cfg.num_threads))
 
 
 @functools.cache
@@ -769,7 +733,6 @@ def paged_decode_attention_cuda(
     num_threads: int = 128,
     max_registers: int | None = -1,
     online: bool | None = None,
-    persistent: bool = False,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -783,10 +746,7 @@ def paged_decode_attention_cuda(
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
-    persistent: launch the persistent form (DecodeConfig.persistent) on a grid of
-    persistent_grid() blocks; off by default until timed (load_tests/bench_attention.py
-    --sweep compares them)."""
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
     import torch
 
     B, H, D = q.shape
@@ -821,7 +781,7 @@ def paged_decode_attention_cuda(
             blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
-    cfg = dataclasses.replace(cfg, online=online, persistent=persistent)
+    cfg = dataclasses.replace(cfg, online=online)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -847,11 +807,6 @@ def paged_decode_attention_cuda(
     grid = (n_part, n_y, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
     counters = _COUNTERS.get(q.device, n_y * B) if mode == "merge" else sl
-    extra = ()
-    if persistent:
-        items = n_part * n_y * B
-        grid = (persistent_grid(items, cfg, mode, _num_sms(q.device.index or 0)),)
-        extra = (n_part, n_y)
     decode_kernel(cfg, mode, max_registers)[grid, cfg.num_threads, stream](
         as_numba(out),
         as_numba(q),
@@ -865,7 +820,6 @@ def paged_decode_attention_cuda(
         es,
         tmp,
         as_numba(counters),
-        *extra,
     )
     if mode == "split":
         decode_reduce_kernel[(H, B), REDUCE_THREADS, stream](
@@ -914,6 +868,3 @@ decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")
-decode_kernel_d128_g4_persistent = decode_kernel(
-    dataclasses.replace(decode_config(32, 8, 128, 512), persistent=True), "merge"
-)

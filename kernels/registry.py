@@ -149,15 +149,6 @@ KERNELS += [
         "decode_kernel_d256_g1_online",
     )
 ]
-# The persistent form (a grid of resident blocks looping over the items) takes the partition
-# count and the head-group count after the counters.
-KERNELS += [
-    KernelSpec(
-        "decode_attention",
-        "decode_kernel_d128_g4_persistent",
-        (_DECODE_SIG.replace("int32[::1])", "int32[::1], int64, int64)"),),
-    )
-]
 KERNELS += [
     KernelSpec(
         "decode_attention",

@@ -101,26 +101,24 @@ SWEEP_SMALL_BATCH = 8
 @dataclass(frozen=True)
 class Variant:
     """One launch of the decode kernel to time. partition 0 = the launcher's choice (the
-    default launch), then bound = max_seq_len / context (a graph captured for a larger
-    max_model_len launches the larger grid; its extra blocks find no tokens) and persistent."""
+    default launch); bound = max_seq_len / context (a graph captured for a larger
+    max_model_len launches the larger grid; its extra blocks find no tokens)."""
 
     partition: int = 0
     threads: int = 128
     regs: int | None = -1  # -1 the default, None no cap, else a cap
     online: bool | None = None  # None: the launcher's choice
     bound: int = 1
-    persistent: bool = False
 
 
 def sweep_variants(batch: int) -> list[Variant]:
-    """What to time at one point: the default launch at 1x and 8x bounds, each also in the
-    persistent form; then every partition with the online core and with the block core (128
+    """What to time at one point: the default launch at 1x and 8x bounds, then every partition with the online core and with the block core (128
     threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
     context on an H200 with the block core), at larger ones the longest partition capped at
     128 registers (block core: 4 blocks per SM instead of 3) and with 256 threads (online
     core: twice the warps per block at its register count). Each is a numba compile (~25 s on
     the device for these unrolled kernels): --jobs spreads the compiles over processes."""
-    out = [Variant(bound=b, persistent=p) for p in (False, True) for b in (1, 8)]
+    out = [Variant(bound=b) for b in (1, 8)]
     small = batch <= SWEEP_SMALL_BATCH
     for online in (True, False):
         for part in SWEEP_PARTITIONS if small else SWEEP_PARTITIONS_BATCHED:
@@ -154,8 +152,8 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
     # As the runner's tables: bound x the context's columns, zero beyond a sequence's blocks.
     wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
     wide[:, : tables.shape[1]] = tables
-    kw: dict = dict(max_seq_len=v.bound * context, persistent=v.persistent)
-    mode = "dflt" if not v.persistent else "pers"
+    kw: dict = dict(max_seq_len=v.bound * context)
+    mode = "dflt"
     if v.partition:
         n_part = num_partitions(context, v.partition)
         mode = "merge" if n_part <= MERGE_MAX_PARTITIONS else "split"

@@ -10,7 +10,6 @@ On a CUDA host the same tests run the compiled kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -68,15 +67,12 @@ def run_decode(
     merge=False,
     counters=None,
     online=False,
-    persistent_blocks=0,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
-    per-warp online-softmax core instead of the block-wide phases. persistent_blocks > 0: the
-    persistent form on that many blocks (fewer than the items, so blocks loop)."""
+    per-warp online-softmax core instead of the block-wide phases."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online)
-    cfg = dataclasses.replace(cfg, persistent=persistent_blocks > 0)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
@@ -86,10 +82,7 @@ def run_decode(
     tmp = np.full((B, H, p_ws, D), np.nan, np.float32)
     sl = np.asarray(seq_lens, np.int32)
     n_y = k.shape[1] * cfg.split
-    grid, extra = (n_part, n_y, B), ()
-    if persistent_blocks:
-        assert persistent_blocks < n_part * n_y * B, "the test wants blocks that loop"
-        grid, extra = (persistent_blocks,), (n_part, n_y)
+    grid = (n_part, n_y, B)
     if counters is None:
         counters = np.zeros(n_y * B, np.int32)
     decode_kernel(cfg, mode)[grid, THREADS](
@@ -105,7 +98,6 @@ def run_decode(
         es,
         tmp,
         counters,
-        *extra,
     )
     if mode == "split":
         decode_reduce_kernel[(H, B), THREADS](out, ml, es, tmp, sl, cfg.partition)
@@ -134,18 +126,13 @@ DECODE_CASES = [
 ]
 
 
-# The online core (per-warp softmax) on the direct and in-kernel-merge cases, and the
-# persistent form (3 blocks looping over the items) on the split case with a padding row and the
-# in-kernel-merge case: the simulator takes ~40 s for each; the GPU tests run every case.
+# The online core (per-warp softmax) on the direct and in-kernel-merge cases: the simulator
+# takes ~40 s for each; the GPU tests run every case.
 @pytest.mark.parametrize(
-    "head_dim,num_heads,num_kv_heads,seq_lens,online,persistent_blocks",
-    [(*c, False, 0) for c in DECODE_CASES]
-    + [(*c, True, 0) for c in (DECODE_CASES[0], DECODE_CASES[3])]
-    + [(*c, False, 3) for c in (DECODE_CASES[2], DECODE_CASES[3])],
+    "head_dim,num_heads,num_kv_heads,seq_lens,online",
+    [(*c, False) for c in DECODE_CASES] + [(*c, True) for c in (DECODE_CASES[0], DECODE_CASES[3])],
 )
-def test_decode_matches_reference(
-    head_dim, num_heads, num_kv_heads, seq_lens, online, persistent_blocks
-):
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, online):
     rng = np.random.default_rng()
     # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
     # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
@@ -156,9 +143,7 @@ def test_decode_matches_reference(
     scale = head_dim**-0.5
     # The grid bound is larger than the longest context for the last case: empty partitions.
     max_seq_len = max(seq_lens) + (20 if len(seq_lens) == 1 else 0)
-    out = run_decode(
-        q, k, v, tables, seq_lens, scale, max_seq_len, merge, None, online, persistent_blocks
-    )
+    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge, None, online)
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
         if s == 0:
@@ -222,3 +207,15 @@ def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, 
     ref = reference(q, k, v, tables, seq_lens, qsl.tolist(), scale)
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_choose_partition():
+    from voltserve.kernels.decode_attention import choose_partition
+
+    sms = 132  # an H200; 8 KV heads (Llama-3-8B)
+    assert choose_partition(64, 8, 1024, sms) == 1024  # one wave of 1024-token blocks
+    assert choose_partition(256, 8, 1100, sms) == 1024  # 2 partitions per sequence
+    assert choose_partition(32, 8, 1024, sms) == 256  # too few long blocks: shorter ones
+    assert choose_partition(1, 8, 784, sms) == 64  # batch 1: the shortest
+    # A workspace of 32 partitions under a 16K bound: the shortest partition that fits it.
+    assert choose_partition(1, 8, 16384, sms, max_partitions=32) == 512
