@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
+    )
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
     add_log_level_flag(p)
@@ -133,6 +136,8 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:
             argv.append("--enforce-eager")
+        if args.cuda_graph_sizes:
+            argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
         # Several GPUs: executor i sees only GPU i (several executors may share one otherwise).
         env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
         children.append(Child(f"executor-{i}", argv, env))

@@ -2,7 +2,8 @@
 
 A decode step launches a few kernels per layer, each costing tens of microseconds of CPU (numba
 launches especially); replaying a captured graph costs one launch. Graphs are captured once, at
-startup, for padded batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to max_graph_batch_size, all
+startup, for padded batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to max_graph_batch_size (or the
+configured cuda_graph_sizes), all
 sharing one memory pool (captured largest first, so smaller ones reuse its memory).
 
 Inputs live in static buffers that every graph reads; a step fills them and pads rows
@@ -39,7 +40,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def graph_batch_sizes(max_batch: int) -> list[int]:
+def graph_batch_sizes(max_batch: int, wanted: tuple[int, ...] = ()) -> list[int]:
+    """The padded batch sizes to capture: `wanted` (EngineConfig.cuda_graph_sizes) up to
+    max_batch, or the default ladder 1, 2, 4, 8, 16, 24, ... max_batch."""
+    if wanted:
+        if any(s < 1 for s in wanted):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {list(wanted)}")
+        sizes = sorted({s for s in wanted if s <= max_batch})
+        if not sizes:
+            raise ValueError(
+                f"cuda_graph_sizes {list(wanted)} has no size <= the graph batch limit {max_batch}"
+            )
+        return sizes
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
     sizes += list(range(16, max_batch + 1, 8))
     if max_batch > 0 and sizes[-1] != max_batch:
@@ -48,11 +60,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, sizes: tuple[int, ...] = ()) -> None:
         self.model = runner.model
         self.kv_caches = runner.kv_caches
         self.device = runner.device
-        self.sizes = graph_batch_sizes(max_batch)
+        self.sizes = graph_batch_sizes(max_batch, sizes)
         n, width = self.sizes[-1], runner.max_blocks_per_seq
         dev = self.device
         self.width = width

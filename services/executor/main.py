@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=graph_sizes,
+        default=(),
+        help="decode batch sizes to capture, comma-separated (default 1,2,4,8,16,24,...)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--executor-id",
@@ -54,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def graph_sizes(text: str) -> tuple[int, ...]:
+    """--cuda-graph-sizes: "1,8,64" -> (1, 8, 64); every size a positive integer."""
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers: {text!r}")
+    return sizes
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     return EngineConfig(
@@ -68,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_enable_prefix_caching,
         enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
     )
 

@@ -198,7 +198,7 @@ class ModelRunner:
             from voltserve.services.executor.cuda_graphs import CudaGraphRunner
 
             with startup.phase("compiling kernels and capturing CUDA graphs"):
-                self.graphs = CudaGraphRunner(self, graph_batch)
+                self.graphs = CudaGraphRunner(self, graph_batch, tuple(config.cuda_graph_sizes))
             if pipeline_enabled():
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         elif use_graphs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from voltserve.kernels import dispatch
 from voltserve.kernels.attention_ref import paged_decode_attention_ref
@@ -43,6 +44,11 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(32, (64, 8, 1, 8)) == [1, 8]  # sorted, deduplicated, capped
+    with pytest.raises(ValueError, match="no size"):
+        graph_batch_sizes(4, (8,))
+    with pytest.raises(ValueError, match="positive"):
+        graph_batch_sizes(4, (0, 2))
 
 
 def test_capturable_fallbacks_equal_references() -> None:
