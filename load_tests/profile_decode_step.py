@@ -119,6 +119,8 @@ def make_engine(model_dir: Path, args, max_batch: int):
         max_num_batched_tokens=batched_tokens(args),
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_graph_batch_size=max(8, max_batch),
+        # Only the profiled sizes: their steps are pure decode steps of exactly these sizes.
+        cuda_graph_sizes=tuple(sorted(set(args.batch_sizes))),
         seed=0,
     )
     return LLMEngine(config)
