@@ -111,7 +111,7 @@ class Variant:
     bound: int = 1
 
 
-def sweep_variants(batch: int) -> list[Variant]:
+def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
     """What to time at one point: the default launch at 1x and 8x bounds, then every partition with the online core and with the block core (128
     threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
     context on an H200 with the block core), at larger ones the longest partition capped at
@@ -119,6 +119,8 @@ def sweep_variants(batch: int) -> list[Variant]:
     core: twice the warps per block at its register count). Each is a numba compile (~25 s on
     the device for these unrolled kernels): --jobs spreads the compiles over processes."""
     out = [Variant(bound=b) for b in (1, 8)]
+    if partitions:  # --partitions: just these, block core
+        return out + [Variant(partition=p, online=False) for p in partitions]
     small = batch <= SWEEP_SMALL_BATCH
     for online in (True, False):
         for part in SWEEP_PARTITIONS if small else SWEEP_PARTITIONS_BATCHED:
@@ -198,10 +200,19 @@ def _init_worker(lock) -> None:
     _GPU_LOCK = lock
 
 
-def sweep_decode(points: list[tuple[int, int]], kvh: int, group: int, head_dim: int, jobs: int):
+def sweep_decode(
+    points: list[tuple[int, int]],
+    kvh: int,
+    group: int,
+    head_dim: int,
+    jobs: int,
+    partitions: tuple[int, ...] = (),
+):
     """Every sweep variant at every (batch, context) point, over `jobs` worker processes (each
     builds its variants while another times; timing holds one lock). Rows print as measured."""
-    work = [(b, c, kvh, group, head_dim, v) for b, c in points for v in sweep_variants(b)]
+    work = [
+        (b, c, kvh, group, head_dim, v) for b, c in points for v in sweep_variants(b, partitions)
+    ]
     if jobs <= 1:
         rows = [sweep_job(*w) for w in work]
         for r in rows:
@@ -271,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
         "there (partition, threads, merge mode, register cap)",
     )
     ap.add_argument(
+        "--partitions", default="", help="sweep only these partition sizes (block core), e.g. 528"
+    )
+    ap.add_argument(
         "--jobs", type=int, default=1, help="sweep worker processes (compiles run in parallel)"
     )
     ap.add_argument(
@@ -309,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     points = [
         tuple(int(x) for x in p.lower().split("x")) for p in filter(None, args.sweep.split(","))
     ]
-    sweep = sweep_decode(points, args.kv_heads, args.group, args.head_dim, args.jobs)
+    parts = tuple(int(x) for x in args.partitions.split(",") if x.strip())
+    sweep = sweep_decode(points, args.kv_heads, args.group, args.head_dim, args.jobs, parts)
 
     result = dict(
         device=torch.cuda.get_device_name(),

@@ -84,7 +84,7 @@ for stage in $STAGES; do
     attention-sweep)
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
       # spread over SWEEP_JOBS processes; rows are printed to the log as they are measured).
-      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
+      run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --partitions "${SWEEP_PARTITIONS:-}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
