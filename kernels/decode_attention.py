@@ -6,7 +6,8 @@ Work split. One thread block owns (sequence, KV head, context partition) and ALL
 that share that KV head (grouped-query), so each K/V element is read from memory once. Long
 contexts are cut into partitions so that even batch 1 fills the GPU: `choose_partition` takes
 the longest of 1024/512/256/128/64 tokens that still gives ~4 thread blocks per SM (3 for 1024)
-for this batch and context bound. A second kernel merges the partitions (rescaling each partial sum by
+for this batch and context bound, or, when one block per sequence and KV head already fills the
+GPU, a single partition of the whole bound (up to 2048 tokens at 4 heads per KV head). A second kernel merges the partitions (rescaling each partial sum by
 exp(partial max - global max)). When the context bound fits one partition the first kernel
 normalises and writes the output itself and the merge is skipped.
 
@@ -671,6 +672,13 @@ BLOCKS_PER_SM = 4  # thread blocks wanted per SM before partitions get shorter
 # per SM) is enough for: at batch 64, 1K contexts, Llama-3-8B shape on an H200, 512 blocks of
 # 1024 tokens took 78.8 us where 1024 blocks of 512 took 98.2 (batch 256: 290 vs 348 us).
 LONGEST_BLOCKS_PER_SM = 3
+# A grid that one block per (sequence, head group) already fills takes a single partition of the
+# whole bound (direct mode: no partials, no merge), up to the scores' shared memory: a 1024-token
+# partition under a 1056 bound left a 32-token tail partition per sequence and took 126 us at
+# batch 64 against 81 us for one 1056-token partition (and 144 vs 163 us at 2048 contexts with
+# 2048 vs 1024-token partitions; H200, Llama-3-8B shape). The block core keeps group x partition
+# fp32 scores in shared memory: 32 KB of them leaves room under the 48 KB static limit of sm_70.
+DIRECT_SCORES_BYTES = 32 * 1024
 # Grids up to this many blocks per SM run the online core: one wave at its register count
 # (~170 per thread uncapped, so 2-3 blocks of 128 threads per SM), latency-bound.
 ONLINE_MAX_BLOCKS_PER_SM = 2
@@ -679,14 +687,32 @@ ONLINE_MAX_BLOCKS_PER_SM = 2
 ONLINE_MAX_GROUP_DIMS = 7 * 128
 
 
+def direct_partition_limit(group: int) -> int:
+    """The longest single partition the block core takes for `group` query heads per block."""
+    return DIRECT_SCORES_BYTES // (4 * group) // BLOCK_SIZE * BLOCK_SIZE
+
+
 def choose_partition(
-    batch: int, kv_blocks: int, max_seq_len: int, num_sms: int, max_partitions: int | None = None
+    batch: int,
+    kv_blocks: int,
+    max_seq_len: int,
+    num_sms: int,
+    max_partitions: int | None = None,
+    group: int = MAX_HEADS_PER_BLOCK,
 ) -> int:
-    """The longest partition that still gives BLOCKS_PER_SM thread blocks per SM (kv_blocks =
-    thread blocks per sequence and partition). Short partitions only where the grid would
-    otherwise leave SMs idle (small batches): each costs a partial write and a merge read.
-    Depends only on bounds fixed at capture, so a CUDA graph's grid stays valid.
-    max_partitions: a caller's workspace bound; longer partitions are taken to fit it."""
+    """Context tokens per thread block (kv_blocks = thread blocks per sequence and partition;
+    group = query heads per block). When batch x kv_blocks blocks fill one wave, one partition
+    of the whole bound (rounded up to a KV block) where its scores fit shared memory; otherwise
+    the longest of PARTITION_CHOICES that still gives BLOCKS_PER_SM thread blocks per SM. Short
+    partitions only where the grid would otherwise leave SMs idle (small batches): each costs a
+    partial write and a merge read. Depends only on bounds fixed at capture, so a CUDA graph's
+    grid stays valid. max_partitions: a caller's workspace bound; longer partitions are taken
+    to fit it."""
+    whole = -(-max_seq_len // BLOCK_SIZE) * BLOCK_SIZE
+    if batch * kv_blocks >= LONGEST_BLOCKS_PER_SM * num_sms and whole <= direct_partition_limit(
+        group
+    ):
+        return whole
     fits = [
         p
         for p in PARTITION_CHOICES
@@ -767,11 +793,11 @@ def paged_decode_attention_cuda(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     if partition_size is None:
-        ratio = H // kvh
-        split = ratio // decode_config(H, kvh, D, None, num_threads).group
+        group = decode_config(H, kvh, D, None, num_threads).group
+        split = H // kvh // group
         cap = None if workspace is None else workspace[2].shape[2]
         partition_size = choose_partition(
-            B, kvh * split, max_seq_len, _num_sms(q.device.index or 0), cap
+            B, kvh * split, max_seq_len, _num_sms(q.device.index or 0), cap, group
         )
     cfg = decode_config(H, kvh, D, partition_size, num_threads)
     n_part = num_partitions(max_seq_len, cfg.partition)

@@ -242,8 +242,10 @@ def partition_for(batch: int, context: int, kvh: int, group: int) -> int:
     """The partition size the launcher picks for this point (reported next to its time)."""
     from voltserve.kernels.decode_attention import _num_sms, choose_partition, decode_config
 
-    split = group // decode_config(kvh * group, kvh, 128).group
-    return choose_partition(batch, kvh * split, context, _num_sms(torch.cuda.current_device()))
+    g = decode_config(kvh * group, kvh, 128).group
+    return choose_partition(
+        batch, kvh * (group // g), context, _num_sms(torch.cuda.current_device()), None, g
+    )
 
 
 def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:

@@ -119,7 +119,7 @@ for stage in $STAGES; do
         [ "$variant" = none ] && continue
         name=${variant%%:*}
         envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
-        run "decode_batched_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 1 --warmup 0 --skip-transformers --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b_batched_$name.json"
+        run "decode_batched_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 1 --warmup 0 --skip-transformers --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024 --out "$OUT/decode_llama3-8b_batched_$name.json"
       done
       ;;
     serving)

@@ -210,12 +210,17 @@ def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, 
 
 
 def test_choose_partition():
-    from voltserve.kernels.decode_attention import choose_partition
+    from voltserve.kernels.decode_attention import choose_partition, direct_partition_limit
 
-    sms = 132  # an H200; 8 KV heads (Llama-3-8B)
-    assert choose_partition(64, 8, 1024, sms) == 1024  # one wave of 1024-token blocks
-    assert choose_partition(256, 8, 1100, sms) == 1024  # 2 partitions per sequence
-    assert choose_partition(32, 8, 1024, sms) == 256  # too few long blocks: shorter ones
-    assert choose_partition(1, 8, 784, sms) == 64  # batch 1: the shortest
+    sms = 132  # an H200; 8 KV heads and 4 query heads per KV head (Llama-3-8B)
+    assert direct_partition_limit(4) == 2048 and direct_partition_limit(7) == 1168
+    # Batch 64: one block per (sequence, KV head) fills a wave: one partition of the bound.
+    assert choose_partition(64, 8, 1024, sms, None, 4) == 1024
+    assert choose_partition(256, 8, 1100, sms, None, 4) == 1104  # rounded up to a KV block
+    # A bound past the scores' shared memory: the longest listed partition.
+    assert choose_partition(64, 8, 8192, sms, None, 4) == 1024
+    assert choose_partition(64, 8, 1100, sms, None, 8) == 1024  # 8 heads: 1024-token limit
+    assert choose_partition(32, 8, 1024, sms, None, 4) == 256  # too few long blocks
+    assert choose_partition(1, 8, 784, sms, None, 4) == 64  # batch 1: the shortest
     # A workspace of 32 partitions under a 16K bound: the shortest partition that fits it.
-    assert choose_partition(1, 8, 16384, sms, max_partitions=32) == 512
+    assert choose_partition(1, 8, 16384, sms, 32, 4) == 512
