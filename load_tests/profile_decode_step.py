@@ -385,10 +385,9 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     ids = g.input_ids[:bs]
     emb = model.model.embed_tokens.weight
     add("embedding", 1, time_op(lambda i: F.embedding(ids, emb), launches, args.reps))
-    logits16 = torch.randn(bs, arch.vocab_size, device=dev, dtype=dt)
-    add("logits_to_fp32", 1, time_op(lambda i: logits16.float(), launches, args.reps))
-    logits = logits16.float()
-    # The graph ends with the (chunked) argmax the sampler's greedy path copies back.
+    logits = torch.randn(bs, arch.vocab_size, device=dev, dtype=dt)
+    # The graph ends with the logits in the model's dtype and their (chunked) argmax, which the
+    # sampler's greedy path copies back (other sampling widens the logits outside the graph).
     add("argmax", 1, time_op(lambda i: chunked_argmax(logits), launches, args.reps))
     return rows
 

@@ -18,9 +18,9 @@ with a pinned host twin of the same layout. The runner's decode path (`stage` + 
 writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
 the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
 
-Sampling stays outside the graph: the graph ends with the logits of every row and their argmax
-(captured with the step, so the sampler's greedy fast path launches nothing: it copies the ids
-back); any other sampling runs on the logits.
+Sampling stays outside the graph: the graph ends with the logits of every row (in the model's
+dtype) and their argmax (captured with the step, so the sampler's greedy fast path launches
+nothing: it copies the ids back); any other sampling runs on the logits, widened to fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.shared import startup
 
 if TYPE_CHECKING:
-    from voltserve.services.executor.model_runner import DeviceBatch, ModelRunner
+    from voltserve.services.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,14 @@ class CudaGraphRunner:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
+        """Logits in the model's dtype (see the model's fp32_logits): the sampler widens them."""
         return self.model(
-            self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_caches, None
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self._meta(bs),
+            self.kv_caches,
+            None,
+            fp32_logits=False,
         )
 
     @torch.inference_mode()
@@ -160,7 +166,8 @@ class CudaGraphRunner:
     def replay_staged(
         self, num_seqs: int, ids_on_device: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab].
+        """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab] in
+        the model's dtype.
         ids_on_device: the rows' input ids, already on the device (they replace the staged ones:
         the pipelined decode feeds a step the previous step's argmax without a host round trip)."""
         bs = self.padded_size(num_seqs)
@@ -173,27 +180,3 @@ class CudaGraphRunner:
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs][:num_seqs]
-
-    def run(self, batch: DeviceBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only batch already on the device (row b = sequence b).
-        The runner uses stage/replay_staged instead; this stays for callers holding a
-        DeviceBatch."""
-        B = batch.num_seqs
-        bs = self.padded_size(B)
-        meta = batch.meta
-        w = meta.block_tables.shape[1]
-        self.input_ids[:B].copy_(batch.input_ids)
-        self.positions[:B].copy_(batch.positions)
-        self.slot_mapping[:B].copy_(meta.slot_mapping)
-        self.block_tables[:B, :w].copy_(meta.block_tables)
-        self.block_tables[:B, w:].zero_()
-        self.seq_lens[:B].copy_(meta.seq_lens)
-        if bs > B:
-            self.input_ids[B:bs].zero_()
-            self.positions[B:bs].zero_()
-            self.slot_mapping[B:bs].fill_(-1)
-            self.block_tables[B:bs].zero_()
-            self.seq_lens[B:bs].fill_(1)
-        self.graphs[bs].replay()
-        self.num_replays += 1
-        return self.outputs[bs][:B]

@@ -108,13 +108,15 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        """logits: [N, V] fp32 on the device, row i for rows[i]."""
+        """logits: [N, V] on the device (fp32, or the model's dtype from a decode graph: the
+        adjustments, sampling and logprobs run on an fp32 copy), row i for rows[i]."""
         if not rows:
             return []
         if not self.needs_full_path(rows):
             # Fast path: all greedy, nothing to adjust, no logprobs.
             return SampledIds(logits.argmax(dim=-1).tolist())
         N, V = logits.shape
+        logits = logits.float()  # a no-op for fp32 logits (then work's clone is the one copy)
         work = logits.clone()
         self._apply_bias_and_bans(work, rows, V)
         self._apply_penalties(work, rows, V)

@@ -167,3 +167,22 @@ def test_huge_seeds_are_accepted() -> None:
     p = SamplingParams(temperature=1.0)
     out = sampler()(x, [row(p, seed=(1 << 64) - 1), row(p, seed=1 << 70)])
     assert all(0 <= t.token_id < V for t in out)
+
+
+def test_fp16_logits_sample_as_their_fp32_widening() -> None:
+    # The decode graphs hand the sampler logits in the model's dtype; every path must give what
+    # the same values widened to fp32 give: tokens, seeded draws and logprobs.
+    x16 = logits(6).half()
+    x32 = x16.float()
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=1.0, presence_penalty=0.5, logit_bias={3: 2.0}),
+    ):
+        seeds = [random.randrange(1 << 62) for _ in range(6)]
+        a = sampler()(x16, [row(params, seed=s, output=(3, 4)) for s in seeds])
+        b = sampler()(x32, [row(params, seed=s, output=(3, 4)) for s in seeds])
+        assert [t.token_id for t in a] == [t.token_id for t in b]
+        assert [t.logprob for t in a] == [t.logprob for t in b]
+        assert [t.top_logprobs for t in a] == [t.top_logprobs for t in b]
