@@ -62,10 +62,6 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
-    # The same GEMVs with the residual add and RMSNorm folded in (VOLTSERVE_FUSE_NORM=1).
-    "gemv_residual": (("gemv_norm",), "gemv_norm", "gemv_residual_ref"),
-    "gemv_gate_up_norm": (("gemv_norm",), "gemv_norm", "gemv_gate_up_norm_ref"),
-    "gemv_qkv_rope_norm": (("gemv_norm",), "gemv_norm", "gemv_qkv_rope_norm_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -91,9 +87,6 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
-    "gemv_residual": "VOLTSERVE_GEMV",
-    "gemv_gate_up_norm": "VOLTSERVE_GEMV",
-    "gemv_qkv_rope_norm": "VOLTSERVE_GEMV",
 }
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
@@ -160,9 +153,6 @@ class KernelDispatch:
         # and row count: a LinearPlan (services/executor/linear_plan.py) the runner sets before
         # graph capture. None: every linear of <= 8 rows runs ops.gemv, MLPs stay unfused.
         self.linear_plan: Any = None
-        # The fused-norm decode (kernels/gemv_norm.py): set by the runner from
-        # VOLTSERVE_FUSE_NORM; the model decides per step where it applies.
-        self.fuse_norms = False
         self._fns: dict[str, Callable] = {}
         use_cuda = self.device.type == "cuda" and not self.force_ref
         for op, (families, ref_mod, ref_name) in _OPS.items():
@@ -209,9 +199,6 @@ class KernelDispatch:
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
     gemv_qkv_rope: Callable[..., torch.Tensor]
-    gemv_residual: Callable[..., torch.Tensor]
-    gemv_gate_up_norm: Callable[..., torch.Tensor]
-    gemv_qkv_rope_norm: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

@@ -54,8 +54,6 @@ def gemv_gate_up_ref(
 # ---------------------------------------------------------------------------------------------
 # numba.cuda kernels
 
-import math  # noqa: E402
-
 from numba import cuda  # noqa: E402
 from voltserve.kernels.activation import _silu_mul  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
@@ -75,7 +73,6 @@ WARPS = 4  # warps per block
 THREADS = 32 * WARPS
 LANE_ELEMS = VEC  # elements a lane reads per chunk (one 16-byte load for fp16)
 WARP_ELEMS = 32 * LANE_ELEMS  # elements a warp reads per chunk (256)
-SS_SLOTS = 32  # partial sums of squares per row (norm / res; one per lane of the reading warp)
 
 if SIM:
     from voltserve.kernels.attention_common import shfl_xor as _sim_shfl
@@ -145,38 +142,7 @@ def _ld8_guard(arr, row, col, K):
     return _Z8
 
 
-@cuda.jit(device=True, inline="always")
-def _nrm(v, w, inv, x):
-    # rmsnorm.py's rounding: the normalised value in the storage dtype, then times the weight.
-    return round_like(w * round_like(v * inv, x), x)
-
-
-@cuda.jit(device=True, inline="always")
-def _norm8(v, w, inv, x):
-    """RMSNorm of an 8-element chunk of x with weight chunk w and 1/rms inv."""
-    return (
-        _nrm(v[0], w[0], inv, x),
-        _nrm(v[1], w[1], inv, x),
-        _nrm(v[2], w[2], inv, x),
-        _nrm(v[3], w[3], inv, x),
-        _nrm(v[4], w[4], inv, x),
-        _nrm(v[5], w[5], inv, x),
-        _nrm(v[6], w[6], inv, x),
-        _nrm(v[7], w[7], inv, x),
-    )
-
-
-@cuda.jit(device=True, inline="always")
-def _ld8_guard1(arr, col, K):
-    """arr[col:col+8] of a 1-D array, or zeros past K."""
-    if col < K:
-        return ld8(arr, (col,))
-    return _Z8
-
-
-def _source(
-    M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: bool = False
-) -> str:
+def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
     Generated rather than written with `for` loops over M, R and U: LLVM unrolls such loops only
@@ -187,32 +153,13 @@ def _source(
     h[m, j] = silu(gate) * up from the two sums.
     qkv_rope: w is the fused qkv weight, out [M, N]; the warp's two rows are dims j and j + D/2
     of one head (a NeoX rotary pair), and lane m rotates q and k rows at positions[m] and writes
-    them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py).
-
-    norm (any kind): x is the residual stream and the product takes RMSNorm(x) * nw instead
-    (extra arguments nw, eps, ss): ss [M, SS_SLOTS] fp32 holds each x row's sum of squares,
-    split over SS_SLOTS partial sums (what the res epilogue that wrote x left there), so a warp
-    reads 32 floats (one load per lane, issued with its first weight loads) instead of the whole
-    row; it normalises each chunk as it reads it, rounded as rmsnorm.py rounds.
-    res (plain only; extra argument ss): out is the residual stream and the kernel adds the
-    product to it (rounded as the linear stores it, then the sum rounded as the add stores it),
-    and adds the square of every value it writes to ss[m, warp % SS_SLOTS] (atomics spread over
-    the slots, so no one address takes them all). Together they remove the fused add + RMSNorm
-    launches between the decode linears."""
+    them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py)."""
     if kind not in KINDS:
         raise ValueError(f"gemv kind {kind!r} is not one of {KINDS}")
-    if res and kind != PLAIN:
-        raise ValueError("the residual-add epilogue exists for the plain kind only")
-    if res and norm:
-        raise ValueError("a kernel takes the norm prologue or the residual epilogue, not both")
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     args = "x, w, bias, out, has_bias"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
-    if norm:
-        args += ", nw, eps, ss"
-    if res:
-        args += ", ss"
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
@@ -256,18 +203,8 @@ def _source(
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
-    if norm:
-        # Each x row's SS_SLOTS partial sums of squares, lane l holding slot l: loaded here,
-        # summed (1/rms) only after the first step's weight loads are issued (first=True).
-        L += [f"    sv{m} = ss[{f'xm{m}' if m else '0'}, lane]" for m in range(M)]
-    if res:
-        # The residual value each writing lane adds to, read now so its trip overlaps the
-        # weight stream instead of following it.
-        L += [
-            f"    old = float32(out[min(lane // {R}, Mx - 1), min(row0 + lane % {R}, N - 1)])",
-        ]
 
-    def body(indent: str, guarded: bool, first: bool = False) -> list[str]:
+    def body(indent: str, guarded: bool) -> list[str]:
         out = [f"{indent}c{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
         # Every weight load of the step before the first use: R * U * 16 bytes in flight.
         for r in range(R):
@@ -276,38 +213,18 @@ def _source(
                     out.append(f"{indent}w{r}_{j} = _ld8_guard(w, rw{r}, c{j}, K)")
                 else:
                     out.append(f"{indent}w{r}_{j} = ld8(w, (rw{r}, c{j}))")
-        if first:  # 1/rms of each x row (rmsnorm._inv_rms's arithmetic)
-            out += [
-                f"{indent}inv{m} = float32(float32(1.0) / float32(math.sqrt(float32("
-                f"_warp_sum(sv{m}) / float32(K)) + float32(eps))))"
-                for m in range(M)
-            ]
         # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
         for j in range(U):
-            if norm:  # the norm weight chunk, shared by the M rows
-                if guarded:
-                    out.append(f"{indent}nv = _ld8_guard1(nw, c{j}, K)")
-                else:
-                    out.append(f"{indent}nv = ld8(nw, (c{j},))")
             for m in range(M):
                 xm = f"xm{m}" if m else "0"
                 if guarded:
                     out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
                 else:
                     out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
-                if norm:
-                    out.append(f"{indent}xv = _norm8(xv, nv, inv{m}, x)")
                 for r in range(R):
                     out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
         return out
 
-    if norm:  # the first step peeled: it computes 1/rms once its weight loads are out
-        L.append(f"    if {step} <= K:")
-        L += body("        ", False, first=True)
-        L.append(f"        k0 += {step}")
-        L.append("    else:")
-        L += body("        ", True, first=True)
-        L.append("        k0 = K")
     L.append(f"    while k0 + {step} <= K:")
     L += body("        ", False)
     L.append(f"        k0 += {step}")
@@ -373,19 +290,11 @@ def _source(
         "            if has_bias:",
         "                mine += float32(bias[row])",
     ]
-    if res:
-        L += [
-            f"            m = lane // {R}",
-            "            v = round_like(old + round_like(mine, out), out)",
-            "            out[m, row] = v",
-            f"            cuda.atomic.add(ss, (m, warp & {SS_SLOTS - 1}), v * v)",
-        ]
-    else:
-        L.append(f"            out[lane // {R}, row] = mine")
+    L.append(f"            out[lane // {R}, row] = mine")
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: bool = False):
+def _build(M: int, R: int, U: int, kind: str = PLAIN):
     scope = {
         "cuda": cuda,
         "float32": float32,
@@ -396,17 +305,14 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN, norm: bool = False, res: b
         "_silu_mul": _silu_mul,
         "round_like": round_like,
         "_rot1": _rot1,
-        "_norm8": _norm8,
-        "_ld8_guard1": _ld8_guard1,
-        "math": math,
     }
-    name = f"<gemv {kind}{' norm' if norm else ''}{' res' if res else ''} M={M} R={R} U={U}>"
-    code = compile(_source(M, R, U, kind, norm, res), name, "exec")
+    name = f"<gemv {kind} M={M} R={R} U={U}>"
+    code = compile(_source(M, R, U, kind), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[tuple[int, str, bool, bool], object] = {}  # (variant M, kind, norm, res)
+_KERNELS: dict[tuple[int, str], object] = {}  # (variant M, kind)
 
 
 VARIANTS = (1, 2, 4, 8)  # compiled M values; other M use the next larger one
@@ -418,15 +324,14 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def gemv_kernel(m: int, kind: str = PLAIN, norm: bool = False, res: bool = False):
+def gemv_kernel(m: int, kind: str = PLAIN):
     """The kernel of `kind` that serves M = m inputs (the M = variant_for(m) kernel, built
-    once): plain, gate_up (w a merged gate_up weight, out the activation) or qkv_rope; norm /
-    res: the RMSNorm prologue / residual-add epilogue (see _source)."""
+    once): plain, gate_up (w a merged gate_up weight, out the activation) or qkv_rope."""
     v = variant_for(m)
-    key = (v, kind, norm, res)
+    key = (v, kind)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = _build(v, *tile_for(v, kind), kind, norm, res)
+        k = _KERNELS[key] = _build(v, *tile_for(v, kind), kind)
     return k
 
 
@@ -441,9 +346,6 @@ gemv_gate_up_kernel_m4 = gemv_kernel(4, GATE_UP)
 gemv_gate_up_kernel_m8 = gemv_kernel(8, GATE_UP)
 gemv_qkv_rope_kernel_m1 = gemv_kernel(1, QKV_ROPE)
 gemv_qkv_rope_kernel_m2 = gemv_kernel(2, QKV_ROPE)
-gemv_residual_kernel_m1 = gemv_kernel(1, PLAIN, res=True)
-gemv_gate_up_norm_kernel_m1 = gemv_kernel(1, GATE_UP, norm=True)
-gemv_qkv_rope_norm_kernel_m1 = gemv_kernel(1, QKV_ROPE, norm=True)
 
 
 def grid_for(m: int, n: int, kind: str = PLAIN) -> int:
@@ -488,29 +390,21 @@ def supports_gate_up(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.shape[0] % 2 == 0 and supports(x, w)
 
 
-def launch_gemv(
-    x, w, bias, out, kind: str = PLAIN, extra: tuple = (), norm: tuple = (), res_ss=None
-) -> torch.Tensor:
+def launch_gemv(x, w, bias, out, kind: str = PLAIN, extra: tuple = ()) -> torch.Tensor:
     """One launch of the `kind` kernel for inputs its caller checked. out: the output, or None
-    for a new one ([M, outputs]; with res_ss: the residual it adds into); extra: the kind's
-    arguments after has_bias (qkv_rope's, already converted); norm: () or (norm weight, eps,
-    ss) for the RMSNorm prologue; res_ss: None, or the [M, SS_SLOTS] fp32 sums of squares the
-    residual-add epilogue adds to. Every gemv launcher (here, gemv_qkv_rope.py, gemv_norm.py)
-    goes through it."""
+    for a new one ([M, outputs]); extra: the kind's arguments after has_bias (qkv_rope's,
+    already converted). Every gemv launcher (here and gemv_qkv_rope.py) goes through it."""
     M, rows = x.shape[0], w.shape[0]
     if out is None:  # gate_up writes one activation per row pair; the others a column per row
         cols = rows // 2 if kind == GATE_UP else rows
         out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
-    tail = (dev(norm[0]), float(norm[1]), dev(norm[2])) if norm else ()
-    if res_ss is not None:
-        tail = (dev(res_ss),)
     launch(
-        gemv_kernel(M, kind, norm=bool(norm), res=res_ss is not None),
+        gemv_kernel(M, kind),
         grid_for(M, rows if kind == PLAIN else rows // 2, kind),
         THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias, *extra, *tail),
+        (dev(x), dev(w), dev(b), dev(out), has_bias, *extra),
         current_stream(),
     )
     return out

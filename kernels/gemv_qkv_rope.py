@@ -116,10 +116,9 @@ def gemv_qkv_rope_cuda(
     return launch_qkv_rope(x, w, bias, args, out)
 
 
-def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm: tuple = ()) -> torch.Tensor:
+def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None) -> torch.Tensor:
     """One launch of the qkv_rope kernel for inputs its caller checked; rope_args: (positions,
-    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: () or (norm weight, eps,
-    sums of squares) for the RMSNorm prologue (gemv_norm.py)."""
+    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)."""
     positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
     extra = (
         dev(positions),
@@ -130,4 +129,4 @@ def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm: tuple = ()) ->
         int(n_q),
         int(n_kv),
     )
-    return launch_gemv(x, w, bias, out, QKV_ROPE, extra, norm)
+    return launch_gemv(x, w, bias, out, QKV_ROPE, extra)

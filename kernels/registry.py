@@ -231,21 +231,3 @@ KERNELS += [
     )
     for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
-
-# gemv_norm.py (VOLTSERVE_FUSE_NORM=1): the residual-add epilogue (plain arguments, out is the
-# residual, then the fp32 sums of squares it adds to) and the RMSNorm prologue (the kind's
-# arguments, then the norm weight, eps and the sums of squares it reads).
-_G = "float16[:, :], float16[:, :], float16[::1], float16[:, :], boolean"
-_ROPE = "int64[::1], float32[:, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64[::1], int64, int64"
-_SS = "float32[:, ::1]"
-KERNELS += [
-    KernelSpec("gemv", "gemv_residual_kernel_m1", (f"void({_G}, {_SS})",)),
-    KernelSpec(
-        "gemv", "gemv_gate_up_norm_kernel_m1", (f"void({_G}, float16[::1], float64, {_SS})",)
-    ),
-    KernelSpec(
-        "gemv",
-        "gemv_qkv_rope_norm_kernel_m1",
-        (f"void({_G}, {_ROPE}, float16[::1], float64, {_SS})",),
-    ),
-]

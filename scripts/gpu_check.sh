@@ -101,7 +101,7 @@ for stage in $STAGES; do
     decode-b1)
       # Batch 1 only, no transformers: the per-op profile, then bench_decode once per variant in
       # DECODE_VARIANTS ("name:VAR=1,VAR2=1 ..."; "base" = the defaults).
-      # PROFILE_ENV: the switches the profile runs with (e.g. VOLTSERVE_FUSE_NORM=1); PROFILE=0
+      # PROFILE_ENV: the switches the profile runs with (e.g. VOLTSERVE_GEMV=0); PROFILE=0
       # leaves the profile out; PROFILE_ARGS: more profile flags (e.g. --prompt-len 1024);
       # DECODE_VARIANTS=none: the profile alone.
       [ "${PROFILE:-1}" = 0 ] || run profile_decode env ${PROFILE_ENV:-} $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" ${PROFILE_ARGS:-} --out "$OUT/profile_decode.json"

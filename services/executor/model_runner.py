@@ -12,7 +12,6 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from itertools import chain
 
@@ -58,15 +57,6 @@ def _token_slice(r: Request, start: int, n: int) -> list[int]:
         o = start - len(p)
         return r.output_token_ids[o : o + n]
     return p[start:] + r.output_token_ids[: start + n - len(p)]
-
-
-FUSE_NORM_ENV = "VOLTSERVE_FUSE_NORM"
-
-
-def fuse_norms_enabled() -> bool:
-    """VOLTSERVE_FUSE_NORM=1: decode steps on the GEMV kernels fold the residual add and RMSNorm
-    into them (kernels/gemv_norm.py). Off by default until timed on a GPU."""
-    return os.environ.get(FUSE_NORM_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class BlockTableMirror:
@@ -183,7 +173,6 @@ class ModelRunner:
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
-        self.ops.fuse_norms = fuse_norms_enabled()
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
@@ -205,7 +194,6 @@ class ModelRunner:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
             self.ops.linear_plan = linear_plan
-            self.ops.fuse_norms = fuse_norms_enabled()
             self.model.ops = self.ops
             self.sampler = Sampler(self.ops, self.device)
         logger.info(

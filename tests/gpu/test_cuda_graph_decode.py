@@ -115,30 +115,3 @@ def test_plain_greedy_graph_path_equals_eager(arch: str, pipeline: str, monkeypa
         assert ra.output_token_ids == rb.output_token_ids
     if graph.pipeline is not None:
         assert graph.pipeline.used > 0
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_norm_graph_decode_equals_unfused_eager(arch: str, monkeypatch) -> None:
-    """VOLTSERVE_FUSE_NORM=1 (kernels/gemv_norm.py): batch-1 and -2 decode graphs fold the
-    residual adds and RMSNorms into the GEMVs. fp32 (so greedy ties cannot flip): the tokens and
-    logprobs equal those of the unfused eager runner."""
-    from voltserve.services.executor.models.layers import AttentionMetadata
-
-    monkeypatch.setenv("VOLTSERVE_FUSE_NORM", "1")
-    graph = _runner(arch, "float32", eager=False)
-    monkeypatch.setenv("VOLTSERVE_FUSE_NORM", "0")
-    eager = _runner(arch, "float32", eager=True)
-    assert graph.ops.fuse_norms and not eager.ops.fuse_norms
-    one = torch.zeros(1, dtype=torch.int32, device="cuda")
-    meta = AttentionMetadata(one.long(), one.view(1, 1), one, one, is_decode=True)
-    x = torch.zeros(1, graph.arch.hidden_size, device="cuda")
-    fusable = graph.model.fuse_norms(graph.ops, x, meta)
-    assert fusable == (graph.arch.qk_norm is False), "the fused-norm path must apply here"
-    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
-    a, b = _requests(5, 2, params), _requests(5, 2, params)
-    drive(graph, a, 10, chunk=32)
-    drive(eager, b, 10, chunk=32)
-    for ra, rb in zip(a, b, strict=True):
-        assert ra.output_token_ids == rb.output_token_ids
-        for ta, tb in zip(ra.trace, rb.trace, strict=True):
-            assert abs(ta.logprob - tb.logprob) < 1e-4

@@ -23,27 +23,20 @@ def test_launch_arguments_per_kind(recorded):
     M, K = 2, 64
     x = torch.randn(M, K)
     w = torch.randn(48, K)
-    nw = torch.randn(K)
-    ss = torch.rand(M, gemv.SS_SLOTS)
     cases = [
-        # (kind, out, extra, norm, res_ss) -> (out shape, grid rows)
-        (gemv.PLAIN, None, (), (), None, (M, 48), 48),
-        (gemv.GATE_UP, None, (), (nw, 1e-5, ss), None, (M, 24), 24),
-        (gemv.QKV_ROPE, None, ("r0", "r1"), (), None, (M, 48), 24),
-        (gemv.PLAIN, torch.zeros(M, 48), (), (), ss, (M, 48), 48),
+        # (kind, out, extra) -> (out shape, grid rows)
+        (gemv.PLAIN, None, (), (M, 48), 48),
+        (gemv.GATE_UP, None, (), (M, 24), 24),
+        (gemv.QKV_ROPE, None, ("r0", "r1"), (M, 48), 24),
+        (gemv.PLAIN, torch.zeros(M, 48), (), (M, 48), 48),
     ]
-    for kind, out, extra, norm, res_ss, shape, units in cases:
+    for kind, out, extra, shape, units in cases:
         recorded.clear()
-        got = gemv.launch_gemv(x, w, None, out, kind, extra, norm, res_ss)
+        got = gemv.launch_gemv(x, w, None, out, kind, extra)
         assert got.shape == shape and (out is None or got is out)
         ((kernel, grid, block, args, stream),) = recorded
-        res = res_ss is not None
-        assert kernel is gemv.gemv_kernel(M, kind, norm=bool(norm), res=res)
+        assert kernel is gemv.gemv_kernel(M, kind)
         assert grid == gemv.grid_for(M, units, kind) and block == gemv.THREADS
         assert args[0] is x and args[1] is w and args[3] is got and args[4] is False
         assert args[2] is not None  # a stand-in row for the missing bias
-        # The prologue's (norm weight, eps, sums of squares) or the epilogue's sums of squares.
-        tail = (norm[0], float(norm[1]), norm[2]) if norm else (res_ss,) if res else ()
-        assert len(args[5:]) == len(extra) + len(tail) and stream == "stream"
-        assert args[5 : 5 + len(extra)] == extra
-        assert all(a is t or a == t for a, t in zip(args[5 + len(extra) :], tail, strict=True))
+        assert args[5:] == extra and stream == "stream"

@@ -15,12 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.gemv_norm import new_sums_of_squares
 from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.linear_plan import (
     GEMV,
-    GEMV_GATE_UP,
-    gate_up_impl,
     linear_impl,
 )
 from voltserve.services.executor.models.layers import (
@@ -66,19 +63,6 @@ class ModelArch:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-@dataclass
-class FusedNorm:
-    """One half of a layer in the fused-norm decode (LlamaForCausalLM.fuse_norms): its first
-    GEMV normalises the residual stream with `norm` as it reads it, 1/rms from `ss_in` (norm
-    None: the input comes normalised already), and its last GEMV adds into `residual`, leaving
-    the new rows' sums of squares in `ss_out` (kernels/gemv_norm.py)."""
-
-    norm: RMSNorm | None
-    ss_in: torch.Tensor | None
-    residual: torch.Tensor
-    ss_out: torch.Tensor
-
-
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
@@ -108,19 +92,13 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        fn: FusedNorm | None = None,
     ) -> torch.Tensor:
-        """fn (the fused-norm decode): with fn.norm, x is the residual stream, normalised
-        inside the qkv GEMV; o_proj adds into fn.residual (returned) instead of returning its
-        product."""
         T = x.shape[0]
         k_cache, v_cache = kv_cache
-        norm = fn.norm if fn is not None else None
-        fused = norm is not None or self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
+        fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
         if fused:
-            # One launch: the projection, rotary on q and k, and the KV-cache write (and with
-            # `norm`, the input RMSNorm as x is read).
-            args = (
+            # One launch: the projection, rotary on q and k, and the KV-cache write.
+            qkv = ops.gemv_qkv_rope(
                 x,
                 self.qkv_proj.weight,
                 self.qkv_proj.bias,
@@ -132,10 +110,6 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )
-            if norm is None:
-                qkv = ops.gemv_qkv_rope(*args)
-            else:
-                qkv = ops.gemv_qkv_rope_norm(*args, norm.weight, norm.eps, fn.ss_in)
         else:
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -177,11 +151,6 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
-        if fn is not None:
-            o_proj = self.o_proj
-            return ops.gemv_residual(
-                o.view(T, self.q_size), o_proj.weight, o_proj.bias, fn.residual, fn.ss_out
-            )
         return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
@@ -214,17 +183,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, {0: inter, 1: inter}, arch.mlp_bias, dtype)
         self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
 
-    def forward(
-        self,
-        ops: KernelDispatch,
-        x: torch.Tensor,
-        fn: FusedNorm | None = None,
-    ) -> torch.Tensor:
-        """fn: as in Attention.forward (the fused-norm decode; fn.norm is never None here)."""
-        if fn is not None:
-            gu, d, norm = self.gate_up_proj, self.down_proj, fn.norm
-            h = ops.gemv_gate_up_norm(x, gu.weight, gu.bias, norm.weight, norm.eps, fn.ss_in)
-            return ops.gemv_residual(h, d.weight, d.bias, fn.residual, fn.ss_out)
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
         h = gate_up_silu(x, self.gate_up_proj, ops)
         return self.down_proj(h, ops)
@@ -256,30 +215,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache)
         x = self.post_attention_layernorm(ops, x, residual)
         return self.mlp(ops, x), residual
-
-    def forward_fused_norms(
-        self,
-        ops: KernelDispatch,
-        positions: torch.Tensor,
-        residual: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-        ss: torch.Tensor,
-        ss_in: torch.Tensor | None,
-    ) -> None:
-        """The layer on the residual stream, in place: each norm runs inside the GEMV that reads
-        it and each residual add inside the GEMV that produces it. ss: [2, T, SS_SLOTS] zeroed
-        sums of squares for the rows o_proj and down_proj write; ss_in: those of the rows this
-        layer reads (the previous layer's ss[1]), None in the first layer, whose input norm runs
-        alone (no GEMV wrote its rows)."""
-        if ss_in is None:
-            x, attn_fn = self.input_layernorm(ops, residual), FusedNorm(None, None, residual, ss[0])
-        else:
-            x, attn_fn = residual, FusedNorm(self.input_layernorm, ss_in, residual, ss[0])
-        self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache, attn_fn)
-        mlp_fn = FusedNorm(self.post_attention_layernorm, ss[0], residual, ss[1])
-        self.mlp(ops, residual, mlp_fn)
 
 
 class LlamaModel(nn.Module):
@@ -318,32 +253,6 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.ops: KernelDispatch | None = None  # set by the runner once the device is known
 
-    def fuse_norms(self, ops: KernelDispatch, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """The fused-norm decode (ops.fuse_norms, from VOLTSERVE_FUSE_NORM=1; kernels/
-        gemv_norm.py) where every linear of the layer runs a GEMV kernel: decode rows the plan
-        sends to the GEMV (qkv with rotary, gate_up with SiLU), plain Linear layers. On CUDA only
-        where the fused kernels themselves run; on CPU their references."""
-        if not getattr(ops, "fuse_norms", False) or not self.model.layers:
-            return False
-        layer = self.model.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        rows = x.shape[0]
-        if not attn._qkv_rope_fused(ops, x, meta, self.cos_sin_cache):
-            return False
-        if any(type(m) is not Linear for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return False
-        if ops.device.type == "cuda" and any(
-            ops.impl[op] != "cuda"
-            for op in ("gemv_residual", "gemv_gate_up_norm", "gemv_qkv_rope_norm")
-        ):
-            return False
-        o, gu, d = attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight
-        return (
-            linear_impl(ops, rows, *o.shape) == GEMV
-            and linear_impl(ops, rows, *d.shape) == GEMV
-            and gate_up_impl(ops, rows, *gu.shape) == GEMV_GATE_UP
-        )
-
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -365,23 +274,10 @@ class LlamaForCausalLM(nn.Module):
         assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         layers = zip(self.model.layers, kv_caches, strict=True)
-        if self.fuse_norms(ops, x, meta):
-            # x is the residual stream, updated in place; each layer's two residual GEMVs leave
-            # the sums of squares its successor's norms read (zeroed here: one memset a step).
-            ss = new_sums_of_squares(2 * len(self.model.layers), x.shape[0], x.device)
-            ss_in = None
-            for i, (layer, kv_cache) in enumerate(layers):
-                pair = ss[2 * i : 2 * i + 2]
-                layer.forward_fused_norms(
-                    ops, positions, x, kv_cache, meta, self.cos_sin_cache, pair, ss_in
-                )
-                ss_in = pair[1]
-            x = self.model.norm(ops, x)
-        else:
-            residual = None
-            for layer, kv_cache in layers:
-                x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
-            x = self.model.norm(ops, x, residual)
+        residual = None
+        for layer, kv_cache in layers:
+            x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
+        x = self.model.norm(ops, x, residual)
         if logits_indices is not None:
             x = x[logits_indices]
         # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.
