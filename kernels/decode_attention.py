@@ -70,6 +70,11 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
+    # Block core, direct mode: one block per (sequence, head group) walks the whole context a
+    # partition at a time, carrying each head's running max and sum and rescaling its PV sums
+    # between partitions (so no partials, no merge and no short tail partition in a block of its
+    # own, whatever the bound). Opt-in until timed (bench_attention.py --sweep).
+    loop: bool = False
 
 
 def decode_config(
@@ -125,9 +130,10 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     NPAD = next_pow2(NVAL)
     masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
     out: list[str] = []
+    base = 0  # loop: the per-partition body sits one level deeper, inside the partition loop
 
     def emit(indent: int, line: str) -> None:
-        out.append("    " * indent + line)
+        out.append("    " * (indent + (base if indent else 0)) + line)
 
     # Reduce-scatter plan: at a step whose list has >= 2 values, lanes split it (the lane with
     # the mask bit set keeps the upper half) and add what the partner sends; once one value is
@@ -183,9 +189,6 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(3, f"for i in range(tid, {GD}, {NT}):")
         emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
     emit(2, "return")
-    emit(1, f"n_tok = min({PART}, seq_len - start)")
-    emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
-    emit(1, f"blk0 = start // {BLOCK_SIZE}")
     if not cfg.online:
         emit(1, f"logits = cuda.shared.array(({G}, {PART}), float32)")
     emit(1, f"acc_s = cuda.shared.array({GD}, float32)")
@@ -195,8 +198,10 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     if not cfg.online:  # the online core writes every element
         emit(1, f"for i in range(tid, {GD}, {NT}):")
         emit(2, "acc_s[i] = 0.0")
-    emit(1, f"for i in range(tid, n_blk, {NT}):")
-    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
+    if cfg.loop:  # the running max and sum the partitions update (_emit_block_core)
+        emit(1, f"if tid < {G}:")
+        emit(2, "m_s[tid] = float32(-math.inf)")
+        emit(2, "l_s[tid] = float32(0.0)")
     emit(1, f"sub = lane // {TPT}")
     emit(1, f"c = lane % {TPT}")
     emit(1, "fscale = float32(scale)")
@@ -212,11 +217,23 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     for g in range(G):
         for j in range(8):
             emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+    if cfg.loop:
+        # Every partition of the sequence in turn; the previous one's last barrier (after its
+        # PV sums) keeps tbl and logits from being overwritten under a reader.
+        emit(1, f"for part in range((seq_len + {PART - 1}) // {PART}):")
+        base = 1
+        emit(1, f"start = part * {PART}")
+    emit(1, f"n_tok = min({PART}, seq_len - start)")
+    emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
+    emit(1, f"blk0 = start // {BLOCK_SIZE}")
+    emit(1, f"for i in range(tid, n_blk, {NT}):")
+    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     if cfg.online:
         emit(1, "cuda.syncthreads()")
         _emit_online_core(emit, cfg, lay, word)
     else:
         _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
+    base = 0
     _emit_epilogue(emit, cfg, mode)
     return "\n".join(out) + "\n"
 
@@ -302,6 +319,15 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     emit(3, "m = max(m, logits[g, t])")
     for k in range(5):
         emit(2, f"m = max(m, shfl_xor(m, {16 >> k}))")
+    if cfg.loop:
+        # Against the running max of the earlier partitions (-inf before the first: f = 0);
+        # the PV sums so far are rescaled by f before this partition's are added (after the
+        # barrier below). Every lane reads m_s[g] before the shuffles lane 0 writes it after.
+        emit(2, "m_old = m_s[g]")
+        emit(2, "m = max(m, m_old)")
+        emit(2, "f = math.exp(m_old - m)")
+        emit(2, f"for i in range(lane, {D}, 32):")
+        emit(3, f"acc_s[g * {D} + i] *= f")
     emit(2, "total = float32(0.0)")
     emit(2, "for t in range(lane, n_tok, 32):")
     emit(3, "e = math.exp(logits[g, t] - m)")
@@ -311,7 +337,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
         emit(2, f"total += shfl_xor(total, {16 >> k})")
     emit(2, "if lane == 0:")
     emit(3, "m_s[g] = m")
-    emit(3, "l_s[g] = total")
+    emit(3, "l_s[g] = l_s[g] * f + total" if cfg.loop else "l_s[g] = total")
     emit(1, "cuda.syncthreads()")
 
     # PV: each lane accumulates its 8 dims of every head over its tokens.
@@ -562,6 +588,8 @@ MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K 
 def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     """The partition kernel for one shape and mode (see MODES). max_registers: -1 = the default
     below, None = no cap, or a cap (load_tests/bench_attention.py --sweep compares them)."""
+    if cfg.loop and (cfg.online or mode != "direct"):
+        raise ValueError("the partition loop is a direct-mode form of the block core")
     src = _kernel_source(cfg, mode)
     namespace = dict(
         cuda=cuda,
@@ -574,7 +602,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    core = " online" if cfg.online else ""
+    core = " online" if cfg.online else " loop" if cfg.loop else ""
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
@@ -759,6 +787,7 @@ def paged_decode_attention_cuda(
     num_threads: int = 128,
     max_registers: int | None = -1,
     online: bool | None = None,
+    loop: bool = False,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -772,7 +801,9 @@ def paged_decode_attention_cuda(
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
+    loop: one block per (sequence, head group) walks the context a partition at a time
+    (DecodeConfig.loop; the block core, no partials): opt-in until timed."""
     import torch
 
     B, H, D = q.shape
@@ -807,7 +838,9 @@ def paged_decode_attention_cuda(
             blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
-    cfg = dataclasses.replace(cfg, online=online)
+    if loop:  # one block walks every partition: the grid has one along the context
+        online, n_part = False, 1
+    cfg = dataclasses.replace(cfg, online=online, loop=loop)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -894,3 +927,6 @@ decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")
+decode_kernel_d128_g4_loop = decode_kernel(
+    dataclasses.replace(decode_config(32, 8, 128, 1024), loop=True), "direct"
+)

@@ -109,6 +109,7 @@ class Variant:
     regs: int | None = -1  # -1 the default, None no cap, else a cap
     online: bool | None = None  # None: the launcher's choice
     bound: int = 1
+    loop: bool = False  # one block walks the sequence's partitions (DecodeConfig.loop)
 
 
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
@@ -131,6 +132,9 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
         part = SWEEP_PARTITIONS_BATCHED[-1]
         out.append(Variant(partition=part, regs=128, online=False))
         out.append(Variant(partition=part, threads=256, online=True))
+        # The partition loop: one block per (sequence, KV head) whatever the bound, so no tail
+        # partition in a block of its own (a 32-token one cost ~45 us at batch 64).
+        out += [Variant(partition=p, online=False, loop=True) for p in (512, 1024)]
     return out
 
 
@@ -166,9 +170,12 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
             num_threads=v.threads,
             max_registers=v.regs,
             online=v.online,
+            loop=v.loop,
         )
         if n_part == 1:
             mode = "direct"
+        if v.loop:
+            mode = "loop"
     else:
         mode += f"{v.bound}x"
 
