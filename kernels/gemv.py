@@ -66,7 +66,7 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     round_like,
 )
 from voltserve.kernels.rotary import _rot1  # noqa: E402
-from voltserve.kernels.vec_io import VEC, ld8  # noqa: E402
+from voltserve.kernels.vec_io import VEC, ZERO8, dot8, ld8  # noqa: E402
 
 MAX_M = 8
 WARPS = 4  # warps per block
@@ -117,29 +117,11 @@ def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
 
 
 @cuda.jit(device=True, inline="always")
-def _dot8(acc, a, b):
-    return (
-        acc
-        + a[0] * b[0]
-        + a[1] * b[1]
-        + a[2] * b[2]
-        + a[3] * b[3]
-        + a[4] * b[4]
-        + a[5] * b[5]
-        + a[6] * b[6]
-        + a[7] * b[7]
-    )
-
-
-_Z8 = (float32(0.0),) * LANE_ELEMS
-
-
-@cuda.jit(device=True, inline="always")
 def _ld8_guard(arr, row, col, K):
     """arr[row, col:col+8], or zeros when the chunk lies past K (K is a multiple of 8)."""
     if col < K:
         return ld8(arr, (row, col))
-    return _Z8
+    return ZERO8
 
 
 def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
@@ -300,7 +282,7 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         "float32": float32,
         "ld8": ld8,
         "_ld8_guard": _ld8_guard,
-        "_dot8": _dot8,
+        "_dot8": dot8,
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,

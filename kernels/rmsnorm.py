@@ -46,6 +46,8 @@ from voltserve.kernels.numba_common import (  # noqa: E402
 )
 from voltserve.kernels.vec_io import (  # noqa: E402
     VEC,
+    ZERO8,
+    dot8,
     ld8,
     load_row8,
     load_vec8,
@@ -67,21 +69,9 @@ def _inv_rms(ss, scratch, hidden, eps):
     return float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
 
 
-_Z8 = (float32(0.0),) * VEC
-
-
 @cuda.jit(device=True, inline="always")
 def _sq8(v):
-    return (
-        v[0] * v[0]
-        + v[1] * v[1]
-        + v[2] * v[2]
-        + v[3] * v[3]
-        + v[4] * v[4]
-        + v[5] * v[5]
-        + v[6] * v[6]
-        + v[7] * v[7]
-    )
+    return dot8(float32(0.0), v, v)
 
 
 @cuda.jit(device=True, inline="always")
@@ -232,8 +222,8 @@ def rms_norm_1c_kernel(x, weight, out, eps):
     hidden = x.shape[1]
     scratch = cuda.shared.array(32, float32)
     ok = c < hidden
-    v = _Z8
-    w = _Z8
+    v = ZERO8
+    w = ZERO8
     if ok:
         v = ld8(x, (row, c))
         w = ld8(weight, (c,))
@@ -250,8 +240,8 @@ def fused_add_rms_norm_1c_kernel(x, residual, weight, eps):
     hidden = x.shape[1]
     scratch = cuda.shared.array(32, float32)
     ok = c < hidden
-    s = _Z8
-    w = _Z8
+    s = ZERO8
+    w = ZERO8
     if ok:
         r = ld8(residual, (row, c))
         v = ld8(x, (row, c))

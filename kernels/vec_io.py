@@ -153,6 +153,25 @@ else:
 # unaligned view): the same 8-element chunk, element by element, zero past the end of the row.
 
 
+ZERO8 = (float32(0.0),) * VEC  # an 8-element chunk of zeros (guarded loads past the end)
+
+
+@cuda.jit(device=True, inline="always")
+def dot8(acc, a, b):
+    """acc + a . b for two 8-element chunks (fp32)."""
+    return (
+        acc
+        + a[0] * b[0]
+        + a[1] * b[1]
+        + a[2] * b[2]
+        + a[3] * b[3]
+        + a[4] * b[4]
+        + a[5] * b[5]
+        + a[6] * b[6]
+        + a[7] * b[7]
+    )
+
+
 @cuda.jit(device=True, inline="always")
 def _g2(arr, r, c, n):
     v = float32(0.0)
