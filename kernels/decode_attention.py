@@ -7,9 +7,12 @@ that share that KV head (grouped-query), so each K/V element is read from memory
 contexts are cut into partitions so that even batch 1 fills the GPU: `choose_partition` takes
 the longest of 1024/512/256/128/64 tokens that still gives ~4 thread blocks per SM (3 for 1024)
 for this batch and context bound, or, when one block per sequence and KV head already fills the
-GPU, a single partition of the whole bound (up to 2048 tokens at 4 heads per KV head). A second kernel merges the partitions (rescaling each partial sum by
-exp(partial max - global max)). When the context bound fits one partition the first kernel
-normalises and writes the output itself and the merge is skipped.
+GPU, a single partition of the whole bound (up to 2048 tokens at 4 heads per KV head). The
+partials are merged by the last block of a (sequence, head group) to finish (in-kernel merge,
+up to 32 partitions) or by a second kernel, each partial sum rescaled by exp(partial max -
+global max). When the context bound fits one partition the first kernel normalises and writes
+the output itself ("direct"). The opt-in partition loop (`loop=True`) is direct mode for any
+bound: one block walks the sequence's partitions in turn with a running max and sum.
 
 Two cores compute a block's partition. The online core (`_emit_online_core`, for grids of at
 most 2 blocks per SM, i.e. small batches, which are latency-bound) gives each warp whole KV
