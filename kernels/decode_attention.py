@@ -178,7 +178,6 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, "part = cuda.blockIdx.x")
     emit(1, "y = cuda.blockIdx.y")
     emit(1, "b = cuda.blockIdx.z")
-    emit(1, "n_y = cuda.gridDim.y")
     emit(1, f"kvh = y // {cfg.split}")
     emit(1, f"h0 = y * {G}")
     emit(1, "tid = cuda.threadIdx.x")
@@ -400,7 +399,7 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
         emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
     if merge:
-        _emit_merge(emit, G, D, NT, NW, PART, "return")
+        _emit_merge(emit, G, D, NT, NW, PART)
 
 
 def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
@@ -506,7 +505,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     emit(1, "cuda.syncthreads()")
 
 
-def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, leave: str) -> None:
+def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     """The last partition block of a (sequence, head group) to finish merges the group's
     partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
 
@@ -520,7 +519,7 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, leave: str) -
     emit(1, "cuda.syncthreads()")
     emit(1, "flag = cuda.shared.array(1, int32)")
     emit(1, f"n_done = (seq_len + {PART - 1}) // {PART}")
-    emit(1, "cidx = b * n_y + y")
+    emit(1, "cidx = b * cuda.gridDim.y + y")
     emit(1, "if tid == 0:")
     emit(2, "ticket = cuda.atomic.add(counters, cidx, 1)")
     emit(2, "flag[0] = 0")
@@ -529,7 +528,7 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, leave: str) -
     emit(3, "counters[cidx] = 0")
     emit(1, "cuda.syncthreads()")
     emit(1, "if flag[0] == 0:")
-    emit(2, leave)
+    emit(2, "return")
     emit(1, "cuda.threadfence()")
     # Per head (one warp each, lane = partition): global max, then weight = exp(m_p - m) / sum.
     emit(1, f"w_s = cuda.shared.array(({G}, {MERGE_MAX_PARTITIONS}), float32)")
@@ -613,8 +612,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     # of 3, a third more loads in flight. Direct mode (short contexts, small grids) is left free.
     # The online core holds K and V in flight together and runs on small grids: left free too.
     if max_registers == -1:
-        capped = mode != "direct" and not cfg.online
-        max_registers = MAX_REGISTERS if capped else None
+        max_registers = MAX_REGISTERS if mode != "direct" and not cfg.online else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
 
@@ -756,6 +754,23 @@ def choose_partition(
     return fits[-1]
 
 
+def default_partition(
+    H: int,
+    kvh: int,
+    D: int,
+    B: int,
+    max_seq_len: int,
+    num_sms: int,
+    max_partitions: int | None = None,
+    num_threads: int = 128,
+) -> int:
+    """The partition the launcher takes for this shape, batch and bound (choose_partition with
+    the head grouping decode_config gives)."""
+    group = decode_config(H, kvh, D, None, num_threads).group
+    split = H // kvh // group
+    return choose_partition(B, kvh * split, max_seq_len, num_sms, max_partitions, group)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     import torch
@@ -827,11 +842,9 @@ def paged_decode_attention_cuda(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     if partition_size is None:
-        group = decode_config(H, kvh, D, None, num_threads).group
-        split = H // kvh // group
         cap = None if workspace is None else workspace[2].shape[2]
-        partition_size = choose_partition(
-            B, kvh * split, max_seq_len, _num_sms(q.device.index or 0), cap, group
+        partition_size = default_partition(
+            H, kvh, D, B, max_seq_len, _num_sms(q.device.index or 0), cap, num_threads
         )
     cfg = decode_config(H, kvh, D, partition_size, num_threads)
     n_part = num_partitions(max_seq_len, cfg.partition)
@@ -865,10 +878,9 @@ def paged_decode_attention_cuda(
     stream = torch_stream()
     ml, es, tmp = (as_numba(t) for t in workspace)
     sl = as_numba(seq_lens)
-    n_y = kvh * cfg.split
-    grid = (n_part, n_y, B)
+    grid = (n_part, kvh * cfg.split, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
-    counters = _COUNTERS.get(q.device, n_y * B) if mode == "merge" else sl
+    counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
     decode_kernel(cfg, mode, max_registers)[grid, cfg.num_threads, stream](
         as_numba(out),
         as_numba(q),

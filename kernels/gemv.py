@@ -204,7 +204,7 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
                 else:
                     out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
                 for r in range(R):
-                    out.append(f"{indent}a{m}_{r} = _dot8(a{m}_{r}, xv, w{r}_{j})")
+                    out.append(f"{indent}a{m}_{r} = dot8(a{m}_{r}, xv, w{r}_{j})")
         return out
 
     L.append(f"    while k0 + {step} <= K:")
@@ -282,7 +282,7 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         "float32": float32,
         "ld8": ld8,
         "_ld8_guard": _ld8_guard,
-        "_dot8": dot8,
+        "dot8": dot8,
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,

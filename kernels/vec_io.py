@@ -149,10 +149,6 @@ else:
         return sig, codegen
 
 
-# Guarded scalar versions for rows that are not vectorisable (width not a multiple of 8, or an
-# unaligned view): the same 8-element chunk, element by element, zero past the end of the row.
-
-
 ZERO8 = (float32(0.0),) * VEC  # an 8-element chunk of zeros (guarded loads past the end)
 
 
@@ -170,6 +166,10 @@ def dot8(acc, a, b):
         + a[6] * b[6]
         + a[7] * b[7]
     )
+
+
+# Guarded scalar versions for rows that are not vectorisable (width not a multiple of 8, or an
+# unaligned view): the same 8-element chunk, element by element, zero past the end of the row.
 
 
 @cuda.jit(device=True, inline="always")

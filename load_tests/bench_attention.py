@@ -113,8 +113,8 @@ class Variant:
 
 
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
-    """What to time at one point: the default launch at 1x and 8x bounds, then every partition with the online core and with the block core (128
-    threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
+    """What to time at one point: the default launch at 1x and 8x bounds, then every partition
+    with the online core and with the block core (128 threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
     context on an H200 with the block core), at larger ones the longest partition capped at
     128 registers (block core: 4 blocks per SM instead of 3) and with 256 threads (online
     core: twice the warps per block at its register count). Each is a numba compile (~25 s on
@@ -220,14 +220,14 @@ def sweep_decode(
     work = [
         (b, c, kvh, group, head_dim, v) for b, c in points for v in sweep_variants(b, partitions)
     ]
+    rows = []
     if jobs <= 1:
-        rows = [sweep_job(*w) for w in work]
-        for r in rows:
-            print(sweep_line(r), flush=True)
+        for w in work:
+            rows.append(sweep_job(*w))
+            print(sweep_line(rows[-1]), flush=True)
         return rows
     ctx = mp.get_context("spawn")
     lock = ctx.Lock()
-    rows = []
     with ProcessPoolExecutor(
         jobs, mp_context=ctx, initializer=_init_worker, initargs=(lock,)
     ) as ex:
@@ -245,14 +245,12 @@ def sweep_line(r: dict) -> str:
     )
 
 
-def partition_for(batch: int, context: int, kvh: int, group: int) -> int:
+def partition_for(batch: int, context: int, kvh: int, group: int, head_dim: int) -> int:
     """The partition size the launcher picks for this point (reported next to its time)."""
-    from voltserve.kernels.decode_attention import _num_sms, choose_partition, decode_config
+    from voltserve.kernels.decode_attention import _num_sms, default_partition
 
-    g = decode_config(kvh * group, kvh, 128).group
-    return choose_partition(
-        batch, kvh * (group // g), context, _num_sms(torch.cuda.current_device()), None, g
-    )
+    sms = _num_sms(torch.cuda.current_device())
+    return default_partition(kvh * group, kvh, head_dim, batch, context, sms)
 
 
 def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:
@@ -319,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                     kv_bytes=nbytes,
                     bandwidth_GBps=nbytes / t / 1e9,
                     fraction_of_copy=nbytes / t / copy_bw,
-                    partition=partition_for(batch, context, args.kv_heads, args.group),
+                    partition=partition_for(
+                        batch, context, args.kv_heads, args.group, args.head_dim
+                    ),
                 )
             )
     prefill = []

@@ -65,6 +65,17 @@ run() {  # run NAME CMD...: log to OUT/NAME.log, keep going on failure
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >>"$OUT/summary.txt"
 }
 
+decode_variants() {  # decode_variants TAG ARGS...: Llama-3-8B bench_decode per DECODE_VARIANTS entry
+  local tag=$1 variant name envs
+  shift
+  for variant in ${DECODE_VARIANTS:-base}; do
+    [ "$variant" = none ] && continue
+    name=${variant%%:*}
+    envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
+    run "decode_${tag}_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers "$@" --out "$OUT/decode_llama3-8b_${tag}_$name.json"
+  done
+}
+
 for stage in $STAGES; do
   case $stage in
     env)
@@ -105,22 +116,12 @@ for stage in $STAGES; do
       # leaves the profile out; PROFILE_ARGS: more profile flags (e.g. --prompt-len 1024);
       # DECODE_VARIANTS=none: the profile alone.
       [ "${PROFILE:-1}" = 0 ] || run profile_decode env ${PROFILE_ENV:-} $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" ${PROFILE_ARGS:-} --out "$OUT/profile_decode.json"
-      for variant in ${DECODE_VARIANTS:-base}; do
-        [ "$variant" = none ] && continue
-        name=${variant%%:*}
-        envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
-        run "decode_b1_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --skip-transformers --out "$OUT/decode_llama3-8b_b1_$name.json"
-      done
+      decode_variants b1 --runs 3 --warmup 1
       ;;
     decode-batched)
       # Batch 64 and 256 at 1K context only (one short batch-1 run, no transformers), once per
       # DECODE_VARIANTS entry (as decode-b1), e.g. "base pipe:VOLTSERVE_PIPELINE_MAX_BATCH=256".
-      for variant in ${DECODE_VARIANTS:-base}; do
-        [ "$variant" = none ] && continue
-        name=${variant%%:*}
-        envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
-        run "decode_batched_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 1 --warmup 0 --skip-transformers --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024 --out "$OUT/decode_llama3-8b_batched_$name.json"
-      done
+      decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
       ;;
     serving)
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine --transformers-baseline --out "$OUT/serving_llama3-8b.json"

@@ -187,7 +187,7 @@ class ModelRunner:
             from voltserve.services.executor.cuda_graphs import CudaGraphRunner
 
             with startup.phase("compiling kernels and capturing CUDA graphs"):
-                self.graphs = CudaGraphRunner(self, graph_batch, tuple(config.cuda_graph_sizes))
+                self.graphs = CudaGraphRunner(self, graph_batch, config.cuda_graph_sizes)
             if pipeline_enabled():
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         elif use_graphs:

@@ -15,18 +15,17 @@ from tests.checkpoints import checkpoint, tokenizer
 from tests.engine.test_graph_padding import _emulated_graph_runner, run_arrivals
 
 
+def llama_config(**sizes) -> EngineConfig:
+    """The tiny llama checkpoint with a 128-token context and the given pool and batch sizes."""
+    return EngineConfig(model=str(checkpoint("llama")), max_model_len=128, **sizes)
+
+
 def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
     from voltserve.services.executor.decode_pipeline import DecodePipeline
 
     monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
     rng = random.Random()
-    cfg = EngineConfig(
-        model=str(checkpoint("llama")),
-        num_kv_blocks=16,
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=48,
-    )
+    cfg = llama_config(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=48)
     runner = _emulated_graph_runner(cfg, 4)
     runner.pipeline = DecodePipeline(runner, max_batch=4)
     V = len(tokenizer())
@@ -77,13 +76,7 @@ def test_pipeline_continues_across_block_boundaries(monkeypatch) -> None:
 
     monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
     rng = random.Random()
-    cfg = EngineConfig(
-        model=str(checkpoint("llama")),
-        num_kv_blocks=48,
-        max_model_len=128,
-        max_num_seqs=12,
-        max_num_batched_tokens=256,
-    )
+    cfg = llama_config(num_kv_blocks=48, max_num_seqs=12, max_num_batched_tokens=256)
     V = len(tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     arrivals = [

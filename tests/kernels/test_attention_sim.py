@@ -217,7 +217,11 @@ def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, 
 
 
 def test_choose_partition():
-    from voltserve.kernels.decode_attention import choose_partition, direct_partition_limit
+    from voltserve.kernels.decode_attention import (
+        choose_partition,
+        default_partition,
+        direct_partition_limit,
+    )
 
     sms = 132  # an H200; 8 KV heads and 4 query heads per KV head (Llama-3-8B)
     assert direct_partition_limit(4) == 2048 and direct_partition_limit(7) == 1168
@@ -231,3 +235,6 @@ def test_choose_partition():
     assert choose_partition(1, 8, 784, sms, None, 4) == 64  # batch 1: the shortest
     # A workspace of 32 partitions under a 16K bound: the shortest partition that fits it.
     assert choose_partition(1, 8, 16384, sms, 32, 4) == 512
+    # The launcher's own grouping (32 query heads on 8 KV heads: 4 per block).
+    assert default_partition(32, 8, 128, 64, 1024, sms) == 1024
+    assert default_partition(32, 8, 128, 1, 784, sms) == 64
