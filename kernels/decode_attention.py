@@ -7,12 +7,13 @@ that share that KV head (grouped-query), so each K/V element is read from memory
 contexts are cut into partitions so that even batch 1 fills the GPU: `choose_partition` takes
 the longest of 1024/512/256/128/64 tokens that still gives ~4 thread blocks per SM (3 for 1024)
 for this batch and context bound, or, when one block per sequence and KV head already fills the
-GPU, a single partition of the whole bound (up to 2048 tokens at 4 heads per KV head). The
+GPU, a single partition of the whole bound, or of as much of it as the scores' shared memory
+holds (2048 tokens at 4 heads per KV head: a longer bound's later partitions are empty at
+contexts up to 2048 and exit at once). The
 partials are merged by the last block of a (sequence, head group) to finish (in-kernel merge,
 up to 32 partitions) or by a second kernel, each partial sum rescaled by exp(partial max -
 global max). When the context bound fits one partition the first kernel normalises and writes
-the output itself ("direct"). The opt-in partition loop (`loop=True`) is direct mode for any
-bound: one block walks the sequence's partitions in turn with a running max and sum.
+the output itself ("direct").
 
 Two cores compute a block's partition. The online core (`_emit_online_core`, for grids of at
 most 2 blocks per SM, i.e. small batches, which are latency-bound) gives each warp whole KV
@@ -73,11 +74,6 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
-    # Block core, direct mode: one block per (sequence, head group) walks the whole context a
-    # partition at a time, carrying each head's running max and sum and rescaling its PV sums
-    # between partitions (so no partials, no merge and no short tail partition in a block of its
-    # own, whatever the bound). Opt-in until timed (bench_attention.py --sweep).
-    loop: bool = False
 
 
 def decode_config(
@@ -133,10 +129,9 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     NPAD = next_pow2(NVAL)
     masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # TPT/2 .. 1
     out: list[str] = []
-    base = 0  # loop: the per-partition body sits one level deeper, inside the partition loop
 
     def emit(indent: int, line: str) -> None:
-        out.append("    " * (indent + (base if indent else 0)) + line)
+        out.append("    " * indent + line)
 
     # Reduce-scatter plan: at a step whose list has >= 2 values, lanes split it (the lane with
     # the mask bit set keeps the upper half) and add what the partner sends; once one value is
@@ -191,6 +186,9 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(3, f"for i in range(tid, {GD}, {NT}):")
         emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
     emit(2, "return")
+    emit(1, f"n_tok = min({PART}, seq_len - start)")
+    emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
+    emit(1, f"blk0 = start // {BLOCK_SIZE}")
     if not cfg.online:
         emit(1, f"logits = cuda.shared.array(({G}, {PART}), float32)")
     emit(1, f"acc_s = cuda.shared.array({GD}, float32)")
@@ -200,10 +198,8 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     if not cfg.online:  # the online core writes every element
         emit(1, f"for i in range(tid, {GD}, {NT}):")
         emit(2, "acc_s[i] = 0.0")
-    if cfg.loop:  # the running max and sum the partitions update (_emit_block_core)
-        emit(1, f"if tid < {G}:")
-        emit(2, "m_s[tid] = float32(-math.inf)")
-        emit(2, "l_s[tid] = float32(0.0)")
+    emit(1, f"for i in range(tid, n_blk, {NT}):")
+    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     emit(1, f"sub = lane // {TPT}")
     emit(1, f"c = lane % {TPT}")
     emit(1, "fscale = float32(scale)")
@@ -219,23 +215,11 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     for g in range(G):
         for j in range(8):
             emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
-    if cfg.loop:
-        # Every partition of the sequence in turn; the previous one's last barrier (after its
-        # PV sums) keeps tbl and logits from being overwritten under a reader.
-        emit(1, f"for part in range((seq_len + {PART - 1}) // {PART}):")
-        base = 1
-        emit(1, f"start = part * {PART}")
-    emit(1, f"n_tok = min({PART}, seq_len - start)")
-    emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
-    emit(1, f"blk0 = start // {BLOCK_SIZE}")
-    emit(1, f"for i in range(tid, n_blk, {NT}):")
-    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     if cfg.online:
         emit(1, "cuda.syncthreads()")
         _emit_online_core(emit, cfg, lay, word)
     else:
         _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
-    base = 0
     _emit_epilogue(emit, cfg, mode)
     return "\n".join(out) + "\n"
 
@@ -321,15 +305,6 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     emit(3, "m = max(m, logits[g, t])")
     for k in range(5):
         emit(2, f"m = max(m, shfl_xor(m, {16 >> k}))")
-    if cfg.loop:
-        # Against the running max of the earlier partitions (-inf before the first: f = 0);
-        # the PV sums so far are rescaled by f before this partition's are added (after the
-        # barrier below). Every lane reads m_s[g] before the shuffles lane 0 writes it after.
-        emit(2, "m_old = m_s[g]")
-        emit(2, "m = max(m, m_old)")
-        emit(2, "f = math.exp(m_old - m)")
-        emit(2, f"for i in range(lane, {D}, 32):")
-        emit(3, f"acc_s[g * {D} + i] *= f")
     emit(2, "total = float32(0.0)")
     emit(2, "for t in range(lane, n_tok, 32):")
     emit(3, "e = math.exp(logits[g, t] - m)")
@@ -339,7 +314,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
         emit(2, f"total += shfl_xor(total, {16 >> k})")
     emit(2, "if lane == 0:")
     emit(3, "m_s[g] = m")
-    emit(3, "l_s[g] = l_s[g] * f + total" if cfg.loop else "l_s[g] = total")
+    emit(3, "l_s[g] = total")
     emit(1, "cuda.syncthreads()")
 
     # PV: each lane accumulates its 8 dims of every head over its tokens.
@@ -590,8 +565,6 @@ MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K 
 def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     """The partition kernel for one shape and mode (see MODES). max_registers: -1 = the default
     below, None = no cap, or a cap (load_tests/bench_attention.py --sweep compares them)."""
-    if cfg.loop and (cfg.online or mode != "direct"):
-        raise ValueError("the partition loop is a direct-mode form of the block core")
     src = _kernel_source(cfg, mode)
     namespace = dict(
         cuda=cuda,
@@ -604,7 +577,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    core = " online" if cfg.online else " loop" if cfg.loop else ""
+    core = " online" if cfg.online else ""
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
@@ -701,12 +674,15 @@ BLOCKS_PER_SM = 4  # thread blocks wanted per SM before partitions get shorter
 # per SM) is enough for: at batch 64, 1K contexts, Llama-3-8B shape on an H200, 512 blocks of
 # 1024 tokens took 78.8 us where 1024 blocks of 512 took 98.2 (batch 256: 290 vs 348 us).
 LONGEST_BLOCKS_PER_SM = 3
-# A grid that one block per (sequence, head group) already fills takes a single partition of the
-# whole bound (direct mode: no partials, no merge), up to the scores' shared memory: a 1024-token
-# partition under a 1056 bound left a 32-token tail partition per sequence and took 126 us at
-# batch 64 against 81 us for one 1056-token partition (and 144 vs 163 us at 2048 contexts with
-# 2048 vs 1024-token partitions; H200, Llama-3-8B shape). The block core keeps group x partition
-# fp32 scores in shared memory: 32 KB of them leaves room under the 48 KB static limit of sm_70.
+# A grid that one block per (sequence, head group) already fills takes one partition of the whole
+# bound (direct mode: no partials, no merge), or the longest one the scores' shared memory holds:
+# a 1024-token partition under a 1056 bound left a 32-token tail partition per sequence and took
+# 126 us at batch 64 against 81 us for one 1056-token partition (and 144 vs 163 us at 2048
+# contexts with 2048 vs 1024-token partitions; H200, Llama-3-8B shape). A server's bound (its
+# max_model_len, 8K for Llama-3) is far above most contexts: partitions past a context exit at
+# once, so 2048-token partitions give short contexts one working block each. The block core
+# keeps group x partition fp32 scores in shared memory: 32 KB of them leaves room under the
+# 48 KB static limit of sm_70.
 DIRECT_SCORES_BYTES = 32 * 1024
 # Grids up to this many blocks per SM run the online core: one wave at its register count
 # (~170 per thread uncapped, so 2-3 blocks of 128 threads per SM), latency-bound.
@@ -731,17 +707,17 @@ def choose_partition(
 ) -> int:
     """Context tokens per thread block (kv_blocks = thread blocks per sequence and partition;
     group = query heads per block). When batch x kv_blocks blocks fill one wave, one partition
-    of the whole bound (rounded up to a KV block) where its scores fit shared memory; otherwise
-    the longest of PARTITION_CHOICES that still gives BLOCKS_PER_SM thread blocks per SM. Short
-    partitions only where the grid would otherwise leave SMs idle (small batches): each costs a
-    partial write and a merge read. Depends only on bounds fixed at capture, so a CUDA graph's
-    grid stays valid. max_partitions: a caller's workspace bound; longer partitions are taken
-    to fit it."""
+    of the whole bound (rounded up to a KV block), or the longest whose scores fit shared memory;
+    otherwise the longest of PARTITION_CHOICES that still gives BLOCKS_PER_SM thread blocks per
+    SM. Short partitions only where the grid would otherwise leave SMs idle (small batches): each
+    costs a partial write and a merge read. Depends only on bounds fixed at capture, so a CUDA
+    graph's grid stays valid. max_partitions: a caller's workspace bound; longer partitions are
+    taken to fit it."""
     whole = -(-max_seq_len // BLOCK_SIZE) * BLOCK_SIZE
-    if batch * kv_blocks >= LONGEST_BLOCKS_PER_SM * num_sms and whole <= direct_partition_limit(
-        group
-    ):
-        return whole
+    if batch * kv_blocks >= LONGEST_BLOCKS_PER_SM * num_sms:
+        p = min(whole, direct_partition_limit(group))
+        if max_partitions is None or num_partitions(max_seq_len, p) <= max_partitions:
+            return p
     fits = [
         p
         for p in PARTITION_CHOICES
@@ -805,7 +781,6 @@ def paged_decode_attention_cuda(
     num_threads: int = 128,
     max_registers: int | None = -1,
     online: bool | None = None,
-    loop: bool = False,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -819,9 +794,7 @@ def paged_decode_attention_cuda(
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
-    loop: one block per (sequence, head group) walks the context a partition at a time
-    (DecodeConfig.loop; the block core, no partials): opt-in until timed."""
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
     import torch
 
     B, H, D = q.shape
@@ -854,9 +827,7 @@ def paged_decode_attention_cuda(
             blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
             and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
         )
-    if loop:  # one block walks every partition: the grid has one along the context
-        online, n_part = False, 1
-    cfg = dataclasses.replace(cfg, online=online, loop=loop)
+    cfg = dataclasses.replace(cfg, online=online)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -942,6 +913,3 @@ decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")
-decode_kernel_d128_g4_loop = decode_kernel(
-    dataclasses.replace(decode_config(32, 8, 128, 1024), loop=True), "direct"
-)

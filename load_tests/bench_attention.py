@@ -92,50 +92,48 @@ def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, 
 
 
 SWEEP_PARTITIONS = (32, 64, 128)  # small batches: parallel work comes from partitions
-# Larger batches: the grid is full already, so fewer, longer partitions (1024: one per 1K
-# sequence, no merge). At batch 64 and 1K context the 32-128 partitions measured 154-425 us.
-SWEEP_PARTITIONS_BATCHED = (256, 512, 1024)
 SWEEP_SMALL_BATCH = 8
 
 
 @dataclass(frozen=True)
 class Variant:
     """One launch of the decode kernel to time. partition 0 = the launcher's choice (the
-    default launch); bound = max_seq_len / context (a graph captured for a larger
-    max_model_len launches the larger grid; its extra blocks find no tokens)."""
+    default launch), -1 = one partition of the whole context; bound = max_seq_len / context (a
+    graph captured for a larger max_model_len launches the larger grid; its extra blocks find
+    no tokens)."""
 
     partition: int = 0
     threads: int = 128
     regs: int | None = -1  # -1 the default, None no cap, else a cap
     online: bool | None = None  # None: the launcher's choice
     bound: int = 1
-    loop: bool = False  # one block walks the sequence's partitions (DecodeConfig.loop)
+
+
+WHOLE = -1
 
 
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
-    """What to time at one point: the default launch at 1x and 8x bounds, then every partition
-    with the online core and with the block core (128 threads); at small batches also 64 threads for partition 64 (64 threads lost 6 us at 1K
-    context on an H200 with the block core), at larger ones the longest partition capped at
-    128 registers (block core: 4 blocks per SM instead of 3) and with 256 threads (online
-    core: twice the warps per block at its register count). Each is a numba compile (~25 s on
-    the device for these unrolled kernels): --jobs spreads the compiles over processes."""
+    """What to time at one point: the default launch at 1x and 8x bounds, then at small batches
+    every short partition with the online and the block core (and 64 threads for partition 64:
+    it lost 6 us at 1K context on an H200 with the block core); at larger ones (a full grid with
+    one block per sequence and KV head) the whole context as one partition with the default
+    registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, and, under an
+    8x bound (a server's max_model_len), the 1024- and 2048-token partitions. Each is a numba
+    compile (~25 s on the device for these unrolled kernels): --jobs spreads the compiles over
+    processes."""
     out = [Variant(bound=b) for b in (1, 8)]
     if partitions:  # --partitions: just these, block core
         return out + [Variant(partition=p, online=False) for p in partitions]
-    small = batch <= SWEEP_SMALL_BATCH
-    for online in (True, False):
-        for part in SWEEP_PARTITIONS if small else SWEEP_PARTITIONS_BATCHED:
-            out.append(Variant(partition=part, online=online))
-    if small:
-        out.append(Variant(partition=64, threads=64, online=True))
-    else:
-        part = SWEEP_PARTITIONS_BATCHED[-1]
-        out.append(Variant(partition=part, regs=128, online=False))
-        out.append(Variant(partition=part, threads=256, online=True))
-        # The partition loop: one block per (sequence, KV head) whatever the bound, so no tail
-        # partition in a block of its own (a 32-token one cost ~45 us at batch 64).
-        out += [Variant(partition=p, online=False, loop=True) for p in (512, 1024)]
-    return out
+    if batch <= SWEEP_SMALL_BATCH:
+        for online in (True, False):
+            out += [Variant(partition=p, online=online) for p in SWEEP_PARTITIONS]
+        return out + [Variant(partition=64, threads=64, online=True)]
+    return out + [
+        Variant(partition=WHOLE, regs=128, online=False),
+        Variant(partition=WHOLE, threads=256, regs=128, online=False),
+        Variant(partition=1024, online=False, bound=8),
+        Variant(partition=2048, online=False, bound=8, regs=None),
+    ]
 
 
 def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: Variant) -> dict:
@@ -158,26 +156,24 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
     # As the runner's tables: bound x the context's columns, zero beyond a sequence's blocks.
     wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
     wide[:, : tables.shape[1]] = tables
-    kw: dict = dict(max_seq_len=v.bound * context)
+    bound = v.bound * context
+    kw: dict = dict(max_seq_len=bound)
     mode = "dflt"
     if v.partition:
-        n_part = num_partitions(context, v.partition)
+        part = -(-context // 16) * 16 if v.partition == WHOLE else v.partition
+        n_part = num_partitions(bound, part)
         mode = "merge" if n_part <= MERGE_MAX_PARTITIONS else "split"
         p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
         kw.update(
-            partition_size=v.partition,
+            partition_size=part,
             workspace=decode_workspace(batch, kvh * group, p_ws, head_dim, "cuda"),
             num_threads=v.threads,
             max_registers=v.regs,
             online=v.online,
-            loop=v.loop,
         )
         if n_part == 1:
             mode = "direct"
-        if v.loop:
-            mode = "loop"
-    else:
-        mode += f"{v.bound}x"
+    mode += f"{v.bound}x"
 
     def call():
         paged_decode_attention_cuda(q, k, v_cache, wide, sl, scale, out, **kw)
@@ -189,7 +185,7 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
     return dict(
         batch=batch,
         context=context,
-        partition=v.partition,
+        partition=kw.get("partition_size", 0),
         threads=v.threads,
         mode=mode,
         max_registers={-1: "default", None: "none"}.get(v.regs, str(v.regs)),
@@ -240,7 +236,7 @@ def sweep_decode(
 def sweep_line(r: dict) -> str:
     return (
         f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
-        f"{r['partition']:>3} threads {r['threads']:>3} {r['mode']:>6} {r['core']:>6} regs "
+        f"{r['partition']:>4} threads {r['threads']:>3} {r['mode']:>8} {r['core']:>6} regs "
         f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
     )
 

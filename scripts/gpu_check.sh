@@ -5,7 +5,7 @@
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
-# attention's launch variants (SWEEP=BxC,...); `decode-b1`: the batch-1 profile and one
+# attention's launch variants (SWEEP=BxC,...); `gemm`: cuBLAS on the linear shapes; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
@@ -96,6 +96,10 @@ for stage in $STAGES; do
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
       # spread over SWEEP_JOBS processes; rows are printed to the log as they are measured).
       run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --partitions "${SWEEP_PARTITIONS:-}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
+      ;;
+    gemm)
+      # cuBLAS alone on the Llama-3-8B linear shapes at decode and prefill row counts.
+      run bench_gemm $PY load_tests/bench_gemm.py --rows "${GEMM_ROWS:-64,256,8192}" --out "$OUT/bench_gemm.json"
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"

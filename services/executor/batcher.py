@@ -69,7 +69,9 @@ class Batcher:
 
     # ---- scheduling --------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """The next step's plan. admit=False leaves waiting requests waiting (the engine asks
+        so while the runner has a decode step in flight that a prefill would discard)."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         # Insertion order = plan order: decodes are scheduled first, so they come first.
@@ -136,7 +138,11 @@ class Batcher:
 
         # 3. Waiting requests, FCFS. Not after a preemption: blocks are short right now.
         while (
-            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+            admit
+            and self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
             cached = bm.match_prefix(req)
@@ -159,7 +165,8 @@ class Batcher:
         plan = list(scheduled.values())
         # Only the decode loop scheduled anything: every row is a one-token decode that samples.
         decode_only = None if mixed else True
-        return StepPlan(plan, self.max_num_batched_tokens - budget, decode_only)
+        pending = not admit and bool(self.waiting) and len(self.running) < self.max_num_seqs
+        return StepPlan(plan, self.max_num_batched_tokens - budget, decode_only, pending)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req, finished=False)

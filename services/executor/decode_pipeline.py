@@ -1,27 +1,34 @@
 """Pipelined graph decode: step N+1 is launched before step N's ids reach the host.
 
-A small decode batch keeps the GPU busy ~5 ms per step (Llama-3-8B, H200) while the host's share
-of a step (the engine's bookkeeping, staging, the graph launch, the copy back) took 0.27 ms, during
-which the GPU idled. So after replaying step N the runner launches step N+1 for the same requests
-as if each continues: positions + 1 staged on the host, the input ids copied on the device from
-step N's in-graph argmax. Then it waits for step N's ids. When the engine's next plan is exactly
-that step, it only waits for ids already on their way; any other plan (a request finished,
-joined, was preempted or aborted) discards it.
+A decode step keeps the GPU busy 5-20 ms (Llama-3-8B, H200, batch 1-256) while the host's share
+of a step (the engine's bookkeeping, staging, the graph launch, the copy back: 0.3-1 ms) would
+leave it idle. So after replaying step N the runner launches step N+1 for the same requests as
+if each continues: positions + 1 staged on the host, the input ids copied on the device from
+step N's in-graph argmax. Then it waits for step N's ids.
 
-Discarding is safe because the stream orders everything: the discarded step only wrote the KV
-slot one past each of its requests' positions, inside blocks those requests still held when it
-was launched, and whatever the next step writes there runs after it. The cost of a discard is
-one step of GPU time, so the pipeline runs only for batches up to `max_batch`
-(VOLTSERVE_PIPELINE_MAX_BATCH, default 8, the sizes it was timed at) and only where the step's
-tokens are the plain argmax (greedy, no logprobs, penalties, bias or min_tokens ban). At a block
-boundary it continues only when the block is already there: the engine gives a pipelined
-runner's batcher one slot of lookahead (batcher.py), so a decoding request holds the next block
-one step early whenever a block is free.
+The engine's next plan uses that step when its requests are all among the ones launched, at
+the launched positions, one token each: requests that finished (or were aborted or preempted)
+in between are rows whose work is dropped, and the rest keep their ids; the step after is
+launched from the device ids of the kept rows. A plan with anything else (a new request's
+prefill, a chunk) discards it, which costs one step of GPU time, so the engine avoids making
+one: while a step is in flight the batcher does not admit (StepPlan.admit_pending says it held
+back), and then the pipeline launches nothing ahead, so the plan after admits without a discard.
+A new request waits at most one decode step longer for its first token.
+
+Dropping rows and discarding are safe because the stream orders everything: a launched step
+only wrote the KV slot one past each of its requests' positions, inside blocks those requests
+still held when it was launched (never a full block, so never one the prefix cache shares), and
+whatever later reuses those blocks runs after it. The pipeline runs only where the step's tokens
+are the plain argmax (greedy, no logprobs, penalties, bias or min_tokens ban), for batches up to
+VOLTSERVE_PIPELINE_MAX_BATCH (default: every graph size). At a block boundary it continues only
+when the block is already there: the engine gives a pipelined runner's batcher one slot of
+lookahead (batcher.py), so a decoding request holds the next block one step early whenever a
+block is free.
 
 On by default (VOLTSERVE_PIPELINE_DECODE=0 turns it off). Checked against the eager engine on the
 CPU emulation of the graphs (tests/engine/test_decode_pipeline.py) and on the GPU
-(tests/gpu/test_cuda_graph_decode.py). Measured on an H200 at 6371e95, Llama-3-8B batch 1: 5.21 ->
-4.97 ms per token.
+(tests/gpu/test_cuda_graph_decode.py). Measured on an H200: Llama-3-8B batch 1, 5.21 -> 4.97 ms
+per token (6371e95); batch 256, 20.89 -> 20.43 ms (961c642).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ if TYPE_CHECKING:
 
 PIPELINE_ENV = "VOLTSERVE_PIPELINE_DECODE"
 MAX_BATCH_ENV = "VOLTSERVE_PIPELINE_MAX_BATCH"
-DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BATCH = 1 << 30  # no cap: every decode graph size
 
 
 def pipeline_enabled() -> bool:
@@ -62,17 +69,32 @@ def pipeline_max_batch() -> int:
 
 @dataclass
 class _InFlight:
-    """A replayed step whose ids are being copied back."""
+    """A replayed step whose ids are being copied back, or the kept rows of one."""
 
     reqs: list[Request]
     positions: list[int]  # the position each row computes
-    ids_host: torch.Tensor  # pinned [B] int64 the ids land in
+    ids_host: torch.Tensor  # pinned [B launched] int64 the ids land in
+    ids_dev: torch.Tensor  # the launched step's argmax ids on the device
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU: already there)
+    rows: list[int] | None = None  # the launched rows these requests are (None: the first B)
 
     def wait_ids(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
-        return self.ids_host[: len(self.reqs)].tolist()
+        if self.rows is None:
+            return self.ids_host[: len(self.reqs)].tolist()
+        ids = self.ids_host.tolist()
+        return [ids[r] for r in self.rows]
+
+    def device_ids(self) -> torch.Tensor:
+        """These rows' ids on the device (the next step's input ids), in request order."""
+        if self.rows is None:
+            return self.ids_dev[: len(self.reqs)]
+        idx = torch.tensor(self.rows, dtype=torch.int64)
+        if self.ids_dev.is_cuda:
+            # Pinned, from the caching host allocator: it keeps the block until the copy is done.
+            idx = idx.pin_memory()
+        return self.ids_dev.index_select(0, idx.to(self.ids_dev.device, non_blocking=True))
 
 
 class DecodePipeline:
@@ -86,7 +108,8 @@ class DecodePipeline:
         self._next_buf = 0
         self.ahead: _InFlight | None = None
         self.launched = 0  # steps launched ahead (for tests and the log)
-        self.used = 0  # of those, steps the engine's plan matched
+        self.used = 0  # of those, steps the engine's plan used (in full or some rows)
+        self.dropped_rows = 0  # rows of used steps whose requests had left the batch
 
     def execute(self, plan: StepPlan) -> SampledIds | None:
         """The tokens of a decode-only graph step, launching the next one ahead where it can;
@@ -99,7 +122,7 @@ class DecodePipeline:
             positions = [r.num_computed_tokens for r in reqs]
             current = self._launch(reqs, positions, ids_from=None)
         nxt = [p + 1 for p in current.positions]
-        if self._can_continue(current.reqs, nxt):
+        if not plan.admit_pending and self._can_continue(current.reqs, nxt):
             self.ahead = self._launch(current.reqs, nxt, ids_from=current)
             self.launched += 1
         return SampledIds(current.wait_ids())
@@ -111,14 +134,34 @@ class DecodePipeline:
     # ---- internals ---------------------------------------------------------------------------
 
     def _take(self, plan: StepPlan, reqs: list[Request]) -> _InFlight | None:
+        """The step launched ahead if it covers this plan: every planned request among its
+        rows at the launched position (the launched rows in order, or a subset of them)."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or len(reqs) != len(ahead.reqs):
+        if ahead is None or len(reqs) > len(ahead.reqs):
             return None
-        for s, r, pos in zip(plan.scheduled, ahead.reqs, ahead.positions, strict=True):
-            if s.request is not r or s.num_new_tokens != 1 or r.num_computed_tokens != pos:
+        same = len(reqs) == len(ahead.reqs)
+        row_of = None
+        rows: list[int] = []
+        for i, s in enumerate(plan.scheduled):
+            r = s.request
+            if same and ahead.reqs[i] is r:
+                row = i
+            else:
+                if row_of is None:
+                    row_of = {id(x): j for j, x in enumerate(ahead.reqs)}
+                row = row_of.get(id(r), -1)
+                if row < 0:
+                    return None
+                same = False
+            if s.num_new_tokens != 1 or r.num_computed_tokens != ahead.positions[row]:
                 return None
+            rows.append(row)
         self.used += 1
-        return ahead
+        if same:
+            return ahead
+        self.dropped_rows += len(ahead.reqs) - len(reqs)
+        positions = [ahead.positions[j] for j in rows]
+        return _InFlight(reqs, positions, ahead.ids_host, ahead.ids_dev, ahead.done, rows)
 
     def _can_continue(self, reqs: list[Request], positions: list[int]) -> bool:
         bs = self.runner.block_size
@@ -141,12 +184,13 @@ class DecodePipeline:
             g.replay_staged(B)
         else:
             runner.stage_decode_rows(reqs, positions, None)
-            g.replay_staged(B, ids_on_device=g.argmax_of_last(B))
+            g.replay_staged(B, ids_on_device=ids_from.device_ids())
         buf = self._bufs[self._next_buf]
         self._next_buf ^= 1
-        buf[:B].copy_(g.argmax_of_last(B), non_blocking=True)
+        ids_dev = g.argmax_of_last(B)
+        buf[:B].copy_(ids_dev, non_blocking=True)
         done = None
         if runner.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _InFlight(reqs, positions, buf, done)
+        return _InFlight(reqs, positions, buf[:B], ids_dev, done)

@@ -83,11 +83,12 @@ class LLMEngine:
         )
         # A pipelined runner launches step N+1 before step N's tokens are back: one slot of
         # lookahead keeps its block allocated at block boundaries.
+        self._pipeline = getattr(runner, "pipeline", None)
         self.batcher = Batcher(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            lookahead_slots=1 if getattr(runner, "pipeline", None) is not None else 0,
+            lookahead_slots=1 if self._pipeline is not None else 0,
         )
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self._seed_rng = random.Random(config.seed)
@@ -192,7 +193,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batched step; return a delta for every request that got a token or ended."""
-        plan = self.batcher.schedule()
+        # While a pipelined decode step is in flight, admitting a request would discard it
+        # (decode_pipeline.py): admit on the step after, which launches nothing ahead.
+        pipeline = self._pipeline
+        plan = self.batcher.schedule(admit=pipeline is None or pipeline.ahead is None)
         if not plan.scheduled:
             if self.requests and not self.batcher.running:
                 # Cannot happen with max_model_len capped at the KV capacity; be loud if it does.

@@ -87,6 +87,10 @@ class StepPlan:
     # Set by a batcher that knows the answer (True: every row is a one-token decode); None:
     # is_decode_only works it out.
     decode_only: bool | None = None
+    # The batcher held back waiting requests it could otherwise try to admit (schedule(admit=
+    # False), while a pipelined step is in flight): nothing should be launched ahead of the
+    # next plan, which admits them.
+    admit_pending: bool = False
 
     @property
     def is_decode_only(self) -> bool:

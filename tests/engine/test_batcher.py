@@ -325,3 +325,24 @@ def test_prefix_hit_on_blocks_of_a_request_still_running():
     for rid, prompt in (("a", prefix + [1, 2, 3]), ("b", prefix + [4, 5])):
         assert out[rid] == echo_reference(runner, prompt, p, 0, engine.max_model_len)
     assert_all_free(engine)
+
+
+def test_schedule_without_admission_holds_waiting_requests():
+    """schedule(admit=False) (a pipelined decode step in flight) plans the running decodes only
+    and says that waiting requests were held back; the next schedule admits them."""
+    engine, _ = make_engine(max_seqs=4)
+    rng = random.Random()
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [rng.randrange(97) for _ in range(rng.randrange(1, 30))], p)
+    engine.step()  # a's prefill
+    engine.add_request("b", [rng.randrange(97) for _ in range(rng.randrange(1, 30))], p)
+    batcher = engine.batcher
+    held = batcher.schedule(admit=False)
+    assert [s.request.request_id for s in held.scheduled] == ["a"]
+    assert held.is_decode_only and held.admit_pending and len(batcher.waiting) == 1
+    admitted = batcher.schedule()  # (a plan is not run here: a is planned again as is)
+    assert {s.request.request_id for s in admitted.scheduled} == {"a", "b"}
+    assert not admitted.admit_pending and not batcher.waiting
+    # Nothing waits: nothing is held back, whatever admit says.
+    engine.abort_request("b")
+    assert not batcher.schedule(admit=False).admit_pending

@@ -93,16 +93,13 @@ def test_decode_short_single_partition(head_dim, group, online):
     check(out, ref)
 
 
-@pytest.mark.parametrize(
-    "partition_size,loop",
-    [(None, False), (64, False), (256, False), (1024, False), (4096, False), (512, True)],
-)
+@pytest.mark.parametrize("partition_size", [None, 64, 256, 1024, 2048, 4096])
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7)])
-def test_decode_large_batch_and_bound(head_dim, group, partition_size, loop):
-    """Batch 48 under a 4096 bound: split (64), in-kernel merge (256, 1024), direct (4096), the
-    partition loop (512: one block walks up to 8 partitions) and the launcher's choice
-    (1024-token partitions here), with contexts of every length, empty partitions and a
-    padding row."""
+def test_decode_large_batch_and_bound(head_dim, group, partition_size):
+    """Batch 48 under a 4096 bound: split (64), in-kernel merge (256, 1024, and 2048: the
+    full-grid choice under a long bound, its longest partition), direct (4096) and the
+    launcher's choice (1024-token partitions here), with contexts of every length, empty
+    partitions and a padding row."""
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -127,7 +124,6 @@ def test_decode_large_batch_and_bound(head_dim, group, partition_size, loop):
             out,
             max_seq_len=4096,
             partition_size=partition_size,
-            loop=loop,
         )
         torch.cuda.synchronize()
         check(out, ref)

@@ -10,7 +10,6 @@ On a CUDA host the same tests run the compiled kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -68,16 +67,13 @@ def run_decode(
     merge=False,
     counters=None,
     online=False,
-    loop=False,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
-    per-warp online-softmax core instead of the block-wide phases. loop: one block per
-    (sequence, head group) walks every partition (block core, direct mode)."""
+    per-warp online-softmax core instead of the block-wide phases."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online)
-    cfg = dataclasses.replace(cfg, loop=loop)
-    n_part = 1 if loop else num_partitions(max_seq_len, cfg.partition)
+    n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
     out = np.full_like(q, np.nan)
@@ -130,16 +126,13 @@ DECODE_CASES = [
 ]
 
 
-# The online core (per-warp softmax) on the direct and in-kernel-merge cases, and the partition
-# loop on the cases with several partitions: the simulator takes ~40 s for each; the GPU tests
-# run every case.
+# The online core (per-warp softmax) on the direct and in-kernel-merge cases: the simulator
+# takes ~40 s for each; the GPU tests run every case.
 @pytest.mark.parametrize(
-    "head_dim,num_heads,num_kv_heads,seq_lens,online,loop",
-    [(*c, False, False) for c in DECODE_CASES]
-    + [(*c, True, False) for c in (DECODE_CASES[0], DECODE_CASES[3])]
-    + [(*c, False, True) for c in (DECODE_CASES[2], DECODE_CASES[3])],
+    "head_dim,num_heads,num_kv_heads,seq_lens,online",
+    [(*c, False) for c in DECODE_CASES] + [(*c, True) for c in (DECODE_CASES[0], DECODE_CASES[3])],
 )
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, online, loop):
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, online):
     rng = np.random.default_rng()
     # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
     # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
@@ -150,7 +143,7 @@ def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, o
     scale = head_dim**-0.5
     # The grid bound is larger than the longest context for the last case: empty partitions.
     max_seq_len = max(seq_lens) + (20 if len(seq_lens) == 1 else 0)
-    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge, None, online, loop)
+    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge, None, online)
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
         if s == 0:
@@ -228,8 +221,12 @@ def test_choose_partition():
     # Batch 64: one block per (sequence, KV head) fills a wave: one partition of the bound.
     assert choose_partition(64, 8, 1024, sms, None, 4) == 1024
     assert choose_partition(256, 8, 1100, sms, None, 4) == 1104  # rounded up to a KV block
-    # A bound past the scores' shared memory: the longest listed partition.
-    assert choose_partition(64, 8, 8192, sms, None, 4) == 1024
+    # A bound past the scores' shared memory (a server's max_model_len): the longest partition
+    # whose scores fit it, 4 partitions of 2048 (later ones empty at short contexts) ...
+    assert choose_partition(64, 8, 8192, sms, None, 4) == 2048
+    assert choose_partition(64, 8, 8192, sms, 4, 4) == 2048  # a 4-partition workspace holds it
+    assert choose_partition(64, 8, 8192, sms, None, 8) == 1024  # 8 heads: 1024-token limit
+    assert choose_partition(48, 8, 4096, sms, None, 4) == 1024  # 384 blocks: not a full wave
     assert choose_partition(64, 8, 1100, sms, None, 8) == 1024  # 8 heads: 1024-token limit
     assert choose_partition(32, 8, 1024, sms, None, 4) == 256  # too few long blocks
     assert choose_partition(1, 8, 784, sms, None, 4) == 64  # batch 1: the shortest
