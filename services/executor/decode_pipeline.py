@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.services.executor.request import Request, SampledIds, StepPlan
+from voltserve.services.executor.request import Request, RequestStatus, SampledIds, StepPlan
 from voltserve.services.executor.sampler import plain_argmax_step
 
 if TYPE_CHECKING:
@@ -127,6 +127,12 @@ class DecodePipeline:
             self.launched += 1
         return SampledIds(current.wait_ids())
 
+    def ahead_is_live(self) -> bool:
+        """Whether a step is launched ahead and one of its requests still runs."""
+        return self.ahead is not None and any(
+            r.status is RequestStatus.RUNNING for r in self.ahead.reqs
+        )
+
     def discard(self) -> None:
         """Forget the step launched ahead (the caller runs something else next)."""
         self.ahead = None
@@ -164,12 +170,16 @@ class DecodePipeline:
         return _InFlight(reqs, positions, ahead.ids_host, ahead.ids_dev, ahead.done, rows)
 
     def _can_continue(self, reqs: list[Request], positions: list[int]) -> bool:
+        """Every row has its next KV slot, and some row does not end at its length limit with
+        the token being sampled now (a step for rows that all end would be dropped whole)."""
         bs = self.runner.block_size
         limit = self.runner.max_model_len
+        goes_on = False
         for r, p in zip(reqs, positions, strict=True):
             if p >= limit or p // bs >= len(r.block_ids):
                 return False
-        return True
+            goes_on = goes_on or len(r.output_token_ids) + 1 < r.max_output_tokens
+        return goes_on
 
     def _launch(
         self, reqs: list[Request], positions: list[int], ids_from: _InFlight | None

@@ -112,3 +112,24 @@ def test_pipeline_max_batch_switch(monkeypatch) -> None:
         monkeypatch.setenv("VOLTSERVE_PIPELINE_MAX_BATCH", bad)
         with pytest.raises(ValueError, match="VOLTSERVE_PIPELINE_MAX_BATCH"):
             pipeline_max_batch()
+
+
+def test_pipelined_engine_admits_after_going_idle(monkeypatch) -> None:
+    """A request that runs to its length limit leaves no step in flight that holds back the
+    next request (the bench's batch-1 run followed by a batch: the second must be admitted),
+    and each round's tokens equal the eager engine's."""
+    from voltserve.services.executor.decode_pipeline import DecodePipeline
+
+    monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
+    rng = random.Random()
+    cfg = llama_config(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = _emulated_graph_runner(cfg, 4)
+    runner.pipeline = DecodePipeline(runner)
+    piped, eager = LLMEngine(cfg, runner), LLMEngine(cfg)
+    V = len(tokenizer())
+    for n in (1, 3, 1):
+        prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 20), ignore_eos=True)
+        assert piped.generate(prompts, params) == eager.generate(prompts, params)
+        assert piped.check_all_free()
+    assert runner.pipeline.used > 0
