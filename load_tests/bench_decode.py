@@ -8,10 +8,13 @@ gather is left out) over the device copy bandwidth measured in the same run.
 
 Batched (`--batch-sizes 64,256 --context 1024`): B requests with `--context`-token prompts are
 added at once and stepped until every one has finished its (chunked) prefill and produced its
-first token; then only decode-only steps of the full batch are timed (wall time of
-engine.step() between device synchronizations), with max_tokens high enough that no request
-ends inside the timed window (`steps_not_full_batch` must be 0, else the batch is an error).
-Their floor adds the KV bytes read at that context to the weight bytes.
+first token; then only decode-only steps of the full batch are timed, twice: each step alone
+(`step_ms`: the median wall time of engine.step() between device synchronizations, so the host's
+share of a step adds to the GPU's), then `--decode-steps` more back to back as a server runs them
+(`run_step_ms`: one synchronization at each end, so the pipelined decode overlaps the host's
+share of a step with the GPU's previous one). max_tokens is high enough that no request ends
+inside the timed windows (`steps_not_full_batch` must be 0, else the batch is an error). Their
+floor adds the KV bytes read at that context to the weight bytes.
 
     python load_tests/bench_decode.py --preset llama3-8b --batch-sizes 64,256 --context 1024 \
         --out results/decode_llama3-8b.json
@@ -205,7 +208,7 @@ def batched_max_tokens(batch: int, args: argparse.Namespace, budget: int) -> int
     if budget <= batch:
         raise ValueError(f"max_num_batched_tokens {budget} must exceed the batch size {batch}")
     prefill_steps = -(-batch * args.context // (budget - batch)) + 1
-    return prefill_steps + args.decode_warmup + args.decode_steps + 4
+    return prefill_steps + args.decode_warmup + 2 * args.decode_steps + 4
 
 
 def engine_batched(
@@ -271,6 +274,15 @@ def engine_batched(
             step_s.append(dt)
             if not full:
                 short_steps += 1  # a preemption or a finished request: not a full decode step
+    # The same steps back to back, as a server runs them: no synchronization between steps.
+    synchronize(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        outs = engine.step()
+        if len(outs) != batch or any(o.finish_reason is not None for o in outs):
+            short_steps += 1
+    synchronize(device)
+    run_s = (time.perf_counter() - t) / steps
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -281,9 +293,15 @@ def engine_batched(
         "step_ms_all": [s * 1e3 for s in step_s],
         "step_ms": statistics.median(step_s) * 1e3,
         "steps_not_full_batch": short_steps,
+        "run_step_ms": run_s * 1e3,
         # KV tokens a timed step reads per request, averaged over requests and timed steps
         # (requests that finished their prefill early hold more output tokens).
         "mean_context": context + statistics.mean(n_out.values()) + warm + (steps - 1) / 2,
+        "run_mean_context": context
+        + statistics.mean(n_out.values())
+        + warm
+        + steps
+        + (steps - 1) / 2,
     }
 
 
@@ -488,6 +506,14 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
             roofline_fraction=floor_ms / r["step_ms"],
             output_tok_s=b / (r["step_ms"] / 1e3),
         )
+        run_floor_ms = (
+            wbytes["read_per_token_bytes"] + b * r["run_mean_context"] * kv_tok
+        ) / bw_Bps
+        r.update(
+            run_floor_ms=run_floor_ms * 1e3,
+            run_ratio_to_floor=r["run_step_ms"] / (run_floor_ms * 1e3),
+            run_output_tok_s=b / (r["run_step_ms"] / 1e3),
+        )
         batched.append(r)
     if args.batch_sizes:
         result["batched"] = batched
@@ -529,11 +555,15 @@ def print_table(result: dict[str, Any]) -> None:
             f"{result.get('greedy_agreement_tokens')} tokens"
         )
     if result.get("batched"):
-        print(f"{'batch':>6}{'context':>9}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'tok/s':>10}")
+        print(
+            f"{'batch':>6}{'context':>9}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'tok/s':>10}"
+            f"{'run ms':>9}{'ratio':>7}"
+        )
         for r in result["batched"]:
             print(
                 f"{r['batch_size']:>6}{r['context']:>9}{r['step_ms']:>10.3f}"
                 f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{r['output_tok_s']:>10.0f}"
+                f"{r['run_step_ms']:>9.3f}{r['run_ratio_to_floor']:>7.2f}"
             )
     for k, v in result["errors"].items():
         print(f"ERROR {k}: {v}")

@@ -122,6 +122,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
     assert [b["batch_size"] for b in d["batched"]] == [2, 6]
     for b in d["batched"]:
         assert b["context"] == 40 and b["steps_not_full_batch"] == 0
+        assert b["run_step_ms"] > 0 and b["run_floor_ms"] > b["floor_ms"]
         assert len(b["step_ms_all"]) == 3
         assert b["mean_context"] >= 40 + 1 + 1 + 1
         for key in ("step_ms", "floor_ms", "ratio_to_floor", "output_tok_s"):
