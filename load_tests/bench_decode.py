@@ -297,11 +297,6 @@ def engine_batched(
         # KV tokens a timed step reads per request, averaged over requests and timed steps
         # (requests that finished their prefill early hold more output tokens).
         "mean_context": context + statistics.mean(n_out.values()) + warm + (steps - 1) / 2,
-        "run_mean_context": context
-        + statistics.mean(n_out.values())
-        + warm
-        + steps
-        + (steps - 1) / 2,
     }
 
 
@@ -470,6 +465,10 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
         result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
         return
 
+    def floor_at(batch: int, mean_context: float) -> float:
+        """ms to read the weights and `batch` sequences' KV at that mean context."""
+        return (wbytes["read_per_token_bytes"] + batch * mean_context * kv_tok) / bw_Bps * 1e3
+
     batched = []
     for b in args.batch_sizes:
         logger.info("engine batched decode: batch %d, context %d", b, args.context)
@@ -496,7 +495,7 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
                 f"decode-only steps of the full batch"
             )
         kv = b * r["mean_context"] * kv_tok
-        floor_ms = (wbytes["read_per_token_bytes"] + kv) / bw_Bps * 1e3
+        floor_ms = floor_at(b, r["mean_context"])
         r.update(
             batch_size=b,
             context=args.context,
@@ -506,12 +505,11 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
             roofline_fraction=floor_ms / r["step_ms"],
             output_tok_s=b / (r["step_ms"] / 1e3),
         )
-        run_floor_ms = (
-            wbytes["read_per_token_bytes"] + b * r["run_mean_context"] * kv_tok
-        ) / bw_Bps
+        # The back-to-back steps come after the timed ones: each sequence is `steps` longer.
+        run_floor_ms = floor_at(b, r["mean_context"] + args.decode_steps)
         r.update(
-            run_floor_ms=run_floor_ms * 1e3,
-            run_ratio_to_floor=r["run_step_ms"] / (run_floor_ms * 1e3),
+            run_floor_ms=run_floor_ms,
+            run_ratio_to_floor=r["run_step_ms"] / run_floor_ms,
             run_output_tok_s=b / (r["run_step_ms"] / 1e3),
         )
         batched.append(r)

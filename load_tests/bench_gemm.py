@@ -14,6 +14,7 @@ timed with events (median).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -36,20 +37,19 @@ L2_BYTES = 64 << 20
 
 
 def time_linear(rows: int, n: int, k: int) -> float:
-    """Median seconds of one F.linear(x [rows, k], w [n, k]) in fp16."""
-    w_bytes = n * k * 2
-    copies = max(1, min(8, -(-2 * L2_BYTES // w_bytes)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
+    """Median seconds of one x [rows, k] @ w.T (w [n, k], as the model's linears) in fp16."""
+    copies = max(1, min(8, -(-2 * L2_BYTES // (n * k * 2))))
+    weights = itertools.cycle(
+        [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
+    )
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
     out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-    state = {"i": 0}
 
     def call():
-        w = ws[state["i"] % copies]
-        state["i"] += 1
-        torch.matmul(x, w.t(), out=out)
+        torch.matmul(x, next(weights).t(), out=out)
 
-    iters = max(copies, 4 * copies if rows * n * k < 2**34 else copies)
+    # Four rounds of the copies per replay, one for the largest products (tens of ms each).
+    iters = copies * (4 if rows * n * k < 2**34 else 1)
     return time_graph(call, iters=iters, repeats=7)
 
 

@@ -127,11 +127,16 @@ class DecodePipeline:
             self.launched += 1
         return SampledIds(current.wait_ids())
 
-    def ahead_is_live(self) -> bool:
-        """Whether a step is launched ahead and one of its requests still runs."""
-        return self.ahead is not None and any(
-            r.status is RequestStatus.RUNNING for r in self.ahead.reqs
-        )
+    def may_admit(self) -> bool:
+        """Whether the engine may admit new requests this step: not while a launched step that
+        a running request can still use is in flight (a prefill would discard it). A launched
+        step whose requests have all finished is dropped here: nothing can use it."""
+        if self.ahead is None:
+            return True
+        if any(r.status is RequestStatus.RUNNING for r in self.ahead.reqs):
+            return False
+        self.ahead = None
+        return True
 
     def discard(self) -> None:
         """Forget the step launched ahead (the caller runs something else next)."""

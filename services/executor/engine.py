@@ -196,13 +196,7 @@ class LLMEngine:
         # While a pipelined decode step is in flight, admitting a request would discard it
         # (decode_pipeline.py): admit on the step after, which launches nothing ahead.
         pipeline = self._pipeline
-        admit = True
-        if pipeline is not None and pipeline.ahead is not None:
-            if pipeline.ahead_is_live():
-                admit = False
-            else:  # every request of it has finished: nothing can use it
-                pipeline.discard()
-        plan = self.batcher.schedule(admit=admit)
+        plan = self.batcher.schedule(admit=pipeline is None or pipeline.may_admit())
         if not plan.scheduled:
             if self.requests and not self.batcher.running:
                 # Cannot happen with max_model_len capped at the KV capacity; be loud if it does.
