@@ -13,7 +13,8 @@ contexts up to 2048 and exit at once). The
 partials are merged by the last block of a (sequence, head group) to finish (in-kernel merge,
 up to 32 partitions) or by a second kernel, each partial sum rescaled by exp(partial max -
 global max). When the context bound fits one partition the first kernel normalises and writes
-the output itself ("direct").
+the output itself ("direct"); with the in-kernel merge, so does partition 0 of any sequence whose
+own context fits one partition (a runtime branch: the grid still covers the bound).
 
 Two cores compute a block's partition. The online core (`_emit_online_core`, for grids of at
 most 2 blocks per SM, i.e. small batches, which are latency-bound) gives each warp whole KV
@@ -363,6 +364,16 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
     D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
     NW = NT // 32
     GD = G * D
+    if merge:
+        # A context that fits one partition (every context up to 2048 tokens under the full-grid
+        # choice, whatever the bound) is finished by partition 0 as in direct mode: no partials,
+        # no fence, no arrival ticket, no merge read. The counter of a group with one partition
+        # is never touched, so it stays zero.
+        emit(1, f"if seq_len <= {PART}:")
+        emit(2, f"for i in range(tid, {GD}, {NT}):")
+        emit(3, f"g = i // {D}")
+        emit(3, f"out[b, h0 + g, i % {D}] = acc_s[i] / l_s[g]")
+        emit(2, "return")
     if direct:
         emit(1, f"for i in range(tid, {GD}, {NT}):")
         emit(2, f"g = i // {D}")

@@ -275,6 +275,8 @@ def engine_batched(
             if not full:
                 short_steps += 1  # a preemption or a finished request: not a full decode step
     # The same steps back to back, as a server runs them: no synchronization between steps.
+    pipeline = getattr(engine.runner, "pipeline", None)
+    used0 = pipeline.used if pipeline is not None else 0
     synchronize(device)
     t = time.perf_counter()
     for _ in range(steps):
@@ -283,6 +285,9 @@ def engine_batched(
             short_steps += 1
     synchronize(device)
     run_s = (time.perf_counter() - t) / steps
+    # Steps of the back-to-back run that used a step launched ahead (decode_pipeline.py): all
+    # but the first when the pipeline overlaps the host's share of each step with the GPU's.
+    run_pipelined = pipeline.used - used0 if pipeline is not None else 0
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -294,6 +299,7 @@ def engine_batched(
         "step_ms": statistics.median(step_s) * 1e3,
         "steps_not_full_batch": short_steps,
         "run_step_ms": run_s * 1e3,
+        "run_steps_pipelined": run_pipelined,
         # KV tokens a timed step reads per request, averaged over requests and timed steps
         # (requests that finished their prefill early hold more output tokens).
         "mean_context": context + statistics.mean(n_out.values()) + warm + (steps - 1) / 2,
@@ -359,6 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)  # a line per CUDA module unload
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     config = make_hf_config(args.preset, dtype)
@@ -555,13 +562,14 @@ def print_table(result: dict[str, Any]) -> None:
     if result.get("batched"):
         print(
             f"{'batch':>6}{'context':>9}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'tok/s':>10}"
-            f"{'run ms':>9}{'ratio':>7}"
+            f"{'run ms':>9}{'ratio':>7}{'piped':>7}"
         )
         for r in result["batched"]:
             print(
                 f"{r['batch_size']:>6}{r['context']:>9}{r['step_ms']:>10.3f}"
                 f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{r['output_tok_s']:>10.0f}"
                 f"{r['run_step_ms']:>9.3f}{r['run_ratio_to_floor']:>7.2f}"
+                f"{r['run_steps_pipelined']:>7}"
             )
     for k, v in result["errors"].items():
         print(f"ERROR {k}: {v}")

@@ -724,6 +724,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)  # a line per CUDA module unload
     device, dtype_spec = _device_of(args.serve_args)
     result: dict[str, Any] = {
         "benchmark": "serving",

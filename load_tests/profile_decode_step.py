@@ -438,6 +438,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)  # a line per CUDA module unload
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU")
     device, dtype = "cuda", torch.float16

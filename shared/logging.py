@@ -71,5 +71,6 @@ def setup_logging(service: str, level: str = "warning", json_lines: bool = False
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Third-party chatter stays at WARNING even when we debug ourselves.
-    for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock"):
+    # numba's CUDA driver logs every module unload at INFO (dozens of lines per graph capture).
+    for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock", "numba"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -114,6 +114,8 @@ def drive(runner, reqs, max_new: int, chunk: int) -> None:
     for i, r in enumerate(reqs):
         r.block_ids = list(range(i * per, (i + 1) * per))
         r.trace = []
+        # As the engine sets it: the pipelined decode launches no step for rows that all end.
+        r.max_output_tokens = max_new
     assert len(reqs) * per <= runner.num_kv_blocks
     while any(r.num_output_tokens < max_new for r in reqs):
         live = [r for r in reqs if r.num_output_tokens < max_new]
