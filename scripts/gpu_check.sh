@@ -65,6 +65,18 @@ run() {  # run NAME CMD...: log to OUT/NAME.log, keep going on failure
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >>"$OUT/summary.txt"
 }
 
+clocks_start() {  # clocks_start NAME: SM clock, power, temperature, throttle reasons every 200 ms
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 200 >"$OUT/clocks_$1.csv" 2>/dev/null &
+  CLOCKS_PID=$!
+}
+
+clocks_stop() {
+  [ -n "${CLOCKS_PID:-}" ] && kill "$CLOCKS_PID" 2>/dev/null
+  CLOCKS_PID=
+}
+
 decode_variants() {  # decode_variants TAG ARGS...: Llama-3-8B bench_decode per DECODE_VARIANTS entry
   local tag=$1 variant name envs
   shift
@@ -125,10 +137,18 @@ for stage in $STAGES; do
     decode-batched)
       # Batch 64 and 256 at 1K context only (one short batch-1 run, no transformers), once per
       # DECODE_VARIANTS entry (as decode-b1), e.g. "base pipe:VOLTSERVE_PIPELINE_MAX_BATCH=256".
+      # The batch-256 steps slow down through a run (18.1 -> 19.3 ms at 2bfe88e): the clocks log
+      # says whether the card throttles.
+      clocks_start decode_batched
       decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
+      clocks_stop
       ;;
     serving)
-      run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine --transformers-baseline --out "$OUT/serving_llama3-8b.json"
+      # ~6 min with the transformers baseline, ~5 without (SERVING_HF=0: it takes ~70 s and its
+      # figure does not change between builds).
+      clocks_start serving
+      run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json"
+      clocks_stop
       ;;
     *)
       echo "unknown stage $stage" >&2
