@@ -5,7 +5,8 @@
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
-# attention's launch variants (SWEEP=BxC,...); `gemm`: cuBLAS on the linear shapes; `decode-b1`: the batch-1 profile and one
+# attention's launch variants (SWEEP=BxC,...); `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
@@ -142,6 +143,11 @@ for stage in $STAGES; do
       clocks_start decode_batched
       decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
       clocks_stop
+      ;;
+    profile-serving)
+      # The serving burst in-process, every step's wall time and plan, two steps' kernels by kind
+      # (~3 min: engine start with 35 graph captures, then the burst).
+      run profile_serving $PY load_tests/profile_serving_steps.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --out "$OUT/profile_serving_llama3-8b.json"
       ;;
     serving)
       # ~6 min with the transformers baseline, ~5 without (SERVING_HF=0: it takes ~70 s and its

@@ -223,3 +223,39 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     assert set(d["speedup_vs_transformers"]) == {"http", "engine"}
     assert all(Path(p).exists() for p in d["plots"])
     assert (tmp_path / "serving_server.log").exists()
+
+
+def test_profile_serving_steps_cpu_smoke(tmp_path):
+    model = tmp_path / "model"
+    common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)
+    out = tmp_path / "profile.json"
+    _run(
+        [
+            "load_tests/profile_serving_steps.py",
+            "--model-dir",
+            str(model),
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "40",
+            "--output-len",
+            "12",
+            "--profile-steps",
+            "1,9",
+            "--out",
+            str(out),
+            "--serve-args=--device cpu --max-num-batched-tokens 64",
+        ]
+    )
+    d = json.loads(out.read_text())
+    steps = d["steps"]
+    # Every prompt token is prefilled once and every output token after the first is one decode
+    # row; no step holds more than the token budget.
+    assert sum(s["prefill_tokens"] for s in steps) == 6 * 40
+    assert sum(s["decode_rows"] for s in steps) == 6 * 11
+    assert all(s["prefill_tokens"] + s["decode_rows"] <= 64 for s in steps)
+    assert steps[0]["decode_rows"] == 0 and steps[0]["prefill_tokens"] == 64
+    assert sorted(d["profiles"]) == ["1", "9"] and [s["index"] for s in steps] == list(
+        range(len(steps))
+    )
+    assert d["prefill_steps"] + d["decode_only_steps"] + 2 == len(steps)
