@@ -106,6 +106,18 @@ def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
     return prompts
 
 
+def build_warmup(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
+    """The unmeasured warm-up prompts: fresh random ids as long as a measured prompt, sharing
+    no prefix with any of them. (Warm-up on the first measured prompts, as this bench did up to
+    2bfe88e, left them in the prefix cache: their measured requests skipped most of the prefill.)"""
+    n = max(0, args.num_warmup)
+    rng = np.random.default_rng(args.seed + 1_000_003)
+    low = 16 if vocab_size > 64 else 0
+    length = args.input_len + (args.prefix_len if args.dataset == "prefix" else 0)
+    out_len = min(args.output_len, 4)
+    return [Prompt(rng.integers(low, vocab_size, size=length).tolist(), out_len) for _ in range(n)]
+
+
 def add_text(prompts: list[Prompt], model_dir: Path) -> None:
     """Text prompts: decode the ids, then count the tokens the server will actually see."""
     from transformers import AutoTokenizer
@@ -242,6 +254,7 @@ async def run_http(
     prompts: list[Prompt],
     arrivals: list[float],
     args: argparse.Namespace,
+    warmup: list[Prompt],
 ) -> tuple[list[RequestRecord], float]:
     import aiohttp
 
@@ -265,10 +278,8 @@ async def run_http(
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         # Warm-up requests (not measured): first-request costs are not serving costs.
-        warm = [RequestRecord(0, 0) for _ in range(min(args.num_warmup, len(prompts)))]
-        warm_payloads = [
-            payload(Prompt(p.token_ids, min(p.output_len, 4), p.text)) for p in prompts[: len(warm)]
-        ]
+        warm = [RequestRecord(0, 0) for _ in warmup]
+        warm_payloads = [payload(p) for p in warmup]
         now = time.perf_counter()
         await asyncio.gather(
             *(_send(session, url, w, headers, r, now) for w, r in zip(warm_payloads, warm))
@@ -407,6 +418,7 @@ def run_engine(
     prompts: list[Prompt],
     arrivals: list[float],
     args: argparse.Namespace,
+    warmup: list[Prompt],
 ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.shared.sampling_params import SamplingParams
@@ -415,13 +427,10 @@ def run_engine(
     t = time.perf_counter()
     engine = LLMEngine(config)
     info = {"init_s": time.perf_counter() - t, "config": asdict(config)}
-    n_warm = min(args.num_warmup, len(prompts))
-    if n_warm:  # the same warm-up the HTTP run gets
+    if warmup:  # the same warm-up the HTTP run gets
         engine.generate(
-            [p.token_ids for p in prompts[:n_warm]],
-            SamplingParams(
-                max_tokens=min(prompts[0].output_len, 4), temperature=0.0, ignore_eos=True
-            ),
+            [p.token_ids for p in warmup],
+            SamplingParams(max_tokens=warmup[0].output_len, temperature=0.0, ignore_eos=True),
         )
     records = [RequestRecord(len(p.token_ids), p.output_len) for p in prompts]
     last_tok: dict[int, float] = {}
@@ -772,10 +781,12 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     else:
         raise SystemExit("against --base-url, give --vocab-size or --model-dir")
     prompts = build_dataset(args, vocab)
+    warmup = build_warmup(args, vocab)
     if args.prompt_type == "text":
         if not model_dir:
             raise SystemExit("--prompt-type text needs the model folder (--model-dir)")
         add_text(prompts, model_dir)
+        add_text(warmup, model_dir)
     arrivals = arrival_times(len(prompts), args.request_rate, args.seed)
     result["model_dir"] = str(model_dir) if model_dir else None
     result["dataset"] = {
@@ -801,7 +812,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
 
     if not args.engine_only:
         try:
-            records, duration, name = _http_phase(args, model_dir, prompts, arrivals)
+            records, duration, name = _http_phase(args, model_dir, prompts, arrivals, warmup)
             result["http"] = compute_metrics(records, duration, args.percentiles)
             result["http"]["served_model_name"] = name
             result["http"]["requests"] = _records_json(records)
@@ -815,7 +826,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
         logger.info("engine-only run (in-process LLMEngine)")
         try:
             records, duration, info = run_engine(
-                model_dir, args.serve_args, prompts, arrivals, args
+                model_dir, args.serve_args, prompts, arrivals, args, warmup
             )
             result["engine"] = compute_metrics(records, duration, args.percentiles)
             result["engine"]["engine"] = info
@@ -857,10 +868,14 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     return 1 if result["errors"] or failed else 0
 
 
-def _http_phase(args, model_dir, prompts, arrivals) -> tuple[list[RequestRecord], float, str]:
+def _http_phase(
+    args, model_dir, prompts, arrivals, warmup
+) -> tuple[list[RequestRecord], float, str]:
     if args.base_url:
         name = args.model or asyncio.run(served_model_name(args.base_url, args.api_key))
-        records, duration = asyncio.run(run_http(args.base_url, name, prompts, arrivals, args))
+        records, duration = asyncio.run(
+            run_http(args.base_url, name, prompts, arrivals, args, warmup)
+        )
         return records, duration, name
     if args.out:
         log_path = Path(args.out).with_name(Path(args.out).stem + "_server.log")
@@ -869,7 +884,7 @@ def _http_phase(args, model_dir, prompts, arrivals) -> tuple[list[RequestRecord]
     with launched_server(model_dir, args.serve_args, log_path, args.launch_timeout) as base:
         name = args.model or asyncio.run(served_model_name(base, args.api_key))
         logger.info("HTTP run: %d requests to %s (model %s)", len(prompts), base, name)
-        records, duration = asyncio.run(run_http(base, name, prompts, arrivals, args))
+        records, duration = asyncio.run(run_http(base, name, prompts, arrivals, args, warmup))
     return records, duration, name
 
 

@@ -71,6 +71,12 @@ def test_datasets_stay_in_vocab_and_share_prefix():
     assert [p.token_ids for p in again] == [p.token_ids for p in prompts]  # seeded
     gaps = np.diff([0.0, *bench_serving.arrival_times(2000, 50.0, seed)])
     assert 0.015 < gaps.mean() < 0.025  # Poisson at 50 req/s
+    # Warm-up prompts are as long as the measured ones and share no KV block (16 tokens) with
+    # any of them, so the prefix cache gives the measured requests nothing from the warm-up.
+    warm = bench_serving.build_warmup(args, vocab)
+    assert len(warm) == args.num_warmup and all(len(w.token_ids) == 17 for w in warm)
+    assert all(w.output_len == 3 and 0 <= min(w.token_ids) for w in warm)
+    assert not {tuple(w.token_ids[:12]) for w in warm} & {tuple(p.token_ids[:12]) for p in prompts}
 
 
 def test_bench_decode_cpu_smoke(tmp_path):
