@@ -255,7 +255,8 @@ async def run_http(
     arrivals: list[float],
     args: argparse.Namespace,
     warmup: list[Prompt],
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, float]:
+    """The measured requests' records, the run's duration and its wall-clock start."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -287,6 +288,7 @@ async def run_http(
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if r.error)}")
         t0 = time.perf_counter()
+        wall_start = time.time()  # the executor's step log is stamped in wall-clock time
 
         async def one(i: int) -> None:
             if sem is None:
@@ -303,7 +305,7 @@ async def run_http(
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return records, duration
+    return records, duration, wall_start
 
 
 async def served_model_name(base_url: str, api_key: str | None) -> str:
@@ -380,6 +382,34 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group this script started
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
+
+
+STEP_FIELDS = ("step", "ms", "added", "running", "waiting", "outputs")
+
+
+def executor_steps(log_path: Path) -> list[dict[str, Any]]:
+    """The executor's per-step DEBUG lines (`voltserve serve --log-level debug`) of a server log:
+    ts (s, epoch), step, ms, added (requests that reached the engine before the step), running,
+    waiting, outputs. Empty when the server did not log at debug level."""
+    import calendar
+
+    steps = []
+    if not log_path.exists():
+        return steps
+    for line in log_path.read_text(errors="replace").splitlines():
+        if " msg=step " not in line or "logger=voltserve.services.executor" not in line:
+            continue
+        kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        try:
+            ts, frac = kv["ts"].rstrip("Z").split(".")
+            t = calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%S")) + int(frac) / 1e3
+            row: dict[str, Any] = {"ts": t}
+            for k in STEP_FIELDS:
+                row[k] = float(kv[k]) if k == "ms" else int(kv[k])
+        except (KeyError, ValueError):
+            continue
+        steps.append(row)
+    return steps
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -812,9 +842,11 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
 
     if not args.engine_only:
         try:
-            records, duration, name = _http_phase(args, model_dir, prompts, arrivals, warmup)
+            records, duration, name, steps = _http_phase(args, model_dir, prompts, arrivals, warmup)
             result["http"] = compute_metrics(records, duration, args.percentiles)
             result["http"]["served_model_name"] = name
+            # With `-- --log-level debug`: when the burst reached the engine, step by step.
+            result["http"]["executor_steps"] = steps
             result["http"]["requests"] = _records_json(records)
             runs["http"] = records
         except Exception as e:
@@ -870,13 +902,15 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
 
 def _http_phase(
     args, model_dir, prompts, arrivals, warmup
-) -> tuple[list[RequestRecord], float, str]:
+) -> tuple[list[RequestRecord], float, str, list[dict[str, Any]]]:
+    """The HTTP run; the last item is the launched server's executor steps (executor_steps:
+    empty unless it logs at debug level, and against --base-url)."""
     if args.base_url:
         name = args.model or asyncio.run(served_model_name(args.base_url, args.api_key))
-        records, duration = asyncio.run(
+        records, duration, _ = asyncio.run(
             run_http(args.base_url, name, prompts, arrivals, args, warmup)
         )
-        return records, duration, name
+        return records, duration, name, []
     if args.out:
         log_path = Path(args.out).with_name(Path(args.out).stem + "_server.log")
     else:
@@ -884,8 +918,13 @@ def _http_phase(
     with launched_server(model_dir, args.serve_args, log_path, args.launch_timeout) as base:
         name = args.model or asyncio.run(served_model_name(base, args.api_key))
         logger.info("HTTP run: %d requests to %s (model %s)", len(prompts), base, name)
-        records, duration = asyncio.run(run_http(base, name, prompts, arrivals, args, warmup))
-    return records, duration, name
+        records, duration, start = asyncio.run(
+            run_http(base, name, prompts, arrivals, args, warmup)
+        )
+    steps = executor_steps(log_path)
+    for st in steps:
+        st["t"] = st.pop("ts") - start  # seconds since the first measured request was sent
+    return records, duration, name, steps
 
 
 if __name__ == "__main__":

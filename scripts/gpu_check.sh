@@ -151,9 +151,10 @@ for stage in $STAGES; do
       ;;
     serving)
       # ~6 min with the transformers baseline, ~5 without (SERVING_HF=0: it takes ~70 s and its
-      # figure does not change between builds).
+      # figure does not change between builds). The server logs at debug level: one line per
+      # executor step (a few hundred), read back into the JSON's http.executor_steps.
       clocks_start serving
-      run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json"
+      run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json" -- --log-level "${SERVING_LOG:-debug}"
       clocks_stop
       ;;
     *)

@@ -71,6 +71,7 @@ def setup_logging(service: str, level: str = "warning", json_lines: bool = False
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Third-party chatter stays at WARNING even when we debug ourselves.
-    # numba's CUDA driver logs every module unload at INFO (dozens of lines per graph capture).
-    for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock", "numba"):
+    # numba's CUDA driver logs every module unload at INFO (dozens of lines per graph capture);
+    # redis-py a line per new connection at DEBUG.
+    for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock", "numba", "redis"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

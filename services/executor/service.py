@@ -92,9 +92,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         self.latest_stats = self.engine.stats()
+        # One DEBUG line per step (--log-level debug): when requests reached the engine and how
+        # full each step ran, e.g. while a burst arrives through the services.
+        debug = logger.isEnabledFor(logging.DEBUG)
+        added = 0
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished_requests()
             applied = self._drain_inbox(block=not busy)
+            added += applied
             idle = not self.engine.has_unfinished_requests()
             if applied or idle:
                 # An abort (or an add) changes the block and request counts without a step:
@@ -107,21 +112,35 @@ class EngineLoop:
             outputs = self.engine.step()
             self.step_count += 1
             self.latest_stats = self.engine.stats()
+            if debug:
+                st = self.latest_stats
+                kv = {
+                    "step": self.step_count,
+                    "ms": round((time.time() - step_start) * 1e3, 3),
+                    "added": added,
+                    "running": st.num_running,
+                    "waiting": st.num_waiting,
+                    "outputs": len(outputs),
+                }
+                logger.debug("step", extra={"kv": kv})
+            added = 0
             if outputs:
                 self._publish(outputs, step_start)
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply every queued command; True if there was at least one."""
+    def _drain_inbox(self, block: bool) -> int:
+        """Apply every queued command; how many there were."""
         try:
             cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return False
+            return 0
+        n = 0
         while True:
             self._apply(*cmd)
+            n += 1
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
-                return True
+                return n
 
     def _apply(self, kind: str, msg: Any) -> None:
         if kind == "add":

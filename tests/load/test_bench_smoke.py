@@ -209,11 +209,22 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
             "--",
             "--device",
             "cpu",
+            "--log-level",
+            "debug",
         ],
         timeout=400,
     )
     d = json.loads(out.read_text())
     assert d["errors"] == {}
+    # The executor's step log (debug level) as read back from the server log: every request
+    # (2 warm-ups of 4 tokens, 8 measured of 8) reached the engine once and got each of its
+    # tokens in one step's outputs.
+    steps = d["http"]["executor_steps"]
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+    assert sum(s["added"] for s in steps) == 10
+    assert sum(s["outputs"] for s in steps) == 2 * 4 + 8 * 8
+    assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0
+    assert all(s["t"] < d["http"]["duration_s"] + 5 for s in steps)
     for name in ("http", "engine"):
         m = d[name]
         assert m["completed"] == 8 and m["failed"] == 0, m.get("errors")
