@@ -42,23 +42,22 @@ class RendererService:
             return  # a redelivery of a request already handed on
         try:
             # Templates and tokenizers are CPU work; keep the event loop free for Redis.
-            engine_requests = await asyncio.to_thread(self.renderer.render, msg)
+            out = [
+                (streams.sched_stream(), er, streams.WORK_MAXLEN)
+                for er in await asyncio.to_thread(self.renderer.render, msg)
+            ]
         except Exception as e:  # noqa: BLE001 - the client must get an answer, never a hang
             if not isinstance(e, RenderFailed):
                 logger.exception("rendering %s failed", msg.request_id)
                 e = RenderFailed(500, f"internal error while rendering: {type(e).__name__}: {e}")
-            await streams.xadd(
-                self.redis,
-                streams.gw_stream(msg.gateway_id),
-                error_for(msg, e),
-                maxlen=streams.OUTPUT_MAXLEN,
-            )
-        else:
-            async with self.redis.pipeline(transaction=False) as p:
-                for er in engine_requests:
-                    await streams.xadd(p, streams.sched_stream(), er)
-                await p.execute()
-        await self.redis.set(done_key(msg.request_id), b"1", ex=DONE_TTL_S)
+            out = [(streams.gw_stream(msg.gateway_id), error_for(msg, e), streams.OUTPUT_MAXLEN)]
+        # The hand-off and its done mark in one round trip. The mark goes after the appends: a
+        # crash between them redelivers the request, which the scheduler recognises by its id.
+        async with self.redis.pipeline(transaction=False) as p:
+            for stream, m, maxlen in out:
+                await streams.xadd(p, stream, m, maxlen=maxlen)
+            p.set(done_key(msg.request_id), b"1", ex=DONE_TTL_S)
+            await p.execute()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
