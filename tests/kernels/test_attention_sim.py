@@ -67,6 +67,7 @@ def run_decode(
     merge=False,
     counters=None,
     online=False,
+    workspace=None,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
@@ -80,6 +81,8 @@ def run_decode(
     ml = np.full((B, H, p_ws), np.nan, np.float32)
     es = np.full((B, H, p_ws), np.nan, np.float32)
     tmp = np.full((B, H, p_ws, D), np.nan, np.float32)
+    if workspace is not None:  # the caller inspects the partials after the launch
+        workspace.update(max_logits=ml, exp_sums=es, tmp_out=tmp)
     sl = np.asarray(seq_lens, np.int32)
     n_y = k.shape[1] * cfg.split
     grid = (n_part, n_y, B)
@@ -166,6 +169,23 @@ def test_decode_in_kernel_merge_resets_counters():
         ref = reference(q, k, v, tables, seq_lens, [0, 1], 0.2)
         assert not counters.any(), "counters must be zero after the launch"
         np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_merge_mode_one_partition_context_writes_directly():
+    """In merge mode, a sequence whose context fits one partition (under a bound of several) is
+    finished by partition 0 alone: the right output, no partials written, no counter touched."""
+    rng = np.random.default_rng()
+    H, kvh, D = 2, 1, 32
+    seq_lens = [int(rng.integers(1, PARTITION + 1))]
+    k, v, tables = make_cache(rng, seq_lens, kvh, D)
+    q = rng.standard_normal((1, H, D)).astype(np.float16)
+    counters = np.zeros(kvh, np.int32)
+    ws = {}
+    out = run_decode(q, k, v, tables, seq_lens, 0.3, 3 * PARTITION, True, counters, workspace=ws)
+    ref = reference(q, k, v, tables, seq_lens, [0, 1], 0.3)
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+    assert not counters.any()
+    assert all(np.isnan(a).all() for a in ws.values()), "no partials for a one-partition context"
 
 
 def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
