@@ -179,6 +179,7 @@ async def consume(
     claim_idle_ms: int | None = None,
     claim_interval_s: float | None = None,
     concurrency: int = 1,
+    after_batch: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run until `stop` is set: XREADGROUP new messages, `await handler(msg_id, message)` for each,
     XACK them afterwards (one XACK per batch read). Every `claim_interval_s`, XAUTOCLAIM messages
@@ -187,6 +188,10 @@ async def consume(
     concurrency > 1 runs up to that many handlers of one batch at once (in arrival order as far
     as they do not wait): a burst of requests then costs a few Redis round trips, not a few per
     message. Only for handlers that tolerate reordering among the messages of one batch.
+
+    after_batch, when given, is awaited after the handlers of a batch and before its XACK: a
+    consumer that defers per-message writes to one round trip per batch makes them there, and
+    they are durable before the messages are acknowledged.
 
     A handler that raises is logged loudly and its message is acked anyway: a poison message
     must not be redelivered forever. Malformed payloads are treated the same way. Delivery is
@@ -206,16 +211,24 @@ async def consume(
                 resp = await r.xreadgroup(group, consumer, {stream: own_pending_id}, count=count)
                 entries = resp[0][1] if resp else []
                 own_pending_id = entries[-1][0] if entries else None
-                await _handle_all(r, stream, group, handler, entries, concurrency)
+                await _handle_all(r, stream, group, handler, entries, concurrency, after_batch)
                 continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + claim_interval_s
                 await _autoclaim(
-                    r, stream, group, consumer, handler, claim_idle_ms, count, concurrency
+                    r,
+                    stream,
+                    group,
+                    consumer,
+                    handler,
+                    claim_idle_ms,
+                    count,
+                    concurrency,
+                    after_batch,
                 )
             resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
             if resp:
-                await _handle_all(r, stream, group, handler, resp[0][1], concurrency)
+                await _handle_all(r, stream, group, handler, resp[0][1], concurrency, after_batch)
         except asyncio.CancelledError:
             raise
         except ResponseError as e:
@@ -240,6 +253,7 @@ async def _autoclaim(
     idle_ms: int,
     count: int,
     concurrency: int = 1,
+    after_batch: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     start = "0-0"
     while True:
@@ -251,7 +265,7 @@ async def _autoclaim(
             logger.warning(
                 "reclaimed %d message(s) from a dead consumer on %s", len(entries), stream
             )
-            await _handle_all(r, stream, group, handler, entries, concurrency)
+            await _handle_all(r, stream, group, handler, entries, concurrency, after_batch)
         if next_id in (b"0-0", "0-0"):
             return
         start = next_id
@@ -264,6 +278,7 @@ async def _handle_all(
     handler: Handler,
     entries: list[tuple[bytes, dict[bytes, bytes]]],
     concurrency: int = 1,
+    after_batch: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     async def one(msg_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -285,6 +300,10 @@ async def _handle_all(
             await one(*chunk[0])
         else:
             await asyncio.gather(*(one(m, f) for m, f in chunk))
+    if after_batch is not None:
+        # A failure here propagates (consume logs and retries the read): the batch stays
+        # unacknowledged, so its messages are redelivered rather than lost.
+        await after_batch()
     # One XACK for the batch: a crash before it redelivers the batch, which idempotent
     # handlers absorb.
     await r.xack(stream, group, *(m for m, _ in entries))

@@ -33,6 +33,10 @@ class RendererService:
     def __init__(self, redis: Any, renderer: Renderer) -> None:
         self.redis = redis
         self.renderer = renderer
+        # The batch being handled: (stream, message, maxlen) hand-offs and the ids they finish,
+        # written by after_batch in one round trip.
+        self.handoffs: list[tuple[str, Any, int]] = []
+        self.rendered: list[str] = []
 
     async def handle(self, msg_id: bytes, msg: Any) -> None:
         if not isinstance(msg, RenderRequest):
@@ -51,12 +55,22 @@ class RendererService:
                 logger.exception("rendering %s failed", msg.request_id)
                 e = RenderFailed(500, f"internal error while rendering: {type(e).__name__}: {e}")
             out = [(streams.gw_stream(msg.gateway_id), error_for(msg, e), streams.OUTPUT_MAXLEN)]
-        # The hand-off and its done mark in one round trip. The mark goes after the appends: a
-        # crash between them redelivers the request, which the scheduler recognises by its id.
+        self.handoffs.extend(out)
+        self.rendered.append(msg.request_id)
+
+    async def after_batch(self) -> None:
+        """The batch's hand-offs and done marks in one round trip, before the batch is acked.
+        The marks go after the appends: a crash between them redelivers the requests, which
+        the scheduler recognises by their ids."""
+        if not self.rendered:
+            return
+        handoffs, rendered = self.handoffs, self.rendered
+        self.handoffs, self.rendered = [], []
         async with self.redis.pipeline(transaction=False) as p:
-            for stream, m, maxlen in out:
+            for stream, m, maxlen in handoffs:
                 await streams.xadd(p, stream, m, maxlen=maxlen)
-            p.set(done_key(msg.request_id), b"1", ex=DONE_TTL_S)
+            for request_id in rendered:
+                p.set(done_key(request_id), b"1", ex=DONE_TTL_S)
             await p.execute()
 
 
@@ -91,6 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
             stop=stop,
             # Requests are independent: render a burst in parallel (tokenizers in threads).
             concurrency=RENDER_CONCURRENCY,
+            after_batch=service.after_batch,
         )
     finally:
         await redis.aclose()
