@@ -127,6 +127,47 @@ def test_abort_reaches_the_executor_and_the_queue(bare):
     assert len(gw.tokens[long]) < 400
 
 
+def test_burst_admitted_as_a_batch_is_recorded_and_an_abort_in_it_stays_final(bare):
+    """Requests the scheduler reads in one batch are admitted together and recorded before the
+    batch is acknowledged (its route records appear while no executor can take them); a
+    request aborted in the same batch ends as aborted and leaves no record behind."""
+    bare.add_scheduler("scheduler-0")
+    r = redis.Redis.from_url(bare.redis_url)
+    deadline = time.monotonic() + 60
+    while r.get(streams.scheduler_lease_key()) != b"scheduler-0":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    gw = FakeGateway(bare.redis_url)
+    rng = random.Random()
+    n = rng.randint(5, 20)
+    reqs = []
+    for _ in range(n):
+        rid = uuid.uuid4().hex
+        sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "seed": 1}
+        reqs.append(EngineRequest(rid, gw.id, prompt(rng), sampling, time.time()))
+        gw.tokens[rid] = []
+    victim = reqs[rng.randrange(n)].request_id
+    # One transaction: the blocked XREADGROUP sees every entry at once (one batch).
+    with r.pipeline(transaction=True) as p:
+        for req in reqs:
+            p.xadd(streams.sched_stream(), {b"d": encode(req)})
+        p.xadd(streams.sched_stream(), {b"d": encode(AbortRequest([victim]))})
+        p.execute()
+    gw.wait([victim])
+    assert gw.finish[victim] == "abort"
+    deadline = time.monotonic() + 10
+    while r.hlen(streams.scheduler_routes_key()) < n - 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    keys = {k.decode() for k in r.hkeys(streams.scheduler_routes_key())}
+    assert keys == {q.request_id for q in reqs} - {victim}
+    bare.add_executor("executor-0")
+    live = [q.request_id for q in reqs if q.request_id != victim]
+    gw.wait(live)
+    assert all(len(gw.tokens[i]) == 4 for i in live)
+
+
 def test_prefix_affinity_and_least_loaded(bare):
     bare.add_scheduler()
     bare.add_executor("executor-0")
