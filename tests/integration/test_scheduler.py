@@ -80,6 +80,16 @@ def prompt(rng: random.Random, n: int | None = None) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n or rng.randrange(4, 30))]
 
 
+def wait_leader(url: str, name: str) -> redis.Redis:
+    """Wait until scheduler `name` holds the lease; a client of that Redis."""
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 60
+    while r.get(streams.scheduler_lease_key()) != name.encode():
+        assert time.monotonic() < deadline, f"{name} did not take the lease"
+        time.sleep(0.05)
+    return r
+
+
 @pytest.fixture
 def bare(tiny_model, tmp_path):
     s = Stack(tiny_model, tmp_path)
@@ -132,11 +142,7 @@ def test_burst_admitted_as_a_batch_is_recorded_and_an_abort_in_it_stays_final(ba
     batch is acknowledged (its route records appear while no executor can take them); a
     request aborted in the same batch ends as aborted and leaves no record behind."""
     bare.add_scheduler("scheduler-0")
-    r = redis.Redis.from_url(bare.redis_url)
-    deadline = time.monotonic() + 60
-    while r.get(streams.scheduler_lease_key()) != b"scheduler-0":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    r = wait_leader(bare.redis_url, "scheduler-0")
     gw = FakeGateway(bare.redis_url)
     rng = random.Random()
     n = rng.randint(5, 20)
@@ -189,11 +195,7 @@ def test_prefix_affinity_and_least_loaded(bare):
 
 def test_standby_scheduler_takes_over_queued_requests(bare):
     bare.add_scheduler("scheduler-0")
-    r = redis.Redis.from_url(bare.redis_url)
-    deadline = time.monotonic() + 60
-    while r.get(streams.scheduler_lease_key()) != b"scheduler-0":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    r = wait_leader(bare.redis_url, "scheduler-0")
     bare.add_scheduler("scheduler-1")
     gw = FakeGateway(bare.redis_url)
     rng = random.Random()
