@@ -36,17 +36,23 @@ SHAPES = (
 L2_BYTES = 64 << 20
 
 
-def time_linear(rows: int, n: int, k: int) -> float:
-    """Median seconds of one x [rows, k] @ w.T (w [n, k], as the model's linears) in fp16."""
+def time_linear(rows: int, n: int, k: int, swapped: bool = False) -> float:
+    """Median seconds of one x [rows, k] @ w.T (w [n, k], as the model's linears) in fp16.
+    swapped: the same product as w @ x.T into a [n, rows] output (y transposed), which hands
+    cuBLAS the problem with M and N exchanged: its kernel choice for a short M (decode rows)
+    and a long N may differ from the one for a long M and a short N."""
     copies = max(1, min(8, -(-2 * L2_BYTES // (n * k * 2))))
     weights = itertools.cycle(
         [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
     )
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
-    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    out = torch.empty((n, rows) if swapped else (rows, n), device="cuda", dtype=torch.float16)
 
     def call():
-        torch.matmul(x, next(weights).t(), out=out)
+        if swapped:
+            torch.matmul(next(weights), x.t(), out=out)
+        else:
+            torch.matmul(x, next(weights).t(), out=out)
 
     # Four rounds of the copies per replay, one for the largest products (tens of ms each).
     iters = copies * (4 if rows * n * k < 2**34 else 1)
@@ -58,21 +64,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="64,256,8192")
     ap.add_argument("--backends", default="cublas,cublaslt")
+    ap.add_argument(
+        "--swapped-rows",
+        default="256",
+        help="row counts also timed as w @ x.T (M and N exchanged); empty: none",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA device")
     rows_list = [int(r) for r in args.rows.split(",")]
+    swapped_rows = {int(r) for r in args.swapped_rows.split(",") if r.strip()}
     copy = measure_copy_bandwidth("cuda")
     bw = copy["bandwidth_GBps"]
     results = []
     for backend in args.backends.split(","):
         torch.backends.cuda.preferred_blas_library(backend)
-        for rows in rows_list:
+        for rows, swapped in [(r, False) for r in rows_list] + [
+            (r, True) for r in sorted(swapped_rows)
+        ]:
             for name, n, k in SHAPES:
-                t = time_linear(rows, n, k)
+                t = time_linear(rows, n, k, swapped)
                 flops = 2 * rows * n * k
                 row = dict(
                     backend=backend,
+                    swapped=swapped,
                     op=name,
                     rows=rows,
                     out_features=n,
@@ -84,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 results.append(row)
                 print(
-                    f"{backend:>8} rows {rows:>5} {name:>13}: {row['time_us']:8.1f} us "
+                    f"{backend:>8} rows {rows:>5}{' swapped' if swapped else ''} "
+                    f"{name:>13}: {row['time_us']:8.1f} us "
                     f"{row['tflops']:6.1f} TFLOP/s {row['weight_GBps']:7.0f} GB/s "
                     f"({row['weight_read_of_copy']:.2f} of copy)",
                     flush=True,
@@ -92,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.preferred_blas_library("cublas")
     per_layer = {}
     for r in results:
-        key = f"{r['backend']} rows {r['rows']}"
+        key = f"{r['backend']} rows {r['rows']}{' swapped' if r['swapped'] else ''}"
         if r["op"] != "lm_head":
             per_layer[key] = per_layer.get(key, 0.0) + r["time_us"]
     write_json(
