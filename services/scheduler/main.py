@@ -215,10 +215,16 @@ class Scheduler:
         # batch finished it and deleted its record).
         queued = [t for t in pending if not t.executor_id and t.req.request_id in self.tracker]
         if queued:
-            async with self.r.pipeline(transaction=False) as p:
-                for t in queued:
-                    p.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
-                await p.execute()
+            try:
+                async with self.r.pipeline(transaction=False) as p:
+                    for t in queued:
+                        p.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
+                    await p.execute()
+            except BaseException:
+                # Not acknowledged: the batch comes back, finds its requests tracked, and the
+                # next batch's call records them.
+                self.unrecorded = queued + self.unrecorded
+                raise
 
     async def _abort(self, msg: AbortRequest) -> None:
         now = time.monotonic()
