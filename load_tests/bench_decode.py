@@ -254,11 +254,19 @@ def engine_batched(
             raise RuntimeError("prefill of the batch does not finish")
     synchronize(device)
     prefill_s = time.perf_counter() - t0
-    if max(n_out.values()) + warm + steps >= max_tokens:
+    if max(n_out.values()) + warm + 2 * steps >= max_tokens:
         raise RuntimeError(
             f"prefill took {prefill_steps} steps: max_tokens {max_tokens} would end requests "
-            "inside the timed window"
+            "inside the timed windows"
         )
+
+    def full(outs) -> bool:
+        """One new token for every request and none finished: a clean decode step of the batch
+        (otherwise a preemption or a finished request)."""
+        return len(outs) == batch and all(
+            len(o.new_token_ids) == 1 and o.finish_reason is None for o in outs
+        )
+
     step_s: list[float] = []
     short_steps = 0
     for k in range(warm + steps):
@@ -267,22 +275,16 @@ def engine_batched(
         outs = engine.step()
         synchronize(device)
         dt = time.perf_counter() - t
-        full = len(outs) == batch and all(
-            len(o.new_token_ids) == 1 and o.finish_reason is None for o in outs
-        )
         if k >= warm:
             step_s.append(dt)
-            if not full:
-                short_steps += 1  # a preemption or a finished request: not a full decode step
+            short_steps += not full(outs)
     # The same steps back to back, as a server runs them: no synchronization between steps.
     pipeline = getattr(engine.runner, "pipeline", None)
     used0 = pipeline.used if pipeline is not None else 0
     synchronize(device)
     t = time.perf_counter()
     for _ in range(steps):
-        outs = engine.step()
-        if len(outs) != batch or any(o.finish_reason is not None for o in outs):
-            short_steps += 1
+        short_steps += not full(engine.step())
     synchronize(device)
     run_s = (time.perf_counter() - t) / steps
     # Steps of the back-to-back run that used a step launched ahead (decode_pipeline.py): all

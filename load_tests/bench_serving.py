@@ -83,13 +83,18 @@ def model_vocab_size(model_dir: Path) -> int:
     return vocab
 
 
+def random_ids(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
+    """n random prompt ids. Ids below 16 are left out: small ids are special tokens in most
+    vocabularies."""
+    low = 16 if vocab_size > 64 else 0
+    return rng.integers(low, vocab_size, size=n).tolist()
+
+
 def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
     rng = np.random.default_rng(args.seed)
-    # Ids below 16 are left out: small ids are special tokens in most vocabularies.
-    low = 16 if vocab_size > 64 else 0
 
     def draw(n: int) -> list[int]:
-        return rng.integers(low, vocab_size, size=n).tolist()
+        return random_ids(rng, vocab_size, n)
 
     if args.dataset == "random":
         prompts = [Prompt(draw(args.input_len), args.output_len) for _ in range(args.num_prompts)]
@@ -110,12 +115,12 @@ def build_warmup(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
     """The unmeasured warm-up prompts: fresh random ids as long as a measured prompt, sharing
     no prefix with any of them. (Warm-up on the first measured prompts, as this bench did up to
     2bfe88e, left them in the prefix cache: their measured requests skipped most of the prefill.)"""
-    n = max(0, args.num_warmup)
     rng = np.random.default_rng(args.seed + 1_000_003)
-    low = 16 if vocab_size > 64 else 0
     length = args.input_len + (args.prefix_len if args.dataset == "prefix" else 0)
     out_len = min(args.output_len, 4)
-    return [Prompt(rng.integers(low, vocab_size, size=length).tolist(), out_len) for _ in range(n)]
+    return [
+        Prompt(random_ids(rng, vocab_size, length), out_len) for _ in range(max(0, args.num_warmup))
+    ]
 
 
 def add_text(prompts: list[Prompt], model_dir: Path) -> None:
