@@ -123,7 +123,7 @@ def tc_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TCConfig:
 
 
 @functools.cache
-def prefill_tc_kernel(cfg: TCConfig):
+def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
     if SIM:
         raise RuntimeError("the tensor-core prefill kernel links CUDA C++: no CUDA simulator path")
     D, G = cfg.head_dim, cfg.group
@@ -146,7 +146,6 @@ def prefill_tc_kernel(cfg: TCConfig):
     store_fn = attn_store_tile
     NEG_INF = float32(-math.inf)
 
-    @cuda.jit(fastmath=False)
     def kernel(
         out,  # flat [T * H * D] fp16
         q,  # flat [T * H * D] fp16
@@ -305,7 +304,8 @@ def prefill_tc_kernel(cfg: TCConfig):
                     out[obase + j * 16 + e] = float16(s_s[row * LDS + half * 8 + e])
             cuda.syncwarp()
 
-    return kernel
+    opts = {} if max_registers is None else {"max_registers": max_registers}
+    return cuda.jit(fastmath=False, **opts)(kernel)
 
 
 def paged_attention_tc_cuda(
@@ -319,11 +319,15 @@ def paged_attention_tc_cuda(
     out=None,
     *,
     max_query_len: int | None = None,
+    max_registers: int | None = None,
 ):
     """Causal paged attention with tensor cores on torch's current stream; returns out [T, H, D].
 
     max_query_len: the longest q_len in the batch; it fixes the grid. When absent it is read
-    from query_start_loc, which synchronises with the host (pass it from the batch plan)."""
+    from query_start_loc, which synchronises with the host (pass it from the batch plan).
+    max_registers: a register cap for the kernel (None: ptxas's choice, ~160-172 on sm_70, 2
+    blocks of 128 threads per SM). A benchmarking knob: at 8 x 1024 tokens on an H200 caps of
+    128 and 96 (4 and 5 blocks per SM) measured within the run-to-run spread (e6ef8ad)."""
     import torch
     from voltserve.kernels.numba_common import current_stream, dev
 
@@ -360,7 +364,7 @@ def paged_attention_tc_cuda(
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (16-byte vector loads)")
     grid = ((max_query_len + cfg.tile_q - 1) // cfg.tile_q, kvh, B)
-    prefill_tc_kernel(cfg)[grid, NUM_THREADS, current_stream()](
+    prefill_tc_kernel(cfg, max_registers)[grid, NUM_THREADS, current_stream()](
         dev(out.view(-1)),
         dev(q.view(-1)),
         dev(k_cache.view(-1)),

@@ -14,6 +14,7 @@ H x D x P (P + 1) / 2. Each kernel's output is also compared with SDPA (max abs 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -42,44 +43,61 @@ def time_call(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench(prompt: int, heads: int, kv_heads: int, head_dim: int, warmup: int, repeats: int):
+def bench(
+    prompt: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    warmup: int,
+    repeats: int,
+    seqs: int = 1,
+    tc_registers: tuple[int | None, ...] = (),
+):
+    """seqs sequences of `prompt` tokens each in one launch (a serving prefill step packs
+    8192 tokens: 8 x 1024); tc_registers: also time the tensor-core kernel under these
+    register caps (None: ptxas's choice), as rows tensor_core_r<cap>."""
     from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n_blocks = (prompt + BLOCK - 1) // BLOCK
-    q = torch.randn((prompt, heads, head_dim), generator=gen, device="cuda").half()
-    k = torch.randn((prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
-    v = torch.randn((prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
-    # Paged cache: block i holds tokens 16i..16i+15, blocks in a shuffled order.
-    pad = n_blocks * BLOCK - prompt
+    per_seq = (prompt + BLOCK - 1) // BLOCK
+    n_blocks = seqs * per_seq
+    T = seqs * prompt
+    q = torch.randn((T, heads, head_dim), generator=gen, device="cuda").half()
+    k = torch.randn((seqs, prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
+    v = torch.randn((seqs, prompt, kv_heads, head_dim), generator=gen, device="cuda").half()
+    # Paged cache: sequence s's block i holds its tokens 16i..16i+15; blocks shuffled.
+    pad = per_seq * BLOCK - prompt
     perm = torch.randperm(n_blocks, generator=gen, device="cuda")
-    table = perm.int().view(1, -1)
+    table = perm.int().view(seqs, per_seq)
 
     def paged(x):
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        blocks = x.view(n_blocks, BLOCK, kv_heads, head_dim).permute(0, 2, 1, 3)
+        blocks = x.reshape(n_blocks, BLOCK, kv_heads, head_dim).permute(0, 2, 1, 3)
         cache = torch.empty_like(blocks.contiguous())
         cache[perm] = blocks
         return cache.contiguous()
 
     k_cache, v_cache = paged(k), paged(v)
-    seq_lens = torch.tensor([prompt], dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0, prompt], dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((seqs,), prompt, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, T + 1, prompt, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
-    flops = 4.0 * heads * head_dim * prompt * (prompt + 1) / 2
+    flops = seqs * 4.0 * heads * head_dim * prompt * (prompt + 1) / 2
 
-    # SDPA on contiguous [1, H, P, D] tensors (KV heads repeated: what a plain model does).
+    # SDPA on contiguous [S, H, P, D] tensors (KV heads repeated: what a plain model does).
     group = heads // kv_heads
-    qs = q.transpose(0, 1).unsqueeze(0).contiguous()
-    ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-    vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    qs = q.view(seqs, prompt, heads, head_dim).transpose(1, 2).contiguous()
+    ks = k.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
+    vs = v.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=scale
         )
 
-    ref = sdpa()[0].transpose(0, 1).float()
+    def flat(x):  # [S, H, P, D] -> [S * P, H, D]
+        return x.transpose(1, 2).reshape(T, heads, head_dim)
+
+    ref = flat(sdpa()).float()
     rows = {}
     out_tc = torch.empty_like(q)
     kernels = {
@@ -88,6 +106,20 @@ def bench(prompt: int, heads: int, kv_heads: int, head_dim: int, warmup: int, re
         ),
         "sdpa": sdpa,
     }
+    for cap in tc_registers:
+        kernels[f"tensor_core_r{cap or 'none'}"] = functools.partial(
+            paged_attention_tc_cuda,
+            q,
+            k_cache,
+            v_cache,
+            table,
+            seq_lens,
+            qsl,
+            scale,
+            torch.empty_like(q),
+            max_query_len=prompt,
+            max_registers=cap,
+        )
     out_plain = torch.empty_like(q)
     try:
         from voltserve.kernels.prefill_attention import paged_attention_cuda
@@ -104,13 +136,14 @@ def bench(prompt: int, heads: int, kv_heads: int, head_dim: int, warmup: int, re
             rows[name] = {"error": f"{type(e).__name__}: {e}"}
             continue
         res = fn()
-        got = res[0].transpose(0, 1) if name == "sdpa" else res
+        got = flat(res) if name == "sdpa" else res
         rows[name] = {
             "ms": t * 1e3,
             "tflops": flops / t / 1e12,
             "max_abs_diff_vs_sdpa": (got.float() - ref).abs().max().item(),
         }
     return {
+        "sequences": seqs,
         "prompt_tokens": prompt,
         "heads": heads,
         "kv_heads": kv_heads,
@@ -127,6 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--seqs", default="1", help="sequences per launch, one run per entry (e.g. 1,8)"
+    )
+    ap.add_argument(
+        "--tc-registers",
+        default="",
+        help="also time the tensor-core kernel at these register caps, e.g. none,128",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
@@ -138,17 +179,25 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "runs": [],
     }
-    for p in (int(x) for x in args.prompts.split(",")):
-        r = bench(p, args.heads, args.kv_heads, args.head_dim, args.warmup, args.repeats)
-        results["runs"].append(r)
-        for name, row in r["kernels"].items():
-            if "error" in row:
-                print(f"P={p:<6} {name:<16} ERROR {row['error']}")
-            else:
-                print(
-                    f"P={p:<6} {name:<16} {row['ms']:8.3f} ms {row['tflops']:7.2f} TFLOP/s "
-                    f"max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e}"
-                )
+    caps = tuple(
+        None if c.strip().lower() == "none" else int(c)
+        for c in args.tc_registers.split(",")
+        if c.strip()
+    )
+    for n in (int(x) for x in args.seqs.split(",")):
+        for p in (int(x) for x in args.prompts.split(",")):
+            r = bench(
+                p, args.heads, args.kv_heads, args.head_dim, args.warmup, args.repeats, n, caps
+            )
+            results["runs"].append(r)
+            for name, row in r["kernels"].items():
+                if "error" in row:
+                    print(f"{n}xP={p:<6} {name:<20} ERROR {row['error']}")
+                else:
+                    print(
+                        f"{n}xP={p:<6} {name:<20} {row['ms']:8.3f} ms {row['tflops']:7.2f} "
+                        f"TFLOP/s max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e}"
+                    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

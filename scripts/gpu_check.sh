@@ -5,7 +5,8 @@
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
-# attention's launch variants (SWEEP=BxC,...); `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
+# and register caps (PREFILL_REGS); `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -109,6 +110,11 @@ for stage in $STAGES; do
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
       # spread over SWEEP_JOBS processes; rows are printed to the log as they are measured).
       run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --partitions "${SWEEP_PARTITIONS:-}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
+      ;;
+    prefill)
+      # Prefill attention alone at one 1024-token prompt and at a serving step's 8 x 1024, with
+      # the tensor-core kernel also timed at each register cap in PREFILL_REGS.
+      run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --prompts "${PREFILL_PROMPTS:-1024}" --seqs "${PREFILL_SEQS:-1,8}" --tc-registers "${PREFILL_REGS:-none,128,96}" --out "$OUT/bench_prefill_attention.json"
       ;;
     gemm)
       # cuBLAS alone on the Llama-3-8B linear shapes at decode and prefill row counts.
