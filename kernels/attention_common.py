@@ -8,6 +8,8 @@
   `half_lo(u)` / `half_hi(u)`: one fp16 of such a word widened to fp32. Splitting the load from
   the widening keeps a batch of in-flight loads at 4 registers each instead of 8, and puts each
   conversion next to its use.
+- `st_u32x4(arr, i, w0, w1, w2, w3)`: the matching 16-byte store of four such words into
+  arr[i:i+8] (a register-staged copy: load now, store after other work).
 - `shfl_xor(value, lane_mask)`: warp butterfly exchange of a float32 (full mask).
 - `as_numba(t)`: a torch CUDA tensor as a numba device array without a stream sync, so
   launches stay CUDA-graph capturable.
@@ -37,6 +39,11 @@ if SIMULATOR:
     def ld_u32x4(arr, i):
         raw = np.array([arr[i + j] for j in range(8)], dtype=np.float16).view(np.uint32)
         return tuple(raw)
+
+    def st_u32x4(arr, i, w0, w1, w2, w3):
+        raw = np.array([w0, w1, w2, w3], dtype=np.uint32).view(np.float16)
+        for j in range(8):
+            arr[i + j] = raw[j]
 
     def half_lo(u):
         return np.float32(np.array([int(u) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
@@ -104,6 +111,32 @@ else:
             raw = builder.load(vec_ptr, align=16)
             words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
             return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def st_u32x4(typingctx, arr, idx, w0, w1, w2, w3):
+        words = (w0, w1, w2, w3)
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float16 and arr.ndim == 1):
+            return None
+        if not isinstance(idx, types.Integer) or not all(
+            isinstance(w, types.Integer) for w in words
+        ):
+            return None
+        sig = types.void(arr, idx, *words)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            i64 = context.cast(builder, args[1], signature.args[1], types.int64)
+            i32 = ir.IntType(32)
+            vec = ir.Constant(ir.VectorType(i32, 4), None)
+            for j, (w, ty) in enumerate(zip(args[2:], signature.args[2:], strict=True)):
+                vec = builder.insert_element(
+                    vec, context.cast(builder, w, ty, types.uint32), ir.Constant(i32, j)
+                )
+            ptr = builder.bitcast(builder.gep(ary.data, [i64]), ir.VectorType(i32, 4).as_pointer())
+            builder.store(vec, ptr, align=16)
+            return context.get_dummy_value()
 
         return sig, codegen
 

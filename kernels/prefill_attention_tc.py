@@ -16,7 +16,12 @@ tile of 32 keys (two cache blocks):
   4. each warp rescales its fp32 output accumulator by exp(m_old - m_new) per row and adds
      P V with wmma; the accumulator fragments live in a per-thread array.
 At the end each warp scales rows by 1 / sum and writes fp16 rows through a small f32 staging
-tile. Row-wise scaling of accumulator fragments, whose layout is opaque, uses a "row map" tile
+tile. With `prefetch` (TCConfig; opt-in until measured on a GPU) step 1 is split: each thread
+loads its chunks of tile t+1 into registers (`fetch_kv`) right after storing tile t's
+(`store_kv`), so the global-memory latency of the next tile, which otherwise opens every
+iteration (a block-table read, then the K/V reads, then a barrier), overlaps this tile's
+scores, softmax and PV. The kernel is latency-bound at serving shapes (~46 TFLOP/s at 8 x 1024
+tokens on an H200 at f74fabb, 2 blocks per SM at ~170 registers). Row-wise scaling of accumulator fragments, whose layout is opaque, uses a "row map" tile
 (see wmma_ptx.cu).
 
 Shared memory (head_dim 128): Q 17 KB + K/P 8.5 KB + V 8.5 KB + S 9 KB + 1.3 KB, under the
@@ -34,8 +39,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 from numba.core.types import float16
+from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
 from voltserve.kernels.numba_common import SIM
 
 WMMA_CU = str(Path(__file__).with_name("wmma_ptx.cu"))
@@ -101,17 +107,50 @@ if not SIM:
         return sig, codegen
 
 
+# The prefetching fill's halves (plain numba: the CUDA simulator runs them in the CPU tests).
+@cuda.jit(device=True)
+def fetch_kv(src, kv0, idx, CH, D):
+    """Chunk idx of the K/V tile starting at position kv0 (token idx // CH, 16-byte column
+    idx % CH) as 8 words, K's then V's; zeros past the context (never stale cache data:
+    0 * NaN = NaN in an mma). src = (k_cache, v_cache, block_tables, b, kvh, num_kv_heads,
+    seq_len)."""
+    k_cache, v_cache, block_tables, b, kvh, num_kv_heads, seq_len = src
+    t = idx // CH
+    pos = kv0 + t
+    if pos < seq_len:
+        blk = int64(block_tables[b, pos // BLOCK_SIZE])
+        off = ((blk * num_kv_heads + kvh) * BLOCK_SIZE + pos % BLOCK_SIZE) * D
+        off += (idx - t * CH) * 8
+        k0, k1, k2, k3 = ld_u32x4(k_cache, off)
+        v0, v1, v2, v3 = ld_u32x4(v_cache, off)
+        return k0, k1, k2, k3, v0, v1, v2, v3
+    z = uint32(0)
+    return z, z, z, z, z, z, z, z
+
+
+@cuda.jit(device=True)
+def store_kv(k_s, v_s, r, idx, CH, LDK):
+    """fetch_kv's words for chunk idx into the shared K and V tiles (row stride LDK)."""
+    t = idx // CH
+    dst = t * LDK + (idx - t * CH) * 8
+    st_u32x4(k_s, dst, r[0], r[1], r[2], r[3])
+    st_u32x4(v_s, dst, r[4], r[5], r[6], r[7])
+
+
 @dataclass(frozen=True)
 class TCConfig:
     head_dim: int
     group: int  # query heads per KV head
+    # Register-staged double buffering of the K/V tiles: tile t+1's loads are issued before tile
+    # t's scores, softmax and PV, so their latency overlaps that work instead of preceding it.
+    prefetch: bool = False
 
     @property
     def tile_q(self) -> int:  # query tokens per thread block
         return ROWS // self.group
 
 
-def tc_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TCConfig:
+def tc_config(num_heads: int, num_kv_heads: int, head_dim: int, prefetch: bool = False) -> TCConfig:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim not in HEAD_DIMS:
@@ -119,7 +158,7 @@ def tc_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TCConfig:
     group = num_heads // num_kv_heads
     if group > ROWS:
         raise ValueError(f"group {group} (query heads per KV head) exceeds {ROWS}")
-    return TCConfig(head_dim, group)
+    return TCConfig(head_dim, group, prefetch)
 
 
 @functools.cache
@@ -145,6 +184,9 @@ def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
     pv_fn = attn_pv[D]
     store_fn = attn_store_tile
     NEG_INF = float32(-math.inf)
+    PREFETCH = cfg.prefetch
+    NCH = N * CH // NUM_THREADS  # 16-byte chunks of K (and of V) per thread per tile
+    assert NCH * NUM_THREADS == N * CH and 1 <= NCH <= 4
 
     def kernel(
         out,  # flat [T * H * D] fp16
@@ -216,22 +258,56 @@ def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
 
         last_q = min(t0 + TQ, q_len) - 1
         kv_end = ctx0 + last_q + 1  # keys the tile's last query sees
+        # Thread tid's chunks of a tile: idx = tid + j * NUM_THREADS, j < NCH. With PREFETCH
+        # their words stay in registers (r0..r3) from the load, issued one tile ahead, to the
+        # store into shared memory.
+        src = (k_cache, v_cache, block_tables, b, kvh, num_kv_heads, seq_len)
+        z = uint32(0)
+        r0 = r1 = r2 = r3 = (z, z, z, z, z, z, z, z)
+        if PREFETCH:
+            r0 = fetch_kv(src, 0, tid, CH, D)
+            if NCH > 1:
+                r1 = fetch_kv(src, 0, tid + NUM_THREADS, CH, D)
+            if NCH > 2:
+                r2 = fetch_kv(src, 0, tid + 2 * NUM_THREADS, CH, D)
+            if NCH > 3:
+                r3 = fetch_kv(src, 0, tid + 3 * NUM_THREADS, CH, D)
         for kv0 in range(0, kv_end, N):
             cuda.syncthreads()  # the previous tile's K/P and V are fully used
-            for idx in range(tid, N * CH, NUM_THREADS):
-                t = idx // CH
-                ch = idx - t * CH
-                pos = kv0 + t
-                dst = t * LDK + ch * 8
-                if pos < seq_len:
-                    blk = int64(block_tables[b, pos // BLOCK_SIZE])
-                    off = ((blk * num_kv_heads + kvh) * BLOCK_SIZE + pos % BLOCK_SIZE) * D + ch * 8
-                    copy16(k_s, dst, k_cache, off)
-                    copy16(v_s, dst, v_cache, off)
-                else:  # past the context: zeros, never stale cache data (0 * NaN = NaN)
-                    for e in range(8):
-                        k_s[dst + e] = float16(0.0)
-                        v_s[dst + e] = float16(0.0)
+            if PREFETCH:
+                store_kv(k_s, v_s, r0, tid, CH, LDK)
+                if NCH > 1:
+                    store_kv(k_s, v_s, r1, tid + NUM_THREADS, CH, LDK)
+                if NCH > 2:
+                    store_kv(k_s, v_s, r2, tid + 2 * NUM_THREADS, CH, LDK)
+                if NCH > 3:
+                    store_kv(k_s, v_s, r3, tid + 3 * NUM_THREADS, CH, LDK)
+                nxt = kv0 + N
+                if nxt < kv_end:  # the next tile's loads, in flight during this tile's work
+                    r0 = fetch_kv(src, nxt, tid, CH, D)
+                    if NCH > 1:
+                        r1 = fetch_kv(src, nxt, tid + NUM_THREADS, CH, D)
+                    if NCH > 2:
+                        r2 = fetch_kv(src, nxt, tid + 2 * NUM_THREADS, CH, D)
+                    if NCH > 3:
+                        r3 = fetch_kv(src, nxt, tid + 3 * NUM_THREADS, CH, D)
+            else:
+                for idx in range(tid, N * CH, NUM_THREADS):
+                    t = idx // CH
+                    ch = idx - t * CH
+                    pos = kv0 + t
+                    dst = t * LDK + ch * 8
+                    if pos < seq_len:
+                        blk = int64(block_tables[b, pos // BLOCK_SIZE])
+                        off = (
+                            (blk * num_kv_heads + kvh) * BLOCK_SIZE + pos % BLOCK_SIZE
+                        ) * D + ch * 8
+                        copy16(k_s, dst, k_cache, off)
+                        copy16(v_s, dst, v_cache, off)
+                    else:  # past the context: zeros, never stale cache data (0 * NaN = NaN)
+                        for e in range(8):
+                            k_s[dst + e] = float16(0.0)
+                            v_s[dst + e] = float16(0.0)
             cuda.syncthreads()
 
             scores_fn(
@@ -320,6 +396,7 @@ def paged_attention_tc_cuda(
     *,
     max_query_len: int | None = None,
     max_registers: int | None = None,
+    prefetch: bool | None = None,
 ):
     """Causal paged attention with tensor cores on torch's current stream; returns out [T, H, D].
 
@@ -327,7 +404,11 @@ def paged_attention_tc_cuda(
     from query_start_loc, which synchronises with the host (pass it from the batch plan).
     max_registers: a register cap for the kernel (None: ptxas's choice, ~160-172 on sm_70, 2
     blocks of 128 threads per SM). A benchmarking knob: at 8 x 1024 tokens on an H200 caps of
-    128 and 96 (4 and 5 blocks per SM) measured within the run-to-run spread (e6ef8ad)."""
+    128 and 96 (4 and 5 blocks per SM) measured within the run-to-run spread (e6ef8ad).
+    prefetch: the register-staged double-buffered K/V fill (TCConfig.prefetch); default: off
+    unless VOLTSERVE_PREFILL_TC_PREFETCH=1 (not yet measured on a GPU)."""
+    import os
+
     import torch
     from voltserve.kernels.numba_common import current_stream, dev
 
@@ -349,7 +430,9 @@ def paged_attention_tc_cuda(
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
-    cfg = tc_config(H, kvh, D)
+    if prefetch is None:
+        prefetch = os.environ.get("VOLTSERVE_PREFILL_TC_PREFETCH", "0") == "1"
+    cfg = tc_config(H, kvh, D, prefetch)
     B = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -439,3 +522,5 @@ if not SIM:
     prefill_tc_kernel_d128_g4 = prefill_tc_kernel(TCConfig(128, 4))
     prefill_tc_kernel_d64_g7 = prefill_tc_kernel(TCConfig(64, 7))
     prefill_tc_kernel_d128_g1 = prefill_tc_kernel(TCConfig(128, 1))
+    prefill_tc_kernel_d128_g4_prefetch = prefill_tc_kernel(TCConfig(128, 4, prefetch=True))
+    prefill_tc_kernel_d64_g7_prefetch = prefill_tc_kernel(TCConfig(64, 7, prefetch=True))

@@ -104,6 +104,19 @@ def bench(
         "tensor_core": lambda: paged_attention_tc_cuda(
             q, k_cache, v_cache, table, seq_lens, qsl, scale, out_tc, max_query_len=prompt
         ),
+        "tensor_core_prefetch": functools.partial(
+            paged_attention_tc_cuda,
+            q,
+            k_cache,
+            v_cache,
+            table,
+            seq_lens,
+            qsl,
+            scale,
+            torch.empty_like(q),
+            max_query_len=prompt,
+            prefetch=True,
+        ),
         "sdpa": sdpa,
     }
     for cap in tc_registers:
