@@ -99,40 +99,15 @@ def bench(
 
     ref = flat(sdpa()).float()
     rows = {}
-    out_tc = torch.empty_like(q)
-    kernels = {
-        "tensor_core": lambda: paged_attention_tc_cuda(
-            q, k_cache, v_cache, table, seq_lens, qsl, scale, out_tc, max_query_len=prompt
-        ),
-        "tensor_core_prefetch": functools.partial(
-            paged_attention_tc_cuda,
-            q,
-            k_cache,
-            v_cache,
-            table,
-            seq_lens,
-            qsl,
-            scale,
-            torch.empty_like(q),
-            max_query_len=prompt,
-            prefetch=True,
-        ),
-        "sdpa": sdpa,
-    }
+
+    def tc(**kw):  # the tensor-core kernel with its own output buffer and these options
+        out = torch.empty_like(q)
+        args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
+        return functools.partial(paged_attention_tc_cuda, *args, max_query_len=prompt, **kw)
+
+    kernels = {"tensor_core": tc(), "tensor_core_prefetch": tc(prefetch=True), "sdpa": sdpa}
     for cap in tc_registers:
-        kernels[f"tensor_core_r{cap or 'none'}"] = functools.partial(
-            paged_attention_tc_cuda,
-            q,
-            k_cache,
-            v_cache,
-            table,
-            seq_lens,
-            qsl,
-            scale,
-            torch.empty_like(q),
-            max_query_len=prompt,
-            max_registers=cap,
-        )
+        kernels[f"tensor_core_r{cap or 'none'}"] = tc(max_registers=cap)
     out_plain = torch.empty_like(q)
     try:
         from voltserve.kernels.prefill_attention import paged_attention_cuda
