@@ -43,15 +43,24 @@ def make_cache(seq_lens, num_kv_heads, head_dim, gen, width=None):
     return k, v, tables
 
 
+# The decode kernel's cores: block (bandwidth-bound grids), online (small grids), dbuf (the block
+# core with two KV blocks' loads in flight per warp).
+CORES = {
+    "block": dict(online=False, double_buffer=False),
+    "online": dict(online=True),
+    "dbuf": dict(online=False, double_buffer=True),
+}
+
+
 def check(out, ref):
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("online", [False, True])
+@pytest.mark.parametrize("core", sorted(CORES))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode(head_dim, group, online):
+def test_decode(head_dim, group, core):
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -66,16 +75,16 @@ def test_decode(head_dim, group, online):
     for max_seq_len in (None, max(seq_lens)):  # table-width bound, exact bound
         out = torch.full_like(q, float("nan"))
         paged_decode_attention_cuda(
-            q, k, v, tables, sl, scale, out, max_seq_len=max_seq_len, online=online
+            q, k, v, tables, sl, scale, out, max_seq_len=max_seq_len, **CORES[core]
         )
         torch.cuda.synchronize()
         check(out, ref)
 
 
-@pytest.mark.parametrize("online", [False, True])
+@pytest.mark.parametrize("core", sorted(CORES))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_short_single_partition(head_dim, group, online):
+def test_decode_short_single_partition(head_dim, group, core):
     """Contexts within one partition take the direct path (no merge kernel); a 0 row is zero."""
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
@@ -86,16 +95,17 @@ def test_decode_short_single_partition(head_dim, group, online):
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     paged_decode_attention_cuda(
-        q, k, v, tables, sl, 0.1, out, max_seq_len=512, partition_size=512, online=online
+        q, k, v, tables, sl, 0.1, out, max_seq_len=512, partition_size=512, **CORES[core]
     )
     ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, 0.1)
     ref[5] = 0
     check(out, ref)
 
 
+@pytest.mark.parametrize("double_buffer", [False, True])
 @pytest.mark.parametrize("partition_size", [None, 64, 256, 1024, 2048, 4096])
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7)])
-def test_decode_large_batch_and_bound(head_dim, group, partition_size):
+def test_decode_large_batch_and_bound(head_dim, group, partition_size, double_buffer):
     """Batch 48 under a 4096 bound: split (64), in-kernel merge (256, 1024, and 2048: the
     full-grid choice under a long bound, its longest partition), direct (4096) and the
     launcher's choice (1024-token partitions here), with contexts of every length, empty
@@ -124,6 +134,7 @@ def test_decode_large_batch_and_bound(head_dim, group, partition_size):
             out,
             max_seq_len=4096,
             partition_size=partition_size,
+            double_buffer=double_buffer,
         )
         torch.cuda.synchronize()
         check(out, ref)
@@ -204,9 +215,9 @@ def test_decode_cuda_graph_replay_with_new_seq_lens():
         check(out, ref)
 
 
-@pytest.mark.parametrize("online", [False, True])
+@pytest.mark.parametrize("core", sorted(CORES))
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 4), (128, 8)])
-def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, online):
+def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
     """Small batches with short partitions (the batch-1 decode shape): the group's last block
     merges the partitions in the same kernel. Captured in a graph with the default workspace and
     replayed with new lengths: every replay must merge again (the arrival counters reset), and
@@ -224,7 +235,7 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, online):
 
     def step():
         paged_decode_attention_cuda(
-            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64, online=online
+            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64, **CORES[core]
         )
 
     s = torch.cuda.Stream()
@@ -253,7 +264,7 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, online):
         sl1 = torch.tensor([n], dtype=torch.int32, device="cuda")
         o1 = torch.full_like(q[:1], float("nan"))
         paged_decode_attention_cuda(
-            q[:1], k, v, tables[:1], sl1, scale, o1, max_seq_len=max_len, online=online
+            q[:1], k, v, tables[:1], sl1, scale, o1, max_seq_len=max_len, **CORES[core]
         )
         torch.cuda.synchronize()
         check(

@@ -10,6 +10,7 @@ On a CUDA host the same tests run the compiled kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -68,12 +69,15 @@ def run_decode(
     counters=None,
     online=False,
     workspace=None,
+    double_buffer=False,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
-    per-warp online-softmax core instead of the block-wide phases."""
+    per-warp online-softmax core instead of the block-wide phases. double_buffer: the block
+    core with two KV blocks' loads in flight per warp."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online)
+    cfg = dataclasses.replace(cfg, double_buffer=double_buffer)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
@@ -130,12 +134,15 @@ DECODE_CASES = [
 
 
 # The online core (per-warp softmax) on the direct and in-kernel-merge cases: the simulator
-# takes ~40 s for each; the GPU tests run every case.
+# takes ~40 s for each; the GPU tests run every case. The double-buffered block core on the
+# cases with a padding row and with partial and empty partitions.
 @pytest.mark.parametrize(
-    "head_dim,num_heads,num_kv_heads,seq_lens,online",
-    [(*c, False) for c in DECODE_CASES] + [(*c, True) for c in (DECODE_CASES[0], DECODE_CASES[3])],
+    "head_dim,num_heads,num_kv_heads,seq_lens,core",
+    [(*c, "block") for c in DECODE_CASES]
+    + [(*c, "online") for c in (DECODE_CASES[0], DECODE_CASES[3])]
+    + [(*c, "dbuf") for c in DECODE_CASES[2:]],
 )
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, online):
+def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, core):
     rng = np.random.default_rng()
     # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
     # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
@@ -146,7 +153,18 @@ def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, o
     scale = head_dim**-0.5
     # The grid bound is larger than the longest context for the last case: empty partitions.
     max_seq_len = max(seq_lens) + (20 if len(seq_lens) == 1 else 0)
-    out = run_decode(q, k, v, tables, seq_lens, scale, max_seq_len, merge, None, online)
+    out = run_decode(
+        q,
+        k,
+        v,
+        tables,
+        seq_lens,
+        scale,
+        max_seq_len,
+        merge,
+        online=core == "online",
+        double_buffer=core == "dbuf",
+    )
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
         if s == 0:
