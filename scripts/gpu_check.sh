@@ -112,9 +112,10 @@ for stage in $STAGES; do
       run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --partitions "${SWEEP_PARTITIONS:-}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
       ;;
     prefill)
-      # Prefill attention alone at one 1024-token prompt and at a serving step's 8 x 1024, with
-      # the tensor-core kernel also timed at each register cap in PREFILL_REGS.
-      run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --prompts "${PREFILL_PROMPTS:-1024}" --seqs "${PREFILL_SEQS:-1,8}" --tc-registers "${PREFILL_REGS:-none,128,96}" --out "$OUT/bench_prefill_attention.json"
+      # Prefill attention alone at one 1024-token prompt and at a serving step's 8 x 1024 (the
+      # tensor-core kernel with and without the prefetching fill; also at each register cap in
+      # PREFILL_REGS, e.g. none,128), every kernel timed PREFILL_ROUNDS times in turn.
+      run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --prompts "${PREFILL_PROMPTS:-1024}" --seqs "${PREFILL_SEQS:-1,8}" --tc-registers "${PREFILL_REGS:-}" --rounds "${PREFILL_ROUNDS:-3}" --out "$OUT/bench_prefill_attention.json"
       ;;
     gemm)
       # cuBLAS alone on the Llama-3-8B linear shapes at decode and prefill row counts.
