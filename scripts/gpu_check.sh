@@ -6,7 +6,8 @@
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
-# and register caps (PREFILL_REGS); `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
+# batched decode in one go; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -100,7 +101,8 @@ for stage in $STAGES; do
       # tests over processes when pytest-xdist is there (they share the GPU; memory is ample).
       # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
-      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} -p no:cacheprovider
+      # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or prefetch").
+      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -163,6 +165,16 @@ for stage in $STAGES; do
       clocks_start serving
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json" -- --log-level "${SERVING_LOG:-debug}"
       clocks_stop
+      ;;
+    optins)
+      # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the
+      # decode attention sweep and the prefill bench with their rows, and the batched decode
+      # with and without double buffering (~9 min on a fresh machine).
+      GPU_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_prefill_tc_gpu.py" \
+        GPU_TEST_K="dbuf or prefetch" GPU_TEST_PROCS=${GPU_TEST_PROCS:-12} \
+        SWEEP=${SWEEP:-256x1056,64x1056} \
+        DECODE_VARIANTS=${DECODE_VARIANTS:-"base dbuf:VOLTSERVE_DECODE_DOUBLE_BUFFER=1"} \
+        bash "$0" "$FINAL" tests attention-sweep prefill decode-batched
       ;;
     *)
       echo "unknown stage $stage" >&2

@@ -102,7 +102,7 @@ def test_decode_short_single_partition(head_dim, group, core):
     check(out, ref)
 
 
-@pytest.mark.parametrize("double_buffer", [False, True])
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "dbuf"])
 @pytest.mark.parametrize("partition_size", [None, 64, 256, 1024, 2048, 4096])
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7)])
 def test_decode_large_batch_and_bound(head_dim, group, partition_size, double_buffer):

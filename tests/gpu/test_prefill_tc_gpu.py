@@ -113,7 +113,7 @@ def test_wmma_tile(k, b_col):
     assert err <= 1e-4, f"k={k} b_col={b_col}: max error {err:.3e}\nout:\n{d}\nref:\n{ref}"
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_tc_whole_prompts(head_dim, group, prefetch):
@@ -132,7 +132,7 @@ def test_prefill_tc_whole_prompts(head_dim, group, prefetch):
         check(out, ref, PROMPTS, qsl.tolist(), f"d={head_dim} g={group} max_q={max_q}")
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_tc_chunked(head_dim, group, prefetch):
@@ -152,7 +152,7 @@ def test_prefill_tc_chunked(head_dim, group, prefetch):
     check(out, ref, seq_lens, qsl.tolist(), f"chunked d={head_dim} g={group}")
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 def test_prefill_tc_llama8b_shape_and_odd_group(prefetch):
     """32 heads / 8 KV heads at 1000 tokens, and a group of 7 (rows not a multiple of 16)."""
     from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
