@@ -21,8 +21,8 @@ loads its chunks of tile t+1 into registers (`fetch_kv`) right after storing til
 (`store_kv`), so the global-memory latency of the next tile, which otherwise opens every
 iteration (a block-table read, then the K/V reads, then a barrier), overlaps this tile's
 scores, softmax and PV. The kernel is latency-bound at serving shapes (~46 TFLOP/s at 8 x 1024
-tokens on an H200 at f74fabb, 2 blocks per SM at ~170 registers). Row-wise scaling of accumulator fragments, whose layout is opaque, uses a "row map" tile
-(see wmma_ptx.cu).
+tokens on an H200 at f74fabb, 2 blocks per SM at ~170 registers). Row-wise scaling of
+accumulator fragments, whose layout is opaque, uses a "row map" tile (see wmma_ptx.cu).
 
 Shared memory (head_dim 128): Q 17 KB + K/P 8.5 KB + V 8.5 KB + S 9 KB + 1.3 KB, under the
 48 KB static limit. numba passes shared and local arrays to the C++ functions as pointers via
