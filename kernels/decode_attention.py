@@ -272,12 +272,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     prefetch = one_batch and not dbuf
     if prefetch:
         emit(1, "ip = min(warp, n_blk - 1)")
-        emit(1, f"vbase = (int64(tbl[ip]) * num_kv_heads + kvh) * {ROW} + lane_off")
-        for ps in range(BATCH):
-            emit(
-                1,
-                f"vp{ps}_0, vp{ps}_1, vp{ps}_2, vp{ps}_3 = ld_u32x4(v_cache, vbase + {ps * TPP * D})",
-            )
+        _emit_block_loads(emit, 1, "vp", "v_cache", "ip", ROW, BATCH, TPP, D)
 
     def scores(indent: int, bt: int) -> None:
         """logits of load batch bt of block i (its words in r*) for this lane's tokens."""
