@@ -16,7 +16,7 @@ from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.gateway.state import GatewayState
 from voltserve.services.renderer.render import Renderer
-from voltserve.shared import streams
+from voltserve.shared import startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_state(args: argparse.Namespace) -> GatewayState:
-    renderer = Renderer(args.model, args.max_model_len)
+    # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
+    with startup.fatal_errors("gateway", also=(OSError,)):
+        renderer = Renderer(args.model, args.max_model_len)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
     redis = streams.connect(args.redis_url)
