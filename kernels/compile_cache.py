@@ -667,9 +667,9 @@ class CompileReport:
     launches: int = 0  # launches traced
     kernels: int = 0  # distinct (kernel, argument types) among them
     already: int = 0  # in memory before
-    loaded: int = 0  # from the disk cache
+    loaded: int = 0  # found in the disk cache (compiled by an earlier run or another process)
     compiled: int = 0  # compiled in this process
-    in_workers: int = 0  # compiled by worker processes
+    in_workers: int = 0  # compiled by this call's worker processes (then loaded from the cache)
     workers: int = 0
     worker_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -697,11 +697,13 @@ def precompile(
     launches: Iterable[tuple[Any, tuple]],
     jobs: int | None = None,
     progress: Callable[[Iterable[Any], int], Iterable[Any]] | None = None,
+    bind: bool = True,
 ) -> CompileReport:
     """Make every traced (dispatcher, argument types) ready to launch: loaded from the disk
     cache, or compiled (by up to `jobs` worker processes when several cacheable kernels are
     missing, else here), and bound to the current device (module loaded), so later launches
-    and graph captures compile and load nothing."""
+    and graph captures compile and load nothing. bind=False: no device (tests under
+    compile_for_cc)."""
     t0 = time.perf_counter()
     launches = list(launches)
     report = CompileReport(launches=len(launches))
@@ -729,9 +731,12 @@ def precompile(
             logger.warning("kernel compile worker failed (compiling here instead): %s", err)
     before = stats.hits
     for d, a in pending:
-        d.compile(a).bind()
-    report.loaded = stats.hits - before
-    report.compiled = len(pending) - report.loaded
+        kernel = d.compile(a)
+        if bind:
+            kernel.bind()
+    hits = stats.hits - before  # includes the kernels the workers just compiled
+    report.loaded = hits - report.in_workers
+    report.compiled = len(pending) - hits
     report.seconds = time.perf_counter() - t0
     return report
 

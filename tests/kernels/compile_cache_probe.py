@@ -5,12 +5,13 @@ per kernel: its status ("compiled" or "hit"), entry path, and the SHA-256 of the
 of the cubin loaded.
 
     python tests/kernels/compile_cache_probe.py MODULE_FILE CC [NAME ...]
+    python tests/kernels/compile_cache_probe.py --precompile MODULE_FILE CC
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -22,18 +23,30 @@ from voltserve.kernels import compile_cache  # noqa: E402
 
 
 def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("vs_cache_probe_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # the cache keys a kernel on its module's file
-    spec.loader.exec_module(mod)
-    return mod
+    """Import the file by its name from its folder (compile workers import it the same way:
+    a spawned process inherits sys.path)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    return importlib.import_module(name.removesuffix(".py"))
 
 
 def sha(obj) -> str:
     return hashlib.sha256(bytes(obj.code)).hexdigest()
 
 
+def precompile(path: str, cc: tuple) -> None:
+    """precompile() of every PROBE kernel with two workers; prints its report."""
+    with compile_cache.compile_for_cc(cc):
+        mod = load_module(path)
+        launches = [(d, tuple(sigutils.normalize_signature(sig)[0])) for _, d, sig in mod.PROBE]
+        report = compile_cache.precompile(launches + launches[:1], jobs=2, bind=False)
+    print(json.dumps({"report": report.__dict__}), flush=True)
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "--precompile":
+        precompile(argv[1], tuple(int(x) for x in argv[2].split(".")))
+        return
     path, cc_text, *names = argv
     cc = tuple(int(x) for x in cc_text.split("."))
     with compile_cache.compile_for_cc(cc) as cc3:

@@ -206,6 +206,31 @@ def test_two_processes_fill_one_cache_at_once(tmp_path):
     assert {r["status"] for r in third.values()} == {"hit"} and stats["saved"] == 0
 
 
+@needs_cc70_toolchain
+def test_precompile_in_worker_processes_fills_the_cache_the_parent_reads(tmp_path):
+    # The workers must compute the parent's keys: the parent then loads all, compiles none.
+    cache = tmp_path / "cache"
+    mod = write_kernels(tmp_path / "kernels_e.py")
+
+    def report() -> dict:
+        proc = subprocess.run(
+            [sys.executable, str(PROBE), "--precompile", str(mod), "7.0"],
+            capture_output=True,
+            text=True,
+            env=probe_env(cache),
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])["report"]
+
+    cold = report()
+    assert cold["launches"] == 4 and cold["kernels"] == 3, cold
+    assert cold["workers"] == 2 and cold["worker_errors"] == [], cold
+    assert cold["in_workers"] == 3 and cold["compiled"] == 0 and cold["loaded"] == 0, cold
+    warm = report()
+    assert warm["workers"] == 0 and warm["loaded"] == 3 and warm["compiled"] == 0, warm
+
+
 def test_entry_framing_detects_truncation_and_corruption(tmp_path):
     body = bytes(range(256)) * 40
     data = encode_entry(body)
