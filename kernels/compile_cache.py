@@ -724,9 +724,12 @@ def precompile(
         ]
     if len(pool_jobs) >= 2:
         report.workers = min(jobs, len(pool_jobs))
-        report.in_workers, report.worker_errors = _compile_in_workers(
-            pool_jobs, report.workers, progress
-        )
+        try:
+            report.in_workers, report.worker_errors = _compile_in_workers(
+                pool_jobs, report.workers, progress
+            )
+        except Exception as e:  # noqa: BLE001 - no pool (spawn failed, a worker died): serial
+            report.worker_errors.append(f"worker pool: {type(e).__name__}: {e}")
         for err in report.worker_errors:
             logger.warning("kernel compile worker failed (compiling here instead): %s", err)
     before = stats.hits

@@ -117,3 +117,21 @@ def test_a_warm_start_loads_every_kernel_and_capture_compiles_nothing(tmp_path):
     assert rep["loaded"] == rep["kernels"] - rep["already"], rep
     assert warm["compiled_in_capture"] == [], warm
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_warmup_fills_the_cache_that_an_engine_with_the_same_flags_loads(tmp_path):
+    cache = tmp_path / "cache"
+    model = str(checkpoint("llama"))
+    env = dict(os.environ)
+    env["VOLTSERVE_CACHE_DIR"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    # ENGINE_SCRIPT's engine: fp16, max_model_len 256, decode graphs for 1..16 sequences.
+    cmd = [sys.executable, "-m", "voltserve.cli", "warmup", "--model", model, "--device", "cuda"]
+    cmd += ["--dtype", "float16", "--max-model-len", "256", "--max-num-seqs", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "voltserve warmup:" in proc.stdout and "kernels for" in proc.stdout, proc.stdout
+    assert "start-up: compiling kernels took" in proc.stderr, proc.stderr
+    warm = run(ENGINE_SCRIPT, cache, model)
+    rep = warm["report"]
+    assert rep["compiled"] == 0 and rep["in_workers"] == 0 and rep["loaded"] > 5, rep
