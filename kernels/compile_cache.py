@@ -317,7 +317,12 @@ class KernelCache:
         opts.pop("extensions", None)  # non-empty extensions are not cacheable (see _cacheable)
         files = {}
         for p in (*link, *self.recipe.depends):
-            files[str(p)] = _file_digest(Path(p))
+            if isinstance(p, str | os.PathLike):
+                files[str(p)] = _file_digest(Path(p))
+            else:  # numba LinkableCode: code held in memory
+                data = getattr(p, "data", None)
+                data = data.encode() if isinstance(data, str) else data
+                files[repr(getattr(p, "name", p))] = hashlib.sha256(data or b"").hexdigest()
         own = _module_file(self.recipe.module)
         if own is not None and _KERNELS_DIR not in own.parents:
             files[str(own)] = _file_digest(own)
