@@ -103,7 +103,9 @@ for stage in $STAGES; do
       # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
       # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or prefetch").
-      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
+      # two each, as pytest-xdist already runs several.
+      run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
