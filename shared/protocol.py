@@ -1,7 +1,7 @@
 """Wire messages between the services, defined once. Each is a plain dataclass; on the wire it is
 a msgpack map of its fields plus "t", the message type. Token ids travel as lists of ints.
 
-Streams (see DESIGN.md):
+Streams (see docs/architecture.md):
   vs:render          RenderRequest                     gateway  -> renderer (group)
   vs:sched           EngineRequest | AbortRequest      renderer/gateway -> scheduler (group)
   vs:exec:{id}       EngineRequest | AbortRequest      scheduler -> executor (group)
