@@ -298,7 +298,9 @@ class ChatOutput:
                 if not d["tool_calls"]:
                     del d["tool_calls"]
             out.update(d)
-            self.num_tool_calls = min(self.tools.num_calls, 1 if not self.plan.parallel else 1 << 30)
+            self.num_tool_calls = min(
+                self.tools.num_calls, 1 if not self.plan.parallel else 1 << 30
+            )
         elif mode == "named":
             self.text += content
             args = self.text.strip()

@@ -87,8 +87,10 @@ def render(fmt: str, rng: random.Random, before: str, calls, after: str) -> str:
         return tag + "; ".join(_dumps(rng, {"name": n, key: a}) for n, a in calls)
     if fmt == "mistral":
         if rng.random() < 0.5:
-            return before + "[TOOL_CALLS]" + _dumps(
-                rng, [{"name": n, "arguments": a} for n, a in calls]
+            return (
+                before
+                + "[TOOL_CALLS]"
+                + _dumps(rng, [{"name": n, "arguments": a} for n, a in calls])
             )
         return before + "".join(f"[TOOL_CALLS]{n}[ARGS]{_dumps(rng, a)}" for n, a in calls)
     if fmt == "qwen3_coder":

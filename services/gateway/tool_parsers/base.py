@@ -131,14 +131,15 @@ class ToolStreamer:
             if self.ids:
                 return {}
             content = self.text.strip()
-            if content.startswith(content[: self.sent_content]) and len(content) > self.sent_content:
+            if (
+                content.startswith(content[: self.sent_content])
+                and len(content) > self.sent_content
+            ):
                 return {"content": content[self.sent_content :]}
             return {}
         out: dict[str, Any] = {}
         content = visible_content(s)
-        if len(content) > self.sent_content and content.startswith(
-            content[: self.sent_content]
-        ):
+        if len(content) > self.sent_content and content.startswith(content[: self.sent_content]):
             out["content"] = content[self.sent_content :]
             self.sent_content = len(content)
         calls = []

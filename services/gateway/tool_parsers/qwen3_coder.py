@@ -76,7 +76,9 @@ class Qwen3CoderToolParser(ToolParser):
             if not ends:
                 break
             v = min(ends)
-            parts.append(f"{json.dumps(pname)}: {json.dumps(self._convert(c.name, pname, body[q + 1 : v]), ensure_ascii=False)}")
+            parts.append(
+                f"{json.dumps(pname)}: {json.dumps(self._convert(c.name, pname, body[q + 1 : v]), ensure_ascii=False)}"
+            )
             j = v + len(PARAM_END) if body.startswith(PARAM_END, v) else v
         c.arguments = "{" + ", ".join(parts)
         done = body.find(FUNC_END, j) >= 0 or (closed and not body[j:].strip())
