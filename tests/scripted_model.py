@@ -84,7 +84,7 @@ def scripted_checkpoint(root: str) -> Path:
         tokenizer=tok,
         tie_word_embeddings=False,
         num_hidden_layers=1,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
     )
     ids = {p: tok.convert_tokens_to_ids(p) for p in pieces}
     newline = tok.encode("\n", add_special_tokens=False)
@@ -99,7 +99,11 @@ def scripted_checkpoint(root: str) -> Path:
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        for norm in [model.model.norm] + [m for la in model.model.layers for m in (la.input_layernorm, la.post_attention_layernorm)]:
+        for norm in [model.model.norm] + [
+            m
+            for la in model.model.layers
+            for m in (la.input_layernorm, la.post_attention_layernorm)
+        ]:
             norm.weight.fill_(1.0)
         emb = model.model.embed_tokens.weight
         emb[:, : len(sources)] = 0.0  # other tokens read nothing of the table
