@@ -187,12 +187,24 @@ def plan_chat(body: dict[str, Any], spec: GenerationSpec, tooling: ChatTooling) 
         plan.reasoning is not None
         and getattr(spec.params, "structured", None) is not None
         and HAS_STRUCTURED_AFTER
-        and (spec.chat_template_kwargs or {}).get("enable_thinking") is not False
+        and _will_reason(plan.reasoning, spec)
     ):
-        # The constraint starts once the reasoning is over (with thinking off, the template
-        # closes the reasoning in the prompt and the constraint holds from the first token).
+        # The constraint starts once the reasoning is over.
         spec.params.structured_after = list(tooling.end_think_ids)
     return plan
+
+
+def _will_reason(parser: ReasoningParser, spec: GenerationSpec) -> bool:
+    """Whether the output surely holds a </think> before the answer. The engine keeps the
+    constraint off until that marker, so a guess of True for an output that never reasons
+    would leave it unconstrained; a guess of False only constrains the reasoning too.
+    deepseek_r1: the output starts inside the reasoning unless thinking was turned off.
+    qwen3: reasoning is optional (the model may answer without <think>): only when the
+    request turns thinking on explicitly."""
+    thinking = (spec.chat_template_kwargs or {}).get("enable_thinking")
+    if parser.starts_inside:
+        return thinking is not False
+    return thinking is True
 
 
 def _constrain(spec: GenerationSpec, schema: dict[str, Any], what: str) -> None:

@@ -276,46 +276,60 @@ def _validate(call_name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), schema)
 
 
+def _calls(cl, stream: bool, **kw) -> list[tuple[str | None, list[list[str]], str | None]]:
+    """Per choice: (reasoning, [[name, arguments]], finish reason), streamed or not."""
+    if not stream:
+        r = cl.chat.completions.create(**kw)
+        return [
+            (
+                ch.message.model_extra.get("reasoning_content"),
+                [[c.function.name, c.function.arguments] for c in ch.message.tool_calls or []],
+                ch.finish_reason,
+            )
+            for ch in r.choices
+        ]
+    per: dict[int, list] = {}
+    for chunk in cl.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            got = per.setdefault(ch.index, [None, [], None])
+            r = (ch.delta.model_extra or {}).get("reasoning_content")
+            if r:
+                got[0] = (got[0] or "") + r
+            for tc in ch.delta.tool_calls or []:
+                if tc.index == len(got[1]):
+                    got[1].append([tc.function.name, ""])
+                got[1][tc.index][1] += tc.function.arguments or ""
+            if ch.finish_reason is not None:
+                got[2] = ch.finish_reason
+    return [tuple(per[i]) for i in sorted(per)]
+
+
 @needs_structured
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_always_call(client, plain_client, stream: bool) -> None:
-    choices = [
-        ("required", None),
-        ({"type": "function", "function": {"name": "get_time"}}, "get_time"),
-    ]
-    for c, (choice, name) in enumerate(choices):
+def test_required_and_named_always_call(stack, client, plain_client, stream: bool) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    base = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], n=2, max_tokens=200)
+    cases = []
+    for c, (choice, name) in enumerate([("required", None), (named, "get_time")]):
         for cl in (client, plain_client):  # no parser flags needed for these
-            kw = dict(
-                model="tiny",
-                messages=ASK,
-                tools=[WEATHER, TIME],
-                tool_choice=choice,
-                n=2,
-                temperature=1.0,
-                seed=17 + c,
-                max_tokens=200,
-            )
-            if not stream:
-                r = cl.chat.completions.create(**kw)
-                assert len(r.choices) == 2
-                for ch in r.choices:
-                    calls = ch.message.tool_calls
-                    assert calls, ch
-                    for call in calls:
-                        assert name is None or call.function.name == name
-                        _validate(call.function.name, call.function.arguments)
-                    assert ch.finish_reason == ("tool_calls" if name is None else "stop")
-            else:
-                per: dict[int, list] = {}
-                for chunk in cl.chat.completions.create(stream=True, **kw):
-                    for ch in chunk.choices:
-                        for tc in ch.delta.tool_calls or []:
-                            calls = per.setdefault(ch.index, [])
-                            if tc.index == len(calls):
-                                calls.append([tc.function.name, ""])
-                            calls[tc.index][1] += tc.function.arguments or ""
-                assert sorted(per) == [0, 1]
-                for calls in per.values():
-                    for call_name, args in calls:
-                        assert name is None or call_name == name
-                        _validate(call_name, args)
+            cases.append((cl, choice, name, dict(temperature=1.0, seed=17 + c), None))
+        # Reasoning first, then the constrained call: the constraint starts after </think>.
+        think = dict(
+            temperature=1.0,
+            seed=5 + c,
+            logit_bias=bias(stack, "<think>"),
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+        cases.append((client, choice, name, think, "\nThe user greets me.\n"))
+    for cl, choice, name, kw, reasoning in cases:
+        got = _calls(cl, stream, tool_choice=choice, **base, **kw)
+        assert len(got) == 2
+        for r, calls, finish in got:
+            where = (choice, kw, r, calls, finish)
+            assert calls, where
+            for call_name, args in calls:
+                assert name is None or call_name == name, where
+                _validate(call_name, args)
+            assert finish == ("tool_calls" if name is None else "stop"), where
+            if reasoning is not None:
+                assert r == reasoning, where
