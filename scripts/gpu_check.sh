@@ -7,8 +7,9 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `startup`: serve to ready, cold/warm kernel cache and cache off, for
-# the 8B and 0.5B shapes; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
+# `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
+# `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -106,6 +107,11 @@ for stage in $STAGES; do
       # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
       # two each, as pytest-xdist already runs several.
       run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      ;;
+    prompt-logprobs)
+      # Prompt logprobs computed in prefill on the GPU (fp32 and fp16, chunked, prefix-cache
+      # hit) against transformers; part of `tests` too, alone here for a quick check.
+      run prompt_logprobs $PY -m pytest -q --timeout 600 tests/gpu/test_prompt_logprobs_gpu.py -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
