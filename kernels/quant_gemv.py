@@ -20,7 +20,7 @@ row. int4 with group 16 (GGUF K-quant sub-blocks) is the SPLIT variant: words 0-
 chunk take consecutive groups. Per-channel weights (g = K) have group_shift 30: every k maps to
 group 0.
 
-The gate_up variant (kind GATE_UP) owns gate row j and up row I + j in one warp and writes
+The gate_up variant (kind GATE_UP) owns gate rows j.. and up rows I + j.. in one warp and writes
 silu_and_mul's h[m, j], rounded as the unfused path rounds (the product to the storage dtype,
 silu, then the product), like gemv.py's.
 
@@ -60,18 +60,17 @@ def variant_for(m: int) -> int:
 
 
 def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
-    """(R rows per warp, U chunks per lane per step). R * U 16-byte loads are in flight per lane
-    (4 for int4: 32 codes a chunk make a step 4x the inputs of fp16's, and the generated body,
-    R * U * 32 * M multiply-adds, must stay small enough to compile). x costs ~4 bytes of L1
-    traffic per weight byte per input row (fp16 x, half-byte codes) divided by R, so R grows
-    with M. gate_up: the pair (gate j, up I + j)."""
-    if kind == GATE_UP:
-        return (2, 2) if m <= 2 else (2, 1)
-    if m == 1:
-        return (1, 4)
-    if m == 2:
-        return (2, 2)
-    return (4, 1) if bits == 4 or m == 8 else (2, 2)
+    """(R rows per warp, U chunks per lane per step); R * U = 4 16-byte loads in flight per lane.
+
+    Why R = 4 for int4: every x element a lane reads is widened fp16 -> fp32 once per row it
+    meets, and a chunk of 32 codes needs 32 of them; conversions run at a quarter of the FP32
+    rate on Volta, so at R = 1 they, not the weight stream, would bound the kernel. Four rows
+    per warp share each converted x value (8 conversions per chunk and row) and cut x's L1
+    traffic per weight byte to M bytes. The generated body (R * U * 32 * M multiply-adds) stays
+    small enough to compile. gate_up: R = 4 is two (gate j, up I + j) pairs."""
+    if bits == 4 or m >= 4:
+        return (4, 1)
+    return (2, 2)
 
 
 @cuda.jit(device=True, inline="always")
@@ -103,14 +102,15 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
         "    G = scales.shape[1]",
     ]
     if gate_up:
+        Q = R // 2  # output columns per warp: gate rows row0 + q, up rows N + row0 + q
         L += [
             "    N = qw.shape[0] >> 1",
-            "    row0 = warp",
+            f"    row0 = warp * {Q}",
             "    if row0 >= N:",
             "        return",
-            "    rw0 = row0",
-            "    rw1 = row0 + N",
         ]
+        for q in range(Q):
+            L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
     else:
         L += [
             "    N = qw.shape[0]",
@@ -154,21 +154,24 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
             n_x = WORDS_PER_CHUNK * P // 8
             for t in range(n_x):
                 col = f"(c{j} + {t * 8 // P}) * {P}"
-                for m in range(M):
-                    xm = f"xm{m}" if m else "0"
-                    if guarded:
-                        out.append(f"{ind}xv{m} = _ldx_guard(x, {xm}, {col}, K)")
-                    else:
-                        out.append(f"{ind}xv{m} = ld8(x, ({xm}, {col}))")
+                # The R x 8 weights these inputs meet, dequantised once; then each input row
+                # (one x load) against all of them: few values live at once for any M.
                 for e in range(8):
                     word = t * 8 // P + e // P  # word of the chunk holding input e
                     p = code_bit(e % P, bits)
                     sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
                     for r in range(R):
                         f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
-                        out.append(f"{ind}wv = {f} * {sc}{r} + {of}{r}")
-                        for m in range(M):
-                            out.append(f"{ind}a{m}_{r} += xv{m}[{e}] * wv")
+                        out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+                for m in range(M):
+                    xm = f"xm{m}" if m else "0"
+                    if guarded:
+                        out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                    else:
+                        out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                    for e in range(8):
+                        for r in range(R):
+                            out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
         return out
 
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
@@ -176,21 +179,26 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     L += body("        ")
     L.append(f"        w0 += {step}")
     if gate_up:
+        # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
         L += ["    a = float32(0.0)", "    b = float32(0.0)"]
         for m in range(M):
-            L += [
-                f"    ta = _warp_sum(a{m}_0)",
-                f"    tb = _warp_sum(a{m}_1)",
-                f"    if lane == {m}:",
-                "        a = ta",
-                "        b = tb",
-            ]
+            for q in range(Q):
+                L += [
+                    f"    ta = _warp_sum(a{m}_{2 * q})",
+                    f"    tb = _warp_sum(a{m}_{2 * q + 1})",
+                    f"    if lane == {m * Q + q}:",
+                    "        a = ta",
+                    "        b = tb",
+                ]
         L += [
-            f"    if lane < {M} and lane < Mx:",
-            "        if has_bias:",
-            "            a += float32(bias[rw0])",
-            "            b += float32(bias[rw1])",
-            "        out[lane, row0] = _silu_mul(round_like(a, out), round_like(b, out), out)",
+            f"    if lane < {M * Q}:",
+            f"        col = row0 + lane % {Q}",
+            f"        if col < N and lane // {Q} < Mx:",
+            "            if has_bias:",
+            "                a += float32(bias[col])",
+            "                b += float32(bias[col + N])",
+            "            # As the linear stores gate and up, then as silu_and_mul rounds h.",
+            f"            out[lane // {Q}, col] = _silu_mul(round_like(a, out), round_like(b, out), out)",
         ]
         return "\n".join(L) + "\n"
     L.append("    mine = float32(0.0)")
@@ -232,11 +240,11 @@ _KERNELS: dict[tuple, object] = {}
 
 def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
-    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs R = 2)."""
+    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R)."""
     v = variant_for(m)
     R, U = tile if tile is not None else tile_for(v, bits, kind)
-    if kind == GATE_UP and R != 2:
-        raise ValueError("the gate_up kernel pairs rows: R must be 2")
+    if kind == GATE_UP and R % 2:
+        raise ValueError("the gate_up kernel pairs rows: R must be even")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
     key = (v, R, U, bits, split, kind)
@@ -254,7 +262,7 @@ def is_split(w: GroupQuantWeight) -> bool:
 def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
     """Blocks for n weight rows (plain) or n row pairs (gate_up)."""
     R, _ = tile if tile is not None else tile_for(variant_for(m), bits, kind)
-    rows_per_block = WARPS * (R if kind == PLAIN else 1)
+    rows_per_block = WARPS * (R if kind == PLAIN else R // 2)
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -295,6 +303,14 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
         and w.offsets.is_contiguous()
         and _aligned(w.qweight, 4)
     )
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x, or a fresh contiguous copy when its rows are not 16-byte aligned (a view at an odd
+    offset or stride): a few KB at decode, cheaper than any fallback."""
+    if x.is_cuda and x.dim() == 2 and (x.stride(-1) != 1 or not _aligned(x, 8)):
+        return x.contiguous() if not x.is_contiguous() else x.clone()
+    return x
 
 
 def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
@@ -339,6 +355,7 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
 def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> torch.Tensor:
     """quant_linear_ref's meaning for x of 1..8 rows (already permuted by the caller); what
     `supports` rejects goes to the reference. No host sync: graph-capturable."""
+    x = _aligned_rows(x)
     if not supports(x, w):
         from voltserve.kernels.quant_pack import dequantize
 
@@ -350,6 +367,7 @@ def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> t
 def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None):
     """silu_and_mul(x @ dequantize(w)^T (+ bias)) for a merged gate_up weight [2I, K] and x of
     1..8 rows (already permuted); one launch."""
+    x = _aligned_rows(x)
     if w.out_features % 2 or not supports(x, w):
         from voltserve.kernels.activation import silu_and_mul_ref
         from voltserve.kernels.quant_pack import dequantize

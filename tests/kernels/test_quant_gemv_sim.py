@@ -34,7 +34,7 @@ def run(x, w, bias, kind=quant_gemv.PLAIN):
     cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
     out = torch.full((M, cols), float("nan"), dtype=x.dtype)
     R, _ = quant_gemv.tile_for(quant_gemv.variant_for(M), w.bits, kind)
-    warps = cols if kind == quant_gemv.GATE_UP else -(-cols // R)
+    warps = -(-cols // (R // 2)) if kind == quant_gemv.GATE_UP else -(-cols // R)
     b = bias if bias is not None else w.scales[:, 0].contiguous()
     # One warp per block: the simulator's shuffle is exact only within a one-warp block.
     launch(
@@ -114,7 +114,9 @@ def test_host_side_rules():
     assert quant_gemv.qgemv_kernel(3, 4) is quant_gemv.qgemv_kernel(4, 4)
     with pytest.raises(ValueError, match="M = 1..8"):
         quant_gemv.qgemv_kernel(9, 4)
-    with pytest.raises(ValueError, match="R must be 2"):
-        quant_gemv.qgemv_kernel(1, 4, kind=quant_gemv.GATE_UP, tile=(4, 2))
+    with pytest.raises(ValueError, match="R must be even"):
+        quant_gemv.qgemv_kernel(1, 4, kind=quant_gemv.GATE_UP, tile=(3, 1))
     src = quant_gemv._source(1, 2, 4, 4, False, quant_gemv.PLAIN)
     assert "_ldw_guard(qw, rw1, c3, W)" in src and "bits_f32(" in src
+    src = quant_gemv._source(2, 4, 1, 4, False, quant_gemv.GATE_UP)
+    assert "rw3 = rw2 + N" in src and "_silu_mul(" in src and "bits_f32(" in src
