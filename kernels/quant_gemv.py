@@ -42,6 +42,7 @@ from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import ZERO_W4, bits_f32, code_bit, code_f_expr, fold, ld_w4
 from voltserve.kernels.quant_pack import GroupQuantWeight
+from voltserve.kernels.rotary import _rot1
 from voltserve.kernels.vec_io import ZERO8, ld8
 
 MAX_M = 8
@@ -50,7 +51,7 @@ THREADS = 32 * WARPS
 WORDS_PER_CHUNK = 4  # 16 bytes
 WARP_WORDS = 32 * WORDS_PER_CHUNK  # code words a warp reads per chunk (128)
 VARIANTS = (1, 2, 4, 8)
-PLAIN, GATE_UP = "plain", "gate_up"
+PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"
 
 
 def variant_for(m: int) -> int:
@@ -72,6 +73,8 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
     (~8 per SM): int4 at M <= 2 keeps two chunks per row in flight (U = 2, 128 bytes a lane) so
     that enough of the stream is in flight. gate_up: R = 4 is two (gate j, up I + j) pairs, and
     its 14336 columns make warps plentiful."""
+    if kind == QKV_ROPE:
+        return (2, 2)  # the rotary pair (dims j and j + D/2 of one head)
     if m == 8:
         return (2, 2)  # R = 4 at M = 8 needs more than 255 registers (spills)
     if bits == 4:
@@ -95,12 +98,15 @@ def _ldx_guard(x, row, col, K):
 
 def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     """One kernel, written out statement by statement (see gemv._source for why)."""
-    gate_up = kind == GATE_UP
+    gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     P = 32 // bits  # codes per word
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     step = U * WARP_WORDS  # words per step
+    args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
+    if rope:
+        args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
     L = [
-        "def kernel(x, qw, scales, offsets, bias, out, has_bias, gshift):",
+        f"def kernel({args}):",
         "    lane = cuda.threadIdx.x & 31",
         "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
         "    K = x.shape[1]",
@@ -117,6 +123,17 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
         ]
         for q in range(Q):
             L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
+    elif rope:
+        L += [
+            "    D = k_cache.shape[3]",
+            "    half = D >> 1",
+            "    if warp >= qw.shape[0] >> 1:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+            "    head = warp // half",
+            "    j = warp - head * half",
+            "    rw0 = head * D + j",
+            "    rw1 = rw0 + half",
+        ]
     else:
         L += [
             "    N = qw.shape[0]",
@@ -207,6 +224,45 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
             f"            out[lane // {Q}, col] = _silu_mul(round_like(a, out), round_like(b, out), out)",
         ]
         return "\n".join(L) + "\n"
+    if rope:
+        # Lane m keeps input m's pair, rounded as the linear stores q/k/v, then rotated as
+        # rotary.py rotates and written to out and (k, v) to the cache (gemv_qkv_rope.py).
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            L += [
+                f"    ta = _warp_sum(a{m}_0)",
+                f"    tb = _warp_sum(a{m}_1)",
+                f"    if lane == {m}:",
+                "        a = ta",
+                "        b = tb",
+            ]
+        L += [
+            f"    if lane < {M} and lane < Mx:",
+            "        if has_bias:",
+            "            a += float32(bias[rw0])",
+            "            b += float32(bias[rw1])",
+            "        a = round_like(a, out)",
+            "        b = round_like(b, out)",
+            "        if head < n_q + n_kv:",
+            "            pos = positions[lane]",
+            "            c = round_like(cos_sin[pos, j], out)",
+            "            s = round_like(cos_sin[pos, half + j], out)",
+            "            a, b = _rot1(a, b, c, s, out)",
+            "        out[lane, rw0] = a",
+            "        out[lane, rw1] = b",
+            "        slot = slots[lane]",
+            "        if head >= n_q and slot >= 0:",
+            "            bs = k_cache.shape[2]",
+            "            blk = slot // bs",
+            "            off = slot - blk * bs",
+            "            if head < n_q + n_kv:",
+            "                k_cache[blk, head - n_q, off, j] = a",
+            "                k_cache[blk, head - n_q, off, j + half] = b",
+            "            else:",
+            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
+            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
+        ]
+        return "\n".join(L) + "\n"
     L.append("    mine = float32(0.0)")
     for i, a in enumerate(acc):
         L += [f"    t = _warp_sum({a})", f"    if lane == {i}:", "        mine = t"]
@@ -235,6 +291,7 @@ def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
+        "_rot1": _rot1,
     }
     name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split}>"
     exec(compile(_source(M, R, U, bits, split, kind), name, "exec"), scope)  # noqa: S102
@@ -251,6 +308,8 @@ def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile
     R, U = tile if tile is not None else tile_for(v, bits, kind)
     if kind == GATE_UP and R % 2:
         raise ValueError("the gate_up kernel pairs rows: R must be even")
+    if kind == QKV_ROPE and R != 2:
+        raise ValueError("the qkv_rope kernel owns one rotary pair per warp: R must be 2")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
     key = (v, R, U, bits, split, kind)
@@ -266,9 +325,9 @@ def is_split(w: GroupQuantWeight) -> bool:
 
 
 def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
-    """Blocks for n weight rows (plain) or n row pairs (gate_up)."""
+    """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs."""
     R, _ = tile if tile is not None else tile_for(variant_for(m), bits, kind)
-    rows_per_block = WARPS * (R if kind == PLAIN else R // 2)
+    rows_per_block = WARPS * (R if kind == PLAIN else R // 2 if kind == GATE_UP else 1)
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -279,6 +338,7 @@ qgemv_int4_split_m1 = qgemv_kernel(1, 4, split=True)
 qgemv_int8_m1 = qgemv_kernel(1, 8)
 qgemv_gate_up_int4_m1 = qgemv_kernel(1, 4, kind=GATE_UP)
 qgemv_gate_up_int4_m8 = qgemv_kernel(8, 4, kind=GATE_UP)
+qgemv_qkv_rope_int4_m1 = qgemv_kernel(1, 4, kind=QKV_ROPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +386,9 @@ def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
     )
 
 
-def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None):
-    """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2])."""
+def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=()):
+    """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
+    extra: qkv_rope's arguments after group_shift, already converted."""
     M, rows = x.shape[0], w.out_features
     if out is None:
         cols = rows // 2 if kind == GATE_UP else rows
@@ -347,6 +408,7 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
             dev(out),
             has_bias,
             w.group_shift,
+            *extra,
         ),
         current_stream(),
     )
@@ -378,7 +440,105 @@ def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=No
     return launch_qgemv(x, w, bias, out, GATE_UP, tile)
 
 
+def quant_qkv_rope_ref(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """gemv_qkv_rope_ref's meaning with a quantized qkv weight: quant_linear_ref, then NeoX
+    rotary on q and k and the KV-cache write (rotary_cache.rotary_and_cache_ref); x already
+    permuted. Returns qkv [M, N]."""
+    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.rotary_cache import rotary_and_cache_ref
+
+    y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+    out = y if out is None else out.copy_(y)
+    D = k_cache.shape[3]
+    q, k, v = out.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    rotary_and_cache_ref(positions, q, k, v, D, cos_sin_cache, True, k_cache, v_cache, slot_mapping)
+    return out
+
+
+def supports_qkv_rope(
+    x,
+    w: GroupQuantWeight,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+) -> bool:
+    """When the fused kernel computes this step (the checks of gemv_qkv_rope.supports_qkv_rope
+    with a quantized weight)."""
+    M = x.shape[0] if x.dim() == 2 else 0
+    return (
+        supports(x, w)
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[1] == n_kv
+        and k_cache.shape[3] % 2 == 0
+        and w.out_features == (n_q + 2 * n_kv) * k_cache.shape[3]
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[1] == k_cache.shape[3]
+        and cos_sin_cache.dtype == torch.float32
+        and k_cache.dtype == x.dtype
+        and v_cache.dtype == x.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and positions.dtype == torch.int64
+        and slot_mapping.dtype == torch.int64
+        and positions.dim() == 1
+        and slot_mapping.dim() == 1
+        and positions.shape[0] >= M
+        and slot_mapping.shape[0] >= M
+    )
+
+
+def quant_qkv_rope_cuda(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """quant_qkv_rope_ref's meaning in one launch (x of 1..8 rows, already permuted); what
+    `supports_qkv_rope` rejects runs the reference. No host sync."""
+    x = _aligned_rows(x)
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+    if not supports_qkv_rope(x, w, *args):
+        return quant_qkv_rope_ref(x, w, bias, *args, out=out)
+    extra = (
+        dev(positions),
+        dev(cos_sin_cache),
+        dev(k_cache),
+        dev(v_cache),
+        dev(slot_mapping),
+        int(n_q),
+        int(n_kv),
+    )
+    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra)
+
+
 __all__ = [
+    "quant_qkv_rope_ref",
+    "quant_qkv_rope_cuda",
+    "supports_qkv_rope",
     "qgemv_kernel",
     "tile_for",
     "grid_for",

@@ -284,3 +284,17 @@ KERNELS += [
         ("void(float32[::1], float16[::1], float16[:, :], boolean, int64)",),
     ),
 ]
+# The quantized qkv_rope variant (qgemv_kernel(M, bits, kind=QKV_ROPE)): the quant_gemv
+# arguments, then positions [M] int64, the fp32 cos/sin cache, the K and V caches, slots [M]
+# int64, and the q and kv head counts.
+KERNELS += [
+    KernelSpec(
+        "quant_gemv",
+        "qgemv_qkv_rope_int4_m1",
+        (
+            "void(float16[:, :], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
+            " float16[:, :], boolean, int64, int64[::1], float32[:, ::1], float16[:, :, :, ::1],"
+            " float16[:, :, :, ::1], int64[::1], int64, int64)",
+        ),
+    ),
+]
