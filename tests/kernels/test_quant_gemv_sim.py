@@ -131,7 +131,7 @@ def test_qgemv_qkv_rope_matches_reference(M, bits, g, dtype):
 
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
     gen = torch.Generator().manual_seed(SEED + 11 * M)
-    n_q, n_kv, D, K, bs, blocks = 2, 1, 16, 64, 4, 3
+    n_q, n_kv, D, K, bs, blocks = 2, 1, 8, 64, 4, 3
     N = (n_q + 2 * n_kv) * D
     w = make(gen, N, K, bits, g, dtype)
     x = torch.randn(M, K, generator=gen).to(dtype)
