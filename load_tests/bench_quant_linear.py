@@ -79,7 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,2048,8192")
     ap.add_argument("--models", default="llama,qwen")
     ap.add_argument("--formats", default="int4_g128,int8_g32")
-    ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at rows <= 8")
+    ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at 1 row")
+    ap.add_argument(
+        "--no-tc",
+        action="store_true",
+        help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC=0: not at all)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
@@ -113,114 +118,127 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
-    for model in args.models.split(","):
-        for op, K, N in MODELS[model]:
-            w16 = [
-                torch.randn(N, K, generator=gen, device="cuda", dtype=torch.float16) * 0.02
-                for _ in range(copies_for(N * K * 2))
-            ]
-            qws = {
-                name: [
-                    make_weight(K, N, *FORMATS[name], gen)
-                    for _ in range(copies_for(N * K * FORMATS[name][0] // 8))
+    env = env_info("cuda")  # before any kernel runs: a fault would make it fail
+    error = None
+    try:
+        for model in args.models.split(","):
+            for op, K, N in MODELS[model]:
+                w16 = [
+                    torch.randn(N, K, generator=gen, device="cuda", dtype=torch.float16) * 0.02
+                    for _ in range(copies_for(N * K * 2))
                 ]
-                for name in args.formats.split(",")
-            }
-            for rows in rows_list:
-                x = torch.randn(rows, K, generator=gen, device="cuda", dtype=torch.float16)
-                out = torch.empty(rows, N, device="cuda", dtype=torch.float16)
-                base = dict(model=model, op=op, in_features=K, out_features=N, rows=rows)
-                fp16_floor = N * K * 2 / bw
-                t = timed(lambda w: torch.matmul(x, w.t(), out=out), w16)
-                record(**base, impl="fp16_cublas", time_us=t * 1e6, of_floor=fp16_floor / t)
-                if rows <= 8:
-                    t = timed(lambda w: ops.gemv(x, w, None, out), w16)
-                    record(**base, impl="fp16_gemv", time_us=t * 1e6, of_floor=fp16_floor / t)
-                    if op == "gate_up":
-                        t = timed(lambda w: ops.gemv_gate_up(x, w), w16)
-                        record(
-                            **base,
-                            impl="fp16_gemv_gate_up",
-                            time_us=t * 1e6,
-                            of_floor=fp16_floor / t,
-                        )
-                for name, ws in qws.items():
-                    q = ws[0]
-                    floor = q.nbytes() / bw
-                    auto = quant_path(rows, torch.float16, q)
-                    t = timed(lambda w: quant_linear(x, w, None, ops, out=out), ws)
-                    record(
-                        **base,
-                        impl=f"{name}_auto[{auto}]",
-                        time_us=t * 1e6,
-                        of_floor=floor / t,
-                        floor_us=floor * 1e6,
-                    )
+                qws = {
+                    name: [
+                        make_weight(K, N, *FORMATS[name], gen)
+                        for _ in range(copies_for(N * K * FORMATS[name][0] // 8))
+                    ]
+                    for name in args.formats.split(",")
+                }
+                for rows in rows_list:
+                    x = torch.randn(rows, K, generator=gen, device="cuda", dtype=torch.float16)
+                    out = torch.empty(rows, N, device="cuda", dtype=torch.float16)
+                    base = dict(model=model, op=op, in_features=K, out_features=N, rows=rows)
+                    fp16_floor = N * K * 2 / bw
+                    t = timed(lambda w: torch.matmul(x, w.t(), out=out), w16)
+                    record(**base, impl="fp16_cublas", time_us=t * 1e6, of_floor=fp16_floor / t)
                     if rows <= 8:
-                        if auto != "gemv":
-                            t = timed(lambda w: quant_gemv_cuda(x, w, None, out), ws)
-                            record(**base, impl=f"{name}_gemv", time_us=t * 1e6, of_floor=floor / t)
+                        t = timed(lambda w: ops.gemv(x, w, None, out), w16)
+                        record(**base, impl="fp16_gemv", time_us=t * 1e6, of_floor=fp16_floor / t)
                         if op == "gate_up":
-                            t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
+                            t = timed(lambda w: ops.gemv_gate_up(x, w), w16)
                             record(
                                 **base,
-                                impl=f"{name}_gemv_gate_up",
+                                impl="fp16_gemv_gate_up",
                                 time_us=t * 1e6,
-                                of_floor=floor / t,
+                                of_floor=fp16_floor / t,
                             )
-                        if args.tiles:
-                            for tile in (
-                                (1, 2),
-                                (1, 4),
-                                (1, 8),
-                                (2, 1),
-                                (2, 2),
-                                (2, 4),
-                                (4, 1),
-                                (4, 2),
-                            ):
-                                t = timed(
-                                    lambda w, tile=tile: quant_gemv_cuda(
-                                        x, w, None, out, tile=tile
-                                    ),
-                                    ws,
+                    for name, ws in qws.items():
+                        q = ws[0]
+                        floor = q.nbytes() / bw
+                        auto = quant_path(rows, torch.float16, q)
+                        t = timed(lambda w: quant_linear(x, w, None, ops, out=out), ws)
+                        record(
+                            **base,
+                            impl=f"{name}_auto[{auto}]",
+                            time_us=t * 1e6,
+                            of_floor=floor / t,
+                            floor_us=floor * 1e6,
+                        )
+                        if rows <= 8:
+                            if auto != "gemv":
+                                t = timed(lambda w: quant_gemv_cuda(x, w, None, out), ws)
+                                record(
+                                    **base, impl=f"{name}_gemv", time_us=t * 1e6, of_floor=floor / t
                                 )
+                            if op == "gate_up":
+                                t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
                                 record(
                                     **base,
-                                    impl=f"{name}_gemv_R{tile[0]}U{tile[1]}",
+                                    impl=f"{name}_gemv_gate_up",
                                     time_us=t * 1e6,
                                     of_floor=floor / t,
                                 )
-                    if 8 < rows <= 2048 and auto != "tc":
-                        t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
-                        record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
-                    if rows > 8 and auto != "dequant":
-                        from voltserve.kernels.quant_linear import _dequant_linear
+                            if args.tiles and rows == 1:
+                                for tile in (
+                                    (1, 2),
+                                    (1, 4),
+                                    (1, 8),
+                                    (2, 1),
+                                    (2, 2),
+                                    (2, 4),
+                                    (4, 1),
+                                    (4, 2),
+                                ):
+                                    t = timed(
+                                        lambda w, tile=tile: quant_gemv_cuda(
+                                            x, w, None, out, tile=tile
+                                        ),
+                                        ws,
+                                    )
+                                    record(
+                                        **base,
+                                        impl=f"{name}_gemv_R{tile[0]}U{tile[1]}",
+                                        time_us=t * 1e6,
+                                        of_floor=floor / t,
+                                    )
+                        if 8 < rows <= 2048 and auto != "tc" and not args.no_tc:
+                            t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
+                            record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
+                        if rows > 8 and auto != "dequant":
+                            from voltserve.kernels.quant_linear import _dequant_linear
 
-                        t = timed(lambda w: _dequant_linear(x, w, None, ops, out), ws)
-                        record(
-                            **base,
-                            impl=f"{name}_dequant_cublas",
-                            time_us=t * 1e6,
-                            of_floor=floor / t,
-                        )
-                    if rows > 8 and op == "gate_up":
-                        t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
-                        record(**base, impl=f"{name}_gate_up_silu", time_us=t * 1e6, of_floor=None)
-            del w16, qws
-            torch.cuda.empty_cache()
+                            t = timed(lambda w: _dequant_linear(x, w, None, ops, out), ws)
+                            record(
+                                **base,
+                                impl=f"{name}_dequant_cublas",
+                                time_us=t * 1e6,
+                                of_floor=floor / t,
+                            )
+                        if rows > 8 and op == "gate_up":
+                            t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
+                            record(
+                                **base, impl=f"{name}_gate_up_silu", time_us=t * 1e6, of_floor=None
+                            )
+                del w16, qws
+                torch.cuda.empty_cache()
 
-    summary = summarise(results, rows_list, bw, gen, ops)
+    except Exception as e:  # a kernel fault poisons the CUDA context: keep what was measured
+        error = f"{type(e).__name__}: {e}"
+        print("FAILED:", error, flush=True)
+    summary = {} if error else summarise(results, rows_list, bw, gen, ops)
     write_json(
         args.out,
         dict(
             benchmark="quant_linear",
-            env=env_info("cuda"),
+            env=env,
             copy_bandwidth=copy,
             results=results,
             summary=summary,
+            error=error,
         ),
     )
+    if error:
+        raise SystemExit(1)
 
 
 def best(results, model, op, rows, prefix) -> float | None:

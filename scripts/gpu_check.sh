@@ -129,14 +129,15 @@ for stage in $STAGES; do
       # Llama-3-8B and Qwen2.5-7B shapes, graphs; numba compiles ~20 kernel variants per
       # process). quant-bench: int4/int8 against fp16 cuBLAS / GEMV with the copy bandwidth of
       # the same run (QUANT_ROWS, QUANT_MODELS=llama,qwen, QUANT_TILES=1 adds the GEMV tile
-      # sweep). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot
+      # sweep; QUANT_BENCH_ARGS="--no-tc" with VOLTSERVE_QUANT_TC=0 leaves the tensor-core GEMM
+      # out). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot
       # target Volta).
       if [ "$stage" != quant-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
         run quant_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_quant_linear_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != quant-tests ]; then
-        run bench_quant_linear $PY load_tests/bench_quant_linear.py --rows "${QUANT_ROWS:-1,2,4,8,16,64,256,2048,8192}" --models "${QUANT_MODELS:-llama}" $([ "${QUANT_TILES:-0}" = 1 ] && echo --tiles) --out "$OUT/bench_quant_linear.json"
+        run bench_quant_linear $PY load_tests/bench_quant_linear.py --rows "${QUANT_ROWS:-1,2,4,8,16,64,256,2048,8192}" --models "${QUANT_MODELS:-llama}" $([ "${QUANT_TILES:-0}" = 1 ] && echo --tiles) ${QUANT_BENCH_ARGS:-} --out "$OUT/bench_quant_linear.json"
       fi
       ;;
     kernels)
