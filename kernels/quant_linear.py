@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from voltserve.kernels.activation import silu_and_mul_ref
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 8  # the GEMV kernels' limit
+GEMV_ROWS_ENV = "VOLTSERVE_QUANT_GEMV_MAX_ROWS"  # a lower cut-over (1..8), until measured
 TC_MAX_ROWS_ENV = "VOLTSERVE_QUANT_TC_MAX_ROWS"
 TC_ENV = "VOLTSERVE_QUANT_TC"
 DEFAULT_TC_MAX_ROWS = 256
@@ -66,17 +67,23 @@ def quant_gate_up_ref(
 def tc_max_rows() -> int:
     """Row counts above GEMV_MAX_ROWS up to this run the tensor-core kernel (env-tunable)."""
     if os.environ.get(TC_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return GEMV_MAX_ROWS
+        return 0
     return int(os.environ.get(TC_MAX_ROWS_ENV, DEFAULT_TC_MAX_ROWS))
+
+
+def gemv_max_rows() -> int:
+    """Row counts up to this run the GEMV (env-tunable below GEMV_MAX_ROWS: at 4-8 rows the
+    tensor-core kernel may win; bench_quant_linear measures both)."""
+    return max(0, min(GEMV_MAX_ROWS, int(os.environ.get(GEMV_ROWS_ENV, GEMV_MAX_ROWS))))
 
 
 def quant_path(rows: int, dtype: torch.dtype, w: GroupQuantWeight) -> str:
     """Which CUDA path serves `rows` input rows (see the module docstring)."""
     from voltserve.kernels import quant_gemm_tc, quant_gemv
 
-    if 0 < rows <= GEMV_MAX_ROWS and quant_gemv.supports_weight(w, dtype):
+    if 0 < rows <= gemv_max_rows() and quant_gemv.supports_weight(w, dtype):
         return GEMV
-    if rows <= tc_max_rows() and quant_gemm_tc.supports_weight(w, dtype):
+    if 0 < rows <= tc_max_rows() and quant_gemm_tc.supports_weight(w, dtype):
         return TC
     return DEQUANT
 
