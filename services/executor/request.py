@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from voltserve.shared.sampling_params import SamplingParams
 
@@ -41,6 +42,9 @@ class Request:
     # length that ends the request (max_tokens or the context limit, whichever is first).
     stop_token_set: frozenset[int] = frozenset()
     max_output_tokens: int = 0
+    # Structured output: the request's GrammarState (grammar_state.py) once its grammar is
+    # compiled; None for an unconstrained request.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -142,6 +146,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Set when the request ended with an error instead of tokens (finish_reason "error"): the
+    # service sends the client a RequestError with this message and HTTP status.
+    error: str | None = None
+    error_status: int = 400
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voltserve.services.gateway.errors import bad_request
+from voltserve.services.gateway.structured import parse_structured
 from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
@@ -142,6 +143,9 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
         )
     spec.stop = [s for s in stop if s]
     spec.skip_special_tokens = _get(body, "skip_special_tokens", (bool,), True)
+    # Structured outputs (response_format, structured_outputs, guided_*): services/gateway/
+    # structured.py; the renderer validates the grammar itself.
+    p.structured = parse_structured(body)
     return spec
 
 
@@ -189,12 +193,6 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     spec.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
     spec.chat_template_kwargs = _get(body, "chat_template_kwargs", (dict,), None)
-    fmt = _get(body, "response_format", (dict,), None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r} is not supported (only 'text')",
-            "response_format",
-        )
     tools = _get(body, "tools", (list,), None)
     if tools:
         if not all(isinstance(t, dict) for t in tools):
