@@ -70,6 +70,55 @@ def check_after(after: Any) -> None:
         raise ValueError(f"structured_after must be a non-empty list of token ids, got {after!r}")
 
 
+# Schema keywords whose values are subschemas (a dict), lists of them, or maps of them.
+_SUB_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUB_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _bounded_strings(node: Any) -> Any:
+    """The schema with every length-bounded plain string written as a pattern.
+
+    xgrammar (0.2.x) builds a string with minLength/maxLength from the character class
+    [^"\\\r\n], which lets raw control characters (tab, U+0000-U+001F) into the string:
+    invalid JSON that strict parsers (Python's json, pydantic) reject. A pattern is matched on
+    the decoded value and escaped by xgrammar itself, so `^[^\x00-\x1f]{m,n}$` keeps the
+    same lengths with only characters that JSON allows unescaped."""
+    if isinstance(node, list):
+        return [_bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for k in _SUB_ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = _bounded_strings(out[k])
+    for k in _SUB_LIST:
+        if isinstance(out.get(k), list):
+            out[k] = _bounded_strings(out[k])
+    for k in _SUB_MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: _bounded_strings(v) for n, v in out[k].items()}
+    bounded = "minLength" in out or "maxLength" in out
+    plain = not {"pattern", "format", "enum", "const"} & set(out)
+    if out.get("type") == "string" and bounded and plain:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
+            out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{'' if hi is None else hi}}}$"
+        else:  # not integers: leave it to xgrammar to refuse
+            out["minLength"], out["maxLength"] = lo, hi
+    return out
+
+
+def json_schema_text(v: str) -> str:
+    """The schema text handed to xgrammar (see _bounded_strings); v as given if not JSON."""
+    try:
+        schema = json.loads(v)
+    except ValueError:
+        return v
+    fixed = _bounded_strings(schema)
+    return v if fixed == schema else json.dumps(fixed)
+
+
 def choice_ebnf(choices: list[str]) -> str:
     # JSON string escapes (\" \\ \n \uXXXX) are also xgrammar EBNF literal escapes; non-ASCII
     # stays literal (no surrogate pairs).
@@ -126,7 +175,9 @@ def to_grammar(c: dict[str, Any]):
     try:
         if t == "json":
             return xgr.Grammar.from_json_schema(
-                v, any_whitespace=ANY_WHITESPACE, max_whitespace_cnt=MAX_WHITESPACE_RUN
+                json_schema_text(v),
+                any_whitespace=ANY_WHITESPACE,
+                max_whitespace_cnt=MAX_WHITESPACE_RUN,
             )
         if t == "json_object":
             return xgr.Grammar.from_json_schema(
@@ -159,7 +210,9 @@ def compile_with(compiler, c: dict[str, Any]):
     try:
         if t == "json":
             return compiler.compile_json_schema(
-                v, any_whitespace=ANY_WHITESPACE, max_whitespace_cnt=MAX_WHITESPACE_RUN
+                json_schema_text(v),
+                any_whitespace=ANY_WHITESPACE,
+                max_whitespace_cnt=MAX_WHITESPACE_RUN,
             )
         if t == "json_object":
             return compiler.compile_json_schema(

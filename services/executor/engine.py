@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent import futures
-from concurrent.futures import Future
 import random
 import time
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from voltserve.services.executor.batcher import Batcher
