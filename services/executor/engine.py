@@ -138,6 +138,12 @@ class LLMEngine:
                 f"request {request_id!r}: logit_bias token ids {sorted(bad_bias)} are outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        bad_after = [t for t in params.structured_after or () if t >= self.vocab_size]
+        if bad_after:
+            raise ValueError(
+                f"request {request_id!r}: structured_after token ids {bad_after} are outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
         num_tokens = len(prompt) + len(output)
         if num_tokens >= self.max_model_len:
             raise ValueError(

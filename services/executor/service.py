@@ -209,7 +209,8 @@ class EngineLoop:
                 del live[rid]
                 status = o.error_status
                 kind = "internal_server_error" if status >= 500 else "invalid_request_error"
-                self.emit(gateway_id, RequestError(rid, status, o.error, kind, "response_format"))
+                param = None if status >= 500 else "response_format"
+                self.emit(gateway_id, RequestError(rid, status, o.error, kind, param))
                 continue
             if arrival and step_start:
                 self.queue_time.observe(max(0.0, step_start - arrival))

@@ -325,3 +325,41 @@ def test_sampler_masks_before_logprobs(engine, tok):
     finite = [t for t, v in lp.top_logprobs if v > float("-inf")]
     assert set(finite) <= allowed and first.new_token_ids[0] in allowed
     engine.abort_request("lp")
+
+
+def test_structural_tag_formats_compile(model_dir, tok):
+    """Both structural-tag formats (vLLM's first one with structures/triggers, and xgrammar's
+    {"type": "structural_tag", "format": ...}) compile; a malformed one is a ConstraintError."""
+    import xgrammar as xgr
+    from voltserve.services.executor.grammar import GrammarCompilerPool
+    from voltserve.shared.structured import ConstraintError
+
+    cfg = json.load(open(model_dir / "config.json"))
+    pool = GrammarCompilerPool(tok, cfg["vocab_size"], [2])
+    args = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    legacy = {
+        "structures": [{"begin": "<f=a>", "schema": args, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    new = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<f="],
+            "tags": [
+                {
+                    "begin": "<f=a>",
+                    "content": {"type": "json_schema", "json_schema": args},
+                    "end": "</f>",
+                }
+            ],
+        },
+    }
+    for v in (legacy, new):
+        compiled = pool.compile({"type": "structural_tag", "value": json.dumps(v)})
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string('hi <f=a>{"x": 1}</f>')
+        assert not xgr.GrammarMatcher(compiled).accept_string('<f=a>{"x": "no"}')
+    with pytest.raises(ConstraintError, match="structural_tag"):
+        pool.compile({"type": "structural_tag", "value": json.dumps({"structures": []})})
+    pool.shutdown()
