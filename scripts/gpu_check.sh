@@ -9,7 +9,8 @@
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
 # batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
-# `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
+# `structured`: structured outputs' GPU tests and the serving benchmark with and without
+# a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
 # quantized-linear kernels' GPU tests and bench_quant_linear; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
@@ -206,6 +207,20 @@ for stage in $STAGES; do
           [ -f "$f" ] && mv "$f" "${f%.log}_$preset.log"
         done
       done
+      ;;
+    structured)
+      # Structured outputs (needs xgrammar importable): the mask kernel and the graph decode path
+      # with constraints (GPU tests), then the serving benchmark on Llama-3-8B (random weights,
+      # a tokenizer whose tokens spell text) plain and with a json_schema response_format
+      # against one server, same prompts: "structured_cost" holds the tokens/s ratio and the
+      # ITL difference. STRUCTURED_TEMP: sampling temperature of both runs (default 0: greedy,
+      # where the plain run keeps the pipelined argmax path that a constrained request leaves).
+      if $PY -c 'import xgrammar' 2>/dev/null; then
+        run structured_tests $PY -m pytest -q --timeout 600 tests/gpu/test_grammar_mask_gpu.py -p no:cacheprovider
+        run serving_structured $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --text-tokenizer --num-prompts "${STRUCTURED_PROMPTS:-256}" --input-len 1024 --output-len 256 --temperature "${STRUCTURED_TEMP:-0}" --compare-structured --out "$OUT/serving_structured_llama3-8b.json"
+      else
+        echo "structured: xgrammar does not import (add its wheel to $WHEELS)" | tee -a "$OUT/summary.txt"
+      fi
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the

@@ -8,6 +8,7 @@ lengths; a max_tokens the client did not give is lowered to the remaining contex
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError, from_tokenizer
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
 from voltserve.shared.sampling_params import SamplingParams
+from voltserve.shared.structured import ConstraintError, check_shape, to_grammar
 
 SEED_MASK = (1 << 63) - 1
 
@@ -143,6 +145,8 @@ class Renderer:
         except (TypeError, ValueError) as e:
             raise RenderFailed(400, f"bad sampling parameters: {e}") from e
         self.fit_context(params, len(ids), req.max_tokens_explicit, where)
+        if params.structured is not None:
+            check_constraint(params.structured)
         params.eos_token_ids = list(self.eos_token_ids)
         try:
             params.validate()
@@ -188,6 +192,29 @@ class Renderer:
                 )
             params.max_tokens = room
             params.min_tokens = min(params.min_tokens, room)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_cached(kind: str, value_json: str) -> str | None:
+    """None when the constraint builds, else the message (cached: clients repeat schemas)."""
+    try:
+        to_grammar({"type": kind, "value": json.loads(value_json)})
+    except ConstraintError as e:
+        return str(e)
+    return None
+
+
+def check_constraint(c: dict[str, Any]) -> None:
+    """Build the constraint's grammar with xgrammar (no vocabulary needed): an invalid schema,
+    regex or grammar is a 400 here, before the request reaches an engine."""
+    try:
+        check_shape(c)
+    except ValueError as e:
+        raise RenderFailed(400, str(e), "response_format") from e
+    msg = _check_cached(c["type"], json.dumps(c["value"]))
+    if msg is not None:
+        param = "response_format" if c["type"] in ("json", "json_object") else "structured_outputs"
+        raise RenderFailed(400, msg, param)
 
 
 def error_for(req: RenderRequest, e: RenderFailed) -> RequestError:
