@@ -46,7 +46,9 @@ class Child:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint folder or GGUF file / folder"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -65,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["awq", "gptq", "compressed-tensors", "gguf"],
+        help="force the quantization method (default: from the checkpoint)",
+    )
+    p.add_argument("--max-gpu-memory", default=None, help="GPU memory budget per card, e.g. 16GiB")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
     add_log_level_flag(p)
@@ -92,6 +102,8 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     if args.log_json:
         common.append("--log-json")
     mml = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    if args.tokenizer:
+        mml += ["--tokenizer", args.tokenizer]  # renderer and gateway
     children = [
         Child(
             "scheduler",
@@ -130,8 +142,13 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             f"{mem_util:.4f}",
             "--heartbeat-ttl",
             str(args.heartbeat_ttl),
-            *mml,
         ]
+        if args.max_model_len:
+            argv += ["--max-model-len", str(args.max_model_len)]
+        if args.quantization:
+            argv += ["--quantization", args.quantization]
+        if args.max_gpu_memory:
+            argv += ["--max-gpu-memory", args.max_gpu_memory]
         if args.num_kv_blocks:
             argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:

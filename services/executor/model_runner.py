@@ -155,7 +155,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with startup.phase("loading weights"):
-            loaded = load_model(config.model, self.dtype, self.device)
+            loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.eos_token_ids: list[int] = loaded.eos_token_ids
@@ -197,12 +197,13 @@ class ModelRunner:
             self.model.ops = self.ops
             self.sampler = Sampler(self.ops, self.device)
         logger.info(
-            "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
             self.arch.architecture,
             self.dtype,
             self.device,
             self.num_kv_blocks,
             self.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block() / 2**30,
             self.max_model_len,
         )
 
@@ -293,11 +294,15 @@ class ModelRunner:
         activation = max(0, peak - weights - tmp_bytes)
         free, total = torch.cuda.mem_get_info()
         non_torch = total - free - torch.cuda.memory_reserved()
+        card = total
+        if self.config.max_gpu_memory is not None:
+            total = min(total, self.config.max_gpu_memory)
         budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
         logger.info(
-            "memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+            "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
             "other %.2f GiB -> KV budget %.2f GiB",
             total / 2**30,
+            card / 2**30,
             weights / 2**30,
             activation / 2**30,
             non_torch / 2**30,

@@ -34,12 +34,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     add_log_level_flag(p)
     return p.parse_args(argv)
 
 
 def build_state(args: argparse.Namespace) -> GatewayState:
-    renderer = Renderer(args.model, args.max_model_len)
+    renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
     redis = streams.connect(args.redis_url)
