@@ -60,7 +60,9 @@ def float_checkpoint(arch: str, rope_scaling: bool = True) -> Path:
 
 
 def _linear_names(sd: dict) -> list[str]:
-    return [n[: -len(".weight")] for n in sd if n.endswith(".weight") and n.split(".")[-2] in LINEARS]
+    return [
+        n[: -len(".weight")] for n in sd if n.endswith(".weight") and n.split(".")[-2] in LINEARS
+    ]
 
 
 def _copy_meta(src: Path, dst: Path) -> None:
@@ -146,7 +148,9 @@ def awq_checkpoint(arch: str, group: int) -> tuple[Path, Path]:
         out[name + ".qweight"] = _to_int32(_awq_pack_cols(q))
         out[name + ".qzeros"] = _to_int32(_awq_pack_cols(z))
         out[name + ".scales"] = torch.from_numpy(s).half()
-        deq = awq_reference_dequant(out[name + ".qweight"], out[name + ".qzeros"], out[name + ".scales"], group)
+        deq = awq_reference_dequant(
+            out[name + ".qweight"], out[name + ".qzeros"], out[name + ".scales"], group
+        )
         truth = ((q - np.repeat(z, group, 0)) * np.repeat(s, group, 0)).T
         assert np.array_equal(deq.numpy(), truth.astype(np.float32)), name
         refsd[name + ".weight"] = deq
@@ -220,8 +224,13 @@ def gptq_checkpoint(
         del out[name + ".weight"]
         N, K = w.shape
         G = K // group
-        key = name.rsplit(".", 1)[0] + {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-                                         "gate_proj": "gu", "up_proj": "gu"}.get(name.rsplit(".", 1)[1], name)
+        key = name.rsplit(".", 1)[0] + {
+            "q_proj": "qkv",
+            "k_proj": "qkv",
+            "v_proj": "qkv",
+            "gate_proj": "gu",
+            "up_proj": "gu",
+        }.get(name.rsplit(".", 1)[1], name)
         if desc_act:
             perm = perms.setdefault(key, rng.permutation(K))
         else:
@@ -233,7 +242,9 @@ def gptq_checkpoint(
         q, s, z = (_sym if sym else _asym)(wg, bits)
         if v1 and not sym:
             z = np.maximum(z, 1)  # v1 stores zero - 1; a zero of 0 has no encoding
-            q = np.clip(np.round(wg / s[..., None]) + z[..., None], 0, (1 << bits) - 1).astype(np.int64)
+            q = np.clip(np.round(wg / s[..., None]) + z[..., None], 0, (1 << bits) - 1).astype(
+                np.int64
+            )
         qkn = np.zeros((K, N), dtype=np.int64)
         for gi, c in enumerate(cols):
             qkn[c] = q[gi].T
@@ -241,7 +252,14 @@ def gptq_checkpoint(
         out[name + ".qzeros"] = _to_int32(_pack_cols(z - (1 if v1 else 0), bits))
         out[name + ".scales"] = torch.from_numpy(s).half()
         out[name + ".g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
-        deq = gptq_reference_dequant(out[name + ".qweight"], out[name + ".qzeros"], out[name + ".scales"], out[name + ".g_idx"], bits, v1)
+        deq = gptq_reference_dequant(
+            out[name + ".qweight"],
+            out[name + ".qzeros"],
+            out[name + ".scales"],
+            out[name + ".g_idx"],
+            bits,
+            v1,
+        )
         truth = ((qkn - z[g_idx]) * s[g_idx]).T
         assert np.array_equal(deq.numpy(), truth.astype(np.float32)), name
         refsd[name + ".weight"] = deq
@@ -367,7 +385,11 @@ def _q45_k(w: np.ndarray, bits: int) -> np.ndarray:
     q = q.astype(np.uint8)  # [N, nb, 8, 32]
     lowq = q & 0xF
     qs = (lowq[:, :, 0::2] | (lowq[:, :, 1::2] << 4)).reshape(N, -1, 128)
-    parts = [_f16_bytes(d).reshape(N, -1, 2), _f16_bytes(dmin).reshape(N, -1, 2), _k_scales_6bit(sc, mn)]
+    parts = [
+        _f16_bytes(d).reshape(N, -1, 2),
+        _f16_bytes(dmin).reshape(N, -1, 2),
+        _k_scales_6bit(sc, mn),
+    ]
     if bits == 5:
         qh = np.zeros((N, K // QK_K, 32), dtype=np.uint8)
         for gi in range(8):
@@ -393,7 +415,12 @@ def _q6_k(w: np.ndarray) -> np.ndarray:
     qh = np.zeros((N, q.shape[1], 2, 32), dtype=np.uint8)
     for quarter in range(4):
         qh |= (q[:, :, :, quarter] >> 4) << (2 * quarter)
-    parts = [ql.reshape(N, -1, 128), qh.reshape(N, -1, 64), sc.view(np.uint8), _f16_bytes(d).reshape(N, -1, 2)]
+    parts = [
+        ql.reshape(N, -1, 128),
+        qh.reshape(N, -1, 64),
+        sc.view(np.uint8),
+        _f16_bytes(d).reshape(N, -1, 2),
+    ]
     return np.concatenate(parts, -1).reshape(N, -1)
 
 
@@ -431,7 +458,11 @@ _GGUF_LAYER = {
 
 
 def _gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in top:
         return top[hf]
     parts = hf.split(".")  # model.layers.i.<module...>.<weight|bias>
@@ -440,7 +471,9 @@ def _gguf_name(hf: str) -> str:
 
 def _permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter permutation of llama q/k rows (its rotary pairs adjacent dims)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def gguf_checkpoint(arch: str, types, name: str, split: int = 1) -> Path:
@@ -478,7 +511,9 @@ def gguf_checkpoint(arch: str, types, name: str, split: int = 1) -> Path:
         w.add_head_count(heads)
         w.add_head_count_kv(kv)
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
+            "rope_theta", 10000.0
+        )
         w.add_rope_freq_base(float(theta))
         w.add_rope_dimension_count(head_dim)
         w.add_key_length(head_dim)
