@@ -26,6 +26,7 @@ from voltserve.services.executor.decode_pipeline import (
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.shared import startup
@@ -173,6 +174,7 @@ class ModelRunner:
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
+        reserve_quant_scratch(self.model, self.ops)
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from voltserve.kernels import quant_linear as qk
+from voltserve.kernels.quant_pack import pack_group_quant
 from voltserve.services.executor.quant.base import LinearMethod, Shard, copy_into_bias
 
 if TYPE_CHECKING:
@@ -141,25 +142,45 @@ class GroupQuantMethod(LinearMethod):
         for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
             parts.append(self.unpack(layer.staged[shard], prefix, rows, layer.in_features))
         m = merge_shards(parts, layer.prefixes)
-        K = layer.in_features
-        if K % m.group_size:
-            raise ValueError(f"group size {m.group_size} does not divide in_features {K}")
-        if m.group_size not in qk.GROUP_SIZES and m.group_size != K:
-            raise ValueError(
-                f"{layer.prefixes[0]}: {self.variant} group size {m.group_size} is not supported "
-                f"(one of {qk.GROUP_SIZES} or the whole row)"
-            )
         dev = self.device
-        layer.qweight = qk.pack_group_quant(
-            m.codes.to(dev),
-            m.scales.to(dev),
-            m.offsets.to(dev),
-            m.bits,
-            m.group_size,
-            self.dtype,
-            None if m.perm is None else m.perm.to(dev),
-        )
+        try:
+            layer.qweight = pack_group_quant(
+                m.codes.to(dev),
+                m.scales.to(dev),
+                m.offsets.to(dev),
+                m.bits,
+                m.group_size,
+                self.dtype,
+                None if m.perm is None else m.perm.to(dev),
+            )
+        except ValueError as e:
+            raise ValueError(f"{layer.prefixes[0]}: {self.variant}: {e}") from e
         del layer.staged
 
     def apply(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch | None = None):
+        if x.dim() != 2:
+            shape = x.shape
+            y = qk.quant_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.bias, ops)
+            return y.view(*shape[:-1], y.shape[-1])
         return qk.quant_linear(x, layer.qweight, layer.bias, ops)
+
+    def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
+        # decode rows on CUDA: one fused dequantize-GEMV launch with silu_and_mul in its epilogue
+        return qk.quant_gate_up_silu(x, layer.qweight, layer.bias, ops)
+
+    def weight_numel(self, layer: Linear) -> int:
+        return layer.out_features * layer.in_features
+
+
+def reserve_quant_scratch(model, ops) -> None:
+    """The dequantize-then-cuBLAS path's scratch, sized for the largest quantized linear, before
+    any CUDA graph is captured (a capture cannot allocate it)."""
+    from voltserve.services.executor.models.layers import Linear
+
+    sizes = [
+        m.method.weight_numel(m)
+        for m in model.modules()
+        if isinstance(m, Linear) and isinstance(m.method, GroupQuantMethod)
+    ]
+    if sizes:
+        qk.reserve_scratch(ops, max(sizes))
