@@ -7,7 +7,7 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `quant-models`: quantized checkpoints through the GPU runner; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -127,6 +127,11 @@ for stage in $STAGES; do
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
       run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --out "$OUT/bench_prefill_attention.json"
       run bench_elementwise $PY load_tests/bench_kernels_elementwise.py --out "$OUT/bench_elementwise.json"
+      ;;
+    quant-models)
+      # Quantized checkpoints (AWQ, GPTQ, compressed-tensors, GGUF Q4_K_M) through the GPU
+      # runner: fp32 greedy equals transformers, fp16 graphs equal eager, --max-gpu-memory.
+      run quant_models $PY -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
       ;;
     decode-small)
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
