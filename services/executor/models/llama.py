@@ -102,10 +102,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         k_cache, v_cache = kv_cache
-        qkv = None
-        if self._qkv_rope_fusable(meta, cos_sin_cache):
-            # One launch, where the linear's method has one: the projection, rotary on q and k,
-            # and the KV-cache write.
+        fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
+        if fused:
+            # One launch: the projection, rotary on q and k, and the KV-cache write.
             qkv = self.qkv_proj.method.apply_qkv_rope(
                 self.qkv_proj,
                 x,
@@ -118,8 +117,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )
-        fused = qkv is not None
-        if not fused:
+        else:
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -162,11 +160,22 @@ class Attention(nn.Module):
             )
         return self.o_proj(o.view(T, self.q_size), ops)
 
-    def _qkv_rope_fusable(self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> bool:
-        """Decode rows with plain full NeoX rotary (no q/k norm, rotary_dim = head_dim): the
-        qkv linear's method may run qkv, rotary and the KV write in one launch (the plain
-        weight does for the rows the plan sends to the GEMV kernel)."""
-        return meta.is_decode and self.q_norm is None and cos_sin_cache.shape[1] == self.head_dim
+    def _qkv_rope_fused(
+        self,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> bool:
+        """Decode rows with plain full NeoX rotary (no q/k norm, rotary_dim = head_dim), where
+        the qkv linear's method fuses the projection, rotary and the KV write (the plain weight
+        does for the rows the plan sends to the GEMV kernel)."""
+        return (
+            meta.is_decode
+            and self.q_norm is None
+            and cos_sin_cache.shape[1] == self.head_dim
+            and self.qkv_proj.method.can_fuse_qkv_rope(self.qkv_proj, x, ops)
+        )
 
 
 class MLP(nn.Module):

@@ -62,10 +62,13 @@ class LinearMethod:
         """silu_and_mul(layer(x)) for a merged gate_up linear; a method may fuse it."""
         return ops.silu_and_mul(self.apply(layer, x, ops))
 
+    def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
+        """Whether apply_qkv_rope runs for these rows (qkv projection + rotary + KV-cache write
+        in one launch); otherwise the model runs the projection and rotary_and_cache."""
+        return False
+
     def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
-        """qkv projection + rotary + KV-cache write in one launch, or None when this method
-        (at this row count) has no such fusion; the caller then runs the unfused path."""
-        return None
+        raise NotImplementedError
 
     def dense_weight(self, layer: Linear) -> torch.Tensor | None:
         """The [N, K] float weight when the method keeps one (the GEMV plan times those)."""
@@ -134,22 +137,24 @@ class UnquantizedMethod(LinearMethod):
             return ops.silu_and_mul(ops.gemv(x, w, b))
         return ops.silu_and_mul(F.linear(x, w, b))
 
-    def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
-        """On CUDA only where the fused kernel itself runs (its reference syncs, so no graph
-        could hold it); on CPU the reference, so the CPU tests walk the same path."""
+    def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
+        """Decode rows the plan sends to the GEMV kernel. On CUDA only where the fused kernel
+        itself runs (its reference syncs, so no graph could hold it); on CPU the reference, so
+        the CPU tests walk the same path."""
         from voltserve.services.executor.linear_plan import GEMV, linear_impl
 
         w = layer.weight
-        if not (
+        return (
             x.dim() == 2
             and (ops.impl["gemv_qkv_rope"] == "cuda" or ops.device.type == "cpu")
             and linear_impl(ops, x.shape[0], w.shape[0], w.shape[1]) == GEMV
-        ):
-            return None
+        )
+
+    def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
         positions, cos_sin_cache, k_cache, v_cache, slots, num_heads, num_kv_heads = args
         return ops.gemv_qkv_rope(
             x,
-            w,
+            layer.weight,
             layer.bias,
             positions,
             cos_sin_cache,
