@@ -235,3 +235,64 @@ KERNELS += [
     )
     for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
+
+# quant_gemv.py: fused dequantize-GEMV for group-quantized weights (qgemv_kernel(M, bits, split,
+# kind)); representative instances. Arguments: x [M, K], qweight int32 [N, K * bits / 32]
+# (pair-interleaved codes, quant_pack.py), scales and offsets [N, groups], bias [N] (unused
+# without has_bias), out [M, N] (gate_up: [M, N / 2]), has_bias, group_shift.
+_QGEMV_SIG = (
+    "void({t}[:, :], int32[:, ::1], {t}[:, ::1], {t}[:, ::1], {t}[::1], {t}[:, :], boolean, int64)"
+)
+KERNELS += [
+    KernelSpec("quant_gemv", name, _both(_QGEMV_SIG))
+    for name in (
+        "qgemv_int4_m1",
+        "qgemv_int4_m2",
+        "qgemv_int4_m4",
+        "qgemv_int4_m8",
+        "qgemv_int4_split_m1",
+        "qgemv_int4_split_m8",
+        "qgemv_int8_m1",
+        "qgemv_int8_m8",
+        "qgemv_gate_up_int4_m1",
+        "qgemv_gate_up_int4_m8",
+        "qgemv_gate_up_int8_m1",
+    )
+]
+
+# quant_dequant.py: a group-quantized weight into an [N, K] buffer (the prefill path's scratch).
+# Arguments: qweight, scales, offsets, out [N, K], group_shift.
+KERNELS += [
+    KernelSpec(
+        "quant_dequant",
+        name,
+        _both("void(int32[:, ::1], {t}[:, ::1], {t}[:, ::1], {t}[:, ::1], int64)"),
+    )
+    for name in ("dequant_int4_kernel", "dequant_int8_kernel")
+]
+
+# quant_gemm_tc.py: the dequantize-in-shared-memory tensor-core GEMM (links wmma_ptx.cu), per
+# tile config from qgemm_kernel(); representative instances (fp16 only). Arguments: flat x,
+# qweight, scales, offsets, bias, out [T, N], flat fp32 split-K partials, has_bias, group_shift,
+# T, K steps per split. Then the split-K reduction: partials, bias, out, has_bias, splits.
+_QGEMM_SIG = (
+    "void(float16[::1], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
+    " float16[:, :], float32[::1], boolean, int64, int64, int64)"
+)
+KERNELS += [
+    KernelSpec("quant_gemm_tc", name, (_QGEMM_SIG,))
+    for name in (
+        "qgemm_int4_m16",
+        "qgemm_int4_m32",
+        "qgemm_int4_m64",
+        "qgemm_int8_m16",
+        "qgemm_int8_m64",
+    )
+]
+KERNELS += [
+    KernelSpec(
+        "quant_gemm_tc",
+        "qgemm_reduce_kernel",
+        ("void(float32[::1], float16[::1], float16[:, :], boolean, int64)",),
+    ),
+]
