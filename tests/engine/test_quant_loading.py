@@ -215,3 +215,24 @@ def test_max_gpu_memory_sizes() -> None:
     )
     cfg = engine_config(args)
     assert cfg.max_gpu_memory == 32 * 2**30 and cfg.quantization == "awq"
+
+
+def test_serve_hands_the_quantization_flags_to_each_service() -> None:
+    from voltserve.services.launcher import build_children, build_parser
+
+    args = build_parser().parse_args(
+        ["--model", "m.gguf", "--quantization", "gguf", "--max-gpu-memory", "16GiB"]
+        + ["--tokenizer", "tok", "--device", "cpu", "--max-model-len", "128"]
+    )
+    kids = {c.name: c.argv for c in build_children(args, "redis://x")}
+
+    def flag(argv: list[str], name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    ex = kids["executor-0"]
+    assert flag(ex, "--quantization") == "gguf" and flag(ex, "--max-gpu-memory") == "16GiB"
+    assert flag(ex, "--max-model-len") == "128" and "--tokenizer" not in ex
+    for name in ("renderer-0", "gateway"):
+        assert flag(kids[name], "--tokenizer") == "tok"
+        assert flag(kids[name], "--max-model-len") == "128"
+        assert "--quantization" not in kids[name]
