@@ -476,13 +476,38 @@ def _permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def gguf_checkpoint(arch: str, types, name: str, split: int = 1) -> Path:
+def llama3_rope_factors(cfg: dict) -> np.ndarray:
+    """llama.cpp's converter form of Llama 3.1 rope scaling: one divisor per frequency (its
+    rope_freqs tensor), from the config's llama3 parameters."""
+    import math
+
+    rp = cfg["rope_parameters"]
+    base, dim = (
+        rp["rope_theta"],
+        cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+    )
+    old = rp["original_max_position_embeddings"]
+    lo, hi, factor = rp["low_freq_factor"], rp["high_freq_factor"], rp["factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def gguf_checkpoint(arch: str, types, name: str, split: int = 1, llama3_rope: bool = False) -> Path:
     """A GGUF file of the tiny `arch` model; types(gguf tensor name) -> ggml type name for the
     2-D weights (1-D tensors stay F32). Returns the folder holding it (tokenizer in the
-    metadata only)."""
+    metadata only). llama3_rope: the Llama 3.1 rope scaling as a rope_freqs tensor."""
     import gguf
 
-    src = float_checkpoint(arch, rope_scaling=False)
+    src = float_checkpoint(arch, rope_scaling=llama3_rope)
     out = _root() / f"{arch}-gguf-{name}"
     if out.is_dir():
         return out
@@ -544,6 +569,8 @@ def gguf_checkpoint(arch: str, types, name: str, split: int = 1) -> Path:
             kind = types(gname) if x.ndim == 2 else "F32"
             data, raw = gguf_quantize(x, kind)
             w.add_tensor(gname, data, raw_dtype=raw)
+        if llama3_rope and part == 0:
+            w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

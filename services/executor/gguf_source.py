@@ -174,13 +174,24 @@ class GGUFSource:
                         f"multiple of the block size {BLOCK_TYPES[kind].block}"
                     )
                 self.tensors[t.name] = _Tensor(t.name, kind, shape, t.data)
-        if "rope_freqs.weight" in self.tensors:
-            raise QuantFormatError(
-                "tensor 'rope_freqs.weight' (per-frequency rope factors, Llama 3.1 rope "
-                "scaling) is not supported in GGUF files yet"
-            )
         self.arch = self.meta.get("general.architecture")
         self.config = hf_config(self.meta, n_vocab, "output.weight" in self.tensors)
+        freqs = self.tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            # Llama 3.1's rope scaling as llama.cpp stores it: a divisor per rotary frequency.
+            rot = int(self.config["head_dim"] * self.config.get("partial_rotary_factor", 1.0))
+            if freqs.kind != "F32" or freqs.shape != (rot // 2,):
+                raise QuantFormatError(
+                    f"tensor 'rope_freqs.weight': {freqs.kind} {list(freqs.shape)}, expected "
+                    f"F32 [{rot // 2}] (one factor per rotary frequency)"
+                )
+            if self.config.get("rope_scaling"):
+                raise QuantFormatError(
+                    "tensor 'rope_freqs.weight' together with rope.scaling.type "
+                    f"{self.config['rope_scaling']['rope_type']!r} is not supported"
+                )
+            factors = np.asarray(freqs.data, dtype=np.float32).tolist()
+            self.config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
         if not self.config["vocab_size"] and "token_embd.weight" in self.tensors:
             self.config["vocab_size"] = self.tensors["token_embd.weight"].shape[0]
         types: dict[str, tuple[str, str]] = {}

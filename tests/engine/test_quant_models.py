@@ -142,6 +142,25 @@ def test_int_formats_match_transformers(fmt: str, arch: str) -> None:
     assert runner.model.lm_head_weight() is not None
 
 
+def test_gguf_llama3_rope_freqs_match_transformers() -> None:
+    """A Llama 3.1 GGUF carries its rope scaling as rope_freqs (a divisor per frequency), which
+    transformers' GGUF loader ignores: the reference is transformers with the float model's
+    llama3 rope_parameters and the weights transformers dequantized from the file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = qc.gguf_checkpoint("llama", lambda _n: "Q4_K", "Q4_K-llama3", llama3_rope=True)
+    from_gguf = AutoModelForCausalLM.from_pretrained(d, gguf_file="model.gguf", dtype=torch.float32)
+    cfg = AutoConfig.from_pretrained(qc.float_checkpoint("llama", rope_scaling=True))
+    assert cfg.rope_parameters["rope_type"] == "llama3"
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    ref.load_state_dict(from_gguf.state_dict())
+    ref_dir = d.parent / "llama-gguf-Q4_K-llama3-ref"
+    if not ref_dir.is_dir():
+        ref.save_pretrained(ref_dir)
+    runner = check_against_reference(d / "model.gguf", ref_dir, gguf=False, seed=_seed())
+    assert runner.arch.rope_scaling["rope_type"] == "freq_factors"
+
+
 @pytest.mark.parametrize(("kind", "arch"), GGUF_CASES)
 def test_gguf_matches_transformers(kind: str, arch: str) -> None:
     d = _gguf(arch, kind)
