@@ -60,7 +60,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits_of(qh: torch.Tensor, n: int) -> torch.Tensor:
     """[..., n/8] bytes, little-endian bit order -> [..., n] of 0/1."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(*qh.shape[:-1], n)
 
 
@@ -88,7 +88,7 @@ def _q3_scales(sc: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(kind: str, raw: torch.Tensor, k: int):
     """raw uint8 [N, row bytes] of a [N, k] tensor -> (codes, scales, offsets)."""
     bt = BLOCK_TYPES[kind]
-    N = raw.shape[0]
+    N, dev = raw.shape[0], raw.device
     nb = k // bt.block
     b = raw.reshape(N, nb, bt.nbytes)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
@@ -111,17 +111,21 @@ def unpack_blocks(kind: str, raw: torch.Tensor, k: int):
         sc, qs = b[..., 0:16], b[..., 16:80]
         d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
         # element order: half n (32 bytes), shift s (2 bits), then the half's 32 bytes
-        q = qs.view(N, nb, 2, 1, 32) >> (torch.arange(4, dtype=torch.uint8) * 2).view(4, 1)
+        q = qs.view(N, nb, 2, 1, 32) >> (torch.arange(4, dtype=torch.uint8, device=dev) * 2).view(
+            4, 1
+        )
         q = (q & 3).reshape(N, nb, 256)
         scale = d.unsqueeze(-1) * (sc & 0xF).float()
         return _out(q, scale, -dmin.unsqueeze(-1) * (sc >> 4).float(), N, k, per_block=16)
     if kind == "Q3_K":
         hm, qs, sc = b[..., 0:32], b[..., 32:96], b[..., 96:108]
         d = _f16(b[..., 108:110])
-        shifts = (torch.arange(4, dtype=torch.uint8) * 2).view(4, 1)
+        shifts = (torch.arange(4, dtype=torch.uint8, device=dev) * 2).view(4, 1)
         low = ((qs.view(N, nb, 2, 1, 32) >> shifts) & 3).reshape(N, nb, 256)
         # the high bit of element (half n, shift j, l) is bit 4n + j of hmask[l]
-        hbit = (hm.view(N, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
+        hbit = (
+            hm.view(N, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=dev).view(8, 1)
+        ) & 1
         q = low | (hbit.reshape(N, nb, 256) << 2)
         scale = d.unsqueeze(-1) * (_q3_scales(sc) - 32)
         return _out(q, scale, -4 * scale, N, k, per_block=16)
@@ -135,7 +139,7 @@ def unpack_blocks(kind: str, raw: torch.Tensor, k: int):
         if kind == "Q5_K":
             # qh[l] bit 2c (+1 for the high nibbles) is the 5th bit of group 2c's element l
             qh = b[..., 16:48].view(N, nb, 1, 32)
-            hb = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
+            hb = (qh >> torch.arange(8, dtype=torch.uint8, device=dev).view(8, 1)) & 1
             q = q | (hb.reshape(N, nb, 256) << 4)
         return _out(q, d.unsqueeze(-1) * sc, -dmin.unsqueeze(-1) * mn, N, k, per_block=8)
     if kind == "Q6_K":
@@ -147,7 +151,9 @@ def unpack_blocks(kind: str, raw: torch.Tensor, k: int):
             [ql[:, :, :, 0] & 0xF, ql[:, :, :, 1] & 0xF, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4],
             dim=3,
         )  # [N,nb,2,4,32]
-        high = (qh >> (torch.arange(4, dtype=torch.uint8) * 2).view(4, 1)) & 3  # [N,nb,2,4,32]
+        high = (
+            qh >> (torch.arange(4, dtype=torch.uint8, device=dev) * 2).view(4, 1)
+        ) & 3  # [N,nb,2,4,32]
         q = (low | (high << 4)).reshape(N, nb, 256)
         scale = d.unsqueeze(-1) * sc.view(torch.int8).float()
         return _out(q, scale, -32 * scale, N, k, per_block=16)

@@ -41,7 +41,7 @@ def unpack_int32(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     the fields become consecutive elements along `dim` (uint8)."""
     per = 32 // bits
     w = x.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=x.device) * bits
     v = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., per] along the last dim
     v = v.movedim(-1, dim + 1) if dim != x.dim() - 1 else v
     shape = list(x.shape)
@@ -54,7 +54,7 @@ def act_order_perm(g_idx: torch.Tensor, group: int, name: str, variant: str) -> 
     Refuses a g_idx whose groups are not exactly `group` columns each."""
     K = g_idx.numel()
     g_idx = g_idx.to(torch.int64)
-    plain = torch.arange(K, dtype=torch.int64) // group
+    plain = torch.arange(K, dtype=torch.int64, device=g_idx.device) // group
     if torch.equal(g_idx, plain):
         return None
     perm = torch.argsort(g_idx, stable=True)
@@ -139,10 +139,13 @@ class GroupQuantMethod(LinearMethod):
 
     def process_after_loading(self, layer: Linear) -> None:
         parts = []
-        for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
-            parts.append(self.unpack(layer.staged[shard], prefix, rows, layer.in_features))
-        m = merge_shards(parts, layer.prefixes)
         dev = self.device
+        for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
+            # unpacked on the run device: a GPU does it in a fraction of the CPU's time
+            staged = {k: v.to(dev) for k, v in layer.staged[shard].items()}
+            parts.append(self.unpack(staged, prefix, rows, layer.in_features))
+            layer.staged[shard] = {}
+        m = merge_shards(parts, layer.prefixes)
         try:
             layer.qweight = pack_group_quant(
                 m.codes.to(dev),
