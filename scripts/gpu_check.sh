@@ -9,7 +9,8 @@
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
 # batched decode in one go; `gemm`: cuBLAS on the linear shapes; `quant`: the quantized-linear
 # kernels' GPU tests and bench_quant_linear (int4/int8 vs fp16 per shape and row count);
-# `quant-models`: quantized checkpoints through the GPU runner; `profile-serving`: the
+# `quant-models`: quantized checkpoints through the GPU runner; `serving-awq-16g`: Llama-3-8B
+# AWQ served under --max-gpu-memory 16GiB; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -144,6 +145,14 @@ for stage in $STAGES; do
       # Quantized checkpoints (AWQ, GPTQ, compressed-tensors, GGUF Q4_K_M) through the GPU
       # runner: fp32 greedy equals transformers, fp16 graphs equal eager, --max-gpu-memory.
       run quant_models $PY -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
+      ;;
+    serving-awq-16g)
+      # Llama-3-8B as AutoAWQ int4 g128 (quantized from the random-weight checkpoint) served under
+      # a V100-16GB budget: the executor log states weights, activation and the KV pool it gets;
+      # bench_serving 1024 in / 256 out at AWQ_CONCURRENCY (default 32) concurrent requests.
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run make_llama8b_awq $PY load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-awq --group 128
+      run serving_awq_16g $PY load_tests/bench_serving.py --launch /tmp/voltserve-llama3-8b-awq --num-prompts "${AWQ_PROMPTS:-256}" --input-len 1024 --output-len 256 --max-concurrency "${AWQ_CONCURRENCY:-32}" --serve-args "--max-gpu-memory 16GiB" --out "$OUT/serving_llama3-8b-awq-16g.json" -- --log-level info
       ;;
     decode-small)
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"

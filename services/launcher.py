@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from voltserve.services.executor.main import memory_size
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger("voltserve.launcher")
@@ -73,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["awq", "gptq", "compressed-tensors", "gguf"],
         help="force the quantization method (default: from the checkpoint)",
     )
-    p.add_argument("--max-gpu-memory", default=None, help="GPU memory budget per card, e.g. 16GiB")
+    p.add_argument(
+        "--max-gpu-memory",
+        type=memory_size,
+        default=None,
+        help="GPU memory budget per card (bytes, or 16GiB / 16GB ...)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
@@ -148,7 +154,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         if args.quantization:
             argv += ["--quantization", args.quantization]
         if args.max_gpu_memory:
-            argv += ["--max-gpu-memory", args.max_gpu_memory]
+            argv += ["--max-gpu-memory", str(args.max_gpu_memory)]
         if args.num_kv_blocks:
             argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:

@@ -230,7 +230,7 @@ def test_serve_hands_the_quantization_flags_to_each_service() -> None:
         return argv[argv.index(name) + 1] if name in argv else None
 
     ex = kids["executor-0"]
-    assert flag(ex, "--quantization") == "gguf" and flag(ex, "--max-gpu-memory") == "16GiB"
+    assert flag(ex, "--quantization") == "gguf" and flag(ex, "--max-gpu-memory") == str(16 * 2**30)
     assert flag(ex, "--max-model-len") == "128" and "--tokenizer" not in ex
     for name in ("renderer-0", "gateway"):
         assert flag(kids[name], "--tokenizer") == "tok"
