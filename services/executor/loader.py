@@ -286,6 +286,10 @@ def load_model(
             tensors = source.iter_tensors()
         else:
             hf = read_hf_config(model_dir)
+            legacy = Path(model_dir) / "quantize_config.json"
+            if "quantization_config" not in hf and legacy.is_file():
+                # AutoGPTQ's older exports keep the GPTQ settings beside config.json
+                hf["quantization_config"] = {"quant_method": "gptq", **read_json(legacy)}
             quant = quant_config(hf, quantization)
             eos = read_eos_token_ids(model_dir, hf)
             src = checkpoint_dtype(hf)

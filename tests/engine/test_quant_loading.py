@@ -236,3 +236,21 @@ def test_serve_hands_the_quantization_flags_to_each_service() -> None:
         assert flag(kids[name], "--tokenizer") == "tok"
         assert flag(kids[name], "--max-model-len") == "128"
         assert "--quantization" not in kids[name]
+
+
+def test_autogptq_quantize_config_json_beside_config(tmp_path) -> None:
+    """Older AutoGPTQ exports keep the GPTQ settings in quantize_config.json."""
+    gptq, _ = qc.gptq_checkpoint("llama", 4, 64, desc_act=True, sym=True)
+    d = _copy(gptq, tmp_path, "legacy")
+    cfg = json.loads((d / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    q.pop("quant_method")
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "quantize_config.json").write_text(json.dumps(q))
+    a = load_model(gptq, torch.float32, CPU).model
+    b = load_model(d, torch.float32, CPU).model
+    x, h = torch.randn(2, 256), torch.randn(2, 512)
+    assert torch.equal(a.model.layers[0].mlp.down_proj(h), b.model.layers[0].mlp.down_proj(h))
+    assert torch.equal(
+        a.model.layers[1].self_attn.qkv_proj(x), b.model.layers[1].self_attn.qkv_proj(x)
+    )
