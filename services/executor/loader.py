@@ -191,9 +191,18 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
     out: dict[str, _Target] = {}
     optional: set[str] = set()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    for lin in linears.values():
+    reverse: dict[str, list[str]] = {}
+    for ckpt, (ours, _) in LlamaForCausalLM.stacked_params.items():
+        reverse.setdefault(ours, []).append(ckpt)
+    for mod_name, lin in linears.items():
         required, maybe = lin.method.checkpoint_tensors(lin)
-        for prefix, shard in zip(lin.prefixes, lin.shard_offsets, strict=True):
+        prefixes = lin.prefixes
+        if not prefixes:
+            # a Linear built without checkpoint names: its module path (merged ones through
+            # stacked_params, in shard order)
+            parent, _, leaf = mod_name.rpartition(".")
+            prefixes = [f"{parent}.{c}" for c in reverse[leaf]] if leaf in reverse else [mod_name]
+        for prefix, shard in zip(prefixes, lin.shard_offsets, strict=True):
             for pname in required + maybe:
                 out[f"{prefix}.{pname}"] = _Target(lin, None, pname, shard)
             optional.update(f"{prefix}.{p}" for p in maybe)

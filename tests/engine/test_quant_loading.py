@@ -254,3 +254,26 @@ def test_autogptq_quantize_config_json_beside_config(tmp_path) -> None:
     assert torch.equal(
         a.model.layers[1].self_attn.qkv_proj(x), b.model.layers[1].self_attn.qkv_proj(x)
     )
+
+
+def test_linear_without_checkpoint_names_loads_by_module_path() -> None:
+    """A Linear a model builds without prefixes is float and named by its module path (merged
+    ones through stacked_params), as before the quantization seam."""
+    from voltserve.services.executor.loader import _targets
+    from voltserve.services.executor.models.layers import Linear
+    from voltserve.services.executor.models.llama import LlamaForCausalLM
+    from voltserve.services.executor.quant.base import UnquantizedMethod
+
+    from tests.checkpoints import checkpoint
+
+    loaded = load_model(checkpoint("llama"), torch.float32, CPU)
+    model = loaded.model
+    attn = model.model.layers[0].self_attn
+    shards = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
+    attn.qkv_proj = Linear(attn.qkv_proj.in_features, shards, False, torch.float32)
+    assert isinstance(attn.qkv_proj.method, UnquantizedMethod)
+    targets, _ = _targets(model)
+    for leaf, shard in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+        t = targets[f"model.layers.0.self_attn.{leaf}.weight"]
+        assert t.module is attn.qkv_proj and t.shard == shard
+    assert isinstance(model, LlamaForCausalLM)

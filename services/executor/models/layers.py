@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.linear_plan import GEMV, MAX_ROWS, linear_impl
-from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig
+from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, UnquantizedMethod
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
 # the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
@@ -88,7 +88,9 @@ class Linear(nn.Module):
             off += size
         self.out_features = off
         self.prefixes = list(prefixes or [])
-        self.method = (quant or UNQUANTIZED).method_for(self.prefixes)
+        # Without checkpoint names the linear is a plain float one (loaded by its module path).
+        quant = quant or UNQUANTIZED
+        self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
         self.method.create_weights(self, bias, dtype)
 
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
