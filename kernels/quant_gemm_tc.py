@@ -23,8 +23,9 @@ through a 16 x 16 f32 staging tile per warp. Rows past T and columns past N are 
 clamped (re-read) inputs and never written.
 
 Requirements (`supports`): fp16, K a multiple of 64, x contiguous (flat 16-byte chunks).
-The CUDA simulator cannot run linked C++: under NUMBA_ENABLE_CUDASIM this module imports, its
-launcher raises, and `supports_weight` is False, so quant_linear never routes here.
+The CUDA simulator cannot run linked C++: under NUMBA_ENABLE_CUDASIM the two wmma functions
+are replaced by Python stand-ins (see below) so the simulator tests run the numba side, and
+`supports_weight` is False, so quant_linear never routes here there.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ LDA = BK + 8  # padded leading dims (elements): rows start in different banks
 LDB = BK + 8
 LDS = 20  # staging tile leading dim (f32), a multiple of 4
 MAX_SPLIT = 8
+_ALIGN = None if SIM else 128  # shared tiles: wmma wants 32-byte aligned tile starts
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,46 @@ if not SIM:
     }
     # (acc, f, stage, st_off, ld)
     qgemm_store_frag = _declare("vs_qgemm_store_frag", _P32, _I32, _P32, _I32, _I32)
+else:
+    # The simulator cannot run the linked wmma functions. These stand-ins compute the same
+    # products with one fixed (made-up) fragment layout, lane l holding row l >> 1 and columns
+    # (l & 1) * 8 .. + 8 of each 16 x 16 tile; the real layout is opaque to the kernel, which
+    # only moves fragments between the two functions. So the simulator tests check everything
+    # the numba side does (tile fills, dequantisation, pipelining, split-K, epilogue).
+    import numpy as np
+    from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
+
+    class _NoFfi:
+        @staticmethod
+        def from_buffer(a):
+            return a
+
+    ffi = _NoFfi()
+
+    def _sim_step(wm: int, wn: int):
+        def step(acc, a, a_off, lda, b, b_off, ldb):
+            lane = cuda.threadIdx.x & 31
+            r, c0 = lane >> 1, (lane & 1) * 8
+            for i in range(wm):
+                ra = a_off + (i * 16 + r) * lda
+                av = np.asarray(a[ra : ra + BK], dtype=np.float32)
+                for j in range(wn):
+                    for e in range(8):
+                        rb = b_off + (j * 16 + c0 + e) * ldb
+                        bv = np.asarray(b[rb : rb + BK], dtype=np.float32)
+                        acc[(i * wn + j) * 8 + e] += np.float32(np.dot(av, bv))
+            return 0
+
+        return step
+
+    _STEP = {(wm, wn): _sim_step(wm, wn) for wm, wn in ((2, 2), (2, 1), (1, 1))}
+
+    def qgemm_store_frag(acc, f, stage, st_off, ld):
+        lane = cuda.threadIdx.x & 31
+        r, c0 = lane >> 1, (lane & 1) * 8
+        for e in range(8):
+            stage[st_off + r * ld + c0 + e] = acc[f * 8 + e]
+        return 0
 
 
 @functools.cache
@@ -106,12 +148,13 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
     int32 [N, K * bits / 32], scales / offsets [N, groups] fp16, bias [N] fp16, out [T, N] fp16,
     part flat fp32 [S * T * N] (split-K partials; unused when gridDim.z == 1), has_bias,
     group_shift, T, steps per split."""
-    if SIM:
-        raise RuntimeError("the tensor-core quantized GEMM links CUDA C++: no simulator path")
     WGN, WM, WN = cfg.wgn, cfg.wm, cfg.wn
     BM = cfg.bm
     assert cfg.bn == BN and cfg.wgm * WGN == WARPS
     NFRAG = WM * WN
+    A_SIZE = BM * LDA  # shared array sizes must be compile-time constants
+    B_SIZE = BN * LDB
+    ST_SIZE = WARPS * 16 * LDS
     NACC = NFRAG * 8
     A_CH = BM * (BK // 8) // THREADS  # 16-byte x chunks per thread per step
     assert A_CH * THREADS == BM * BK // 8 and 1 <= A_CH <= 4
@@ -171,9 +214,9 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
         s0 = cuda.blockIdx.z * steps
         s1 = min(s0 + steps, K // BK)
 
-        a_s = cuda.shared.array(BM * LDA, float16, alignment=128)
-        b_s = cuda.shared.array(BN * LDB, float16, alignment=128)
-        st_s = cuda.shared.array(WARPS * 16 * LDS, float32, alignment=128)
+        a_s = cuda.shared.array(A_SIZE, float16, alignment=_ALIGN)
+        b_s = cuda.shared.array(B_SIZE, float16, alignment=_ALIGN)
+        st_s = cuda.shared.array(ST_SIZE, float32, alignment=_ALIGN)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = float32(0.0)
@@ -294,7 +337,9 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
             i = f // WN
             j = f - i * WN
             store_fn(acc_ptr, int32(f), st_ptr, int32(warp * 16 * LDS), LDS)
-            cuda.syncwarp()
+            # Block-wide barriers (every thread runs this loop): syncwarp would do, but the
+            # simulator has none; the epilogue runs once per tile.
+            cuda.syncthreads()
             m = m0 + (wm_ * WM + i) * 16 + r
             nb = n0 + (wn_ * WN + j) * 16 + c0
             if m < T:
@@ -308,7 +353,7 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
                             if has_bias:
                                 v += float32(bias[n])
                             out[m, n] = v
-            cuda.syncwarp()
+            cuda.syncthreads()
 
     return cuda.jit(fastmath=False)(kernel)
 
@@ -330,13 +375,10 @@ def qgemm_reduce_kernel(part, bias, out, has_bias, splits):
     out[m, n] = v
 
 
-if not SIM:
-    # Representative instances for `voltserve check-kernels` (kernels/registry.py).
-    qgemm_int4_m16 = qgemm_kernel(CONFIGS[16], 4)
-    qgemm_int4_m32 = qgemm_kernel(CONFIGS[32], 4)
-    qgemm_int4_m64 = qgemm_kernel(CONFIGS[64], 4)
-    qgemm_int8_m16 = qgemm_kernel(CONFIGS[16], 8)
-    qgemm_int8_m64 = qgemm_kernel(CONFIGS[64], 8)
+# Representative instances for `voltserve check-kernels` (kernels/registry.py).
+qgemm_int4_m16 = qgemm_kernel(CONFIGS[16], 4)
+qgemm_int4_m64 = qgemm_kernel(CONFIGS[64], 4)
+qgemm_int8_m32 = qgemm_kernel(CONFIGS[32], 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +444,7 @@ def quant_gemm_tc_cuda(
     steps = -(-k_steps // S)
     S = -(-k_steps // steps)  # no empty slices
     has_bias = bias is not None
-    b = bias if has_bias else w.scales[:, 0].contiguous()
+    b = bias if has_bias else w.scales.view(-1)  # unread without a bias
     part = torch.empty(S * T * N if S > 1 else 1, dtype=torch.float32, device=x.device)
     stream = current_stream()
     launch(

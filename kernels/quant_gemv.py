@@ -20,7 +20,7 @@ row. int4 with group 16 (GGUF K-quant sub-blocks) is the SPLIT variant: words 0-
 chunk take consecutive groups. Per-channel weights (g = K) have group_shift 30: every k maps to
 group 0.
 
-The gate_up variant (kind GATE_UP) owns gate row j and up row I + j in one warp and writes
+The gate_up variant (kind GATE_UP) owns gate rows j.. and up rows I + j.. in one warp and writes
 silu_and_mul's h[m, j], rounded as the unfused path rounds (the product to the storage dtype,
 silu, then the product), like gemv.py's.
 
@@ -42,6 +42,7 @@ from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import ZERO_W4, bits_f32, code_bit, code_f_expr, fold, ld_w4
 from voltserve.kernels.quant_pack import GroupQuantWeight
+from voltserve.kernels.rotary import _rot1
 from voltserve.kernels.vec_io import ZERO8, ld8
 
 MAX_M = 8
@@ -50,7 +51,7 @@ THREADS = 32 * WARPS
 WORDS_PER_CHUNK = 4  # 16 bytes
 WARP_WORDS = 32 * WORDS_PER_CHUNK  # code words a warp reads per chunk (128)
 VARIANTS = (1, 2, 4, 8)
-PLAIN, GATE_UP = "plain", "gate_up"
+PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"
 
 
 def variant_for(m: int) -> int:
@@ -60,18 +61,25 @@ def variant_for(m: int) -> int:
 
 
 def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
-    """(R rows per warp, U chunks per lane per step). R * U 16-byte loads are in flight per lane
-    (4 for int4: 32 codes a chunk make a step 4x the inputs of fp16's, and the generated body,
-    R * U * 32 * M multiply-adds, must stay small enough to compile). x costs ~4 bytes of L1
-    traffic per weight byte per input row (fp16 x, half-byte codes) divided by R, so R grows
-    with M. gate_up: the pair (gate j, up I + j)."""
-    if kind == GATE_UP:
-        return (2, 2) if m <= 2 else (2, 1)
-    if m == 1:
-        return (1, 4)
-    if m == 2:
-        return (2, 2)
-    return (4, 1) if bits == 4 or m == 8 else (2, 2)
+    """(R rows per warp, U chunks per lane per step): R * U 16-byte loads in flight per lane.
+
+    Why R = 4 for int4: every x element a lane reads is widened fp16 -> fp32 once per row it
+    meets, and a chunk of 32 codes needs 32 of them; conversions run at a quarter of the FP32
+    rate on Volta, so at R = 1 they, not the weight stream, would bound the kernel. Four rows
+    per warp share each converted x value (8 conversions per chunk and row) and cut x's L1
+    traffic per weight byte to M bytes. The generated body (R * U * 32 * M multiply-adds) stays
+    small enough to compile. M = 8 takes R = 2: its 8 x 4 accumulators and 4 x 8 dequantised
+    weights did not fit 255 registers at R = 4. At R = 4 a 4096-row weight is only 1024 warps
+    (~8 per SM): int4 at M <= 2 keeps two chunks per row in flight (U = 2, 128 bytes a lane) so
+    that enough of the stream is in flight. gate_up: R = 4 is two (gate j, up I + j) pairs, and
+    its 14336 columns make warps plentiful."""
+    if kind == QKV_ROPE:
+        return (2, 2)  # the rotary pair (dims j and j + D/2 of one head)
+    if m == 8:
+        return (2, 2)  # R = 4 at M = 8 needs more than 255 registers (spills)
+    if bits == 4:
+        return (4, 1) if kind == GATE_UP or m == 4 else (4, 2)
+    return (4, 1) if m == 4 else (2, 2)
 
 
 @cuda.jit(device=True, inline="always")
@@ -90,12 +98,15 @@ def _ldx_guard(x, row, col, K):
 
 def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     """One kernel, written out statement by statement (see gemv._source for why)."""
-    gate_up = kind == GATE_UP
+    gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     P = 32 // bits  # codes per word
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     step = U * WARP_WORDS  # words per step
+    args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
+    if rope:
+        args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
     L = [
-        "def kernel(x, qw, scales, offsets, bias, out, has_bias, gshift):",
+        f"def kernel({args}):",
         "    lane = cuda.threadIdx.x & 31",
         "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
         "    K = x.shape[1]",
@@ -103,13 +114,25 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
         "    G = scales.shape[1]",
     ]
     if gate_up:
+        Q = R // 2  # output columns per warp: gate rows row0 + q, up rows N + row0 + q
         L += [
             "    N = qw.shape[0] >> 1",
-            "    row0 = warp",
+            f"    row0 = warp * {Q}",
             "    if row0 >= N:",
             "        return",
-            "    rw0 = row0",
-            "    rw1 = row0 + N",
+        ]
+        for q in range(Q):
+            L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
+    elif rope:
+        L += [
+            "    D = k_cache.shape[3]",
+            "    half = D >> 1",
+            "    if warp >= qw.shape[0] >> 1:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+            "    head = warp // half",
+            "    j = warp - head * half",
+            "    rw0 = head * D + j",
+            "    rw1 = rw0 + half",
         ]
     else:
         L += [
@@ -154,21 +177,24 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
             n_x = WORDS_PER_CHUNK * P // 8
             for t in range(n_x):
                 col = f"(c{j} + {t * 8 // P}) * {P}"
-                for m in range(M):
-                    xm = f"xm{m}" if m else "0"
-                    if guarded:
-                        out.append(f"{ind}xv{m} = _ldx_guard(x, {xm}, {col}, K)")
-                    else:
-                        out.append(f"{ind}xv{m} = ld8(x, ({xm}, {col}))")
+                # The R x 8 weights these inputs meet, dequantised once; then each input row
+                # (one x load) against all of them: few values live at once for any M.
                 for e in range(8):
                     word = t * 8 // P + e // P  # word of the chunk holding input e
                     p = code_bit(e % P, bits)
                     sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
                     for r in range(R):
                         f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
-                        out.append(f"{ind}wv = {f} * {sc}{r} + {of}{r}")
-                        for m in range(M):
-                            out.append(f"{ind}a{m}_{r} += xv{m}[{e}] * wv")
+                        out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+                for m in range(M):
+                    xm = f"xm{m}" if m else "0"
+                    if guarded:
+                        out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                    else:
+                        out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                    for e in range(8):
+                        for r in range(R):
+                            out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
         return out
 
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
@@ -176,6 +202,31 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     L += body("        ")
     L.append(f"        w0 += {step}")
     if gate_up:
+        # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            for q in range(Q):
+                L += [
+                    f"    ta = _warp_sum(a{m}_{2 * q})",
+                    f"    tb = _warp_sum(a{m}_{2 * q + 1})",
+                    f"    if lane == {m * Q + q}:",
+                    "        a = ta",
+                    "        b = tb",
+                ]
+        L += [
+            f"    if lane < {M * Q}:",
+            f"        col = row0 + lane % {Q}",
+            f"        if col < N and lane // {Q} < Mx:",
+            "            if has_bias:",
+            "                a += float32(bias[col])",
+            "                b += float32(bias[col + N])",
+            "            # As the linear stores gate and up, then as silu_and_mul rounds h.",
+            f"            out[lane // {Q}, col] = _silu_mul(round_like(a, out), round_like(b, out), out)",
+        ]
+        return "\n".join(L) + "\n"
+    if rope:
+        # Lane m keeps input m's pair, rounded as the linear stores q/k/v, then rotated as
+        # rotary.py rotates and written to out and (k, v) to the cache (gemv_qkv_rope.py).
         L += ["    a = float32(0.0)", "    b = float32(0.0)"]
         for m in range(M):
             L += [
@@ -190,7 +241,26 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
             "        if has_bias:",
             "            a += float32(bias[rw0])",
             "            b += float32(bias[rw1])",
-            "        out[lane, row0] = _silu_mul(round_like(a, out), round_like(b, out), out)",
+            "        a = round_like(a, out)",
+            "        b = round_like(b, out)",
+            "        if head < n_q + n_kv:",
+            "            pos = positions[lane]",
+            "            c = round_like(cos_sin[pos, j], out)",
+            "            s = round_like(cos_sin[pos, half + j], out)",
+            "            a, b = _rot1(a, b, c, s, out)",
+            "        out[lane, rw0] = a",
+            "        out[lane, rw1] = b",
+            "        slot = slots[lane]",
+            "        if head >= n_q and slot >= 0:",
+            "            bs = k_cache.shape[2]",
+            "            blk = slot // bs",
+            "            off = slot - blk * bs",
+            "            if head < n_q + n_kv:",
+            "                k_cache[blk, head - n_q, off, j] = a",
+            "                k_cache[blk, head - n_q, off, j + half] = b",
+            "            else:",
+            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
+            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
         ]
         return "\n".join(L) + "\n"
     L.append("    mine = float32(0.0)")
@@ -221,6 +291,7 @@ def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
+        "_rot1": _rot1,
     }
     name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split}>"
     exec(compile(_source(M, R, U, bits, split, kind), name, "exec"), scope)  # noqa: S102
@@ -232,11 +303,13 @@ _KERNELS: dict[tuple, object] = {}
 
 def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
-    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs R = 2)."""
+    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R)."""
     v = variant_for(m)
     R, U = tile if tile is not None else tile_for(v, bits, kind)
-    if kind == GATE_UP and R != 2:
-        raise ValueError("the gate_up kernel pairs rows: R must be 2")
+    if kind == GATE_UP and R % 2:
+        raise ValueError("the gate_up kernel pairs rows: R must be even")
+    if kind == QKV_ROPE and R != 2:
+        raise ValueError("the qkv_rope kernel owns one rotary pair per warp: R must be 2")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
     key = (v, R, U, bits, split, kind)
@@ -252,24 +325,20 @@ def is_split(w: GroupQuantWeight) -> bool:
 
 
 def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
-    """Blocks for n weight rows (plain) or n row pairs (gate_up)."""
+    """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs."""
     R, _ = tile if tile is not None else tile_for(variant_for(m), bits, kind)
-    rows_per_block = WARPS * (R if kind == PLAIN else 1)
+    rows_per_block = WARPS * (R if kind == PLAIN else R // 2 if kind == GATE_UP else 1)
     return (n + rows_per_block - 1) // rows_per_block
 
 
 # Representative instances for `voltserve check-kernels` (kernels/registry.py).
 qgemv_int4_m1 = qgemv_kernel(1, 4)
-qgemv_int4_m2 = qgemv_kernel(2, 4)
-qgemv_int4_m4 = qgemv_kernel(4, 4)
 qgemv_int4_m8 = qgemv_kernel(8, 4)
 qgemv_int4_split_m1 = qgemv_kernel(1, 4, split=True)
-qgemv_int4_split_m8 = qgemv_kernel(8, 4, split=True)
 qgemv_int8_m1 = qgemv_kernel(1, 8)
-qgemv_int8_m8 = qgemv_kernel(8, 8)
 qgemv_gate_up_int4_m1 = qgemv_kernel(1, 4, kind=GATE_UP)
 qgemv_gate_up_int4_m8 = qgemv_kernel(8, 4, kind=GATE_UP)
-qgemv_gate_up_int8_m1 = qgemv_kernel(1, 8, kind=GATE_UP)
+qgemv_qkv_rope_int4_m1 = qgemv_kernel(1, 4, kind=QKV_ROPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +366,14 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
     )
 
 
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x, or a fresh contiguous copy when its rows are not 16-byte aligned (a view at an odd
+    offset or stride): a few KB at decode, cheaper than any fallback."""
+    if x.is_cuda and x.dim() == 2 and (x.stride(-1) != 1 or not _aligned(x, 8)):
+        return x.contiguous() if not x.is_contiguous() else x.clone()
+    return x
+
+
 def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
     return (
         x.is_cuda
@@ -309,14 +386,15 @@ def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
     )
 
 
-def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None):
-    """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2])."""
+def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=()):
+    """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
+    extra: qkv_rope's arguments after group_shift, already converted."""
     M, rows = x.shape[0], w.out_features
     if out is None:
         cols = rows // 2 if kind == GATE_UP else rows
         out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
-    b = bias if has_bias else w.scales[:, 0]  # any 1-D array of the dtype; unread without bias
+    b = bias if has_bias else w.scales.view(-1)  # any 1-D array of the dtype; unread
     launch(
         qgemv_kernel(M, w.bits, is_split(w), kind, tile),
         grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile),
@@ -330,6 +408,7 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
             dev(out),
             has_bias,
             w.group_shift,
+            *extra,
         ),
         current_stream(),
     )
@@ -339,6 +418,7 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
 def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> torch.Tensor:
     """quant_linear_ref's meaning for x of 1..8 rows (already permuted by the caller); what
     `supports` rejects goes to the reference. No host sync: graph-capturable."""
+    x = _aligned_rows(x)
     if not supports(x, w):
         from voltserve.kernels.quant_pack import dequantize
 
@@ -350,6 +430,7 @@ def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> t
 def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None):
     """silu_and_mul(x @ dequantize(w)^T (+ bias)) for a merged gate_up weight [2I, K] and x of
     1..8 rows (already permuted); one launch."""
+    x = _aligned_rows(x)
     if w.out_features % 2 or not supports(x, w):
         from voltserve.kernels.activation import silu_and_mul_ref
         from voltserve.kernels.quant_pack import dequantize
@@ -359,7 +440,105 @@ def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=No
     return launch_qgemv(x, w, bias, out, GATE_UP, tile)
 
 
+def quant_qkv_rope_ref(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """gemv_qkv_rope_ref's meaning with a quantized qkv weight: quant_linear_ref, then NeoX
+    rotary on q and k and the KV-cache write (rotary_cache.rotary_and_cache_ref); x already
+    permuted. Returns qkv [M, N]."""
+    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.rotary_cache import rotary_and_cache_ref
+
+    y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+    out = y if out is None else out.copy_(y)
+    D = k_cache.shape[3]
+    q, k, v = out.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    rotary_and_cache_ref(positions, q, k, v, D, cos_sin_cache, True, k_cache, v_cache, slot_mapping)
+    return out
+
+
+def supports_qkv_rope(
+    x,
+    w: GroupQuantWeight,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+) -> bool:
+    """When the fused kernel computes this step (the checks of gemv_qkv_rope.supports_qkv_rope
+    with a quantized weight)."""
+    M = x.shape[0] if x.dim() == 2 else 0
+    return (
+        supports(x, w)
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[1] == n_kv
+        and k_cache.shape[3] % 2 == 0
+        and w.out_features == (n_q + 2 * n_kv) * k_cache.shape[3]
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[1] == k_cache.shape[3]
+        and cos_sin_cache.dtype == torch.float32
+        and k_cache.dtype == x.dtype
+        and v_cache.dtype == x.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and positions.dtype == torch.int64
+        and slot_mapping.dtype == torch.int64
+        and positions.dim() == 1
+        and slot_mapping.dim() == 1
+        and positions.shape[0] >= M
+        and slot_mapping.shape[0] >= M
+    )
+
+
+def quant_qkv_rope_cuda(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """quant_qkv_rope_ref's meaning in one launch (x of 1..8 rows, already permuted); what
+    `supports_qkv_rope` rejects runs the reference. No host sync."""
+    x = _aligned_rows(x)
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+    if not supports_qkv_rope(x, w, *args):
+        return quant_qkv_rope_ref(x, w, bias, *args, out=out)
+    extra = (
+        dev(positions),
+        dev(cos_sin_cache),
+        dev(k_cache),
+        dev(v_cache),
+        dev(slot_mapping),
+        int(n_q),
+        int(n_kv),
+    )
+    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra)
+
+
 __all__ = [
+    "quant_qkv_rope_ref",
+    "quant_qkv_rope_cuda",
+    "supports_qkv_rope",
     "qgemv_kernel",
     "tile_for",
     "grid_for",

@@ -5,6 +5,8 @@ Entry points (what a quantization method's linear calls):
 
     quant_linear(x, w, bias, ops)        -> y [T, N]
     quant_gate_up_silu(x, w, bias, ops)  -> silu_and_mul(quant_linear(x, w, bias)) [T, N // 2]
+    quant_qkv_rope(x, w, bias, ops, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                   n_q, n_kv)            -> qkv [T, N], q/k rotated (NeoX), k/v in the cache
 
 x is [T, K] in the run dtype; w a GroupQuantWeight (gate rows then up rows for gate_up); ops the
 KernelDispatch (None: the reference). On CPU, or with VOLTSERVE_FORCE_REF=1, they are the
@@ -13,7 +15,8 @@ run dtype, the same math a reference model holding dequantized weights does. On 
 count picks the kernel (`quant_path`):
 
 - T <= 8 (decode): the fused dequantize-GEMV (quant_gemv.py), which reads each packed weight
-  byte once, fp32 accumulation; the gate_up variant applies silu_and_mul in its epilogue.
+  byte once, fp32 accumulation; the gate_up variant applies silu_and_mul in its epilogue, the
+  qkv_rope variant rotary and the KV-cache write (as the fp16 gemv kinds do).
 - 8 < T <= TC_MAX_ROWS (batched decode): the dequantize-in-shared-memory GEMM on Volta tensor
   cores (quant_gemm_tc.py, wmma m16n16k16 through wmma_ptx.cu), fp16 only.
 - larger T (prefill), fp32 runs, or VOLTSERVE_QUANT_TC=0: the layer dequantized into one reused
@@ -194,8 +197,42 @@ def quant_gate_up_silu(
     return ops.silu_and_mul(quant_linear(x, w, bias, ops))
 
 
+def quant_qkv_rope(
+    x: torch.Tensor,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None,
+    ops,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    n_q: int,
+    n_kv: int,
+) -> torch.Tensor:
+    """The qkv projection with NeoX rotary on q and k and the KV-cache write: qkv [T, N] (q and k
+    rotated), k and v written at slot_mapping (negative: skipped). Decode rows on CUDA run one
+    fused GEMV launch (quant_gemv.quant_qkv_rope_cuda, which falls back to its reference for
+    shapes it does not cover); otherwise quant_linear, then ops.rotary_and_cache."""
+    D = k_cache.shape[3]
+    if _cuda_enabled(ops) and x.is_cuda and quant_path(x.shape[0], x.dtype, w) == GEMV:
+        from voltserve.kernels.quant_gemv import quant_qkv_rope_cuda
+
+        args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+        return quant_qkv_rope_cuda(_permuted(x, w), w, bias, *args)
+    y = quant_linear(x, w, bias, ops)
+    q, k, v = y.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    if ops is None:
+        from voltserve.kernels.rotary_cache import rotary_and_cache_ref as rc
+    else:
+        rc = ops.rotary_and_cache
+    rc(positions, q, k, v, D, cos_sin_cache, True, k_cache, v_cache, slot_mapping)
+    return y
+
+
 __all__ = [
     "GroupQuantWeight",
+    "quant_qkv_rope",
     "quant_linear",
     "quant_gate_up_silu",
     "quant_linear_ref",

@@ -220,3 +220,37 @@ def test_tc_split_k_matches_unsplit():
     torch.cuda.synchronize()
     check(one, x, w, b)
     check(four, x, w, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("K,n_q,n_kv,bias", [(4096, 32, 8, False), (3584, 28, 4, True)])
+def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
+    """quant_qkv_rope (fused for <= 8 rows, quant_linear + rotary_and_cache beyond) against the
+    reference: the dequantized product in fp32, rounded to fp16, rotated, cached."""
+    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
+    from voltserve.kernels.quant_linear import quant_qkv_rope
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    D, bs, blocks = 128, 16, 8
+    N = (n_q + 2 * n_kv) * D
+    w = weight(K, N, 4, 128)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
+    b = torch.randn(N, device=DEV, dtype=torch.float16) if bias else None
+    pos = torch.randint(0, 4096, (rows,), device=DEV)
+    slots = torch.randperm(blocks * bs, device=DEV)[:rows]
+    if rows > 1:
+        slots[1] = -1
+    cache = build_cos_sin_cache(D, 4096, 500000.0, None).to(DEV)
+    # Caches start random: comparing them whole also checks that only live slots are written.
+    kc = torch.randn(blocks, n_kv, bs, D, device=DEV).half()
+    vc = torch.randn_like(kc)
+    kr, vr = kc.float(), vc.float()
+    y = quant_qkv_rope(x, w, b, ops(), pos, cache, kc, vc, slots, n_q, n_kv)
+    bf = None if b is None else b.float()
+    ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any()
+    tol = ref.abs().max().item() * 2**-8 + 2e-3
+    assert (y.float() - ref).abs().max().item() <= tol
+    assert (kc.float() - kr).abs().max().item() <= tol
+    assert (vc.float() - vr).abs().max().item() <= tol

@@ -146,3 +146,24 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="x must be"):
         quant_linear(torch.zeros(2, 95), w)
     assert quant_linear_ref(torch.zeros(2, 96), w).shape == (2, 4)
+
+
+def test_dispatch_resolves_quant_linear_and_env_switch(monkeypatch):
+    from voltserve.kernels.dispatch import _CAPTURABLE_REFS, KernelDispatch
+
+    monkeypatch.delenv("VOLTSERVE_QUANT_KERNELS", raising=False)
+    assert KernelDispatch("cuda", torch.float16).impl["quant_linear"] == "cuda"  # no device touched
+    monkeypatch.setenv("VOLTSERVE_QUANT_KERNELS", "0")
+    assert KernelDispatch("cuda", torch.float16).impl["quant_linear"] == "ref"
+    assert "quant_linear" in _CAPTURABLE_REFS  # dequantize + F.linear never syncs
+
+
+def test_scratch_is_reused_and_sized_once():
+    from voltserve.kernels.quant_linear import QuantScratch
+
+    s = QuantScratch()
+    a = s.get(4, 8, torch.float32, torch.device("cpu"))
+    b = s.get(2, 8, torch.float32, torch.device("cpu"))
+    assert a.shape == (4, 8) and b.shape == (2, 8) and a.data_ptr() == b.data_ptr()
+    c = s.get(8, 8, torch.float32, torch.device("cpu"))  # grows (outside a capture)
+    assert c.numel() == 64
