@@ -171,6 +171,14 @@ class GroupQuantMethod(LinearMethod):
         # decode rows on CUDA: one fused dequantize-GEMV launch with silu_and_mul in its epilogue
         return qk.quant_gate_up_silu(x, layer.qweight, layer.bias, ops)
 
+    def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
+        # quant_qkv_rope picks the fused GEMV for decode rows on CUDA (no host sync, so graphs
+        # hold it), else runs quant_linear then rotary_and_cache, as the unfused path does
+        return x.dim() == 2 and ops is not None
+
+    def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
+        return qk.quant_qkv_rope(x, layer.qweight, layer.bias, ops, *args)
+
     def weight_numel(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features
 
