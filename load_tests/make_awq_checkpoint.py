@@ -60,7 +60,10 @@ def main() -> None:
     args = p.parse_args()
     src, out = Path(args.src), Path(args.out)
     marker = out / "voltserve_awq.json"
-    if marker.is_file() and json.loads(marker.read_text()) == {"src": str(src), "group": args.group}:
+    if marker.is_file() and json.loads(marker.read_text()) == {
+        "src": str(src),
+        "group": args.group,
+    }:
         print(f"{out}: already holds the AWQ g{args.group} checkpoint of {src}")
         return
     t0 = time.perf_counter()
