@@ -84,3 +84,50 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 def pytest_report_header(config) -> str:
     env = os.environ.get(SEED_ENV)
     return f"{SEED_ENV}={env} (every test replays it)" if env else "random seeds: fresh per test"
+
+
+# ---- order and grouping for pytest-xdist (`make test`: -n auto --dist loadgroup) ----------
+
+# Scheduled first, in this order: the longest work starts at once and the short tests fill in
+# beside and after it, so both workers finish together. "cc70" is the compile check
+# (tests/kernels/conftest.py); slow tests carry the `slow` mark.
+_FIRST_GROUPS = ("cc70",)
+
+
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        d.scope in ("module", "package", "class")
+        for name in info.names_closure
+        for d in info.name2fixturedefs.get(name, ())
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A module whose tests share a module-scoped fixture (a running stack of services) stays on
+    # one worker: spread over two, each would start its own copy.
+    for item in items:
+        if _group(item) is None and _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item: pytest.Item) -> int:
+        g = _group(item)
+        if g in _FIRST_GROUPS:
+            return _FIRST_GROUPS.index(g)
+        if g is not None or item.get_closest_marker("slow"):
+            return len(_FIRST_GROUPS)
+        return len(_FIRST_GROUPS) + 1
+
+    # Stable: a module's tests keep their order, and a module with a shared fixture (all one
+    # rank) stays contiguous, so a serial run sets that fixture up once too.
+    items.sort(key=rank)
