@@ -124,9 +124,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         g = _group(item)
         if g in _FIRST_GROUPS:
             return _FIRST_GROUPS.index(g)
-        if g is not None or item.get_closest_marker("slow"):
-            return len(_FIRST_GROUPS)
-        return len(_FIRST_GROUPS) + 1
+        n = len(_FIRST_GROUPS)
+        if item.get_closest_marker("slow"):
+            return n
+        return n + 1 if g is not None else n + 2  # a module's shared stack, then the rest
 
     # Stable: a module's tests keep their order, and a module with a shared fixture (all one
     # rank) stays contiguous, so a serial run sets that fixture up once too.
