@@ -40,8 +40,6 @@ def test_check_kernels_reports_a_failing_kernel(tmp_path):
     CI trusts). One small kernel, so this costs a few seconds."""
     code = textwrap.dedent(
         """
-        import sys
-import textwrap
         from voltserve.kernels import check, registry
         spec = registry.KernelSpec("activation", "silu_and_mul_kernel", ("void(float16[:, ::1])",))
         registry.KERNELS[:] = [spec]
