@@ -121,9 +121,14 @@ def test_reference_keep_set_follows_vllm_order():
     logits[torch.rand(B, V) < 0.05] = float("-inf")
     temp = torch.rand(B) * 1.5 + 0.3
     top_k, top_p, min_p = random_filters(B, V)
-    # Rows that combine filters where the old intersection keeps more than the vLLM order.
+    # Rows that combine filters where the old intersection keeps more than the vLLM order. Their
+    # logits are flat (0.4 of the mass spans far more than 25 tokens), so the two orders keep
+    # different sets whatever the draw; a peaked row (one token over 0.4) would not tell them
+    # apart.
     top_k[:8], top_p[:8], min_p[:8] = 25, 0.4, 0.0
     top_k[8:16], top_p[8:16], min_p[8:16] = 0, 0.5, 0.2
+    logits[:16] = torch.randn(16, V) * 0.5
+    temp[:16] = 1.0
     scaled = logits / temp[:, None]
     keep = sampling.sample_keep_ref(scaled, top_k, top_p, min_p)
     differs = 0
