@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.xdist_group("cc70")
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the shared compile of every kernel runs in this test's setup
 def test_check_kernels_cc70_compiles_every_registered_kernel(cc70_check):
     assert cc70_check.returncode == 0, cc70_check.stdout + cc70_check.stderr
     ok_lines = [line for line in cc70_check.stdout.splitlines() if line.startswith("ok ")]

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.xdist_group("cc70")
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the shared compile of every kernel runs in this test's setup
 def test_wmma_cu_compiles_for_volta(cc70_check):
     # The PTX that `voltserve check-kernels` compiled from the .cu (NVRTC, compute_70).
     ptx = (cc70_check.ptx_dir / f"{Path(WMMA_CU).name}.ptx").read_text()
@@ -44,6 +45,7 @@ def test_wmma_cu_compiles_for_volta(cc70_check):
 
 @pytest.mark.xdist_group("cc70")
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the shared compile of every kernel runs in this test's setup
 def test_tc_kernel_links_for_volta(cc70_check):
     """The numba kernel's PTX and the .cu's, linked by nvJitLink into one sm_70 cubin (the check
     links every kernel of a module with CUDA_SOURCES): the extern prototypes numba emits match the
