@@ -10,13 +10,16 @@ DEMO_MODEL ?= .cache/demo-model
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test lint format check-kernels gpu-check clean
+.PHONY: install serve test test-fast lint format check-kernels gpu-check clean
 
+# Bytecode is compiled by the first import instead of by pip (PIP_NO_COMPILE): pip would compile
+# every file of torch, transformers and their dependencies, most of which no test imports.
+PIP_ENV := PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_COMPILE=1 PIP_PROGRESS_BAR=off
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[dev]'
+	$(PIP_ENV) $(PIP) install -q --upgrade pip
+	$(PIP_ENV) $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP_ENV) $(PIP) install -q -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -43,11 +46,21 @@ format: install
 check-kernels: install
 	$(VENV)/bin/voltserve check-kernels --cc 7.0
 
-# The cc 7.0 compile of every kernel (`voltserve check-kernels --cc 7.0`) runs inside the suite:
-# tests/kernels/test_check_kernels.py, which also checks that each registered signature compiled.
+# CI runs `make test`: lint, then every non-GPU test spread over the CPUs (pytest-xdist). The
+# cc 7.0 compile of every kernel (`voltserve check-kernels --cc 7.0`) runs inside the suite,
+# first (tests/kernels/conftest.py); loadgroup keeps tests that share a fixture on one worker
+# and the collection order (tests/conftest.py puts the long work first) is the schedule.
+PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not gpu" --timeout 600
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_PAR) --timeout 900 --durations=25
+
+# While working: the same in parallel without the slow tests (the kernel compile check and the
+# longest simulator and service runs). Not what CI runs: `make test` runs everything.
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_PAR) --timeout 300
 
 # Runs every GPU test and benchmark on a CUDA host; results land in OUT (default ./gpu-results).
 gpu-check:

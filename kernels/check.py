@@ -5,12 +5,19 @@ For each kernel and signature it prints one line: the PTX size, and, when the pi
 present, registers, spills and static shared memory from assembling that PTX for the target.
 It also rejects PTX that does not target the requested sm_XY or that uses instructions Volta lacks
 (bf16, cp.async, wgmma, TMA, mbarrier). Exit status 1 names every kernel that failed.
+
+Signatures compile in parallel, one worker process per CPU (--jobs); --only restricts the check
+to some kernels while working on them (CI compiles them all).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import importlib
+import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -18,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Instructions or types an SM70 kernel must not contain (checked as PTX substrings).
@@ -42,6 +50,7 @@ class Result:
     spill_bytes: int | None = None
     shared_bytes: int | None = None
     error: str | None = None
+    seconds: float = 0.0
 
 
 def _prepare_numba() -> None:
@@ -172,38 +181,122 @@ def check_ptx(ptx: str, cc: tuple[int, int]) -> None:
             raise RuntimeError(f"PTX contains {bad!r}, which SM70 kernels must not use")
 
 
-def compile_all(
-    cc: tuple[int, int], use_ptxas: bool = True, only: tuple[str, ...] = ()
-) -> list[Result]:
+@dataclass(frozen=True)
+class Task:
+    """One kernel signature to compile (what a worker process is handed)."""
+
+    module: str
+    attr: str
+    name: str
+    signature: str
+    cc: tuple[int, int]
+    use_ptxas: bool
+    ptx_dir: str | None = None
+
+
+@functools.cache
+def _cu_ptx(path: str, cc: tuple[int, int]) -> str:
+    # A module's CUDA C++ is the same for each of its signatures: compiled once per process.
+    ptx = compile_cu_ptx(path, cc)
+    check_ptx(ptx, cc)
+    return ptx
+
+
+def _ptx_file(ptx_dir: str, name: str, signature: str) -> Path:
+    digest = hashlib.sha1(signature.encode()).hexdigest()[:10]
+    return Path(ptx_dir) / f"{name}.{digest}.ptx"
+
+
+def compile_one(task: Task) -> Result:
+    """Compile one registered signature for task.cc; errors are returned, not raised."""
     from numba import cuda
+
+    res = Result(task.name, task.signature)
+    t0 = time.perf_counter()
+    try:
+        module = importlib.import_module(f"voltserve.kernels.{task.module}")
+        kernel = getattr(module, task.attr)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, task.signature, cc=task.cc)
+        res.ptx_bytes = len(ptx)
+        if task.ptx_dir:
+            _ptx_file(task.ptx_dir, task.name, task.signature).write_text(ptx)
+        check_ptx(ptx, task.cc)
+        # A module that links CUDA C++ lists it in CUDA_SOURCES: compile and check that too,
+        # and link both (ptxas alone cannot resolve the extern calls).
+        linked = [_cu_ptx(p, task.cc) for p in getattr(module, "CUDA_SOURCES", ())]
+        if task.ptx_dir:
+            for p, extra in zip(getattr(module, "CUDA_SOURCES", ()), linked):
+                (Path(task.ptx_dir) / f"{Path(p).name}.ptx").write_text(extra)
+        if linked and task.use_ptxas:
+            res.registers, res.spill_bytes, res.shared_bytes = link_info([ptx, *linked], task.cc)
+        elif task.use_ptxas and (ptxas := find_ptxas()):
+            res.registers, res.spill_bytes, res.shared_bytes = _ptxas_info(ptxas, ptx, task.cc)
+    except Exception as e:  # noqa: BLE001 - reported per kernel by the caller
+        msg = str(e).strip()
+        res.error = f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _init_worker(cc: tuple[int, int]) -> None:
+    _prepare_numba()
+    _patch_device_cc(cc)
+
+
+def _source_size(module: str) -> int:
+    try:
+        return (Path(__file__).parent / f"{module}.py").stat().st_size
+    except OSError:
+        return 0
+
+
+def default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def compile_all(
+    cc: tuple[int, int],
+    use_ptxas: bool = True,
+    jobs: int = 1,
+    only: list[str] | None = None,
+    ptx_dir: str | None = None,
+) -> list[Result]:
+    """Every registered signature (or those whose kernel name contains one of `only`), compiled
+    for cc; results in registry order. jobs > 1 spreads the signatures over that many worker
+    processes (each signature is independent; a worker keeps what it compiled, such as a shared
+    device function or a module's CUDA C++, for the signatures it compiles next)."""
     from voltserve.kernels.registry import KERNELS
 
-    ptxas = find_ptxas() if use_ptxas else None
-    results: list[Result] = []
-    for spec in KERNELS:
-        if only and not any(o in spec.name for o in only):
-            continue
-        for sig in spec.signatures:
-            res = Result(spec.name, sig)
-            results.append(res)
+    tasks = [
+        Task(spec.module, spec.attr, spec.name, sig, cc, use_ptxas, ptx_dir)
+        for spec in KERNELS
+        if not only or any(o in spec.name for o in only)
+        for sig in spec.signatures
+    ]
+    if ptx_dir:
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+    jobs = max(1, min(jobs, len(tasks)))
+    if jobs == 1:
+        _init_worker(cc)
+        return [compile_one(t) for t in tasks]
+    # Largest kernel families first (their modules are the largest files): the long compiles
+    # start at once and the short ones fill in at the end, so the workers finish together.
+    order = sorted(range(len(tasks)), key=lambda i: -_source_size(tasks[i].module))
+    results: list[Result | None] = [None] * len(tasks)
+    # spawn: fresh interpreters, whatever this process already imported (numba in the
+    # simulator, a CUDA context) stays out of the workers.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(cc,)) as ex:
+        futures = {ex.submit(compile_one, tasks[i]): i for i in order}
+        for fut, i in futures.items():
             try:
-                module = importlib.import_module(f"voltserve.kernels.{spec.module}")
-                kernel = getattr(module, spec.attr)
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-                res.ptx_bytes = len(ptx)
-                check_ptx(ptx, cc)
-                # A module that links CUDA C++ lists it in CUDA_SOURCES: compile and check that
-                # too, and link both (ptxas alone cannot resolve the extern calls).
-                linked = [compile_cu_ptx(p, cc) for p in getattr(module, "CUDA_SOURCES", ())]
-                for extra in linked:
-                    check_ptx(extra, cc)
-                if linked and use_ptxas:
-                    res.registers, res.spill_bytes, res.shared_bytes = link_info([ptx, *linked], cc)
-                elif ptxas:
-                    res.registers, res.spill_bytes, res.shared_bytes = _ptxas_info(ptxas, ptx, cc)
-            except Exception as e:  # noqa: BLE001 - reported per kernel below
-                res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-    return results
+                results[i] = fut.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died: name its kernel
+                results[i] = Result(tasks[i].name, tasks[i].signature, error=f"worker: {e!r}")
+    return results  # type: ignore[return-value]
 
 
 def main(argv: list[str]) -> None:
@@ -213,10 +306,20 @@ def main(argv: list[str]) -> None:
         "--no-ptxas", action="store_true", help="skip assembling (report PTX size only)"
     )
     ap.add_argument(
-        "--only",
-        default="",
-        help="comma-separated substrings: compile only kernels whose module.attr contains one",
+        "--jobs",
+        "-j",
+        type=int,
+        default=default_jobs(),
+        help="worker processes (default: the CPUs this process may use)",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="only kernels whose name (module.attr) contains NAME (repeatable)",
+    )
+    ap.add_argument("--ptx-dir", help="also write each kernel's PTX into this folder")
+    ap.add_argument("--json", dest="json_path", help="also write the results as JSON here")
     args = ap.parse_args(argv)
     try:
         major, minor = (int(x) for x in args.cc.split("."))
@@ -225,10 +328,17 @@ def main(argv: list[str]) -> None:
     cc = (major, minor)
 
     _prepare_numba()
-    _patch_device_cc(cc)
     t0 = time.perf_counter()
-    only = tuple(o for o in args.only.split(",") if o)
-    results = compile_all(cc, use_ptxas=not args.no_ptxas, only=only)
+    results = compile_all(
+        cc,
+        use_ptxas=not args.no_ptxas,
+        jobs=args.jobs,
+        # Repeatable, and each value may list several names separated by commas.
+        only=[n for o in args.only or () for n in o.split(",") if n] or None,
+        ptx_dir=args.ptx_dir,
+    )
+    if not results:
+        raise SystemExit(f"check-kernels: no registered kernel matches --only {args.only}")
     failed = [r for r in results if r.error]
     for r in results:
         if r.error:
@@ -236,14 +346,16 @@ def main(argv: list[str]) -> None:
         elif r.registers is not None:
             print(
                 f"ok   {r.name:<44} regs={r.registers:<3} spill={r.spill_bytes}B "
-                f"smem={r.shared_bytes}B ptx={r.ptx_bytes}B  {r.signature}"
+                f"smem={r.shared_bytes}B ptx={r.ptx_bytes}B {r.seconds:5.1f}s  {r.signature}"
             )
         else:
-            print(f"ok   {r.name:<44} ptx={r.ptx_bytes}B  {r.signature}")
+            print(f"ok   {r.name:<44} ptx={r.ptx_bytes}B {r.seconds:5.1f}s  {r.signature}")
     print(
         f"check-kernels: {len(results) - len(failed)}/{len(results)} kernel signatures compiled "
-        f"for sm_{major}{minor} in {time.perf_counter() - t0:.1f}s"
+        f"for sm_{major}{minor} in {time.perf_counter() - t0:.1f}s ({args.jobs} jobs)"
     )
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps([asdict(r) for r in results], indent=1))
     if failed:
         names = ", ".join(sorted({r.name for r in failed}))
         print(f"check-kernels: FAILED: {names}", file=sys.stderr)

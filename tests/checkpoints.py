@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,7 +49,14 @@ ARCH_OVERRIDES: dict[str, dict] = {
 @functools.cache
 def _root() -> Path:
     d = Path(tempfile.mkdtemp(prefix="voltserve-ckpt-"))
-    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    owner = os.getpid()
+
+    def remove() -> None:
+        # Only the process that made it: a forked child that exits normally runs atexit too.
+        if os.getpid() == owner:
+            shutil.rmtree(d, ignore_errors=True)
+
+    atexit.register(remove)
     return d
 
 

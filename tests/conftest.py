@@ -4,10 +4,25 @@ Without a CUDA GPU, numba kernels run in numba's CUDA simulator. numba reads
 NUMBA_ENABLE_CUDASIM once, when numba.cuda is first imported, so it is set here, before any test
 module imports a kernel. torch is imported first to ask about the GPU (importing torch does not
 import numba).
+
+Randomness. Every test starts from a fresh seed: the global `random`, torch and numpy generators
+are seeded with it before the test runs, and the `rng` fixture is a `random.Random` of the same
+seed. A failing test's report shows `VOLTSERVE_TEST_SEED=<seed>`; running it again with that
+environment variable replays the same draws. Tests must assert only what holds for every draw:
+a property that needs a particular schedule is forced by how the inputs are built.
+
+Parallel runs (pytest-xdist, `make test`): services that tests start listen on ports from
+tests/ports.py, never on fixed ones, and keep their files under each test's tmp_path.
 """
 
-import os
+from __future__ import annotations
 
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -26,3 +41,107 @@ else:
     _cache_dir = tempfile.mkdtemp(prefix="voltserve-test-cache-")
     os.environ["VOLTSERVE_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Make the repository root importable so tests can share helpers as `tests.<module>`
+# (tests/checkpoints.py, tests/engine/kv_echo_runner.py).
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+SEED_ENV = "VOLTSERVE_TEST_SEED"
+
+
+def draw_seed() -> int:
+    """The seed for the test about to run: VOLTSERVE_TEST_SEED when set (a replay), else fresh."""
+    env = os.environ.get(SEED_ENV)
+    return int(env) if env else random.SystemRandom().randrange(1 << 32)
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything(request: pytest.FixtureRequest):
+    seed = draw_seed()
+    request.node._voltserve_seed = seed
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:  # numpy comes with torch and numba; kept optional for clarity
+        pass
+    yield
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest, _seed_everything) -> int:
+    """This test's seed (printed on failure, replayed with VOLTSERVE_TEST_SEED)."""
+    return request.node._voltserve_seed
+
+
+@pytest.fixture
+def rng(seed: int) -> random.Random:
+    """Fresh random inputs every run, reproducible from the test's seed."""
+    return random.Random(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "_voltserve_seed", None)
+    if seed is not None and report.failed:
+        report.sections.append(
+            ("random seed", f"replay with {SEED_ENV}={seed} pytest '{item.nodeid}'")
+        )
+
+
+def pytest_report_header(config) -> str:
+    env = os.environ.get(SEED_ENV)
+    return f"{SEED_ENV}={env} (every test replays it)" if env else "random seeds: fresh per test"
+
+
+# ---- order and grouping for pytest-xdist (`make test`: -n auto --dist loadgroup) ----------
+
+# Scheduled first, in this order: the longest work starts at once and the short tests fill in
+# beside and after it, so both workers finish together. "cc70" is the compile check
+# (tests/kernels/conftest.py); slow tests carry the `slow` mark.
+_FIRST_GROUPS = ("cc70",)
+
+
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        d.scope in ("module", "package", "class")
+        for name in info.names_closure
+        for d in info.name2fixturedefs.get(name, ())
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A module whose tests share a module-scoped fixture (a running stack of services) stays on
+    # one worker: spread over two, each would start its own copy.
+    for item in items:
+        if _group(item) is None and _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item: pytest.Item) -> int:
+        g = _group(item)
+        if g in _FIRST_GROUPS:
+            return _FIRST_GROUPS.index(g)
+        n = len(_FIRST_GROUPS)
+        if item.get_closest_marker("slow"):
+            return n
+        return n + 1 if g is not None else n + 2  # a module's shared stack, then the rest
+
+    # Stable: a module's tests keep their order, and a module with a shared fixture (all one
+    # rank) stays contiguous, so a serial run sets that fixture up once too.
+    items.sort(key=rank)

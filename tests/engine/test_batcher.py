@@ -327,11 +327,10 @@ def test_prefix_hit_on_blocks_of_a_request_still_running():
     assert_all_free(engine)
 
 
-def test_schedule_without_admission_holds_waiting_requests():
+def test_schedule_without_admission_holds_waiting_requests(rng):
     """schedule(admit=False) (a pipelined decode step in flight) plans the running decodes only
     and says that waiting requests were held back; the next schedule admits them."""
     engine, _ = make_engine(max_seqs=4)
-    rng = random.Random()
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [rng.randrange(97) for _ in range(rng.randrange(1, 30))], p)
     engine.step()  # a's prefill

@@ -6,8 +6,6 @@ take the ordinary path)."""
 
 from __future__ import annotations
 
-import random
-
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -21,38 +19,55 @@ def llama_config(**sizes) -> EngineConfig:
     return EngineConfig(model=str(checkpoint("llama")), max_model_len=128, **sizes)
 
 
-def test_pipelined_decode_equals_eager_under_churn(monkeypatch) -> None:
+def test_pipelined_decode_equals_eager_under_churn(monkeypatch, rng) -> None:
+    """Fresh random churn around a fixed core that forces what the test asserts, whatever the
+    draw: r0-r2 (greedy, ignore_eos, prompts of one prefill chunk) arrive at step 0 and run alone
+    until step 12, so the pipeline launches ahead for them every step; r2 stops at its length
+    limit at step 5 while r0 and r1 go on, so the step launched with it is used without its row
+    (a dropped row); r3 and r4 (50-token prompts, 45 tokens each, arriving at step 12) need 6
+    blocks each beside r0's and r1's 4 while all four run, more than the 16 there are, so a
+    request is preempted. The random requests (any sampling, EOS allowed) only add churn."""
     from voltserve.services.executor.decode_pipeline import DecodePipeline
 
     monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
-    rng = random.Random()
     cfg = llama_config(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=48)
     runner = _emulated_graph_runner(cfg, 4)
     runner.pipeline = DecodePipeline(runner, max_batch=4)
     V = len(tokenizer())
-    arrivals = []
-    for i in range(12):
-        # The first three (greedy, short prompts, at step 0) give the pipeline a steady stretch
-        # before the others start arriving at step 12 and churn the batch.
-        long_greedy = i < 3
-        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 16 if long_greedy else 50))]
-        max_tokens = 40 if long_greedy else rng.randint(1, 45)
+
+    def greedy(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(V) for _ in range(n)]
+
+    arrivals = [
+        (0, "r0", prompt(16), greedy(40)),
+        (0, "r1", prompt(rng.randint(9, 16)), greedy(40)),
+        (0, "r2", prompt(rng.randint(1, 16)), greedy(6)),
+        (12, "r3", prompt(50), greedy(45)),
+        (12, "r4", prompt(50), greedy(45)),
+    ]
+    for i in range(5, 12):
+        max_tokens = rng.randint(1, 45)
         params = SamplingParams(
-            temperature=0.0 if long_greedy else rng.choice((0.0, 0.0, 0.0, 0.9)),
+            temperature=rng.choice((0.0, 0.0, 0.0, 0.9)),
             max_tokens=max_tokens,
-            ignore_eos=long_greedy or rng.random() < 0.7,
-            min_tokens=0 if long_greedy else min(max_tokens, rng.choice((0, 0, 3))),
+            ignore_eos=rng.random() < 0.7,
+            min_tokens=min(max_tokens, rng.choice((0, 0, 3))),
             seed=rng.randrange(1 << 30),
         )
-        arrivals.append((0 if long_greedy else rng.randrange(12, 30), f"r{i}", prompt, params))
-    piped = run_arrivals(LLMEngine(cfg, runner), arrivals, 25)
+        arrivals.append((rng.randrange(12, 30), f"r{i}", prompt(rng.randint(1, 50)), params))
+    piped_engine = LLMEngine(cfg, runner)
+    piped = run_arrivals(piped_engine, arrivals, 25)
     eager = run_arrivals(LLMEngine(cfg), arrivals, 25)
     assert piped == eager
     p = runner.pipeline
     print("pipeline launched", p.launched, "used", p.used, "dropped rows", p.dropped_rows)
     assert p.used >= 5, (p.launched, p.used)  # steps whose ids were already on their way
-    # Finishes leave rows of a launched step behind: the step is used without them.
+    # r2's finish leaves its row of a launched step behind: the step is used without it.
     assert p.dropped_rows > 0, (p.launched, p.used)
+    assert piped_engine.batcher.num_preemptions > 0
 
 
 def test_pipeline_switch(monkeypatch) -> None:
@@ -70,20 +85,21 @@ def test_pipeline_switch(monkeypatch) -> None:
     assert ModelRunner(cfg).pipeline is None
 
 
-def test_pipeline_continues_across_block_boundaries(monkeypatch) -> None:
-    """A steady greedy batch of 12 whose rows cross block boundaries at different steps: with the batcher's lookahead
-    slot every decode step after the first is the one launched ahead; without it most steps
-    have a row at a boundary and are not. Tokens equal the eager engine's either way."""
+def test_pipeline_continues_across_block_boundaries(monkeypatch, rng) -> None:
+    """A steady greedy batch of 12 whose rows cross block boundaries at different steps: with
+    the batcher's lookahead slot every decode step after the first is the one launched ahead;
+    without it most steps have a row at a boundary and are not. Tokens equal the eager
+    engine's either way. The prompt lengths are 12 distinct values of 1..16 (random order and
+    choice), so the rows reach their boundaries at 12 different steps by construction."""
     from voltserve.services.executor.decode_pipeline import DecodePipeline
 
     monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
-    rng = random.Random()
     cfg = llama_config(num_kv_blocks=48, max_num_seqs=12, max_num_batched_tokens=256)
     V = len(tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     arrivals = [
-        (0, f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], params)
-        for i in range(12)
+        (0, f"r{i}", [rng.randrange(V) for _ in range(n)], params)
+        for i, n in enumerate(rng.sample(range(1, 17), 12))
     ]
     eager = run_arrivals(LLMEngine(cfg), arrivals, 5)
     used = {}
@@ -114,14 +130,13 @@ def test_pipeline_max_batch_switch(monkeypatch) -> None:
             pipeline_max_batch()
 
 
-def test_pipelined_engine_admits_after_going_idle(monkeypatch) -> None:
+def test_pipelined_engine_admits_after_going_idle(monkeypatch, rng) -> None:
     """A request that runs to its length limit leaves no step in flight that holds back the
     next request (the bench's batch-1 run followed by a batch: the second must be admitted),
     and each round's tokens equal the eager engine's."""
     from voltserve.services.executor.decode_pipeline import DecodePipeline
 
     monkeypatch.setenv("VOLTSERVE_PIPELINE_DECODE", "1")
-    rng = random.Random()
     cfg = llama_config(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
     runner = _emulated_graph_runner(cfg, 4)
     runner.pipeline = DecodePipeline(runner)

@@ -180,19 +180,23 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     graph_engine, eager_engine = LLMEngine(cfg, runner), LLMEngine(cfg)
     V = len(tokenizer())
     shared = [rng.randrange(V) for _ in range(32)]
+    # The forced core: five requests of 40 + 40 tokens at step 0 need 5 blocks each, 25 > 14,
+    # so the newest is preempted whatever else arrives; the random rest (arriving at steps
+    # 0-19, some behind a shared prefix) is the churn around them.
     arrivals = []
     for i in range(16):
-        n = rng.randint(1 if i < 4 else 20, 60)
+        core = i < 5
+        n = 40 if core else rng.randint(1, 60)
         prompt = [rng.randrange(V) for _ in range(n)]
-        if rng.random() < 0.4:
+        if not core and rng.random() < 0.4:
             prompt = shared[: rng.choice((16, 32))] + prompt  # prefix-cache hits
         params = SamplingParams(
             temperature=rng.choice((0.0, 0.0, 0.9)),
-            max_tokens=rng.randint(1 if i < 4 else 10, 40),
+            max_tokens=40 if core else rng.randint(1, 40),
             ignore_eos=True,
             seed=rng.randrange(1 << 30),
         )
-        arrivals.append((rng.randrange(0, 20), f"r{i}", prompt[:100], params))
+        arrivals.append((0 if core else rng.randrange(0, 20), f"r{i}", prompt[:100], params))
     results = [run_arrivals(e, arrivals, 21) for e in (graph_engine, eager_engine)]
     assert results[0] == results[1]
     assert g.num_replays == staged > 20

@@ -33,10 +33,9 @@ def runners() -> dict[str, ModelRunner]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_and_logprobs_match_transformers(arch: str, runners) -> None:
+def test_greedy_and_logprobs_match_transformers(arch: str, runners, rng) -> None:
     runner = runners[arch]
     assert runner.device.type == "cpu" and runner.model.lm_head_weight().dtype == torch.float32
-    rng = random.Random(hash(arch) & 0xFFFF)
     V = len(tokenizer())
     lengths = [rng.randint(1, 6), rng.randint(17, 40), rng.randint(41, 70)]
     prompts = [[rng.randrange(V) for _ in range(n)] for n in lengths]

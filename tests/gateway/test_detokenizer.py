@@ -42,8 +42,7 @@ def test_characters_do_split_across_tokens(tokenizer: PreTrainedTokenizerFast) -
 
 
 @pytest.mark.parametrize("trial", range(40))
-def test_pieces_are_whole_characters(tokenizer: PreTrainedTokenizerFast, trial: int) -> None:
-    rng = random.Random()
+def test_pieces_are_whole_characters(rng, tokenizer: PreTrainedTokenizerFast, trial: int) -> None:
     text = random_text(rng, rng.randint(1, 60))
     ids = tokenizer.encode(text, add_special_tokens=False)
     d = IncrementalDetokenizer(tokenizer)
@@ -79,12 +78,11 @@ def test_truncated_character_is_flushed_at_the_end(tokenizer: PreTrainedTokenize
     assert held + d.flush() == tokenizer.decode(ids[:-1])
 
 
-def test_fast_backend_decodes_like_the_tokenizer(tokenizer: PreTrainedTokenizerFast) -> None:
+def test_fast_backend_decodes_like_the_tokenizer(rng, tokenizer: PreTrainedTokenizerFast) -> None:
     from voltserve.services.gateway.detokenizer import fast_backend
 
     backend = fast_backend(tokenizer)
     assert backend is not None  # a plain fast tokenizer takes the direct path
-    rng = random.Random()
     for _ in range(200):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))]
         for skip in (True, False):

@@ -3,8 +3,6 @@ output offset, errors reach the whole request or one choice."""
 
 from __future__ import annotations
 
-import random
-
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.shared.protocol import RequestDelta, RequestError, StepOutput
 
@@ -16,8 +14,7 @@ def drain(q) -> list:
     return out
 
 
-async def test_repeats_are_dropped_and_choices_routed() -> None:
-    rng = random.Random()
+async def test_repeats_are_dropped_and_choices_routed(rng) -> None:
     d = OutputDispatcher(redis=None, gateway_id="g")
     h = d.register("req", 2)
     tokens = [[rng.randrange(500) for _ in range(20)] for _ in range(2)]

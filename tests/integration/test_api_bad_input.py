@@ -147,8 +147,7 @@ def _wrong_values(rng: random.Random) -> list[Any]:
     return [rng.choice(junk), str(rng.randint(1, 5)), True]
 
 
-async def test_wrong_types_name_the_parameter(http) -> None:
-    rng = random.Random()
+async def test_wrong_types_name_the_parameter(rng, http) -> None:
     number = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"]
     number += ["repetition_penalty"]
     integer = ["max_tokens", "n", "top_k", "seed", "min_tokens", "logprobs"]
@@ -207,8 +206,7 @@ async def test_integers_past_64_bits_are_400(http) -> None:
     check_error(status, body, 400, None)
 
 
-async def test_ranges(http, vocab: int) -> None:
-    rng = random.Random()
+async def test_ranges(rng, http, vocab: int) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         (cmp(n=0), "n"),
         (cmp(n=MAX_N + 1), "n"),
@@ -258,8 +256,7 @@ async def test_ranges(http, vocab: int) -> None:
 # ---- prompts and messages -------------------------------------------------------------------
 
 
-async def test_prompt_forms(http, vocab: int) -> None:
-    rng = random.Random()
+async def test_prompt_forms(rng, http, vocab: int) -> None:
     ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
     bad_prompts = [
         ("", "empty"),
@@ -324,8 +321,7 @@ async def test_chat_messages(http) -> None:
     check_error(status, body, 400, "messages")
 
 
-async def test_chat_unusual_but_valid(http) -> None:
-    rng = random.Random()
+async def test_chat_unusual_but_valid(rng, http) -> None:
     words = [f"w{rng.randint(0, 999)}" for _ in range(rng.randint(2, 5))]
     text = " ".join(words)
 

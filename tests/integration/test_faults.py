@@ -75,7 +75,7 @@ def routes_on(stack, executor_id: str) -> int:
 
 
 async def test_200_concurrent_streams_lose_and_repeat_nothing(faults_stack):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     prompts = [rand_prompt(rng) for _ in range(10)]
     c = client(faults_stack)
     ref = await reference(c, prompts, 8)
@@ -94,7 +94,7 @@ async def test_200_concurrent_streams_lose_and_repeat_nothing(faults_stack):
 
 async def test_executor_kill9_mid_stream_fails_over(faults_stack):
     s = faults_stack
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     prompts = [rand_prompt(rng) for _ in range(8)]
     # Long outputs (prompt + output < max_model_len 512) keep them in flight for a while: a
     # tiny model on CPU streams a few hundred tokens a second per request.
@@ -130,7 +130,7 @@ async def test_killed_renderer_work_is_reclaimed(faults_stack):
     s = faults_stack
     c = client(s)
     r = redis.Redis.from_url(s.redis_url)
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     try:
         for _attempt in range(5):
             prompt = rand_prompt(rng)
@@ -170,7 +170,7 @@ async def test_killed_renderer_work_is_reclaimed(faults_stack):
 
 async def test_restarted_gateway_does_not_disturb_the_other(faults_stack):
     s = faults_stack
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     prompts = [rand_prompt(rng) for _ in range(12)]
     c1 = client(s, "gateway-1")
     ref = await reference(c1, prompts, 40)

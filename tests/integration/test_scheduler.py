@@ -97,10 +97,9 @@ def bare(tiny_model, tmp_path):
     s.stop()
 
 
-def test_requests_wait_for_an_executor_and_the_bound_answers_503(bare):
+def test_requests_wait_for_an_executor_and_the_bound_answers_503(rng, bare):
     bare.add_scheduler("scheduler-0", "--max-queued-requests", "3")
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     time.sleep(1.0)  # the scheduler takes the lease
     ids = [gw.send(prompt(rng), 6) for _ in range(5)]
     deadline = time.monotonic() + 60
@@ -117,10 +116,9 @@ def test_requests_wait_for_an_executor_and_the_bound_answers_503(bare):
     assert all(gw.finish[i] == "length" and len(gw.tokens[i]) == 6 for i in ids[:3])
 
 
-def test_abort_reaches_the_executor_and_the_queue(bare):
+def test_abort_reaches_the_executor_and_the_queue(rng, bare):
     bare.add_scheduler()
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     queued = gw.send(prompt(rng), 5)
     time.sleep(1.0)
     gw.abort([queued])  # still in the admission queue: the scheduler ends it itself
@@ -137,14 +135,13 @@ def test_abort_reaches_the_executor_and_the_queue(bare):
     assert len(gw.tokens[long]) < 400
 
 
-def test_burst_admitted_as_a_batch_is_recorded_and_an_abort_in_it_stays_final(bare):
+def test_burst_admitted_as_a_batch_is_recorded_and_an_abort_in_it_stays_final(rng, bare):
     """Requests the scheduler reads in one batch are admitted together and recorded before the
     batch is acknowledged (its route records appear while no executor can take them); a
     request aborted in the same batch ends as aborted and leaves no record behind."""
     bare.add_scheduler("scheduler-0")
     r = wait_leader(bare.redis_url, "scheduler-0")
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     n = rng.randint(5, 20)
     reqs = []
     for _ in range(n):
@@ -174,7 +171,7 @@ def test_burst_admitted_as_a_batch_is_recorded_and_an_abort_in_it_stays_final(ba
     assert all(len(gw.tokens[i]) == 4 for i in live)
 
 
-def test_prefix_affinity_and_least_loaded(bare):
+def test_prefix_affinity_and_least_loaded(rng, bare):
     bare.add_scheduler()
     bare.add_executor("executor-0")
     bare.add_executor("executor-1")
@@ -182,7 +179,6 @@ def test_prefix_affinity_and_least_loaded(bare):
     bare.wait_executor("executor-1", alive=True)
     time.sleep(0.5)  # the scheduler's registry sees both
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     shared = prompt(rng, 48)
     same = [gw.send(shared + prompt(rng), 30) for _ in range(6)]
     gw.wait(same)
@@ -193,12 +189,11 @@ def test_prefix_affinity_and_least_loaded(bare):
     assert {gw.executors[i] for i in spread} == {"executor-0", "executor-1"}
 
 
-def test_standby_scheduler_takes_over_queued_requests(bare):
+def test_standby_scheduler_takes_over_queued_requests(rng, bare):
     bare.add_scheduler("scheduler-0")
     r = wait_leader(bare.redis_url, "scheduler-0")
     bare.add_scheduler("scheduler-1")
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     ids = [gw.send(prompt(rng), 7) for _ in range(4)]
     deadline = time.monotonic() + 10
     while r.hlen(streams.scheduler_routes_key()) < 4:  # admitted and mirrored
@@ -220,10 +215,9 @@ def test_standby_scheduler_takes_over_queued_requests(bare):
     r.close()
 
 
-def test_requests_of_a_vanished_gateway_are_aborted(bare):
+def test_requests_of_a_vanished_gateway_are_aborted(rng, bare):
     bare.add_scheduler()
     gw = FakeGateway(bare.redis_url)
-    rng = random.Random()
     ids = [gw.send(prompt(rng), 5) for _ in range(3)]  # queued: there is no executor
     # Beat until the scheduler has admitted them and seen us alive, then fall silent.
     deadline = time.monotonic() + 30

@@ -142,8 +142,8 @@ DECODE_CASES = [
     + [(*c, "online") for c in (DECODE_CASES[0], DECODE_CASES[3])]
     + [(*c, "dbuf") for c in DECODE_CASES[2:]],
 )
-def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, core):
-    rng = np.random.default_rng()
+def test_decode_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_lens, core):
+    rng = np.random.default_rng(seed)
     # The single-sequence case runs the in-kernel merge (partial and empty partitions), the
     # others the merge kernel: the simulated shuffles of the in-kernel merge are slow. The GPU
     # tests run both on every case, zero rows included.
@@ -174,10 +174,10 @@ def test_decode_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, c
     np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
 
 
-def test_decode_in_kernel_merge_resets_counters():
+def test_decode_in_kernel_merge_resets_counters(seed):
     """The merging block zeroes its counter, so a second launch (a graph replay) with other
     lengths merges again; a counter left non-zero would skip or misplace the merge."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     H, kvh, D = 1, 1, 32
     counters = np.zeros(kvh, np.int32)
     for seq_lens in ([40], [64]):
@@ -189,10 +189,10 @@ def test_decode_in_kernel_merge_resets_counters():
         np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
 
 
-def test_decode_merge_mode_one_partition_context_writes_directly():
+def test_decode_merge_mode_one_partition_context_writes_directly(seed):
     """In merge mode, a sequence whose context fits one partition (under a bound of several) is
     finished by partition 0 alone: the right output, no partials written, no counter touched."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     H, kvh, D = 2, 1, 32
     seq_lens = [int(rng.integers(1, PARTITION + 1))]
     k, v, tables = make_cache(rng, seq_lens, kvh, D)
@@ -235,8 +235,8 @@ def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
         (32, 8, 2, [35, 20, 3], [12, 1, 3]),  # 4 heads per KV head, a decode row in the batch
     ],
 )
-def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, seq_lens, q_lens):
-    rng = np.random.default_rng()
+def test_prefill_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_lens, q_lens):
+    rng = np.random.default_rng(seed)
     k, v, tables = make_cache(rng, seq_lens, num_kv_heads, head_dim)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float16)

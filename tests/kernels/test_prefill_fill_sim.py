@@ -34,8 +34,8 @@ def fill_kernel(k_s, v_s, k_cache, v_cache, block_tables, b, kvh, nkv, seq_len, 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seq_len,kv0", [(70, 0), (70, 32), (70, 64), (5, 0), (48, 32)])
-def test_fill_matches_the_cache_rows(head_dim, seq_len, kv0):
-    rng = np.random.default_rng()
+def test_fill_matches_the_cache_rows(seed, head_dim, seq_len, kv0):
+    rng = np.random.default_rng(seed)
     kvh, num_kv_heads = 1, 2
     n_blocks = -(-seq_len // BLOCK_SIZE) + 3
     shape = (n_blocks, num_kv_heads, BLOCK_SIZE, head_dim)

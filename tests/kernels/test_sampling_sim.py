@@ -121,9 +121,14 @@ def test_reference_keep_set_follows_vllm_order():
     logits[torch.rand(B, V) < 0.05] = float("-inf")
     temp = torch.rand(B) * 1.5 + 0.3
     top_k, top_p, min_p = random_filters(B, V)
-    # Rows that combine filters where the old intersection keeps more than the vLLM order.
+    # Rows that combine filters where the old intersection keeps more than the vLLM order. Their
+    # logits are flat (0.4 of the mass spans far more than 25 tokens), so the two orders keep
+    # different sets whatever the draw; a peaked row (one token over 0.4) would not tell them
+    # apart.
     top_k[:8], top_p[:8], min_p[:8] = 25, 0.4, 0.0
     top_k[8:16], top_p[8:16], min_p[8:16] = 0, 0.5, 0.2
+    logits[:16] = torch.randn(16, V) * 0.5
+    temp[:16] = 1.0
     scaled = logits / temp[:, None]
     keep = sampling.sample_keep_ref(scaled, top_k, top_p, min_p)
     differs = 0
@@ -152,26 +157,38 @@ def test_kernel_follows_vllm_order_with_combined_filters():
     top_k = filters[perm, 0].to(torch.int32).repeat_interleave(seeds_per_row)
     top_p = filters[perm, 1].repeat_interleave(seeds_per_row)
     min_p = filters[perm, 2].repeat_interleave(seeds_per_row)
-    seeds = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64)
-    positions = torch.randint(0, 5000, (n,), dtype=torch.int64)
-    args = (logits, temp, top_k, top_p, min_p, seeds, positions)
-    got = sample_sim(*args)
-    ref = sampling.sample_ref(*args)
-    check_rows(args, got, ref)
-    # The old semantics' draw with the same noise, to show these rows tell the orders apart.
     scaled = logits / temp[:, None]
-    gumbel = -torch.log(-torch.log(sampling.seeded_uniform_ref(seeds, positions, V)))
-    old_differs = 0
-    for b in range(n):
+
+    def old_draw_differs(b: int, seeds: torch.Tensor, positions: torch.Tensor, new: int) -> bool:
+        """Whether the old semantics' draw with row b's noise differs from `new`."""
         row = (scaled[b].double(), int(top_k[b]), float(top_p[b]), float(min_p[b]))
         if ambiguous(*row):
-            continue
-        assert int(got[b]) in vllm_keep_row(*row), b
+            return False
+        u = sampling.seeded_uniform_ref(seeds[b : b + 1], positions[b : b + 1], V)[0]
         old = torch.full((V,), float("-inf"))
         old_ids = sorted(old_keep_row(*row))
-        old[old_ids] = scaled[b, old_ids] + gumbel[b, old_ids]
-        old_differs += int(old.argmax()) != int(got[b])
-    assert old_differs > 0
+        old[old_ids] = scaled[b, old_ids] - torch.log(-torch.log(u[old_ids]))
+        return int(old.argmax()) != new
+
+    # Seeds chosen (with the reference, cheaply) so that some draw tells the orders apart:
+    # a property of these rows by construction, not a hope about one draw.
+    for _ in range(200):
+        seeds = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64)
+        positions = torch.randint(0, 5000, (n,), dtype=torch.int64)
+        args = (logits, temp, top_k, top_p, min_p, seeds, positions)
+        ref = sampling.sample_ref(*args)
+        if any(old_draw_differs(b, seeds, positions, int(ref[b])) for b in range(n)):
+            break
+    else:
+        raise AssertionError("no seeds whose draws tell the old and the vLLM order apart")
+    got = sample_sim(*args)
+    check_rows(args, got, ref)
+    for b in range(n):
+        row = (scaled[b].double(), int(top_k[b]), float(top_p[b]), float(min_p[b]))
+        if not ambiguous(*row):
+            assert int(got[b]) in vllm_keep_row(*row), b
+    # got equals ref (check_rows), so the kernel's draws include one the old order would not make
+    assert any(old_draw_differs(b, seeds, positions, int(got[b])) for b in range(n))
 
 
 def test_sample_matches_reference_mixed_rows():

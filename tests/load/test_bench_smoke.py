@@ -42,8 +42,7 @@ def test_weight_bytes_match_llama3_8b_parameter_count():
     assert wq["read_per_token_bytes"] == wq["total_bytes"]
 
 
-def test_datasets_stay_in_vocab_and_share_prefix():
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_datasets_stay_in_vocab_and_share_prefix(seed):
     vocab = int(np.random.default_rng(seed).integers(100, 5000))
     args = bench_serving.parse_args(
         [
@@ -79,6 +78,7 @@ def test_datasets_stay_in_vocab_and_share_prefix():
     assert not {tuple(w.token_ids[:12]) for w in warm} & {tuple(p.token_ids[:12]) for p in prompts}
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_bench_decode_cpu_smoke(tmp_path):
     out = tmp_path / "decode.json"
     _run(
@@ -138,6 +138,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
     assert d["env"]["torch"] and "git_commit" in d["env"]
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     model = tmp_path / "model"
     common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)
@@ -181,6 +182,7 @@ def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     importlib.util.find_spec("voltserve.services.launcher") is None,
     reason="`voltserve serve` (voltserve.services.launcher) is not in this tree yet",
 )
+@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_bench_serving_launch_cpu_smoke(tmp_path):
     model = tmp_path / "demo"
     _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
@@ -242,6 +244,7 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     assert (tmp_path / "serving_server.log").exists()
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 @pytest.mark.skipif(
     importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
 )
@@ -289,6 +292,7 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
     assert cost["output_throughput_ratio"] > 0 and cost["median_itl_ms_diff"] is not None
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_profile_serving_steps_cpu_smoke(tmp_path):
     model = tmp_path / "model"
     common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)

@@ -6,10 +6,11 @@ that request's seed). Timings are not checked: a shared CPU box says nothing abo
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +32,8 @@ KEYS = {
 }
 
 
-def test_gateway_stream_bench_smoke(tmp_path: Path) -> None:
-    rng = random.Random()
+@pytest.mark.slow  # the benchmark end to end in subprocesses: scheduled first
+def test_gateway_stream_bench_smoke(rng, tmp_path: Path) -> None:
     clients, output_len = rng.randint(6, 12), rng.randint(8, 24)
     api = rng.choice(["completions", "chat"])
     out = tmp_path / "stream.json"

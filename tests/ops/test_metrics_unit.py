@@ -3,8 +3,6 @@ text out, compared value by value."""
 
 from __future__ import annotations
 
-import random
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from voltserve.shared.metrics import (
@@ -29,8 +27,7 @@ def samples(reg: CollectorRegistry) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def test_collector_exposes_every_executor_hash() -> None:
-    rng = random.Random()
+def test_collector_exposes_every_executor_hash(rng) -> None:
     reg = CollectorRegistry()
     snap = StatusSnapshot()
     reg.register(ExecutorCollector(snap, model_name="m"))
@@ -63,8 +60,7 @@ def test_kv_usage_derived_from_blocks_when_missing() -> None:
     assert st.values["kv_cache_usage"] == 0.25
 
 
-def test_request_timer_and_metrics() -> None:
-    rng = random.Random()
+def test_request_timer_and_metrics(rng) -> None:
     reg = CollectorRegistry()
     m = RequestMetrics(reg, max_model_len=4096)
     n_tokens_total = 0

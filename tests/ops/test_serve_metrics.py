@@ -56,8 +56,7 @@ def test_health_and_models_only_when_ready(stack: ServeStack) -> None:
     assert [m["id"] for m in http_json(stack.url + "/v1/models")[1]["data"]] == [stack.model_name]
 
 
-def test_metrics_match_what_was_sent(stack: ServeStack) -> None:
-    rng = random.Random()
+def test_metrics_match_what_was_sent(rng, stack: ServeStack) -> None:
     before = scrape(stack.url)
 
     def total(m, name, **lab):
@@ -131,7 +130,7 @@ def test_metrics_match_what_was_sent(stack: ServeStack) -> None:
         assert h["num_free_blocks"] == h["num_total_blocks"], (eid, h)
 
 
-def test_client_disconnect_counts_as_abort(stack: ServeStack) -> None:
+def test_client_disconnect_counts_as_abort(rng, stack: ServeStack) -> None:
     """A client that drops its stream is counted as finished_reason="abort" (vLLM's meaning), not
     as "length"/"stop"; its KV blocks are freed; the gateway logs no traceback for it."""
     import http.client
@@ -140,7 +139,6 @@ def test_client_disconnect_counts_as_abort(stack: ServeStack) -> None:
     import struct
     from urllib.parse import urlsplit
 
-    rng = random.Random()
     before = scrape(stack.url)
     log_before = stack.log_path.stat().st_size
 

@@ -30,8 +30,7 @@ def request(**kw) -> RenderRequest:
 
 
 @pytest.mark.parametrize("trial", range(5))
-def test_chat_template_equals_transformers(renderer: Renderer, trial: int) -> None:
-    rng = random.Random()
+def test_chat_template_equals_transformers(rng, renderer: Renderer, trial: int) -> None:
     roles = ["system"] + ["user", "assistant"] * 3
     messages = [
         {"role": r, "content": words(rng, rng.randint(0, 8))} for r in roles[: rng.randint(1, 7)]
@@ -82,9 +81,8 @@ def test_seeds_and_eos(renderer: Renderer) -> None:
     assert len(set(drawn)) == 4 and all(0 <= s < (1 << 63) for s in drawn)
 
 
-def test_context_length_rules(renderer: Renderer) -> None:
+def test_context_length_rules(rng, renderer: Renderer) -> None:
     limit = renderer.max_model_len
-    rng = random.Random()
     n = rng.randint(10, limit - 10)
     ids = [rng.randrange(3, renderer.vocab_size) for _ in range(n)]
     with pytest.raises(RenderFailed) as e:
