@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from voltserve.services.executor.models.layers import Linear
+from voltserve.services.executor.models.layers import Linear, VocabParallelEmbedding
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class _Target:
-    module: Linear | None  # None: a plain parameter, copied whole
+    module: Linear | VocabParallelEmbedding | None  # None: a plain parameter, copied whole
     param: torch.nn.Parameter
     param_name: str
     shard: str | int | None
@@ -191,7 +191,11 @@ class _Target:
 def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     """Checkpoint tensor name -> where it goes."""
     out: dict[str, _Target] = {}
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    linears = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, Linear | VocabParallelEmbedding)
+    }
     reverse = {ours: [] for ours, _ in LlamaForCausalLM.stacked_params.values()}
     for ckpt, (ours, shard) in LlamaForCausalLM.stacked_params.items():
         reverse[ours].append((ckpt, shard))
@@ -256,14 +260,17 @@ class LoadedModel:
     hf_config: dict[str, Any]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp=None
+) -> LoadedModel:
+    """tp: this rank's TPGroup; each rank loads only its shards."""
     hf = read_hf_config(model_dir)
     arch = parse_arch(hf)
     src = checkpoint_dtype(hf)
     if src is not None and src != dtype:
         logger.info("converting %s weights to %s on load", src, dtype)
     with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype)
+        model = LlamaForCausalLM(arch, dtype, tp)
     load_weights(model, model_dir)
     model.eval()
     return LoadedModel(model, arch, dtype, read_eos_token_ids(model_dir, hf), hf)

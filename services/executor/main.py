@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (one process each) that run the model as one executor; rank r uses the r-th "
+        "visible GPU",
+    )
+    p.add_argument(
         "--executor-id",
         default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
     )
@@ -90,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -144,5 +153,8 @@ def main(argv: list[str]) -> None:
             lambda: metrics.status_fields(svc.loop_.latest_stats, [svc.loop_.queue_time]),
         )
 
-    run_until_signalled(svc)
+    try:
+        run_until_signalled(svc)
+    finally:
+        engine.runner.shutdown()  # the other tensor-parallel ranks, if any
     logger.info("executor %s exited", args.executor_id)
