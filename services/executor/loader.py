@@ -192,9 +192,7 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     """Checkpoint tensor name -> where it goes."""
     out: dict[str, _Target] = {}
     linears = {
-        n: m
-        for n, m in model.named_modules()
-        if isinstance(m, Linear | VocabParallelEmbedding)
+        n: m for n, m in model.named_modules() if isinstance(m, Linear | VocabParallelEmbedding)
     }
     reverse = {ours: [] for ours, _ in LlamaForCausalLM.stacked_params.values()}
     for ckpt, (ours, shard) in LlamaForCausalLM.stacked_params.items():

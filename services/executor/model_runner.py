@@ -12,6 +12,7 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -181,6 +182,7 @@ class ModelRunner:
         self.tp_procs: tp_launch.RankProcesses | None = None
         self.step_sync: StepSync | None = None
         self.tp_rank = tp_rank
+        self._tp_lock = threading.Lock()
         tp_size = config.tensor_parallel_size
         if tp_size > 1:
             if self.device.type == "cuda":
@@ -609,9 +611,19 @@ class ModelRunner:
                 )
             tables[b, nblk:] = 0
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         """One SampledToken per scheduled request that samples, in plan order."""
+        if self.tp is None:
+            return self._execute(plan)
+        # One thread at a time talks to the group: a step's broadcasts and collectives never
+        # interleave with the stop broadcast of `shutdown` (called from another thread).
+        with self._tp_lock:
+            if self.tp_procs is None:
+                raise RuntimeError("the tensor-parallel group has been shut down")
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
         if not plan.scheduled:
             return []
         if (
@@ -659,7 +671,6 @@ class ModelRunner:
             return []
         return self.sampler(logits, rows)
 
-
     # ---- tensor parallelism ------------------------------------------------------------------
 
     def _send_graph_step(self, bs: int, staged: torch.Tensor) -> None:
@@ -704,6 +715,10 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to exit and wait for them (idempotent)."""
+        if self.tp_procs is None:
+            return
+        # A step in flight finishes first (the engine thread is not joined on the way out).
+        locked = self._tp_lock.acquire(timeout=30)
         procs, self.tp_procs = self.tp_procs, None
         if procs is None:
             return
@@ -714,3 +729,5 @@ class ModelRunner:
             logger.warning("tensor-parallel stop broadcast failed", exc_info=True)
         procs.stop()
         self.tp.destroy()
+        if locked:
+            self._tp_lock.release()

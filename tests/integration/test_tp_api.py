@@ -17,7 +17,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import redis
 
 from .conftest import Valkey, free_port, start_stack
 from .test_faults import client, reference, routes_on, stream_completion

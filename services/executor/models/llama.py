@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
@@ -209,7 +208,11 @@ class MLP(nn.Module):
         inter = arch.intermediate_size
         part = (lay.inter_start, lay.inter_size)
         self.gate_up_proj = Linear(
-            arch.hidden_size, {0: inter, 1: inter}, arch.mlp_bias, dtype, _column(tp, {0: part, 1: part})
+            arch.hidden_size,
+            {0: inter, 1: inter},
+            arch.mlp_bias,
+            dtype,
+            _column(tp, {0: part, 1: part}),
         )
         self.down_proj = Linear(
             inter, {None: arch.hidden_size}, arch.mlp_bias, dtype, _row(tp, *part)
@@ -287,7 +290,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp
-        self.layout = lay = TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
+        self.layout = lay = (
+            TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
+        )
         self.model = LlamaModel(arch, dtype, tp, lay)
         if arch.tie_word_embeddings:
             self.lm_head = None

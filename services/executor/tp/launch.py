@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
-
 from voltserve.services.executor.tp.group import TPGroup, set_tp_env
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig

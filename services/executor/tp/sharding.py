@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
 from voltserve.services.executor.tp.group import TPGroup
 
 Shard = str | int | None

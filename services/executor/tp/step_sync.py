@@ -7,7 +7,6 @@ Redis: the other ranks rebuild the same forward from the same bytes."""
 from __future__ import annotations
 
 import torch
-
 from voltserve.services.executor.tp.group import TPGroup
 
 HEADER_LEN = 16
