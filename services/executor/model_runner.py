@@ -11,6 +11,7 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -191,6 +192,9 @@ class ModelRunner:
                 # Refuse a size the model or the host cannot take before starting any rank.
                 TPLayout.build(parse_arch(read_hf_config(config.model)), 0, tp_size)
                 self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device)
+                # Before multiprocessing's own exit hook, which would wait forever for ranks
+                # still waiting for a step.
+                atexit.register(self.shutdown)
             else:
                 self.tp = TPGroup.init(tp_rank, tp_size, tp_port, self.device)
             self.step_sync = StepSync(self.tp)
