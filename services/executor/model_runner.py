@@ -183,6 +183,7 @@ class ModelRunner:
         self.tp_procs: tp_launch.RankProcesses | None = None
         self.step_sync: StepSync | None = None
         self.tp_rank = tp_rank
+        self._compile_only = compile_only
         self._tp_lock = threading.Lock()
         tp_size = config.tensor_parallel_size
         if tp_size > 1:
@@ -191,7 +192,7 @@ class ModelRunner:
             if tp_rank == 0:
                 # Refuse a size the model or the host cannot take before starting any rank.
                 TPLayout.build(parse_arch(read_hf_config(config.model)), 0, tp_size)
-                self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device)
+                self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device, compile_only)
                 # Before multiprocessing's own exit hook, which would wait forever for ranks
                 # still waiting for a step.
                 atexit.register(self.shutdown)
@@ -728,7 +729,8 @@ class ModelRunner:
             return
         procs.stopping = True
         try:
-            self.step_sync.send_stop()
+            if not self._compile_only:  # compile-only ranks exit after the compile phase
+                self.step_sync.send_stop()
         except Exception:  # noqa: BLE001 (a rank already gone: stop kills the rest)
             logger.warning("tensor-parallel stop broadcast failed", exc_info=True)
         procs.stop()

@@ -52,27 +52,33 @@ def check_devices(device: torch.device, size: int) -> None:
 class RankProcesses:
     """Ranks 1..N-1 of the group, as seen from rank 0."""
 
-    def __init__(self, config: EngineConfig, size: int, port: int) -> None:
+    def __init__(
+        self, config: EngineConfig, size: int, port: int, compile_only: bool = False
+    ) -> None:
         set_tp_env()  # inherited by every rank's process
         ctx = mp.get_context("spawn")
         # Not daemonic: a rank may start compile workers of its own. The watchdogs and
         # `stop` end them instead.
         self.procs = [
             ctx.Process(
-                target=worker_main, args=(config, r, size, port, os.getpid()), name=f"tp-rank-{r}"
+                target=worker_main,
+                args=(config, r, size, port, os.getpid(), compile_only),
+                name=f"tp-rank-{r}",
             )
             for r in range(1, size)
         ]
         for p in self.procs:
             p.start()
         self.stopping = False
+        self.compile_only = compile_only
         self._watch = threading.Thread(target=self._watchdog, name="tp-watchdog", daemon=True)
         self._watch.start()
 
     def _watchdog(self) -> None:
         while not self.stopping:
             for r, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None and not self.stopping:
+                done = self.compile_only and p.exitcode == 0  # its compile phase ended
+                if p.exitcode is not None and not self.stopping and not done:
                     logger.critical(
                         "tensor-parallel rank %d (pid %s) exited with code %s: stopping the "
                         "executor",
@@ -102,23 +108,29 @@ def _parent_watchdog(parent: int) -> None:
         time.sleep(0.5)
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, port: int, parent: int) -> None:
-    """Rank `rank` (>= 1): load the shards, join the start-up collectives, serve steps."""
+def worker_main(
+    config: EngineConfig, rank: int, size: int, port: int, parent: int, compile_only: bool = False
+) -> None:
+    """Rank `rank` (>= 1): load the shards, join the start-up collectives, serve steps.
+    compile_only (`voltserve warmup`): stop after the compile phase, as rank 0 does."""
     from voltserve.services.executor.model_runner import ModelRunner
     from voltserve.shared.logging import setup_logging
 
     setup_logging(f"executor-tp{rank}", os.environ.get("VOLTSERVE_LOG_LEVEL", "info"), False)
     threading.Thread(target=_parent_watchdog, args=(parent,), daemon=True).start()
-    runner = ModelRunner(replace(config), tp_rank=rank, tp_port=port)
-    runner.worker_loop()
+    runner = ModelRunner(replace(config), compile_only, tp_rank=rank, tp_port=port)
+    if not compile_only:
+        runner.worker_loop()
     runner.tp.destroy()
 
 
-def start_group(config: EngineConfig, device: torch.device) -> tuple[TPGroup, RankProcesses, int]:
+def start_group(
+    config: EngineConfig, device: torch.device, compile_only: bool = False
+) -> tuple[TPGroup, RankProcesses, int]:
     """Rank 0's half: spawn the other ranks and join the group with them."""
     size = config.tensor_parallel_size
     check_devices(device, size)
     port = free_port()
-    procs = RankProcesses(config, size, port)
+    procs = RankProcesses(config, size, port, compile_only)
     group = TPGroup.init(0, size, port, rank_device(device, 0))
     return group, procs, port
