@@ -83,3 +83,22 @@ def test_gpu_groups_per_executor():
         gpu_groups(["0", "1"], 4, None)
     with pytest.raises(ValueError, match="--executors 3 with --tensor-parallel-size 4 needs 12"):
         gpu_groups(gpus, 4, 3)
+
+
+def test_serve_refuses_more_gpus_than_visible(tmp_path):
+    """Before any service starts: -tp 2 with one visible GPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    r = subprocess.run(
+        [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tmp_path)]
+        + ["--device", "cuda", "--tensor-parallel-size", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert "--tensor-parallel-size 2 needs 2 GPUs but 1 are visible" in r.stderr
