@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU (gloo, 2 ranks as separate processes, fp32): greedy outputs of
+"""Tensor parallelism on the CPU (gloo, 2 ranks, and 4 once, as separate processes, fp32): greedy outputs of
 a TP=2 engine equal a TP=1 engine and transformers token for token, for Llama (untied lm_head,
 llama3 rope), Qwen2 (qkv bias, tied embeddings, one KV head for two ranks: replicated) and
 Qwen3 (q/k norm, head_dim 32), each with a vocabulary of 385 rows (not divisible by 2: the last
@@ -170,3 +170,18 @@ def test_tp_larger_than_heads_refused():
 def test_tp_not_dividing_heads_refused():
     with pytest.raises(TPSplitError, match="num_attention_heads = 4 cannot be split"):
         engine("llama", 3)
+
+
+def test_tp4_replicated_kv_heads_equal_transformers(rng):
+    """Four ranks on the 4-head, 2-KV-head Llama checkpoint: one query head per rank, each KV
+    head held by two ranks; 96 vocabulary rows per rank."""
+    e = engine("llama", 4)
+    try:
+        attn = e.runner.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (1, 1)
+        prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
+        out = e.generate(prompts, greedy(8))
+        for p, o in zip(prompts, out):
+            assert o == hf_greedy("llama", p, 8), p
+    finally:
+        e.runner.shutdown()
