@@ -1,5 +1,5 @@
-"""Tensor parallelism on the CPU (gloo, 2 ranks, and 4 once, as separate processes, fp32): greedy outputs of
-a TP=2 engine equal a TP=1 engine and transformers token for token, for Llama (untied lm_head,
+"""Tensor parallelism on the CPU (gloo, 2 ranks, and 4 once, as separate processes, fp32):
+greedy outputs of a TP=2 engine equal a TP=1 engine and transformers token for token, for Llama (untied lm_head,
 llama3 rope), Qwen2 (qkv bias, tied embeddings, one KV head for two ranks: replicated) and
 Qwen3 (q/k norm, head_dim 32), each with a vocabulary of 385 rows (not divisible by 2: the last
 rank's rows are padding), in batches, with chunked prefill and with preemption.
