@@ -36,6 +36,7 @@ from voltserve.services.executor.loader import (
     resolve_dtype,
 )
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.services.executor.tp import launch as tp_launch
@@ -44,6 +45,7 @@ from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.step_sync import EAGER, GRAPH, NUM_PARTS, STOP, StepSync
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
+from voltserve.shared.gguf_files import is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +193,8 @@ class ModelRunner:
                 self.device = tp_launch.rank_device(self.device, tp_rank)
             if tp_rank == 0:
                 # Refuse a size the model or the host cannot take before starting any rank.
-                TPLayout.build(parse_arch(read_hf_config(config.model)), 0, tp_size)
+                if not is_gguf(config.model):  # (a GGUF file is checked as its model is built)
+                    TPLayout.build(parse_arch(read_hf_config(config.model)), 0, tp_size)
                 self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device, compile_only)
                 # Before multiprocessing's own exit hook, which would wait forever for ranks
                 # still waiting for a step.
@@ -202,7 +205,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with startup.phase("loading weights", self.startup_times):
-            loaded = load_model(config.model, self.dtype, self.device, self.tp)
+            loaded = load_model(config.model, self.dtype, self.device, config.quantization, self.tp)
         self.model = loaded.model
         self.arch = loaded.arch
         self.eos_token_ids: list[int] = loaded.eos_token_ids
@@ -221,6 +224,7 @@ class ModelRunner:
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
+        reserve_quant_scratch(self.model, self.ops)
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         why_not = self._why_no_graphs(graph_batch) if use_graphs else "enforce_eager or CPU"
         if use_graphs and why_not is not None:
@@ -277,12 +281,13 @@ class ModelRunner:
                 # ranks to launch it too.
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
-            "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
             self.arch.architecture,
             self.dtype,
             self.device,
             self.num_kv_blocks,
             self.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block() / 2**30,
             self.max_model_len,
         )
         startup.logger.info(
@@ -398,11 +403,15 @@ class ModelRunner:
         activation = max(0, peak - weights - tmp_bytes)
         free, total = torch.cuda.mem_get_info()
         non_torch = total - free - torch.cuda.memory_reserved()
+        card = total
+        if self.config.max_gpu_memory is not None:
+            total = min(total, self.config.max_gpu_memory)
         budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
         logger.info(
-            "memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+            "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
             "other %.2f GiB -> KV budget %.2f GiB",
             total / 2**30,
+            card / 2**30,
             weights / 2**30,
             activation / 2**30,
             non_torch / 2**30,

@@ -15,10 +15,6 @@ import torch
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
-from voltserve.services.executor.linear_plan import (
-    GEMV,
-    linear_impl,
-)
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
@@ -27,6 +23,7 @@ from voltserve.services.executor.models.layers import (
     gate_up_silu,
     linear,
 )
+from voltserve.services.executor.quant.base import QuantConfig
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.sharding import ColumnParallel, RowParallel
@@ -79,9 +76,16 @@ class Attention(nn.Module):
     column-parallel, o_proj row-parallel (one all-reduce)."""
 
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None, lay: TPLayout
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
+        lay = lay or TPLayout.build(arch)
         hd = arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads, lay.num_kv_heads, hd
         self.q_size = lay.num_heads * hd
@@ -94,6 +98,8 @@ class Attention(nn.Module):
             {"q": q_full, "k": kv_full, "v": kv_full},
             arch.qkv_bias,
             dtype,
+            quant,
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
             _column(tp, {"q": (lay.head_start * hd, self.q_size), "k": kv_slice, "v": kv_slice}),
         )
         self.o_proj = Linear(
@@ -101,6 +107,8 @@ class Attention(nn.Module):
             {None: arch.hidden_size},
             arch.o_bias,
             dtype,
+            quant,
+            [f"{prefix}.o_proj"],
             _row(tp, lay.head_start * hd, self.q_size),
         )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -120,10 +128,10 @@ class Attention(nn.Module):
         fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
         if fused:
             # One launch: the projection, rotary on q and k, and the KV-cache write.
-            qkv = ops.gemv_qkv_rope(
+            qkv = self.qkv_proj.method.apply_qkv_rope(
+                self.qkv_proj,
                 x,
-                self.qkv_proj.weight,
-                self.qkv_proj.bias,
+                ops,
                 positions,
                 cos_sin_cache,
                 k_cache,
@@ -182,19 +190,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> bool:
-        """Decode rows the plan sends to the GEMV kernel, with plain full NeoX rotary (no q/k
-        norm, rotary_dim = head_dim): qkv, rotary and the KV write in one launch. On CUDA only
-        where the fused kernel itself runs (its reference syncs, so no graph could hold it); on
-        CPU the reference, so the CPU tests walk the same path."""
-        w = self.qkv_proj.weight
+        """Decode rows with plain full NeoX rotary (no q/k norm, rotary_dim = head_dim), where
+        the qkv linear's method fuses the projection, rotary and the KV write (the plain weight
+        does for the rows the plan sends to the GEMV kernel)."""
         return (
             meta.is_decode
             and self.q_norm is None
-            and type(self.qkv_proj) is Linear
-            and x.dim() == 2
             and cos_sin_cache.shape[1] == self.head_dim
-            and (ops.impl["gemv_qkv_rope"] == "cuda" or ops.device.type == "cpu")
-            and linear_impl(ops, x.shape[0], w.shape[0], w.shape[1]) == GEMV
+            and self.qkv_proj.method.can_fuse_qkv_rope(self.qkv_proj, x, ops)
         )
 
 
@@ -202,9 +205,16 @@ class MLP(nn.Module):
     """gate/up column-parallel, down row-parallel (one all-reduce)."""
 
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None, lay: TPLayout
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
+        lay = lay or TPLayout.build(arch)
         inter = arch.intermediate_size
         part = (lay.inter_start, lay.inter_size)
         self.gate_up_proj = Linear(
@@ -212,10 +222,18 @@ class MLP(nn.Module):
             {0: inter, 1: inter},
             arch.mlp_bias,
             dtype,
+            quant,
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
             _column(tp, {0: part, 1: part}),
         )
         self.down_proj = Linear(
-            inter, {None: arch.hidden_size}, arch.mlp_bias, dtype, _row(tp, *part)
+            inter,
+            {None: arch.hidden_size},
+            arch.mlp_bias,
+            dtype,
+            quant,
+            [f"{prefix}.down_proj"],
+            _row(tp, *part),
         )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
@@ -226,11 +244,17 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None, lay: TPLayout
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, dtype, tp, lay)
-        self.mlp = MLP(arch, dtype, tp, lay)
+        self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn", tp, lay)
+        self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -256,9 +280,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None, lay: TPLayout
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
+        lay = lay or TPLayout.build(arch)
         self.embed_tokens = (
             VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
             if tp is None
@@ -267,7 +298,8 @@ class LlamaModel(nn.Module):
             )
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype, tp, lay) for _ in range(arch.num_layers)
+            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", tp, lay)
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -285,7 +317,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model on one device)."""
         super().__init__()
         self.arch = arch
@@ -293,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         self.layout = lay = (
             TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
         )
-        self.model = LlamaModel(arch, dtype, tp, lay)
+        self.model = LlamaModel(arch, dtype, quant, "model", tp, lay)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -303,6 +341,8 @@ class LlamaForCausalLM(nn.Module):
                 {None: arch.vocab_size},
                 False,
                 dtype,
+                quant,
+                ["lm_head"],
                 _column(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
             )
         cache = build_cos_sin_cache(
@@ -311,8 +351,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.ops: KernelDispatch | None = None  # set by the runner once the device is known
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The float [vocab, hidden] weight of the lm_head (None: it is quantized)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.method.dense_weight(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -339,11 +382,12 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.
-        logits = linear(x, self.lm_head_weight(), None, ops)
+        if self.lm_head is None:
+            logits = linear(x, self.model.embed_tokens.weight, None, ops)
+        else:
+            logits = self.lm_head(x, ops)
         if self.tp is not None:
             # Every rank gets the whole row (rank 0 samples; the others drop it), padding cut.
             logits = self.tp.all_gather_cols(logits)[:, : self.arch.vocab_size]
-            if fp32_logits:
-                return logits.float()
-            return logits.contiguous()
+            return logits.float() if fp32_logits else logits.contiguous()
         return logits.float() if fp32_logits else logits
