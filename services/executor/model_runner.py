@@ -36,12 +36,15 @@ from voltserve.services.executor.loader import (
     resolve_dtype,
 )
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.quant.base import UNQUANTIZED
+from voltserve.services.executor.quant.detect import quant_config
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.services.executor.tp import launch as tp_launch
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
+from voltserve.services.executor.tp.sharding import TPSplitError
 from voltserve.services.executor.tp.step_sync import EAGER, GRAPH, NUM_PARTS, STOP, StepSync
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
@@ -62,6 +65,26 @@ def resolve_device(spec: str) -> torch.device:
             # set_device and graph capture agree on it.
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def check_tp_model(config: EngineConfig) -> None:
+    """Refuse, before any rank starts, a model that --tensor-parallel-size cannot split: heads,
+    KV heads or MLP width not divisible, or quantized weights (their methods do not narrow
+    packed tensors yet)."""
+    size = config.tensor_parallel_size
+    if is_gguf(config.model):
+        raise TPSplitError(
+            f"--tensor-parallel-size {size} is not supported yet for GGUF checkpoints; "
+            "use --tensor-parallel-size 1"
+        )
+    hf = read_hf_config(config.model)
+    quant = quant_config(hf, config.quantization)
+    if quant is not UNQUANTIZED:
+        raise TPSplitError(
+            f"--tensor-parallel-size {size} is not supported yet for {quant.describe()} "
+            "checkpoints; use --tensor-parallel-size 1"
+        )
+    TPLayout.build(parse_arch(hf), 0, size)
 
 
 def _token_slice(r: Request, start: int, n: int) -> list[int]:
@@ -193,8 +216,7 @@ class ModelRunner:
                 self.device = tp_launch.rank_device(self.device, tp_rank)
             if tp_rank == 0:
                 # Refuse a size the model or the host cannot take before starting any rank.
-                if not is_gguf(config.model):  # (a GGUF file is checked as its model is built)
-                    TPLayout.build(parse_arch(read_hf_config(config.model)), 0, tp_size)
+                check_tp_model(config)
                 self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device, compile_only)
                 # Before multiprocessing's own exit hook, which would wait forever for ranks
                 # still waiting for a step.
