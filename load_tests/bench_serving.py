@@ -888,6 +888,16 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
         add_text(prompts, model_dir)
         add_text(warmup, model_dir)
     arrivals = arrival_times(len(prompts), args.request_rate, args.seed)
+    # --compare-structured: the constrained run gets prompts of its own (same lengths, other
+    # ids): on the plain run's prompts every request would hit the prefix cache and the
+    # comparison would measure the cache, not the constraint (as it did at 4ef41cf).
+    alt_prompts = None
+    if args.compare_structured:
+        alt_prompts = build_dataset(
+            argparse.Namespace(**{**vars(args), "seed": args.seed + 2_000_003}), vocab
+        )
+        if args.prompt_type == "text":
+            add_text(alt_prompts, model_dir)
     result["model_dir"] = str(model_dir) if model_dir else None
     result["dataset"] = {
         "name": args.dataset,
@@ -898,6 +908,8 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
         "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
         "request_rate": str(args.request_rate),
         "max_concurrency": args.max_concurrency,
+        # The constrained run's prompts (--compare-structured) are drawn from this seed.
+        "structured_seed": args.seed + 2_000_003 if args.compare_structured else None,
     }
     runs: dict[str, list[RequestRecord]] = {}
 
@@ -912,7 +924,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
 
     if not args.engine_only:
         try:
-            phases = _http_phase(args, model_dir, prompts, arrivals, warmup)
+            phases = _http_phase(args, model_dir, prompts, arrivals, warmup, alt_prompts)
             for key, (records, duration, name, steps) in phases.items():
                 result[key] = compute_metrics(records, duration, args.percentiles)
                 result[key]["served_model_name"] = name
@@ -998,7 +1010,7 @@ def structured_cost(plain: dict[str, Any], constrained: dict[str, Any]) -> dict[
 
 
 def _http_phase(
-    args, model_dir, prompts, arrivals, warmup
+    args, model_dir, prompts, arrivals, warmup, alt_prompts=None
 ) -> dict[str, tuple[list[RequestRecord], float, str, list[dict[str, Any]]]]:
     """The HTTP runs by result key ("http", and "http_structured" with --compare-structured,
     both against the same server): records, duration, model name and the launched server's
@@ -1006,12 +1018,14 @@ def _http_phase(
     kinds = [("http", args.response_format == "json_schema")]
     if args.compare_structured:
         kinds = [("http", False), ("http_structured", True)]
+    # The prompts of each run (the constrained run of --compare-structured has its own).
+    run_prompts = {"http": prompts, "http_structured": alt_prompts or prompts}
     if args.base_url:
         name = args.model or asyncio.run(served_model_name(args.base_url, args.api_key))
         out = {}
         for key, structured in kinds:
             records, duration, _ = asyncio.run(
-                run_http(args.base_url, name, prompts, arrivals, args, warmup, structured)
+                run_http(args.base_url, name, run_prompts[key], arrivals, args, warmup, structured)
             )
             out[key] = (records, duration, name, [])
         return out
@@ -1033,7 +1047,7 @@ def _http_phase(
                 name,
             )
             runs[key] = asyncio.run(
-                run_http(base, name, prompts, arrivals, args, warmup, structured)
+                run_http(base, name, run_prompts[key], arrivals, args, warmup, structured)
             )
     all_steps = executor_steps(log_path)
     out = {}

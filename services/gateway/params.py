@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voltserve.services.gateway.errors import bad_request
+from voltserve.services.gateway.request_fields import check_fields
 from voltserve.services.gateway.structured import parse_structured
 from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -218,6 +219,8 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
     spec.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
     spec.chat_template_kwargs = _get(body, "chat_template_kwargs", (dict,), None)
     # tools, tool_choice and parallel_tool_calls: tools.plan_chat (it needs the server's flags).
+    # Last, so that a missing or malformed required field is the error a client sees first.
+    check_fields(body, "chat")
     return _validate(spec)
 
 
@@ -272,4 +275,5 @@ def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
         if spec.echo and spec.params.prompt_logprobs is None:
             # The echoed prompt's tokens carry logprobs too (computed in prefill).
             spec.params.prompt_logprobs = lp
+    check_fields(body, "completion")
     return _validate(spec)

@@ -172,7 +172,9 @@ def gpu_check() -> tuple[set[str], str]:
     """(stage names, script text) of scripts/gpu_check.sh."""
     text = (ROOT / GPU_CHECK).read_text()
     body = text[text.index("case $stage in") :]
-    stages = set(re.findall(r"^\s+([a-z0-9-]+)\)\s*$", body, re.M))
+    # A case pattern may list alternatives: `quant|quant-tests|quant-bench)`.
+    patterns = re.findall(r"^\s+([a-z0-9|-]+)\)\s*$", body, re.M)
+    stages = {name for p in patterns for name in p.split("|")}
     return stages, text
 
 

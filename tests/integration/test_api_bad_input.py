@@ -354,7 +354,7 @@ async def test_chat_unusual_but_valid(http) -> None:
         [{"role": "user", "content": "🦙 ñ 世界 \u200d " + text, "name": "x"}],
     ):
         await greedy(messages)
-    # Tools are rendered by the template with tool_choice none; unknown fields are fine.
+    # Tools are rendered by the template with tool_choice none; user/metadata are labels.
     # (tool_choice auto needs --enable-auto-tool-choice: tests/integration/test_tools_api.py.)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     await greedy(USER, tools=tools, tool_choice="none", user="u", metadata={"k": "v"}, store=False)
@@ -371,13 +371,16 @@ async def test_lenient_values_work(http) -> None:
         {"temperature": None, "top_p": None, "stop": None, "seed": None, "logit_bias": None},
         {"ignore_eos": 1},  # 0/1 booleans
         {"stream": 0, "echo": 0},
-        {"unknown_field": {"x": [1]}, "user": "someone", "best_of": 1, "suffix": None},
+        {"user": "someone", "best_of": 1, "suffix": None},
         {"stop": "", "logit_bias": {}, "stop_token_ids": []},
         {"response_format": None},
     ):
         status, body = await call(http, "/v1/completions", {**base, **extra})
         assert status == 200, (extra, body)
         assert body["usage"]["completion_tokens"] == n_tok, (extra, body)
+    # A field the server does not understand is refused, never ignored.
+    status, body = await call(http, "/v1/completions", {**base, "unknown_field": {"x": [1]}})
+    assert status == 400 and body["error"]["param"] == "unknown_field", body
     # Without a model the served one answers (vLLM); stream=1 streams.
     status, body = await call(http, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
     assert status == 200 and body["model"] == MODEL, body

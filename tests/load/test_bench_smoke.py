@@ -246,8 +246,9 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
 )
 def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
-    """--compare-structured: the same prompts plain and with a json_schema response_format
-    against one server; the constrained requests run their full length too."""
+    """--compare-structured: plain and with a json_schema response_format against one server,
+    each run on prompts of its own (the second would otherwise hit the prefix cache); the
+    constrained requests run their full length too."""
     model = tmp_path / "demo"
     _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
     out = tmp_path / "structured.json"
@@ -278,6 +279,7 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
     )
     d = json.loads(out.read_text())
     assert d["errors"] == {}
+    assert d["dataset"]["structured_seed"] not in (None, d["args"].get("seed", 0))
     for name, structured in (("http", False), ("http_structured", True)):
         m = d[name]
         assert m["structured"] is structured
