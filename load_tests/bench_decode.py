@@ -167,6 +167,7 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
         # these batch sizes, so the other sizes' captures (~3 s each at 8B) would only cost time.
         cuda_graph_sizes=tuple(sorted({1, *args.batch_sizes})),
         seed=0,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -356,6 +357,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs of one engine (load_tests/bench_tp.py sets the floor for it)",
+    )
     p.add_argument("--bandwidth-bytes", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results file")

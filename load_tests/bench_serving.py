@@ -477,6 +477,7 @@ def engine_config_from_serve_args(model_dir: Path, serve_args: list[str]):
         num_kv_blocks=a.num_kv_blocks,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enforce_eager=a.enforce_eager,
+        tensor_parallel_size=a.tensor_parallel_size,
         quantization=a.quantization,
         max_gpu_memory=a.max_gpu_memory,
     )

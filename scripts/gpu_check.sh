@@ -9,6 +9,7 @@
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
 # batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
+# `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
 # `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
 # quantized-linear kernels' GPU tests and bench_quant_linear; `quant-models`: quantized
@@ -222,6 +223,21 @@ for stage in $STAGES; do
           [ -f "$f" ] && mv "$f" "${f%.log}_$preset.log"
         done
       done
+      ;;
+    tp)
+      # Tensor parallelism on a 2-GPU host (NCCL; NVLink multicast and symmetric-memory
+      # multicast off in every process started): the TP GPU tests (TP=2 equals TP=1 and
+      # transformers in fp32, tracks TP=1 in fp16, decode graphs with the all-reduce inside),
+      # then Llama-3-8B fp16 TP=2 vs TP=1: all-reduce latency, batch-1 tok/s against the floor,
+      # batch 64/256 step time (~8 min; the first run writes the checkpoint).
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+      run tp_tests $PY -m pytest -q --timeout 900 tests/gpu/test_tp_gpu.py -p no:cacheprovider
+      run bench_tp $PY load_tests/bench_tp.py --model-dir /tmp/voltserve-llama3-8b --gpus "${TP_GPUS:-0,1}" --out "$OUT/bench_tp.json"
+      ;;
+    tp-serving)
+      # bench_serving 1024 in / 256 out, 256 prompts: one TP=1 executor, then one TP=2 (~10 min).
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+      run bench_tp_serving $PY load_tests/bench_tp.py --model-dir /tmp/voltserve-llama3-8b --gpus "${TP_GPUS:-0,1}" --skip-decode --serving --out "$OUT/bench_tp_serving.json"
       ;;
     structured)
       # Structured outputs (needs xgrammar importable): the mask kernel and the graph decode path

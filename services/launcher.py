@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--executors", type=int, default=None, help="default: one per GPU, or 1")
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs per executor (tensor parallelism); --executors groups of this many",
+    )
     p.add_argument("--renderers", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -120,6 +127,26 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def gpu_groups(gpus: list[str], tp: int, executors: int | None) -> list[list[str]]:
+    """The visible GPUs cut into groups of tp, one group per executor ([] on a CPU machine).
+    Raises ValueError when the GPUs cannot hold the groups asked for."""
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if not gpus:
+        return []
+    if tp > len(gpus):
+        raise ValueError(
+            f"--tensor-parallel-size {tp} needs {tp} GPUs but {len(gpus)} are visible ({gpus})"
+        )
+    groups = [gpus[i : i + tp] for i in range(0, len(gpus) - tp + 1, tp)]
+    if tp > 1 and executors is not None and executors > len(groups):
+        raise ValueError(
+            f"--executors {executors} with --tensor-parallel-size {tp} needs "
+            f"{executors * tp} GPUs but {len(gpus)} are visible"
+        )
+    return groups
+
+
 def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str]:
     """The engine flags of executor i (`voltserve warmup` builds its engine from the same)."""
     argv = [
@@ -142,6 +169,8 @@ def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str
     ]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.quantization:
         argv += ["--quantization", args.quantization]
     if args.max_gpu_memory:
@@ -176,14 +205,18 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             )
         )
     gpus = visible_gpus() if args.device in ("auto", "cuda") else []
-    n_exec = args.executors or max(1, len(gpus))
+    tp = args.tensor_parallel_size
+    groups = gpu_groups(gpus, tp, args.executors)
+    n_exec = args.executors or max(1, len(groups))
     # Executors sharing a GPU split its memory budget instead of each claiming all of it.
-    per_gpu = -(-n_exec // len(gpus)) if gpus else 1
+    per_gpu = -(-n_exec // len(groups)) if groups else 1
     mem_util = args.gpu_memory_utilization / per_gpu
     for i in range(n_exec):
         argv = ["executor", *common, *executor_args(args, i, mem_util)]
-        # Several GPUs: executor i sees only GPU i (several executors may share one otherwise).
-        env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
+        # Several GPUs: executor i sees only its group's GPUs (GPU i without tensor parallelism;
+        # several executors may share one otherwise).
+        many = len(gpus) > 1 and (tp > 1 or len(groups) > 1)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(groups[i % len(groups)])} if many else {}
         children.append(Child(f"executor-{i}", argv, env))
     gw = ["gateway", *common, "--model", args.model, "--host", args.host]
     gw += ["--port", str(args.port), "--gateway-id", "gw-0", *mml]
@@ -294,6 +327,11 @@ def main(argv: list[str]) -> None:
         # Before anything starts (the services would each fail, and a tokenizer load of a path
         # that does not exist falls back to asking the Hugging Face hub).
         parser.exit(1, f"voltserve serve: --model {args.model} does not exist\n")
+    try:
+        gpus = visible_gpus() if args.device in ("auto", "cuda") else []
+        gpu_groups(gpus, args.tensor_parallel_size, args.executors)
+    except ValueError as e:
+        parser.exit(1, f"voltserve serve: {e}\n")
     server = None
     redis_url = args.redis_url
     if redis_url is None:

@@ -31,6 +31,8 @@ class EngineConfig:
     # smallest captured size that holds it). Empty: 1, 2, 4, 8, then every 8 up to
     # max_graph_batch_size. Fewer sizes start faster (each capture takes ~1-3 s on a GPU).
     cuda_graph_sizes: tuple[int, ...] = ()
+    # Ranks of one tensor-parallel group (one process and one GPU each); rank 0 runs the engine.
+    tensor_parallel_size: int = 1
     # Seeds the engine's choice of per-request seeds for requests that give none.
     seed: int = 0
     # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the

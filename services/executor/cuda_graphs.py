@@ -99,6 +99,8 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        # Called with (padded size, staged device bytes) just before a replay (runner-set).
+        self.before_replay = None
         if capture:
             self._capture_all()
 
@@ -187,6 +189,9 @@ class CudaGraphRunner:
             self._copy_done.record()
         if ids_on_device is not None:
             self.input_ids[:num_seqs].copy_(ids_on_device)
+        if self.before_replay is not None:
+            # Tensor parallelism: the other ranks receive these inputs and replay their twin.
+            self.before_replay(bs, self._dev[: self._off_tables + 4 * bs * self.width])
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs][:num_seqs]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from voltserve.services.executor.models.layers import Linear
+from voltserve.services.executor.models.layers import Linear, VocabParallelEmbedding
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantFormatError
 from voltserve.services.executor.quant.detect import quant_config
@@ -185,7 +185,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class _Target:
-    module: Linear | None  # None: a plain parameter, copied whole
+    module: Linear | VocabParallelEmbedding | None  # None: a plain parameter, copied whole
     param: torch.nn.Parameter | None  # None: a linear's tensor (its method loads it)
     param_name: str
     shard: str | int | None
@@ -214,8 +214,12 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
             optional.update(f"{prefix}.{p}" for p in maybe)
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
-        if mod_name not in linears:
-            out[name] = _Target(None, param, pname, None)
+        if mod_name in linears:
+            continue
+        mod = model.get_submodule(mod_name) if mod_name else None
+        # The (vocabulary-parallel) embedding narrows its checkpoint tensor to its rows.
+        owner = mod if isinstance(mod, VocabParallelEmbedding) else None
+        out[name] = _Target(owner, param, pname, None)
     return out, optional
 
 
@@ -284,9 +288,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
+    tp=None,
 ) -> LoadedModel:
     """A Hugging Face folder or a GGUF checkpoint; `quantization` forces (and checks) the
-    method that config.json or the GGUF path implies."""
+    method that config.json or the GGUF path implies. tp: this rank's TPGroup (each rank loads
+    only its shards)."""
     tensors = None
     try:
         if is_gguf(model_dir):
@@ -312,7 +318,7 @@ def load_model(
                 logger.info("converting %s weights to %s on load", src, dtype)
         arch = parse_arch(hf)
         with torch.device(device):
-            model = LlamaForCausalLM(arch, dtype, quant)
+            model = LlamaForCausalLM(arch, dtype, quant, tp)
     except (QuantFormatError, GGUFError) as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
     if quant is not UNQUANTIZED:

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (one process each) that run the model as one executor; rank r uses the r-th "
+        "visible GPU",
+    )
+    p.add_argument(
         "--quantization",
         default=None,
         choices=["awq", "gptq", "compressed-tensors", "gguf"],
@@ -125,6 +133,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         max_gpu_memory=args.max_gpu_memory,
     )
@@ -181,5 +190,8 @@ def main(argv: list[str]) -> None:
             lambda: metrics.status_fields(svc.loop_.latest_stats, [svc.loop_.queue_time]),
         )
 
-    run_until_signalled(svc)
+    try:
+        run_until_signalled(svc)
+    finally:
+        engine.runner.shutdown()  # the other tensor-parallel ranks, if any
     logger.info("executor %s exited", args.executor_id)

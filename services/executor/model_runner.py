@@ -11,7 +11,9 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -27,13 +29,26 @@ from voltserve.services.executor.decode_pipeline import (
     pipeline_max_batch,
 )
 from voltserve.services.executor.linear_plan import plan_linears
-from voltserve.services.executor.loader import load_model, resolve_dtype
+from voltserve.services.executor.loader import (
+    load_model,
+    parse_arch,
+    read_hf_config,
+    resolve_dtype,
+)
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.quant.base import UNQUANTIZED
+from voltserve.services.executor.quant.detect import quant_config
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.services.executor.tp import launch as tp_launch
+from voltserve.services.executor.tp.group import TPGroup
+from voltserve.services.executor.tp.layout import TPLayout
+from voltserve.services.executor.tp.sharding import TPSplitError
+from voltserve.services.executor.tp.step_sync import EAGER, GRAPH, NUM_PARTS, STOP, StepSync
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
+from voltserve.shared.gguf_files import is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +65,26 @@ def resolve_device(spec: str) -> torch.device:
             # set_device and graph capture agree on it.
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def check_tp_model(config: EngineConfig) -> None:
+    """Refuse, before any rank starts, a model that --tensor-parallel-size cannot split: heads,
+    KV heads or MLP width not divisible, or quantized weights (their methods do not narrow
+    packed tensors yet)."""
+    size = config.tensor_parallel_size
+    if is_gguf(config.model):
+        raise TPSplitError(
+            f"--tensor-parallel-size {size} is not supported yet for GGUF checkpoints; "
+            "use --tensor-parallel-size 1"
+        )
+    hf = read_hf_config(config.model)
+    quant = quant_config(hf, config.quantization)
+    if quant is not UNQUANTIZED:
+        raise TPSplitError(
+            f"--tensor-parallel-size {size} is not supported yet for {quant.describe()} "
+            "checkpoints; use --tensor-parallel-size 1"
+        )
+    TPLayout.build(parse_arch(hf), 0, size)
 
 
 def _token_slice(r: Request, start: int, n: int) -> list[int]:
@@ -152,23 +187,53 @@ class DeviceBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, compile_only: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        compile_only: bool = False,
+        tp_rank: int = 0,
+        tp_port: int | None = None,
+    ) -> None:
         """compile_only: stop after the compile phase (`voltserve warmup`: fills the kernel
-        cache; the runner cannot run steps)."""
+        cache; the runner cannot run steps). tp_rank / tp_port: set in the processes of ranks
+        1..N-1 of a tensor-parallel group (tp/launch.py); rank 0 is built without them and
+        starts the others itself."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.startup_times: dict[str, float] = {}  # phase -> seconds
         self.compile_report: compile_cache.CompileReport | None = None
         t_start = time.perf_counter()
+        self.tp: TPGroup | None = None
+        self.tp_procs: tp_launch.RankProcesses | None = None
+        self.step_sync: StepSync | None = None
+        self.tp_rank = tp_rank
+        self._compile_only = compile_only
+        self._tp_lock = threading.Lock()
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            if self.device.type == "cuda":
+                self.device = tp_launch.rank_device(self.device, tp_rank)
+            if tp_rank == 0:
+                # Refuse a size the model or the host cannot take before starting any rank.
+                check_tp_model(config)
+                self.tp, self.tp_procs, _ = tp_launch.start_group(config, self.device, compile_only)
+                # Before multiprocessing's own exit hook, which would wait forever for ranks
+                # still waiting for a step.
+                atexit.register(self.shutdown)
+            else:
+                self.tp = TPGroup.init(tp_rank, tp_size, tp_port, self.device)
+            self.step_sync = StepSync(self.tp)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with startup.phase("loading weights", self.startup_times):
-            loaded = load_model(config.model, self.dtype, self.device, config.quantization)
+            loaded = load_model(config.model, self.dtype, self.device, config.quantization, self.tp)
         self.model = loaded.model
         self.arch = loaded.arch
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
+        # This rank's KV heads (all of them without tensor parallelism).
+        self.num_kv_heads: int = self.model.layout.num_kv_heads
         self.block_size: int = config.block_size
         self.max_model_len: int = self._resolve_max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -208,6 +273,9 @@ class ModelRunner:
             return
         with startup.phase("sizing the KV cache", self.startup_times) as ph:
             self.num_kv_blocks: int = self._decide_num_blocks()
+            if self.tp is not None:
+                # The block manager on rank 0 hands out blocks that every rank must hold.
+                self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
             ph.detail = f"{self.num_kv_blocks} blocks of {self.block_size} tokens"
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
         self.graphs = None
@@ -228,7 +296,11 @@ class ModelRunner:
                     len(self.compiled_in_capture),
                     self.compiled_in_capture,
                 )
-            if pipeline_enabled():
+            if self.tp is not None:
+                self.graphs.before_replay = self._send_graph_step if tp_rank == 0 else None
+            elif pipeline_enabled():
+                # Not under tensor parallelism: a step launched ahead would need the other
+                # ranks to launch it too.
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
             "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
@@ -271,7 +343,7 @@ class ModelRunner:
         if self.ops.impl["paged_decode_attention"] == "torch-capturable":
             # The torch fallback gathers the whole block table width of every row in fp32.
             a = self.arch
-            need = graph_batch * self.max_blocks_per_seq * self.block_size * a.num_kv_heads
+            need = graph_batch * self.max_blocks_per_seq * self.block_size * self.num_kv_heads
             need *= a.head_dim * 4 * 2
             if need > 2 * 2**30:
                 return f"the torch decode-attention fallback would gather {need / 2**30:.1f} GiB"
@@ -280,7 +352,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * elem
+        return a.num_layers * 2 * self.num_kv_heads * self.block_size * a.head_dim * elem
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -377,7 +449,7 @@ class ModelRunner:
         if scratch is None:
             scratch = self.device.type == "cuda"
         a = self.arch
-        shape = (num_blocks + int(scratch), a.num_kv_heads, self.block_size, a.head_dim)
+        shape = (num_blocks + int(scratch), self.num_kv_heads, self.block_size, a.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -461,6 +533,8 @@ class ModelRunner:
         for x, o in zip(parts, offs[:-1]):
             self._host_np[o : o + len(x)] = x
         n_all = int(offs[-1])
+        self._last_lengths = [len(x) for x in parts]
+        self._last_n_all = n_all
         if self._dev is not self._host:
             self._dev[:n_all].copy_(self._host[:n_all], non_blocking=True)
             self._copy_done.record()
@@ -573,9 +647,19 @@ class ModelRunner:
                 )
             tables[b, nblk:] = 0
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         """One SampledToken per scheduled request that samples, in plan order."""
+        if self.tp is None:
+            return self._execute(plan)
+        # One thread at a time talks to the group: a step's broadcasts and collectives never
+        # interleave with the stop broadcast of `shutdown` (called from another thread).
+        with self._tp_lock:
+            if self.tp_procs is None:
+                raise RuntimeError("the tensor-parallel group has been shut down")
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
         if not plan.scheduled:
             return []
         if (
@@ -595,6 +679,15 @@ class ModelRunner:
         if self.pipeline is not None:
             self.pipeline.discard()  # a step launched ahead is not this one
         batch, rows = self.prepare(plan)
+        if self.step_sync is not None:
+            self.step_sync.send_eager(
+                self._dev[: self._last_n_all],
+                self._last_lengths,
+                batch.num_seqs,
+                batch.meta.block_tables.shape[1],
+                batch.meta.is_decode,
+                batch.meta.max_query_len or 0,
+            )
         if self._prompt_rows:
             logits = self.model(
                 batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
@@ -613,3 +706,65 @@ class ModelRunner:
             self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, empty)
             return []
         return self.sampler(logits, rows)
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+
+    def _send_graph_step(self, bs: int, staged: torch.Tensor) -> None:
+        """Rank 0, before replaying the bs graph: the other ranks get its staged inputs."""
+        self.step_sync.send_graph(bs, staged)
+
+    @torch.inference_mode()
+    def worker_loop(self) -> None:
+        """Ranks 1..N-1: run each step rank 0 broadcasts until it says stop. The forward is the
+        one rank 0 runs (same flat batch, same graph), so every collective pairs up."""
+        sync = self.step_sync
+        while True:
+            hdr = sync.recv_header()
+            kind = hdr[0]
+            if kind == STOP:
+                return
+            if kind == GRAPH:
+                bs, nbytes = hdr[1], hdr[2]
+                g = self.graphs
+                self.tp.broadcast(g._dev[:nbytes])
+                g.graphs[bs].replay()
+                continue
+            if kind != EAGER:
+                raise RuntimeError(f"tensor-parallel rank {self.tp_rank}: bad step header {hdr}")
+            B, width, decode, mql = hdr[1:5]
+            lengths = hdr[5 : 5 + NUM_PARTS]
+            n_all = sum(lengths)
+            if n_all > self._dev.numel():
+                self._dev = torch.empty(n_all, dtype=torch.int64, device=self.device)
+            flat = self._dev[:n_all]
+            self.tp.broadcast(flat)
+            d = list(flat.split(lengths))
+            meta = AttentionMetadata(
+                slot_mapping=d[2],
+                block_tables=d[3].view(B, width).to(torch.int32),
+                seq_lens=d[4].to(torch.int32),
+                query_start_loc=d[5].to(torch.int32),
+                is_decode=bool(decode),
+                max_query_len=mql,
+            )
+            self.model(d[0], d[1], meta, self.kv_caches, d[6])
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other ranks to exit and wait for them (idempotent)."""
+        if self.tp_procs is None:
+            return
+        # A step in flight finishes first (the engine thread is not joined on the way out).
+        locked = self._tp_lock.acquire(timeout=30)
+        procs, self.tp_procs = self.tp_procs, None
+        if procs is None:
+            return
+        procs.stopping = True
+        try:
+            if not self._compile_only:  # compile-only ranks exit after the compile phase
+                self.step_sync.send_stop()
+        except Exception:  # noqa: BLE001 (a rank already gone: stop kills the rest)
+            logger.warning("tensor-parallel stop broadcast failed", exc_info=True)
+        procs.stop()
+        self.tp.destroy()
+        if locked:
+            self._tp_lock.release()

@@ -16,6 +16,14 @@ from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.linear_plan import GEMV, MAX_ROWS, linear_impl
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, UnquantizedMethod
+from voltserve.services.executor.tp.group import TPGroup
+from voltserve.services.executor.tp.sharding import (
+    ColumnParallel,
+    Parallel,
+    RowParallel,
+    TPSplitError,
+    narrow,
+)
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
 # the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
@@ -68,7 +76,13 @@ class Linear(nn.Module):
     """y = x W^T (+ b). Output shards (q/k/v, gate/up) live side by side in one weight.
 
     `prefixes` are the checkpoint names of the shards, in shard order (q_proj, k_proj, v_proj
-    of a merged qkv_proj); `quant` picks the method from them (none: the plain float weight)."""
+    of a merged qkv_proj); `quant` picks the method from them (none: the plain float weight).
+
+    Tensor parallelism: with `parallel` a ColumnParallel, the linear holds only its rank's slice
+    of each output shard (shard_sizes stay the logical sizes, checked against the checkpoint);
+    with a RowParallel, only its slice of the input columns, and forward sums the ranks' partial
+    products with one all-reduce before adding the bias. The method creates and packs the local
+    shard only; the GEMV and fused paths run on its shapes."""
 
     def __init__(
         self,
@@ -78,8 +92,16 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefixes: list[str] | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel
+        self.logical_in_features = in_features
+        self.logical_shard_sizes = dict(shard_sizes)
+        if isinstance(parallel, ColumnParallel):
+            shard_sizes = {k: parallel.slices[k][1] for k in shard_sizes}
+        elif isinstance(parallel, RowParallel):
+            in_features = parallel.length
         self.in_features = in_features
         self.shard_offsets: dict[str | int | None, tuple[int, int]] = {}
         off = 0
@@ -91,17 +113,88 @@ class Linear(nn.Module):
         # Without checkpoint names the linear is a plain float one (loaded by its module path).
         quant = quant or UNQUANTIZED
         self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
+        if parallel is not None and not isinstance(self.method, UnquantizedMethod):
+            # Packed codes and scale groups need the method's own narrowing (tp/sharding.py
+            # `narrow` with its packing and group size); until a method provides it, refuse.
+            raise TPSplitError(
+                f"--tensor-parallel-size > 1 is not supported yet for {self.method.describe()} "
+                f"weights (linear {', '.join(self.prefixes) or '?'})"
+            )
         self.method.create_weights(self, bias, dtype)
 
+    def local_slice(self, param_name: str, shard: str | int | None, tensor: torch.Tensor):
+        """The part of one float checkpoint tensor (of logical shape) that this rank holds."""
+        p = self.parallel
+        if p is None:
+            return tensor
+        if isinstance(p, ColumnParallel):
+            start, length = p.slices[shard]
+            full = self.logical_shard_sizes[shard]
+            if tensor.shape[0] != full:
+                raise ValueError(
+                    f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+                    f"{full} rows"
+                )
+            return narrow(tensor, 0, start, length, param_name)
+        if param_name == "bias":  # added once, after the all-reduce
+            return tensor
+        if tensor.dim() != 2 or tensor.shape[1] != self.logical_in_features:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+                f"{self.logical_in_features} input columns"
+            )
+        return narrow(tensor, 1, p.start, p.length, param_name)
+
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
-        """Hand one checkpoint tensor of one shard to the method; it raises naming the shape on
-        a mismatch."""
-        self.method.load(self, param_name, shard, tensor)
+        """Hand one checkpoint tensor of one shard (this rank's part of it) to the method; it
+        raises naming the shape on a mismatch."""
+        self.method.load(self, param_name, shard, self.local_slice(param_name, shard, tensor))
 
     def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:
         """Without ops (tests, tools): plain torch. The model passes its ops, so decode-sized
         inputs run the GEMV kernel on CUDA (captured in the decode graphs)."""
+        if isinstance(self.parallel, RowParallel):
+            # The float weight (the only method allowed here): bias once, after the sum.
+            y = self.parallel.group.all_reduce(linear(x, self.weight, None, ops))
+            return y if self.bias is None else y.add_(self.bias)
         return self.method.apply(self, x, ops)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table, or with a TP group only rows [vocab_start, vocab_start + rows) of the
+    padded vocabulary: a rank looks up the ids it holds, zeros the others, and one all-reduce
+    sums the ranks' rows. The tied lm_head reads the same local rows."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        dtype: torch.dtype,
+        group: TPGroup | None = None,
+        vocab_start: int = 0,
+        rows: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.group, self.vocab_start = vocab_size, group, vocab_start
+        self.rows = vocab_size if rows is None else rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype), requires_grad=False)
+
+    def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
+        if tensor.dim() != 2 or tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+                f"{(self.vocab_size, self.weight.shape[1])}"
+            )
+        self.weight.data.copy_(narrow(tensor, 0, self.vocab_start, self.rows, param_name))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce(x)
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
@@ -20,10 +19,14 @@ from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
     RMSNorm,
+    VocabParallelEmbedding,
     gate_up_silu,
     linear,
 )
 from voltserve.services.executor.quant.base import QuantConfig
+from voltserve.services.executor.tp.group import TPGroup
+from voltserve.services.executor.tp.layout import TPLayout
+from voltserve.services.executor.tp.sharding import ColumnParallel, RowParallel
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -60,33 +63,53 @@ class ModelArch:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+def _column(tp: TPGroup | None, slices: dict) -> ColumnParallel | None:
+    return None if tp is None else ColumnParallel(tp, slices)
+
+
+def _row(tp: TPGroup | None, start: int, length: int) -> RowParallel | None:
+    return None if tp is None else RowParallel(tp, start, length)
+
+
 class Attention(nn.Module):
+    """With tensor parallelism: this rank's query heads and KV heads (TPLayout); q/k/v is
+    column-parallel, o_proj row-parallel (one all-reduce)."""
+
     def __init__(
         self,
         arch: ModelArch,
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-        )
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+        lay = lay or TPLayout.build(arch)
+        hd = arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads, lay.num_kv_heads, hd
+        self.q_size = lay.num_heads * hd
+        self.kv_size = lay.num_kv_heads * hd
         self.scale = arch.head_dim**-0.5
+        q_full, kv_full = arch.num_heads * hd, arch.num_kv_heads * hd
+        kv_slice = (lay.kv_head_start * hd, self.kv_size)
         self.qkv_proj = Linear(
             arch.hidden_size,
-            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            {"q": q_full, "k": kv_full, "v": kv_full},
             arch.qkv_bias,
             dtype,
             quant,
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            _column(tp, {"q": (lay.head_start * hd, self.q_size), "k": kv_slice, "v": kv_slice}),
         )
         self.o_proj = Linear(
-            self.q_size, {None: arch.hidden_size}, arch.o_bias, dtype, quant, [f"{prefix}.o_proj"]
+            q_full,
+            {None: arch.hidden_size},
+            arch.o_bias,
+            dtype,
+            quant,
+            [f"{prefix}.o_proj"],
+            _row(tp, lay.head_start * hd, self.q_size),
         )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -179,15 +202,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate/up column-parallel, down row-parallel (one all-reduce)."""
+
     def __init__(
         self,
         arch: ModelArch,
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
+        lay = lay or TPLayout.build(arch)
         inter = arch.intermediate_size
+        part = (lay.inter_start, lay.inter_size)
         self.gate_up_proj = Linear(
             arch.hidden_size,
             {0: inter, 1: inter},
@@ -195,9 +224,16 @@ class MLP(nn.Module):
             dtype,
             quant,
             [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            _column(tp, {0: part, 1: part}),
         )
         self.down_proj = Linear(
-            inter, {None: arch.hidden_size}, arch.mlp_bias, dtype, quant, [f"{prefix}.down_proj"]
+            inter,
+            {None: arch.hidden_size},
+            arch.mlp_bias,
+            dtype,
+            quant,
+            [f"{prefix}.down_proj"],
+            _row(tp, *part),
         )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
@@ -213,10 +249,12 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn")
-        self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp")
+        self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn", tp, lay)
+        self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -247,12 +285,21 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        lay = lay or TPLayout.build(arch)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+            if tp is None
+            else VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, dtype, tp, lay.vocab_start, lay.vocab_per_rank
+            )
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}") for i in range(arch.num_layers)
+            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", tp, lay)
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -271,16 +318,32 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, quant: QuantConfig | None = None
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """tp: this rank's tensor-parallel group (None: the whole model on one device)."""
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, dtype, quant, "model")
+        self.tp = tp
+        self.layout = lay = (
+            TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
+        )
+        self.model = LlamaModel(arch, dtype, quant, "model", tp, lay)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
+            # Vocabulary-parallel: this rank's rows of the padded vocabulary (zeros past it).
             self.lm_head = Linear(
-                arch.hidden_size, {None: arch.vocab_size}, False, dtype, quant, ["lm_head"]
+                arch.hidden_size,
+                {None: arch.vocab_size},
+                False,
+                dtype,
+                quant,
+                ["lm_head"],
+                _column(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
             )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
@@ -310,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
         needs outside the graph; at batch 256 the fp32 copy and its argmax took 0.19 ms)."""
         ops = self.ops
         assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        x = self.model.embed_tokens(input_ids)
         layers = zip(self.model.layers, kv_caches, strict=True)
         residual = None
         for layer, kv_cache in layers:
@@ -323,4 +386,8 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(x, self.model.embed_tokens.weight, None, ops)
         else:
             logits = self.lm_head(x, ops)
+        if self.tp is not None:
+            # Every rank gets the whole row (rank 0 samples; the others drop it), padding cut.
+            logits = self.tp.all_gather_cols(logits)[:, : self.arch.vocab_size]
+            return logits.float() if fp32_logits else logits.contiguous()
         return logits.float() if fp32_logits else logits
