@@ -33,3 +33,6 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     # Seeds the engine's choice of per-request seeds for requests that give none.
     seed: int = 0
+    # --speculative-config as its JSON object (vLLM's keys; services/executor/spec/config.py
+    # validates it). None: no speculation.
+    speculative_config: dict | None = None

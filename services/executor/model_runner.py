@@ -59,6 +59,13 @@ def _token_slice(r: Request, start: int, n: int) -> list[int]:
     return p[start:] + r.output_token_ids[: start + n - len(p)]
 
 
+def _row_tokens(r: Request, start: int, n: int, spec) -> list[int]:
+    """The input tokens of one row: known tokens, then any proposed ones."""
+    if not spec:
+        return _token_slice(r, start, n)
+    return _token_slice(r, start, n - len(spec)) + list(spec)
+
+
 class BlockTableMirror:
     """Block tables of recently staged requests as rows of one int32 array, kept across steps so
     a decode step copies them with one gather instead of converting every request's block list.
@@ -188,7 +195,8 @@ class ModelRunner:
 
             with startup.phase("compiling kernels and capturing CUDA graphs"):
                 self.graphs = CudaGraphRunner(self, graph_batch, config.cuda_graph_sizes)
-            if pipeline_enabled():
+            # Speculation changes the tokens between steps; nothing is launched ahead of it.
+            if pipeline_enabled() and config.speculative_config is None:
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         elif use_graphs:
             logger.info("decode runs eagerly: %s", why_not)
@@ -324,7 +332,9 @@ class ModelRunner:
 
     def _alloc_host_buffers(self, max_tokens: int, max_seqs: int) -> None:
         self._cap_tokens, self._cap_seqs = max_tokens, max_seqs
-        size = 3 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
+        # ids, positions, slots, logits rows (up to one per token under speculation), then
+        # the per-sequence block tables, lengths and query starts.
+        size = 4 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
         pin = self.device.type == "cuda"
         self._host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
@@ -368,17 +378,32 @@ class ModelRunner:
         row_of = np.repeat(np.arange(B), n)
         pos = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         slots = tables[row_of, pos // bs] * bs + pos % bs
+        specs = [s.spec_token_ids for s in sched]
         ids = np.fromiter(
-            chain.from_iterable(map(_token_slice, reqs, start_list, n_list)), np.int64, T
+            chain.from_iterable(map(_row_tokens, reqs, start_list, n_list, specs)), np.int64, T
         )
         eos = tuple(self.eos_token_ids)
         rows: list[SampleRow] = []
         logit_rows: list[int] = []
         for b, r in enumerate(reqs):
+            sp = specs[b]
             # A row samples when it computes up to the last known token.
-            if start_list[b] + n_list[b] == len(r.prompt_token_ids) + len(r.output_token_ids):
-                rows.append(SampleRow(r, len(r.output_token_ids), eos))
-                logit_rows.append(int(qsl[b + 1]) - 1)
+            if start_list[b] + n_list[b] - len(sp) != len(r.prompt_token_ids) + len(
+                r.output_token_ids
+            ):
+                continue
+            end = int(qsl[b + 1])
+            out_pos = len(r.output_token_ids)
+            if not sp:
+                rows.append(SampleRow(r, out_pos, eos))
+                logit_rows.append(end - 1)
+                continue
+            # Verify rows: the target's token after the last known token and after each
+            # proposed one (spec/acceptance.py).
+            m = len(sp)
+            for j in range(m + 1):
+                rows.append(SampleRow(r, out_pos + j, eos, tuple(sp[:j])))
+                logit_rows.append(end - 1 - m + j)
         if self._copy_done is not None:
             self._copy_done.synchronize()
         parts = [

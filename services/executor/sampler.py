@@ -35,6 +35,9 @@ class SampleRow:
     output_pos: int
     # Model-level eos ids, masked with stop_token_ids while min_tokens is unmet.
     eos_token_ids: tuple[int, ...] = ()
+    # Speculation: the proposed tokens between the request's outputs and this row (its
+    # context is prompt + outputs + prefix; penalties count them as outputs).
+    prefix: tuple[int, ...] = ()
 
 
 def _has_penalties(r: Request) -> bool:
@@ -169,8 +172,11 @@ class Sampler:
             toks = [t for t in set(r.prompt_token_ids) if 0 <= t < V]
             pr += [j] * len(toks)
             pt += toks
-            # Output tokens so far: the first output_pos of the request's outputs.
-            outs = [t for t in r.output_token_ids[: rows[i].output_pos] if 0 <= t < V]
+            # Output tokens so far: the first output_pos of the request's outputs (the last of
+            # them proposed ones, on a verify row).
+            prefix = rows[i].prefix
+            outs = r.output_token_ids[: rows[i].output_pos - len(prefix)] + list(prefix)
+            outs = [t for t in outs if 0 <= t < V]
             orr += [j] * len(outs)
             ot += outs
         dev = self.device
