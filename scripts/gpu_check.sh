@@ -7,7 +7,7 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -103,6 +103,11 @@ for stage in $STAGES; do
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
       # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or prefetch").
       run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      ;;
+    prompt-logprobs)
+      # Prompt logprobs computed in prefill on the GPU (fp32 and fp16, chunked, prefix-cache
+      # hit) against transformers; part of `tests` too, alone here for a quick check.
+      run prompt_logprobs $PY -m pytest -q --timeout 600 tests/gpu/test_prompt_logprobs_gpu.py -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger("voltserve.launcher")
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    add_tool_flags(p)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
     add_log_level_flag(p)
     return p
@@ -147,6 +149,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         gw += ["--served-model-name", args.served_model_name]
     if args.api_key:
         gw += ["--api-key", args.api_key]
+    gw += tool_flags_argv(args)
     children.append(Child("gateway", gw))
     return children
 

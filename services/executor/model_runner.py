@@ -181,6 +181,8 @@ class ModelRunner:
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
+        self._prompt_rows: list[tuple[Request, int, int, int]] = []
+        self.prompt_logprobs_out: dict[str, list[tuple[int, dict]]] = {}
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
         with startup.phase("sizing the KV cache"):
@@ -404,6 +406,9 @@ class ModelRunner:
             for j in range(m + 1):
                 rows.append(SampleRow(r, out_pos + j, eos, tuple(sp[:j])))
                 logit_rows.append(end - 1 - m + j)
+        self._prompt_rows = self._prompt_logprob_rows(reqs, start_list, n_list, qsl)
+        for _, _, first_row, count in self._prompt_rows:
+            logit_rows.extend(range(first_row, first_row + count))
         if self._copy_done is not None:
             self._copy_done.synchronize()
         parts = [
@@ -432,6 +437,60 @@ class ModelRunner:
             max_query_len=max(n_list),
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
+
+    # ---- prompt logprobs (params.prompt_logprobs) ------------------------------------------
+
+    @staticmethod
+    def _prompt_logprob_rows(
+        reqs: list[Request], start_list: list[int], n_list: list[int], qsl: np.ndarray
+    ) -> list[tuple[Request, int, int, int]]:
+        """(request, first position, first flat row, count) of the rows whose logits give prompt
+        logprobs: the row at position p predicts prompt token p + 1."""
+        out = []
+        for b, r in enumerate(reqs):
+            if r.params.prompt_logprobs is None or r.output_token_ids:
+                continue
+            start = start_list[b]
+            end = min(start + n_list[b], len(r.prompt_token_ids) - 1)
+            if end > start:
+                out.append((r, start, int(qsl[b]), end - start))
+        return out
+
+    def _compute_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        """logits: one row per prompt-logprob row of this step, in _prompt_rows order."""
+        rows = self._prompt_rows
+        targets: list[int] = []
+        for r, start, _, count in rows:
+            targets.extend(r.prompt_token_ids[start + 1 : start + 1 + count])
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        t = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, t[:, None])[:, 0]
+        # Rank as vLLM counts it: 1 + the number of tokens more likely than this one.
+        rank = (lp > chosen[:, None]).sum(dim=1) + 1
+        k = max(r.params.prompt_logprobs or 0 for r, *_ in rows)
+        top_v = top_i = None
+        if k:
+            tv, ti = lp.topk(k, dim=-1)
+            top_v, top_i = tv.cpu().tolist(), ti.cpu().tolist()
+        chosen_l, rank_l = chosen.cpu().tolist(), rank.cpu().tolist()
+        out = self.prompt_logprobs_out
+        i = 0
+        for r, start, _, count in rows:
+            n_top = r.params.prompt_logprobs or 0
+            entries = out.setdefault(r.request_id, [])
+            for j in range(count):
+                top = []
+                if n_top:
+                    top = [[int(a), float(v)] for a, v in zip(top_i[i][:n_top], top_v[i][:n_top])]
+                entries.append(
+                    (start + 1 + j, {"logprob": chosen_l[i], "rank": int(rank_l[i]), "top": top})
+                )
+                i += 1
+
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, dict]]]:
+        """Prompt logprobs computed since the last call: request id -> [(position, entry)]."""
+        out, self.prompt_logprobs_out = self.prompt_logprobs_out, {}
+        return out
 
     def _stage_decode(self, plan: StepPlan) -> list[Request]:
         """Write a decode-only step (one new token per request, each sampling) into the CUDA
@@ -499,7 +558,15 @@ class ModelRunner:
         if self.pipeline is not None:
             self.pipeline.discard()  # a step launched ahead is not this one
         batch, rows = self.prepare(plan)
-        if rows:
+        if self._prompt_rows:
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
+            )
+            self._compute_prompt_logprobs(logits[len(rows) :])
+            if not rows:
+                return []
+            logits = logits[: len(rows)]
+        elif rows:
             logits = self.model(
                 batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
             )
