@@ -45,6 +45,16 @@ class Child:
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
 
 
+def _speculative_json(text: str) -> str:
+    """Validated at the launcher too: a bad config fails before any child starts."""
+    from voltserve.services.executor.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text).to_json()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
@@ -63,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_json,
+        default=None,
+        help="speculative decoding (JSON, vLLM's keys), passed to every executor",
+    )
     p.add_argument(
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
@@ -138,6 +154,8 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:
             argv.append("--enforce-eager")
+        if args.speculative_config:
+            argv += ["--speculative-config", args.speculative_config]
         if args.cuda_graph_sizes:
             argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
         # Several GPUs: executor i sees only GPU i (several executors may share one otherwise).

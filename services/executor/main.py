@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -41,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
+    )
+    p.add_argument(
         "--executor-id",
         default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
     )
@@ -73,6 +81,17 @@ def graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object with vLLM's keys, validated here so a bad one is a
+    usage error naming the key, not a failure at engine start."""
+    from voltserve.services.executor.spec.config import SpeculativeConfig
+
+    try:
+        return json.loads(SpeculativeConfig.from_json(text).to_json())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     return EngineConfig(
@@ -89,6 +108,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 
