@@ -7,7 +7,10 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `spec`: speculative decoding's GPU tests and benchmark; `prompt-logprobs`: prompt logprobs in prefill against transformers; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `spec`: speculative decoding's GPU tests and benchmark;
+# `prompt-logprobs`: prompt logprobs in prefill against transformers;
+# `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
+# `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -102,7 +105,9 @@ for stage in $STAGES; do
       # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
       # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or prefetch").
-      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
+      # two each, as pytest-xdist already runs several.
+      run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       ;;
     prompt-logprobs)
       # Prompt logprobs computed in prefill on the GPU (fp32 and fp16, chunked, prefix-cache
@@ -177,6 +182,21 @@ for stage in $STAGES; do
       clocks_start serving
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json" -- --log-level "${SERVING_LOG:-debug}"
       clocks_stop
+      ;;
+    startup)
+      # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the
+      # cache off (one compile job: the anchor, what start-up cost before the cache), with the
+      # per-phase times, for the Llama-3-8B shape and the Qwen2.5-0.5B shape (random weights,
+      # written once; STARTUP_PRESETS picks, STARTUP_RUNS orders the runs). Estimated ~5 min for
+      # the 8B and ~4 for the 0.5B: under a 10-minute limit, one call per preset.
+      for preset in ${STARTUP_PRESETS:-llama3-8b qwen2.5-0.5b}; do
+        run "make_ckpt_$preset" $PY load_tests/common.py make-checkpoint --preset "$preset" --out "/tmp/voltserve-$preset" --device cuda
+        run "startup_$preset" $PY load_tests/bench_startup.py --model-dir "/tmp/voltserve-$preset" --runs "${STARTUP_RUNS:-cold,warm,nocache}" --work-dir "/tmp/voltserve-startup-$preset" --out "$OUT/startup_$preset.json"
+        cp "/tmp/voltserve-startup-$preset"/serve_*.log "$OUT/" 2>/dev/null
+        for f in "$OUT"/serve_cold.log "$OUT"/serve_warm.log "$OUT"/serve_nocache.log; do
+          [ -f "$f" ] && mv "$f" "${f%.log}_$preset.log"
+        done
+      done
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the

@@ -19,7 +19,7 @@ from voltserve.services.gateway.state import GatewayState
 from voltserve.services.gateway.tool_parsers import TOOL_PARSERS
 from voltserve.services.gateway.tools import ChatTooling
 from voltserve.services.renderer.render import Renderer
-from voltserve.shared import streams
+from voltserve.shared import startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ def tool_flags_argv(args: argparse.Namespace) -> list[str]:
 
 
 def build_state(args: argparse.Namespace) -> GatewayState:
-    renderer = Renderer(args.model, args.max_model_len)
+    # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
+    with startup.fatal_errors("gateway", also=(OSError,)):
+        renderer = Renderer(args.model, args.max_model_len)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
     try:
