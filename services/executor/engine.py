@@ -106,7 +106,7 @@ class LLMEngine:
             from voltserve.services.executor.spec.proposer import make_proposer
 
             self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
-            self.proposer = make_proposer(self.spec_config)
+            self.proposer = make_proposer(self.spec_config, runner, self.block_manager)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self._spec_drafts = 0
         self._spec_draft_tokens = 0

@@ -31,6 +31,8 @@ from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.services.executor.spec.config import SpeculativeConfig
+from voltserve.services.executor.spec.draft_model import load_draft
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
 
@@ -173,6 +175,16 @@ class ModelRunner:
             loaded = load_model(config.model, self.dtype, self.device)
         self.model = loaded.model
         self.arch = loaded.arch
+        # Speculation with a draft model: loaded beside the target, before KV sizing, so its
+        # weights and its KV cache (the target's block layout) count against the memory.
+        self.draft = None
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        spec = config.speculative_config
+        if spec is not None and SpeculativeConfig.from_dict(spec).method == "draft_model":
+            with startup.phase("loading the draft model", self.startup_times):
+                self.draft = load_draft(
+                    spec["model"], config.model, self.arch, self.dtype, self.device
+                )
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
         self.block_size: int = config.block_size
@@ -196,6 +208,8 @@ class ModelRunner:
             self.model.ops = self.ops
         use_graphs = use_graphs and why_not is None
         self.sampler = Sampler(self.ops, self.device)
+        if self.draft is not None:
+            self.draft.model.ops = self.ops
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._prompt_rows: list[tuple[Request, int, int, int]] = []
         self.prompt_logprobs_out: dict[str, list[tuple[int, dict]]] = {}
@@ -215,6 +229,8 @@ class ModelRunner:
             self.num_kv_blocks: int = self._decide_num_blocks()
             ph.detail = f"{self.num_kv_blocks} blocks of {self.block_size} tokens"
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
+        if self.draft is not None:
+            self.draft_kv_caches = self._alloc_kv_caches(self.num_kv_blocks, arch=self.draft.arch)
         self.graphs = None
         self.pipeline: DecodePipeline | None = None
         self.compiled_in_capture: list[str] = []
@@ -283,9 +299,11 @@ class ModelRunner:
         return None
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * elem
+        archs = [self.arch] + ([self.draft.arch] if self.draft is not None else [])
+        return sum(
+            a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * elem for a in archs
+        )
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -347,7 +365,7 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated()
         tmp_blocks = self._profile_blocks()
         tmp = self._alloc_kv_caches(tmp_blocks, scratch=False)
-        tmp_bytes = tmp_blocks * per_block
+        tmp_bytes = sum(t.numel() * t.element_size() for kv in tmp for t in kv)
         torch.cuda.reset_peak_memory_stats()
         logits = self._profile_forward(tmp)
         torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's peak (sort + softmax)
@@ -372,12 +390,12 @@ class ModelRunner:
         return int(budget // per_block) - 1
 
     def _alloc_kv_caches(
-        self, num_blocks: int, scratch: bool | None = None
+        self, num_blocks: int, scratch: bool | None = None, arch=None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # On CUDA one extra block past those the block manager owns receives padded graph rows.
         if scratch is None:
             scratch = self.device.type == "cuda"
-        a = self.arch
+        a = arch or self.arch
         shape = (num_blocks + int(scratch), a.num_kv_heads, self.block_size, a.head_dim)
         return [
             (

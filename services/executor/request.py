@@ -44,6 +44,8 @@ class Request:
     # Speculation: tokens a proposer suggests to follow last_token_id, set before scheduling;
     # the batcher schedules as many of them as fit (ScheduledRequest.spec_token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # A proposer's own per-request state (the draft model: how far its KV cache has caught up).
+    spec_state: object = None
     # params.prompt_logprobs: prompt position -> its entry, filled as prefill chunks run (a
     # recomputation after preemption overwrites); sent with the first sampled token.
     prompt_lp: dict[int, dict] | None = None

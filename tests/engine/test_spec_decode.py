@@ -285,9 +285,9 @@ def test_rejection_sampling_keeps_target_distribution():
     proposal = max(p1_of[t0], key=p1_of[t0].get)  # often accepted, often not
     expected = {(a, b): pa * pb for a, pa in p0.items() for b, pb in p1_of[a].items()}
     # A random tiny model's top 4 are nearly flat; the chi-square approximation wants >= 5.
-    assert min(expected.values()) * 600 >= 5
+    assert min(expected.values()) * 400 >= 5
 
-    N = 600
+    N = 400
     params = [
         SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=1000 + s, ignore_eos=True)
         for s in range(N)
@@ -305,8 +305,8 @@ def test_rejection_sampling_keeps_target_distribution():
     chi2 = sum((counts.get(c, 0) - N * p) ** 2 / (N * p) for c, p in expected.items())
     print(f"chi2 {chi2:.2f} (df 15), accepted {st.spec_decode_num_accepted_tokens}/{N}")
     assert chi2 < 56.49
-    # And the same draws as speculation off.
-    assert engine(max_num_seqs=300).generate([prompt] * N, params) == got
+    # And the same draws as speculation off (a share of them, to keep the test short).
+    assert engine(max_num_seqs=300).generate([prompt] * 100, params[:100]) == got[:100]
 
 
 def test_cli_flag_validated(capsys):
@@ -326,3 +326,51 @@ def test_cli_flag_validated(capsys):
                 ["--model", "m", "--speculative-config", '{"method": "eagle", "model": "x"}']
             )
         assert "method 'eagle' is not supported yet" in capsys.readouterr().err
+
+
+# ---- draft model -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "draft, kw",
+    [
+        # The target itself: every proposal accepted (chunked prefill: a 9-token budget).
+        ("llama", {"max_num_batched_tokens": 9}),
+        ("qwen3", {"num_kv_blocks": 9}),  # another model, same tokenizer; preemption
+    ],
+    ids=["self-chunked", "other-preempt"],
+)
+def test_draft_model_greedy_equals_spec_off(seed, draft, kw):
+    prompts, outs = _recorded(seed)
+    spec = {"method": "draft_model", "model": str(checkpoint(draft)), "num_speculative_tokens": 3}
+    eng = engine(spec, **kw)
+    assert eng.runner.draft is not None and eng.runner.draft_kv_caches
+    assert run(eng, prompts, greedy(30)) == outs
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0
+    if draft == "llama":
+        assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
+    else:
+        assert st.num_preemptions_total > 0
+
+
+def test_draft_model_refused_with_another_tokenizer(tmp_path):
+    from voltserve.services.executor.demo_model import build_tokenizer, write_checkpoint
+    from voltserve.shared.startup import StartupError
+
+    from tests.checkpoints import TINY
+
+    other = write_checkpoint(
+        tmp_path / "other",
+        arch="llama",
+        size="tiny",
+        seed=9,
+        # Rounded up to the target's 384 model vocabulary, but another vocabulary.
+        tokenizer=build_tokenizer(vocab_size=340),
+        **{**TINY, "num_hidden_layers": 1},
+    )
+    spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(StartupError, match="its tokenizer differs from the target's"):
+        engine(spec)
+    with pytest.raises(ValueError, match='needs "model"'):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})

@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Methods vLLM knows that this build does not run yet: refused by name, never ignored.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _KEYS = {
     "method",
+    "model",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
@@ -27,12 +28,16 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # No proposals in a step with at least this many running requests (None: always propose).
     disable_by_batch_size: int | None = None
+    # draft_model: the draft checkpoint folder (same tokenizer as the target).
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {d!r}")
         method = d.get("method")
+        if method is None and d.get("model"):
+            method = "draft_model"  # vLLM: a draft model named without a method
         if method in NOT_YET:
             raise ValueError(
                 f"--speculative-config: method {method!r} is not supported yet "
@@ -75,7 +80,16 @@ class SpeculativeConfig:
                 f"--speculative-config: disable_by_batch_size must be a positive integer, "
                 f"got {dbs!r}"
             )
-        return cls(method, k, lo, hi, dbs)
+        model = d.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    "--speculative-config: method 'draft_model' needs \"model\": the draft "
+                    "checkpoint folder"
+                )
+        elif model is not None:
+            raise ValueError(f'--speculative-config: method {method!r} takes no "model"')
+        return cls(method, k, lo, hi, dbs, model)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -94,4 +108,6 @@ class SpeculativeConfig:
         }
         if self.disable_by_batch_size is not None:
             d["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.model is not None:
+            d["model"] = self.model
         return json.dumps(d)

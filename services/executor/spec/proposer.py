@@ -23,8 +23,12 @@ class Proposer(ABC):
         request is decoding: its next input is request.last_token_id."""
 
 
-def make_proposer(config) -> Proposer:
-    """The proposer a SpeculativeConfig names."""
+def make_proposer(config, runner=None, block_manager=None) -> Proposer:
+    """The proposer a SpeculativeConfig names (a draft model runs on the runner's draft)."""
+    if config.method == "draft_model":
+        from voltserve.services.executor.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.num_speculative_tokens, runner, block_manager)
     if config.method == "ngram":
         from voltserve.services.executor.spec.ngram import NgramProposer
 
