@@ -12,6 +12,8 @@ not depend on it:
   (--corrupt), batch 1, k = --oracle-ks: tok/s, its speedup over speculation off, the measured
   mean accepted length, and the ideal speedup (tokens per step / verify-step cost in decode
   steps).
+A draft model (`--draft-preset`, default Llama-3.2-1B's shape with the target's vocabulary) runs
+batch 1 with its measured acceptance and step time.
 n-gram (`--ngram-k`) runs on a copy-heavy prompt (a phrase repeated to --prompt-len): its
 acceptance is whatever the random model's output repeats of it, reported as measured.
 Verify steps run eagerly (no CUDA graph for them yet); plain decode steps replay graphs.
@@ -153,6 +155,11 @@ def parse_args(argv):
     p.add_argument("--corrupt", default="0.1,0.3,0.5", help="oracle corruption probabilities")
     p.add_argument("--cost-ks", default="1,2,3,4,5,6,7")
     p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument(
+        "--draft-preset", default="llama3.2-1b", help="draft model shape; 'none' skips that run"
+    )
+    p.add_argument("--draft-dir", default="/tmp/voltserve-llama3.2-1b")
+    p.add_argument("--draft-k", type=int, default=4)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results file")
@@ -273,6 +280,28 @@ def main(argv=None) -> int:
             forced[f"k{k}_p{p}"] = r
     result["forced_acceptance_batch1"] = forced
     release(eng)
+    eng = None
+
+    # 3. A draft model of the same vocabulary (random weights: acceptance near zero, so the
+    # figure to read is the step cost with the draft's k forwards in it, next to the oracle's).
+    if args.draft_preset != "none":
+        draft_dir = Path(args.draft_dir)
+        if not checkpoint_matches(draft_dir, args.draft_preset):
+            logger.info("writing a random %s checkpoint to %s", args.draft_preset, draft_dir)
+            write_random_checkpoint(draft_dir, args.draft_preset, device, dtype, seed=args.seed + 1)
+        spec = {
+            "method": "draft_model",
+            "model": str(draft_dir),
+            "num_speculative_tokens": args.draft_k,
+        }
+        eng = make_engine(model_dir, device, dtype, args, spec)
+        run(eng, device, [copy_prompt], 8, "warm")
+        dm = with_proposer(eng, eng.proposer, device, [copy_prompt], args.output_len, "draft")
+        dm.pop("tokens")
+        dm["speedup"] = dm["decode_tok_s"] / base_tok_s if base_tok_s else None
+        dm["draft_preset"] = args.draft_preset
+        result["draft_model_batch1"] = dm
+        release(eng)
 
     write_json(args.out, result)
     print(f"spec off batch 1: {base_tok_s and round(base_tok_s, 1)} tok/s")
@@ -282,6 +311,12 @@ def main(argv=None) -> int:
     )
     for name, r in cost.items():
         print(f"cost {name}: step {r['median_step_ms']} ms, x{r['verify_over_decode_step']}")
+    if "draft_model_batch1" in result:
+        dm = result["draft_model_batch1"]
+        print(
+            f"draft model k={args.draft_k}: {dm['decode_tok_s']} tok/s, step "
+            f"{dm['median_step_ms']} ms, acceptance {dm['acceptance_rate']}"
+        )
     for name, r in forced.items():
         print(
             f"forced {name}: {r['decode_tok_s']} tok/s, speedup {r['speedup']}, "
