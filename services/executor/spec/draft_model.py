@@ -83,9 +83,15 @@ class DraftModelProposer(Proposer):
         rows: list[tuple[int, Request, int, int]] = []  # (index, request, first pos, k)
         for i, r in enumerate(requests):
             k = min(self.k, r.max_output_tokens - len(r.output_token_ids) - 1)
+            if k <= 0:
+                continue
             # Slots for the draft's own tokens (positions num_tokens .. num_tokens + k - 2);
-            # best effort, as the batcher's are: no free block, no proposal.
-            if k <= 0 or not self.bm.append_slots(r, k):
+            # best effort, as the batcher's are, and leaving a block per decoding request free
+            # so that speculation does not make the batcher preempt anyone.
+            missing = self.bm.blocks_needed(r.num_computed_tokens + k) - len(r.block_ids)
+            if missing > 0 and self.bm.num_free_blocks - missing < len(requests):
+                continue
+            if not self.bm.append_slots(r, k):
                 continue
             st = r.spec_state
             done = st[1] if st is not None and st[0] == r.num_preemptions else 0
