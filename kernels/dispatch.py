@@ -62,6 +62,9 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
+    # Linears with group-quantized weights (quant_linear.py picks the kernel by row count; the
+    # model calls quant_linear.quant_linear(x, w, bias, ops), which reads impl["quant_linear"]).
+    "quant_linear": (("quant_linear",), "quant_linear", "quant_linear_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -87,6 +90,7 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
+    "quant_linear": "VOLTSERVE_QUANT_KERNELS",
 }
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
@@ -97,6 +101,7 @@ _CAPTURABLE_REFS = {
     "silu_and_mul",
     "gemv",
     "gemv_gate_up",
+    "quant_linear",
 }
 # What a decode step runs inside a captured graph (sampling stays outside).
 DECODE_GRAPH_OPS = (
@@ -153,6 +158,8 @@ class KernelDispatch:
         # and row count: a LinearPlan (services/executor/linear_plan.py) the runner sets before
         # graph capture. None: every linear of <= 8 rows runs ops.gemv, MLPs stay unfused.
         self.linear_plan: Any = None
+        # The dequantize path's reused weight buffer (quant_linear.QuantScratch), made on first use.
+        self.quant_scratch: Any = None
         self._fns: dict[str, Callable] = {}
         use_cuda = self.device.type == "cuda" and not self.force_ref
         for op, (families, ref_mod, ref_name) in _OPS.items():
@@ -199,6 +206,7 @@ class KernelDispatch:
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
     gemv_qkv_rope: Callable[..., torch.Tensor]
+    quant_linear: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 
