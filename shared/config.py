@@ -36,3 +36,9 @@ class EngineConfig:
     # --speculative-config as its JSON object (vLLM's keys; services/executor/spec/config.py
     # validates it). None: no speculation.
     speculative_config: dict | None = None
+    # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the
+    # checkpoint. A forced method the checkpoint does not use is an error.
+    quantization: str | None = None
+    # GPU memory budget in bytes (None: the whole card): KV sizing uses min(card, budget), so a
+    # 16 or 32 GB V100 can be simulated on a bigger card.
+    max_gpu_memory: int | None = None
