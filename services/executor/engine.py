@@ -374,22 +374,8 @@ class LLMEngine:
             g = req.grammar
             if g is not None:
                 if not g.accept(token):
-                    # The sampler drew this token under the grammar's own mask: a bug.
-                    logger.error(
-                        "request %s: the grammar matcher rejected token %d at output position "
-                        "%d, which its own mask allowed",
-                        rid,
-                        token,
-                        len(out_ids) - 1,
-                    )
-                    self.batcher.finish(req, "error")
-                    del self.requests[rid]
                     any_finished = True
-                    append(
-                        self._error_output(
-                            req, "internal error: the structured output matcher failed", 500
-                        )
-                    )
+                    append(self._grammar_failed(req, token, len(out_ids) - 1))
                     continue
                 if reason is None and g.terminated:
                     reason = "stop"
@@ -429,7 +415,12 @@ class LLMEngine:
             for r, prop in zip(decoding, self.proposer.propose(decoding)):
                 # Never more than the request can still emit after this step's own token.
                 room = r.max_output_tokens - len(r.output_token_ids) - 1
-                r.spec_token_ids = prop[: max(room, 0)]
+                prop = prop[: max(room, 0)]
+                if prop and r.grammar is not None:
+                    # A constrained request: up to the first token its grammar rejects (the
+                    # target could never sample it under the mask).
+                    prop = prop[: r.grammar.valid_prefix(prop)]
+                r.spec_token_ids = prop
 
     def _accept(self, req: Request, spec, sampled, ids, i: int) -> RequestOutput:
         """A verify row group: keep the target's tokens while they equal the proposals
@@ -450,13 +441,20 @@ class LLMEngine:
         p = req.params
         reason = None
         emitted: list[int] = []
+        g = req.grammar
         for t in targets[: n_acc + 1]:
+            # The matcher advances over emitted tokens only: each was drawn under the mask of
+            # the grammar state after the accepted tokens before it (GrammarState.fill_draft).
+            if g is not None and not g.accept(t):
+                return self._grammar_failed(req, t, len(out_ids))
             out_ids.append(t)
             emitted.append(t)
             if t in req.stop_token_set and len(out_ids) >= p.min_tokens:
                 reason = "stop"
             elif len(out_ids) >= req.max_output_tokens:
                 reason = "length"
+            elif g is not None and g.terminated:
+                reason = "stop"
             if reason is not None:
                 break
         # KV is valid for the last known token and the accepted proposals: one position per
@@ -480,6 +478,20 @@ class LLMEngine:
         return RequestOutput(
             rid, emitted, logprobs, reason, len(req.prompt_token_ids), req.num_cached_tokens
         )
+
+    def _grammar_failed(self, req: Request, token: int, pos: int) -> RequestOutput:
+        """The matcher rejected a token the sampler drew under the grammar's own mask: a bug
+        (mask and matcher disagree). The request ends with an error instead of a wrong output."""
+        logger.error(
+            "request %s: the grammar matcher rejected token %d at output position %d, which "
+            "its own mask allowed",
+            req.request_id,
+            token,
+            pos,
+        )
+        self.batcher.finish(req, "error")
+        del self.requests[req.request_id]
+        return self._error_output(req, "internal error: the structured output matcher failed", 500)
 
     def _store_prompt_logprobs(self, computed: dict[str, list[tuple[int, dict]]]) -> None:
         for rid, entries in computed.items():
