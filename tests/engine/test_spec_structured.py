@@ -9,6 +9,7 @@ unchanged by speculation.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -254,3 +255,44 @@ def collect_staggered(eng, prompts, params, ids) -> dict[str, tuple]:
         assert step < 10_000
     assert eng.check_all_free()
     return {rid: tuple(v) for rid, v in res.items()}
+
+
+def test_draft_helpers_cross_marker_and_stop(tok):
+    """valid_prefix / fill_draft over a draft that completes the structured_after marker, ends
+    the grammar with a stop token and goes on: the masks are the sequential matcher's, free
+    before the marker and after the stop, the cut is right after the stop, the state is left
+    where it was."""
+    import numpy as np
+    import xgrammar as xgr
+    from voltserve.services.executor.grammar import GrammarCompilerPool
+    from voltserve.services.executor.grammar_state import GrammarState
+
+    V = json.load(open(checkpoint("qwen2") / "config.json"))["vocab_size"]
+    W = (V + 31) // 32
+    stop = 2
+    pool = GrammarCompilerPool(tok, V, [stop])
+    try:
+        compiled = pool.compile({"type": "regex", "value": "[0-9]{1,4}"})
+        marker = tok.encode("</think>", add_special_tokens=False)
+        digits = tok.encode("12", add_special_tokens=False)
+        free = tok.encode(" ok", add_special_tokens=False)
+        draft = free + marker + digits + [stop] + free
+        st = GrammarState(compiled, [stop], marker)
+        cut = len(free) + len(marker) + len(digits) + 1
+        assert st.valid_prefix(draft) == cut
+        assert st.valid_prefix(free + marker + free) == len(free) + len(marker)
+        got = np.zeros((len(draft) + 1, W), dtype=np.int32)
+        assert st.fill_draft(draft, got, 0) == len(draft) + 1
+        assert st.position == 0 and not st.active
+        ref = xgr.GrammarMatcher(compiled, override_stop_tokens=[stop])
+        lead = len(free) + len(marker)  # rows 0..lead-1: before the marker is complete
+        assert (got[:lead] == -1).all()
+        want = np.zeros((1, W), dtype=np.int32)
+        for j in range(lead, cut):
+            ref.fill_next_token_bitmask(want, 0)
+            np.testing.assert_array_equal(got[j], want[0])
+            assert ref.accept_token(draft[j])
+        assert ref.is_terminated()
+        assert (got[cut:] == -1).all()  # after the stop: the request has ended
+    finally:
+        pool.shutdown()
