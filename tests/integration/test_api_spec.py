@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import urllib.request
 
 import openai
@@ -89,3 +90,34 @@ def test_spec_api_equals_engine_without_speculation(spec_stack, tiny_model):
     ]
     assert drafts and drafts[0] > 0, text[:2000]
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
+
+
+def test_spec_api_constrained_equals_engine_without_speculation(spec_stack, tiny_model):
+    """Constrained requests (regex, choice) under speculation: the text satisfies the
+    constraint and equals the constrained output of the engine without speculation."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    client = openai.OpenAI(base_url=spec_stack.base_url() + "/v1", api_key="x", max_retries=0)
+    pattern = r"[a-z]{2,4}-[0-9]{1,2}"
+    choices = ["yes", "no", "maybe so"]
+    # Prompts that hold text of the constraints' shape: n-gram lookup proposes from them.
+    prompt = tok.encode("ab-12 cd-3 yes no maybe so xyz-45 maybe so ab-12 id:")
+    cases = [
+        ({"structured_outputs": {"regex": pattern}}, {"type": "regex", "value": pattern}),
+        ({"structured_outputs": {"choice": choices}}, {"type": "choice", "value": choices}),
+    ]
+    eng = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32"))
+    for body, structured in cases:
+        want = eng.generate(
+            [prompt], SamplingParams(max_tokens=30, temperature=0.0, structured=structured)
+        )[0]
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=30, temperature=0, extra_body=body
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop"
+        if structured["type"] == "regex":
+            assert re.fullmatch(pattern, c.text), c.text
+        else:
+            assert c.text in choices
+        assert c.text == tok.decode(want, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(want)
