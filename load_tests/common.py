@@ -43,6 +43,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    # A speculative draft for llama3-8b: Llama-3.2-1B's shape, the same vocabulary and ids (so
+    # write_random_checkpoint gives it the same synthetic tokenizer).
+    "llama3.2-1b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     "qwen2.5-0.5b": dict(
         model_type="qwen2",  # Qwen2 always has q/k/v bias
         architectures=["Qwen2ForCausalLM"],

@@ -7,7 +7,8 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
+# batched decode in one go; `spec`: speculative decoding's GPU tests and benchmark;
+# `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
 # `structured`: structured outputs' GPU tests and the serving benchmark with and without
@@ -177,6 +178,14 @@ for stage in $STAGES; do
     decode-8b)
       run profile_decode $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1,8}" --out "$OUT/profile_decode.json"
       run decode_llama8b $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 1 --batch-sizes 64,256 --context 1024 --out "$OUT/decode_llama3-8b.json"
+      ;;
+    spec)
+      # Speculative decoding: greedy spec == spec off == transformers on the GPU (tiny
+      # checkpoints), the verify attention (q = 2..8 rows per sequence) against the reference,
+      # constrained requests' verify rows masked on the device (skipped without xgrammar),
+      # then the Llama-3-8B benchmark (cost curve, forced acceptance, n-gram; spec off anchor).
+      run spec_tests $PY -m pytest -q --timeout 900 tests/gpu/test_spec_gpu.py -p no:cacheprovider
+      run bench_spec $PY load_tests/bench_spec.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --out "$OUT/spec_llama3-8b.json"
       ;;
     decode-b1)
       # Batch 1 only, no transformers: the per-op profile, then bench_decode once per variant in

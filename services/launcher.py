@@ -61,6 +61,16 @@ class Child:
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
 
 
+def _speculative_json(text: str) -> str:
+    """Validated at the launcher too: a bad config fails before any child starts."""
+    from voltserve.services.executor.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text).to_json()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
     p.add_argument(
@@ -88,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_json,
+        default=None,
+        help="speculative decoding (JSON, vLLM's keys), passed to every executor",
+    )
     p.add_argument(
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
@@ -181,6 +197,8 @@ def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str
         argv.append("--enforce-eager")
     if args.cuda_graph_sizes:
         argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
+    if args.speculative_config:
+        argv += ["--speculative-config", args.speculative_config]
     return argv
 
 

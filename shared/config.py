@@ -35,6 +35,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seeds the engine's choice of per-request seeds for requests that give none.
     seed: int = 0
+    # --speculative-config as its JSON object (vLLM's keys; services/executor/spec/config.py
+    # validates it). None: no speculation.
+    speculative_config: dict | None = None
     # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the
     # checkpoint. A forced method the checkpoint does not use is an error.
     quantization: str | None = None

@@ -118,6 +118,28 @@ STATUS_FIELDS: dict[str, tuple[str, str, str]] = {
         "Prefix cache hits, in terms of number of cached tokens.",
     ),
 }
+# Speculative decoding counters (vLLM's names; present in the hash of every executor whose
+# EngineStats has them, zero without speculation). The per-position counter is carried as
+# fields spec_decode_num_accepted_tokens_per_pos_{i} and exposed with label "position".
+SPEC_STATUS_FIELDS: dict[str, tuple[str, str, str]] = {
+    "spec_decode_num_drafts": (
+        "vllm:spec_decode_num_drafts",
+        "counter",
+        "Number of spec decoding drafts.",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "vllm:spec_decode_num_draft_tokens",
+        "counter",
+        "Number of draft tokens.",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "vllm:spec_decode_num_accepted_tokens",
+        "counter",
+        "Number of accepted tokens.",
+    ),
+}
+SPEC_PER_POS_FIELD = "spec_decode_num_accepted_tokens_per_pos"
+SPEC_PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # Also required in the hash (not exposed as vLLM metrics, used by ops checks and the scheduler).
 BLOCK_FIELDS = ("num_free_blocks", "num_total_blocks")
 REQUIRED_STATUS_FIELDS = ("executor_id", "model", *STATUS_FIELDS, *BLOCK_FIELDS)
@@ -133,6 +155,10 @@ def stats_to_status(stats: Any) -> dict[str, int | float]:
             out[k] = int(v)
         elif isinstance(v, int | float):
             out[k] = v
+        elif isinstance(v, tuple | list):  # a per-index counter: one field per index
+            for i, x in enumerate(v):
+                if isinstance(x, int | float) and not isinstance(x, bool):
+                    out[f"{k}_{i}"] = x
     return out
 
 
@@ -228,6 +254,13 @@ class ExecutorCollector(Collector):
         for field, (name, kind, help_) in STATUS_FIELDS.items():
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             fams[field] = cls(name, help_, labels=list(LABELS))
+        for field, (name, _, help_) in SPEC_STATUS_FIELDS.items():
+            fams[field] = CounterMetricFamily(name, help_, labels=list(LABELS))
+        fams[SPEC_PER_POS_FIELD] = CounterMetricFamily(
+            SPEC_PER_POS_METRIC,
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
         for prefix, (name, help_, _) in STATUS_HISTOGRAMS.items():
             fams[prefix] = HistogramMetricFamily(name, help_, labels=list(LABELS))
         return fams
@@ -240,10 +273,14 @@ class ExecutorCollector(Collector):
         fams = self._families()
         for st in self._source():
             labels = [self._model_name or st.model_name, st.executor_id]
-            for field in STATUS_FIELDS:
+            for field in (*STATUS_FIELDS, *SPEC_STATUS_FIELDS):
                 v = st.values.get(field)
                 if v is not None and math.isfinite(v):
                     fams[field].add_metric(labels, v)
+            pos = 0
+            while (v := st.values.get(f"{SPEC_PER_POS_FIELD}_{pos}")) is not None:
+                fams[SPEC_PER_POS_FIELD].add_metric([*labels, str(pos)], v)
+                pos += 1
             for prefix, (_, _, bounds) in STATUS_HISTOGRAMS.items():
                 count = st.values.get(f"{prefix}_count")
                 if count is None:

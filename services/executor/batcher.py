@@ -3,7 +3,8 @@
 Each request carries num_computed_tokens; a step computes a contiguous run of its next tokens.
 A step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Order:
 
-1. running requests that decode (one token each), oldest first;
+1. running requests that decode (one token each, or 1 + m with m proposed tokens to verify
+   under speculation), oldest first;
 2. running requests still in prefill, oldest first (a chunk as large as the budget allows);
 3. waiting requests, first come first served, while budget, sequences and blocks allow; a
    prompt longer than the remaining budget starts with a chunk. The first waiting request that
@@ -125,6 +126,21 @@ class Batcher:
                 prefills.append(req)
                 continue
             if done < len(req.block_ids) * bs or grow(req, 1):
+                spec = req.spec_token_ids
+                if spec:
+                    # Speculation, best effort: as many proposed tokens as the budget, the
+                    # output limit (a verify step yields up to len(spec) + 1 tokens) and the
+                    # free blocks allow; never a preemption for them.
+                    m = min(
+                        len(spec),
+                        budget - 1,
+                        req.max_output_tokens - len(req.output_token_ids) - 1,
+                    )
+                    if m > 0 and bm.append_slots(req, 1 + m):
+                        scheduled[req.request_id] = ScheduledRequest(req, 1 + m, spec[:m])
+                        budget -= 1 + m
+                        mixed = True
+                        continue
                 scheduled[req.request_id] = ScheduledRequest(req, 1)
                 budget -= 1
                 # The lookahead only for a request that will decode again after this step.

@@ -179,6 +179,28 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_tokens) - len(request.block_ids)):
             request.block_ids.append(self._pop_free())
 
+    def take_back(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks past the first blocks_needed(num_tokens) to the free pool
+        (speculation: the slots of rejected tokens). Those blocks hold no computed token of the
+        request, so none is registered for prefix caching. The list is replaced, not shortened
+        in place (the runner's block-table mirror relies on lists that only grow)."""
+        keep = self.blocks_needed(num_tokens)
+        blocks = request.block_ids
+        if keep >= len(blocks):
+            return
+        if keep * self.block_size < request.num_computed_tokens:
+            raise RuntimeError(
+                f"request {request.request_id}: taking back blocks that hold computed tokens"
+            )
+        for b in reversed(blocks[keep:]):
+            if self.block_key[b] is not None:
+                raise RuntimeError(f"block {b} taken back while registered in the prefix cache")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] != 0:
+                raise RuntimeError(f"block {b} taken back while shared")
+            self._free_plain.append(b)
+        request.block_ids = blocks[:keep]
+
     # ---- after a step ------------------------------------------------------------------------
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -34,6 +34,7 @@ from voltserve.services.executor.request import (
     SampledIds,
     SampledToken,
 )
+from voltserve.services.executor.spec.acceptance import num_accepted
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
@@ -54,7 +55,15 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # tokens served from the prefix cache
     prompt_tokens_total: int  # prompt tokens of requests that got their first token
-    generation_tokens_total: int  # tokens sampled
+    generation_tokens_total: int  # tokens generated (several per step under speculation)
+    # Speculation (vLLM's spec_decode counters): verify steps of a request with proposals,
+    # proposed tokens verified, of them accepted, accepted per proposal position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Tokens per verify step (accepted + the target's own), over all verify steps so far.
+    spec_decode_mean_acceptance_length: float = 0.0
 
 
 class LLMEngine:
@@ -94,6 +103,18 @@ class LLMEngine:
             config.max_num_batched_tokens,
             lookahead_slots=1 if self._pipeline is not None else 0,
         )
+        self.proposer = None
+        self.spec_config = None
+        if config.speculative_config is not None:
+            from voltserve.services.executor.spec.config import SpeculativeConfig
+            from voltserve.services.executor.spec.proposer import make_proposer
+
+            self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+            self.proposer = make_proposer(self.spec_config, runner, self.block_manager)
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_per_pos = [0] * k
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self._seed_rng = random.Random(config.seed)
         self._prompt_tokens_total = 0
@@ -275,6 +296,8 @@ class LLMEngine:
         # (decode_pipeline.py): admit on the step after, which launches nothing ahead.
         pipeline = self._pipeline
         early = self._admit_compiled() if self._compiling else None
+        if self.proposer is not None:
+            self._propose()
         plan = self.batcher.schedule(admit=pipeline is None or pipeline.may_admit())
         if not plan.scheduled:
             if early:
@@ -305,8 +328,21 @@ class LLMEngine:
         awaiting = self._awaiting_first_token
         # Runs for every scheduled request every step: plain arithmetic and attributes derived
         # at admission instead of properties and per-step re-derivation.
+        num_generated = 0
         for s in plan.scheduled:
             req = s.request
+            if s.spec_token_ids:
+                n_rows = len(s.spec_token_ids) + 1
+                out = self._accept(req, s.spec_token_ids, sampled, ids, i)
+                i += n_rows
+                num_generated += len(out.new_token_ids)
+                if req.request_id in awaiting:  # failover resume: its first token this run
+                    awaiting.discard(req.request_id)
+                    self._prompt_tokens_total += len(req.prompt_token_ids)
+                if out.finish_reason is not None:
+                    any_finished = True
+                append(out)
+                continue
             before = req.num_computed_tokens
             after = before + s.num_new_tokens
             req.num_computed_tokens = after
@@ -338,22 +374,8 @@ class LLMEngine:
             g = req.grammar
             if g is not None:
                 if not g.accept(token):
-                    # The sampler drew this token under the grammar's own mask: a bug.
-                    logger.error(
-                        "request %s: the grammar matcher rejected token %d at output position "
-                        "%d, which its own mask allowed",
-                        rid,
-                        token,
-                        len(out_ids) - 1,
-                    )
-                    self.batcher.finish(req, "error")
-                    del self.requests[rid]
                     any_finished = True
-                    append(
-                        self._error_output(
-                            req, "internal error: the structured output matcher failed", 500
-                        )
-                    )
+                    append(self._grammar_failed(req, token, len(out_ids) - 1))
                     continue
                 if reason is None and g.terminated:
                     reason = "stop"
@@ -368,12 +390,108 @@ class LLMEngine:
             if len(out_ids) == 1 and p.prompt_logprobs is not None:
                 outputs[-1].prompt_logprobs = self._prompt_logprobs_of(req)
                 outputs[-1].prompt_token_ids = req.prompt_token_ids
-        self._generation_tokens_total += i
+            num_generated += 1
+        self._generation_tokens_total += num_generated
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
         if any_finished:
             self.batcher.remove_finished()
         return outputs
+
+    # ---- speculation -------------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Set spec_token_ids of every decoding request (the batcher schedules what fits)."""
+        running = self.batcher.running
+        dbs = self.spec_config.disable_by_batch_size
+        if dbs is not None and len(running) >= dbs:
+            for r in running:
+                r.spec_token_ids = []
+            return
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for r in running:
+            r.spec_token_ids = []
+        if decoding:
+            for r, prop in zip(decoding, self.proposer.propose(decoding)):
+                # Never more than the request can still emit after this step's own token.
+                room = r.max_output_tokens - len(r.output_token_ids) - 1
+                prop = prop[: max(room, 0)]
+                if prop and r.grammar is not None:
+                    # A constrained request: up to the first token its grammar rejects (the
+                    # target could never sample it under the mask).
+                    prop = prop[: r.grammar.valid_prefix(prop)]
+                r.spec_token_ids = prop
+
+    def _accept(self, req: Request, spec, sampled, ids, i: int) -> RequestOutput:
+        """A verify row group: keep the target's tokens while they equal the proposals
+        (spec/acceptance.py), stop/length checked token by token inside the accepted run, then
+        give back the slots of the rejected tokens."""
+        m = len(spec)
+        if ids is not None:
+            targets, toks = ids[i : i + m + 1], None
+        else:
+            toks = sampled[i : i + m + 1]
+            targets = [t.token_id for t in toks]
+        n_acc = num_accepted(list(spec), targets)
+        self._spec_drafts += 1
+        self._spec_draft_tokens += m
+        for j in range(n_acc):
+            self._spec_accepted_per_pos[j] += 1
+        out_ids = req.output_token_ids
+        p = req.params
+        reason = None
+        emitted: list[int] = []
+        g = req.grammar
+        for t in targets[: n_acc + 1]:
+            # The matcher advances over emitted tokens only: each was drawn under the mask of
+            # the grammar state after the accepted tokens before it (GrammarState.fill_draft).
+            if g is not None and not g.accept(t):
+                return self._grammar_failed(req, t, len(out_ids))
+            out_ids.append(t)
+            emitted.append(t)
+            if t in req.stop_token_set and len(out_ids) >= p.min_tokens:
+                reason = "stop"
+            elif len(out_ids) >= req.max_output_tokens:
+                reason = "length"
+            elif g is not None and g.terminated:
+                reason = "stop"
+            if reason is not None:
+                break
+        # KV is valid for the last known token and the accepted proposals: one position per
+        # emitted token (the newest emitted token is computed by the next step).
+        bs = self.block_size
+        before = req.num_computed_tokens
+        req.num_computed_tokens = after = before + len(emitted)
+        if after // bs > before // bs:
+            self.block_manager.cache_full_blocks(req)
+        rid = req.request_id
+        if reason is not None:
+            self.batcher.finish(req, reason)
+            del self.requests[rid]
+        else:
+            self.block_manager.take_back(req, after + 1)
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [
+                toks[j] if toks is not None else SampledToken(t) for j, t in enumerate(emitted)
+            ]
+        return RequestOutput(
+            rid, emitted, logprobs, reason, len(req.prompt_token_ids), req.num_cached_tokens
+        )
+
+    def _grammar_failed(self, req: Request, token: int, pos: int) -> RequestOutput:
+        """The matcher rejected a token the sampler drew under the grammar's own mask: a bug
+        (mask and matcher disagree). The request ends with an error instead of a wrong output."""
+        logger.error(
+            "request %s: the grammar matcher rejected token %d at output position %d, which "
+            "its own mask allowed",
+            req.request_id,
+            token,
+            pos,
+        )
+        self.batcher.finish(req, "error")
+        del self.requests[req.request_id]
+        return self._error_output(req, "internal error: the structured output matcher failed", 500)
 
     def _store_prompt_logprobs(self, computed: dict[str, list[tuple[int, dict]]]) -> None:
         for rid, entries in computed.items():
@@ -421,6 +539,15 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            spec_decode_num_drafts=self._spec_drafts,
+            spec_decode_num_draft_tokens=self._spec_draft_tokens,
+            spec_decode_num_accepted_tokens=sum(self._spec_accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self._spec_accepted_per_pos),
+            spec_decode_mean_acceptance_length=(
+                1.0 + sum(self._spec_accepted_per_pos) / self._spec_drafts
+                if self._spec_drafts
+                else 0.0
+            ),
         )
 
     # ---- convenience -------------------------------------------------------------------------

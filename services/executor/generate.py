@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--speculative-config", default=None, help="speculative decoding (JSON, vLLM's keys)"
+    )
     ap.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc.")
     ap.add_argument("--stats", action="store_true", help="print timing and engine stats to stderr")
     return ap
@@ -48,6 +51,7 @@ def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     # Heavy imports after argument parsing, so --help is instant.
     from voltserve.services.executor.engine import LLMEngine
+    from voltserve.services.executor.main import speculative_config
     from voltserve.services.renderer.render import load_tokenizer
 
     tokenizer = load_tokenizer(args.model, args.tokenizer)
@@ -61,6 +65,9 @@ def main(argv: list[str]) -> None:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         seed=args.seed if args.seed is not None else 0,
+        speculative_config=speculative_config(args.speculative_config)
+        if args.speculative_config
+        else None,
         quantization=args.quantization,
     )
     params = SamplingParams(

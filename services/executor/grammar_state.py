@@ -98,13 +98,35 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return True
 
+    def valid_prefix(self, draft: Sequence[int]) -> int:
+        """How many leading draft tokens the grammar accepts in order (the engine truncates a
+        proposal there, so no verify row is spent on a token the mask would forbid). Leaves the
+        state as it was."""
+        accepted = 0
+        try:
+            for t in draft:
+                if not self.accept(int(t)):
+                    break
+                accepted += 1
+                if self.terminated:  # a stop token ends the request: nothing after it counts
+                    break
+        finally:
+            self.rollback(accepted)
+        return accepted
+
     def fill_draft(self, draft: Sequence[int], bitmask: np.ndarray, row: int) -> int:
         """Masks for a proposal: rows row..row+k for the positions after 0..k draft tokens,
-        rows past the first draft token the grammar rejects set to allow everything (the target
-        rejects there anyway). Leaves the state as it was. Returns the rows written."""
+        rows past the first draft token the grammar rejects, or past one that terminates it, set
+        to allow everything (the target rejects there, or the request has stopped). Leaves the
+        state as it was. Returns the rows written."""
         accepted = 0
         try:
             for j in range(len(draft) + 1):
+                if self.terminated:
+                    # A draft stop token ended the grammar (xgrammar has no mask after it): the
+                    # request stops there, so the rows after it are never sampled from.
+                    bitmask[row + j : row + len(draft) + 1] = -1
+                    break
                 if not self.fill(bitmask, row + j):
                     bitmask[row + j] = -1
                 if j == len(draft):

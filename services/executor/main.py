@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         "visible GPU",
     )
     p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
+    )
+    p.add_argument(
         "--quantization",
         default=None,
         choices=["awq", "gptq", "compressed-tensors", "gguf"],
@@ -96,6 +104,17 @@ def graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object with vLLM's keys, validated here so a bad one is a
+    usage error naming the key, not a failure at engine start."""
+    from voltserve.services.executor.spec.config import SpeculativeConfig
+
+    try:
+        return json.loads(SpeculativeConfig.from_json(text).to_json())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9}
 _UNITS.update({"gb": 10**9, "t": 10**12, "tb": 10**12})
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -134,6 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
         quantization=args.quantization,
         max_gpu_memory=args.max_gpu_memory,
     )

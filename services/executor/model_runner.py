@@ -41,6 +41,8 @@ from voltserve.services.executor.quant.detect import quant_config
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.services.executor.spec.config import SpeculativeConfig
+from voltserve.services.executor.spec.draft_model import load_draft
 from voltserve.services.executor.tp import launch as tp_launch
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
@@ -72,6 +74,13 @@ def check_tp_model(config: EngineConfig) -> None:
     KV heads or MLP width not divisible, or quantized weights (their methods do not narrow
     packed tensors yet)."""
     size = config.tensor_parallel_size
+    if config.speculative_config is not None:
+        # The draft model and the verify step run on rank 0 alone; the other ranks would need
+        # to follow both.
+        raise TPSplitError(
+            f"--speculative-config with --tensor-parallel-size {size} is not supported yet; "
+            "use one of them"
+        )
     if is_gguf(config.model):
         raise TPSplitError(
             f"--tensor-parallel-size {size} is not supported yet for GGUF checkpoints; "
@@ -96,6 +105,13 @@ def _token_slice(r: Request, start: int, n: int) -> list[int]:
         o = start - len(p)
         return r.output_token_ids[o : o + n]
     return p[start:] + r.output_token_ids[: start + n - len(p)]
+
+
+def _row_tokens(r: Request, start: int, n: int, spec) -> list[int]:
+    """The input tokens of one row: known tokens, then any proposed ones."""
+    if not spec:
+        return _token_slice(r, start, n)
+    return _token_slice(r, start, n - len(spec)) + list(spec)
 
 
 class BlockTableMirror:
@@ -230,6 +246,16 @@ class ModelRunner:
             loaded = load_model(config.model, self.dtype, self.device, config.quantization, self.tp)
         self.model = loaded.model
         self.arch = loaded.arch
+        # Speculation with a draft model: loaded beside the target, before KV sizing, so its
+        # weights and its KV cache (the target's block layout) count against the memory.
+        self.draft = None
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        spec = config.speculative_config
+        if spec is not None and SpeculativeConfig.from_dict(spec).method == "draft_model":
+            with startup.phase("loading the draft model", self.startup_times):
+                self.draft = load_draft(
+                    spec["model"], config.model, self.arch, self.dtype, self.device
+                )
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
         # This rank's KV heads (all of them without tensor parallelism).
@@ -256,6 +282,8 @@ class ModelRunner:
             self.model.ops = self.ops
         use_graphs = use_graphs and why_not is None
         self.sampler = Sampler(self.ops, self.device)
+        if self.draft is not None:
+            self.draft.model.ops = self.ops
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._prompt_rows: list[tuple[Request, int, int, int]] = []
         self.prompt_logprobs_out: dict[str, list[tuple[int, dict]]] = {}
@@ -278,6 +306,8 @@ class ModelRunner:
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
             ph.detail = f"{self.num_kv_blocks} blocks of {self.block_size} tokens"
         self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
+        if self.draft is not None:
+            self.draft_kv_caches = self._alloc_kv_caches(self.num_kv_blocks, arch=self.draft.arch)
         self.graphs = None
         self.pipeline: DecodePipeline | None = None
         self.compiled_in_capture: list[str] = []
@@ -298,9 +328,10 @@ class ModelRunner:
                 )
             if self.tp is not None:
                 self.graphs.before_replay = self._send_graph_step if tp_rank == 0 else None
-            elif pipeline_enabled():
-                # Not under tensor parallelism: a step launched ahead would need the other
-                # ranks to launch it too.
+            elif pipeline_enabled() and config.speculative_config is None:
+                # Not under tensor parallelism (a step launched ahead would need the other
+                # ranks to launch it too), nor with speculation (it changes the tokens
+                # between steps).
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
             "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
@@ -350,9 +381,12 @@ class ModelRunner:
         return None
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return a.num_layers * 2 * self.num_kv_heads * self.block_size * a.head_dim * elem
+        # The target's KV heads are this rank's (tensor parallelism); a draft model is whole.
+        heads = [(self.arch, self.num_kv_heads)]
+        if self.draft is not None:
+            heads.append((self.draft.arch, self.draft.arch.num_kv_heads))
+        return sum(a.num_layers * 2 * h * self.block_size * a.head_dim * elem for a, h in heads)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -414,7 +448,7 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated()
         tmp_blocks = self._profile_blocks()
         tmp = self._alloc_kv_caches(tmp_blocks, scratch=False)
-        tmp_bytes = tmp_blocks * per_block
+        tmp_bytes = sum(t.numel() * t.element_size() for kv in tmp for t in kv)
         torch.cuda.reset_peak_memory_stats()
         logits = self._profile_forward(tmp)
         torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's peak (sort + softmax)
@@ -443,13 +477,14 @@ class ModelRunner:
         return int(budget // per_block) - 1
 
     def _alloc_kv_caches(
-        self, num_blocks: int, scratch: bool | None = None
+        self, num_blocks: int, scratch: bool | None = None, arch=None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # On CUDA one extra block past those the block manager owns receives padded graph rows.
         if scratch is None:
             scratch = self.device.type == "cuda"
-        a = self.arch
-        shape = (num_blocks + int(scratch), self.num_kv_heads, self.block_size, a.head_dim)
+        a = arch or self.arch
+        heads = self.num_kv_heads if arch is None else a.num_kv_heads
+        shape = (num_blocks + int(scratch), heads, self.block_size, a.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -460,7 +495,9 @@ class ModelRunner:
 
     def _alloc_host_buffers(self, max_tokens: int, max_seqs: int) -> None:
         self._cap_tokens, self._cap_seqs = max_tokens, max_seqs
-        size = 3 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
+        # ids, positions, slots, logits rows (up to one per token under speculation), then
+        # the per-sequence block tables, lengths and query starts.
+        size = 4 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
         pin = self.device.type == "cuda"
         self._host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
@@ -504,17 +541,32 @@ class ModelRunner:
         row_of = np.repeat(np.arange(B), n)
         pos = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         slots = tables[row_of, pos // bs] * bs + pos % bs
+        specs = [s.spec_token_ids for s in sched]
         ids = np.fromiter(
-            chain.from_iterable(map(_token_slice, reqs, start_list, n_list)), np.int64, T
+            chain.from_iterable(map(_row_tokens, reqs, start_list, n_list, specs)), np.int64, T
         )
         eos = tuple(self.eos_token_ids)
         rows: list[SampleRow] = []
         logit_rows: list[int] = []
         for b, r in enumerate(reqs):
+            sp = specs[b]
             # A row samples when it computes up to the last known token.
-            if start_list[b] + n_list[b] == len(r.prompt_token_ids) + len(r.output_token_ids):
-                rows.append(SampleRow(r, len(r.output_token_ids), eos))
-                logit_rows.append(int(qsl[b + 1]) - 1)
+            if start_list[b] + n_list[b] - len(sp) != len(r.prompt_token_ids) + len(
+                r.output_token_ids
+            ):
+                continue
+            end = int(qsl[b + 1])
+            out_pos = len(r.output_token_ids)
+            if not sp:
+                rows.append(SampleRow(r, out_pos, eos))
+                logit_rows.append(end - 1)
+                continue
+            # Verify rows: the target's token after the last known token and after each
+            # proposed one (spec/acceptance.py).
+            m = len(sp)
+            for j in range(m + 1):
+                rows.append(SampleRow(r, out_pos + j, eos, tuple(sp[:j])))
+                logit_rows.append(end - 1 - m + j)
         self._prompt_rows = self._prompt_logprob_rows(reqs, start_list, n_list, qsl)
         for _, _, first_row, count in self._prompt_rows:
             logit_rows.extend(range(first_row, first_row + count))

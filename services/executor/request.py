@@ -42,6 +42,11 @@ class Request:
     # length that ends the request (max_tokens or the context limit, whichever is first).
     stop_token_set: frozenset[int] = frozenset()
     max_output_tokens: int = 0
+    # Speculation: tokens a proposer suggests to follow last_token_id, set before scheduling;
+    # the batcher schedules as many of them as fit (ScheduledRequest.spec_token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # A proposer's own per-request state (the draft model: how far its KV cache has caught up).
+    spec_state: object = None
     # params.prompt_logprobs: prompt position -> its entry, filled as prefill chunks run (a
     # recomputation after preemption overwrites); sent with the first sampled token.
     prompt_lp: dict[int, dict] | None = None
@@ -77,12 +82,17 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    # Speculation: proposed tokens computed after the last known token (they are the last
+    # len(spec_token_ids) of the num_new_tokens); the step samples 1 + len of them rows.
+    spec_token_ids: list[int] | tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         # A step samples a token only when it computes up to the last known token.
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return (
+            r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+        )
 
 
 @dataclass

@@ -46,6 +46,9 @@ class SampleRow:
     output_pos: int
     # Model-level eos ids, masked with stop_token_ids while min_tokens is unmet.
     eos_token_ids: tuple[int, ...] = ()
+    # Speculation: the proposed tokens between the request's outputs and this row (its
+    # context is prompt + outputs + prefix; penalties count them as outputs).
+    prefix: tuple[int, ...] = ()
 
 
 def _has_penalties(r: Request) -> bool:
@@ -162,36 +165,56 @@ class Sampler:
         return self._with_logprobs(logits, ids, rows, want)
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], V: int) -> None:
-        """-inf on the tokens each active grammar forbids (in place, constrained rows only)."""
-        idx = [
-            i for i, row in enumerate(rows) if (g := row.request.grammar) is not None and g.active
-        ]
-        if not idx:
+        """-inf on the tokens each active grammar forbids (in place, constrained rows only).
+        A request's verify rows (speculation: rows whose prefix holds 1..k proposed tokens,
+        right after its own row) take their masks from GrammarState.fill_draft: the grammar's
+        state after each proposed prefix, the matcher itself left where it was."""
+        # (grammar, first logits row, proposed tokens): one mask row per position.
+        groups: list[tuple[object, int, tuple[int, ...]]] = []
+        n_rows = len(rows)
+        i = 0
+        while i < n_rows:
+            row = rows[i]
+            g = row.request.grammar
+            j = i + 1
+            while j < n_rows and rows[j].request is row.request and rows[j].prefix:
+                j += 1
+            if g is not None and (j > i + 1 or g.active):
+                if g.position != row.output_pos:
+                    raise RuntimeError(
+                        f"request {row.request.request_id}: its grammar has seen {g.position} "
+                        f"output tokens but the sampler is at output position {row.output_pos}"
+                    )
+                groups.append((g, i, rows[j - 1].prefix))
+            i = j
+        if not groups:
             return
-        M, W = len(idx), (V + 31) // 32
+        M = sum(len(d) + 1 for _, _, d in groups)
+        W = (V + 31) // 32
         host = self._mask_host
         if host is None or host.shape[0] < M or host.shape[1] != W:
             cap = max(M, 2 * host.shape[0] if host is not None else 16)
             pin = self.device.type == "cuda"
             host = self._mask_host = torch.empty(cap, W, dtype=torch.int32, pin_memory=pin)
-        grammars = [rows[i].request.grammar for i in idx]
-        for g, i in zip(grammars, idx):
-            if g.position != rows[i].output_pos:
-                raise RuntimeError(
-                    f"request {rows[i].request.request_id}: its grammar has seen {g.position} "
-                    f"output tokens but the sampler is at output position {rows[i].output_pos}"
-                )
-        if M >= BATCH_FILL_MIN:
+        idx: list[int] = []
+        if M == len(groups) and M >= BATCH_FILL_MIN:  # no proposals: one row per request
             if self._batch_matcher is None:
                 import xgrammar as xgr
 
                 self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(
-                [g.matcher for g in grammars], host, list(range(M))
+                [g.matcher for g, _, _ in groups], host, list(range(M))
             )
+            idx = [i for _, i, _ in groups]
         else:
-            for m, g in enumerate(grammars):
-                g.fill(host, m)
+            m = 0
+            for g, i, draft in groups:
+                if draft:
+                    m += g.fill_draft(draft, host, m)
+                else:
+                    g.fill(host, m)
+                    m += 1
+                idx.extend(range(i, i + len(draft) + 1))
         mask = host[:M]
         if self.device.type != "cpu":
             mask = mask.to(self.device, non_blocking=True)
@@ -231,8 +254,11 @@ class Sampler:
             toks = [t for t in set(r.prompt_token_ids) if 0 <= t < V]
             pr += [j] * len(toks)
             pt += toks
-            # Output tokens so far: the first output_pos of the request's outputs.
-            outs = [t for t in r.output_token_ids[: rows[i].output_pos] if 0 <= t < V]
+            # Output tokens so far: the first output_pos of the request's outputs (the last of
+            # them proposed ones, on a verify row).
+            prefix = rows[i].prefix
+            outs = r.output_token_ids[: rows[i].output_pos - len(prefix)] + list(prefix)
+            outs = [t for t in outs if 0 <= t < V]
             orr += [j] * len(outs)
             ot += outs
         dev = self.device

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from voltserve.shared import streams
-from voltserve.shared.metrics import StatusHistogram
+from voltserve.shared.metrics import StatusHistogram, stats_to_status
 from voltserve.shared.protocol import (
     AbortRequest,
     EngineRequest,
@@ -318,20 +318,8 @@ class ExecutorService:
                 "time": time.time(),
             }
             if s is not None:
-                for name in (
-                    "num_running",
-                    "num_waiting",
-                    "num_free_blocks",
-                    "num_total_blocks",
-                    "kv_cache_usage",
-                    "num_preemptions_total",
-                    "prefix_cache_queries",
-                    "prefix_cache_hits",
-                    "prompt_tokens_total",
-                    "generation_tokens_total",
-                ):
-                    if hasattr(s, name):
-                        status[name] = getattr(s, name)
+                # Every numeric EngineStats field (per-position counters flattened to name_i).
+                status.update(stats_to_status(s))
             status.update(self.loop_.queue_time.to_status())
             await streams.set_heartbeat(
                 r,

@@ -189,11 +189,25 @@ class Generation:
                 or ids[-1] in self.spec.params.stop_token_ids
             ):
                 ids = ids[:-1]
-        st.num_tokens += len(ids) if self.spec.discard_output else len(d.token_ids)
-        text = st.detok.add(ids)
-        if finish is not None:
-            text += st.detok.flush()
-        text = st.stop.feed(text)
+        n_used = len(d.token_ids)
+        if len(ids) > 1 and st.stop.stops:
+            # Several tokens in one delta (speculative decoding): feed them one at a time, so
+            # a stop string ends the output, its token count and logprobs at the token that
+            # completes it, exactly as one token per delta would.
+            text = ""
+            for j, t in enumerate(ids):
+                text += st.stop.feed(st.detok.add([t]))
+                if st.stop.stopped:
+                    n_used = j + 1
+                    break
+            if not st.stop.stopped and finish is not None:
+                text += st.stop.feed(st.detok.flush())
+        else:
+            text = st.detok.add(ids)
+            if finish is not None:
+                text += st.detok.flush()
+            text = st.stop.feed(text)
+        st.num_tokens += len(ids) if self.spec.discard_output else n_used
         if st.stop.stopped:
             if finish is None:
                 self.abort([self.handle.engine_id(ev.index)], "stop string")
@@ -204,6 +218,8 @@ class Generation:
             st.finished = True
         prompt = _prompt_info(d) if d.prompt_logprobs is not None else None
         lp = None if self.spec.discard_output else self._logprobs(d)
+        if lp is not None and n_used < len(lp):
+            lp = lp[:n_used]
         return ChoiceUpdate(ev.index, text, lp, finish, prompt)
 
     def _logprobs(self, d: Any) -> list[TokenInfo] | None:

@@ -180,3 +180,9 @@ def test_tp_of_a_quantized_checkpoint_refused_before_any_rank_starts():
     cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=2)
     with pytest.raises(TPSplitError, match="(?i)not supported yet for .*awq"):
         LLMEngine(cfg)
+
+
+def test_tp_with_speculative_decoding_refused_before_any_rank_starts():
+    """The draft and verify steps run on rank 0 alone: the combination is refused by name."""
+    with pytest.raises(TPSplitError, match="--speculative-config with --tensor-parallel-size 2"):
+        engine("llama", 2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

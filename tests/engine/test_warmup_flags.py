@@ -15,6 +15,8 @@ from voltserve.services.executor import main as executor_main
 def test_warmup_engine_config_is_the_first_executors():
     flags = ["--model", "m", "--max-model-len", "4096", "--max-num-seqs", "64", "--dtype"]
     flags += ["float16", "--cuda-graph-sizes", "1,8,64", "--enforce-eager", "--device", "cuda"]
+    flags += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    flags += ["--quantization", "awq", "--max-gpu-memory", "16GiB"]
     args = launcher.build_parser().parse_args(flags)
     (child,) = [c for c in launcher.build_children(args, "redis://x") if c.name == "executor-0"]
     served = executor_main.engine_config(executor_main.build_parser().parse_args(child.argv[1:]))
@@ -26,6 +28,9 @@ def test_warmup_engine_config_is_the_first_executors():
     assert warm == served
     assert warm.max_model_len == 4096 and warm.cuda_graph_sizes == (1, 8, 64)
     assert warm.enforce_eager and warm.max_num_seqs == 64
+    assert warm.speculative_config["method"] == "ngram"
+    assert warm.speculative_config["num_speculative_tokens"] == 2
+    assert warm.quantization == "awq" and warm.max_gpu_memory == 16 * 2**30
 
 
 def test_warmup_without_a_gpu_has_nothing_to_compile(tmp_path):

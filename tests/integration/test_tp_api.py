@@ -83,7 +83,7 @@ async def test_serve_tensor_parallel_2_matches_transformers(tiny_model, tmp_path
                 pass
             assert time.monotonic() < deadline, "serve -tp 2 not ready"
             await asyncio.sleep(0.3)
-        rng = random.Random()
+        rng = random.Random(random.getrandbits(64))  # from the per-test seed (tests/conftest.py)
         prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(4)]
         c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120)
 
@@ -134,7 +134,7 @@ def tp_stack(tiny_model, tmp_path):
 
 async def test_rank_killed_takes_the_executor_down_and_requests_fail_over(tp_stack):
     s = tp_stack
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))  # from the per-test seed (tests/conftest.py)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
     max_tokens = 300
     c = client(s)

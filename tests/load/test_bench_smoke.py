@@ -348,3 +348,24 @@ def test_bench_startup_cpu_smoke(tmp_path):
     assert run["engine_ready_s"] is not None and run["engine_ready_s"] <= run["ready_s"]
     assert d["summary"]["cold_ready_s"] == run["ready_s"]
     assert run["cache_entries"] == 0  # nothing compiled on the CPU
+
+
+def test_bench_spec_smoke(tmp_path):
+    """bench_spec end to end at a tiny size: every section written; a perfect oracle (p = 0,
+    fp32 on the CPU) has every proposal accepted; the draft preset is Llama-3.2-1B's shape."""
+    cfg = common.make_hf_config("llama3.2-1b")
+    assert common.weight_bytes(cfg, common.torch.float16)["total_bytes"] == 2 * 1_235_814_400
+    out = tmp_path / "spec.json"
+    args = ["load_tests/bench_spec.py", "--preset", "tiny", "--device", "cpu"]
+    args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "2"]
+    args += ["--oracle-ks", "2", "--corrupt", "0", "--batch-sizes", "1,2"]
+    args += ["--draft-preset", "tiny", "--draft-dir", str(tmp_path / "draft"), "--out", str(out)]
+    _run(args, timeout=600)
+    r = json.loads(out.read_text())
+    for key in ("spec_off", "ngram_batch1", "cost_curve", "forced_acceptance_batch1"):
+        assert r[key], key
+    assert set(r["cost_curve"]) == {"B1_k2", "B2_k2"}
+    forced = r["forced_acceptance_batch1"]["k2_p0.0"]
+    assert forced["num_drafts"] > 0 and forced["acceptance_rate"] == 1.0
+    assert r["cost_curve"]["B2_k2"]["acceptance_rate"] == 1.0
+    assert r["draft_model_batch1"]["num_drafts"] > 0

@@ -102,3 +102,39 @@ def test_token_buckets_and_names() -> None:
     ):
         assert n in names
     assert status_fields(None) == {}
+
+
+def test_spec_decode_counters_exposed_per_position(rng) -> None:
+    """An EngineStats with speculation counters -> the status hash -> vLLM's spec_decode names,
+    the per-position counter under label `position`."""
+    from voltserve.services.executor.engine import EngineStats
+
+    per_pos = tuple(rng.randint(0, 1000) for _ in range(rng.randint(1, 6)))
+    stats = EngineStats(
+        *(rng.randint(0, 100) for _ in range(10)),
+        spec_decode_num_drafts=rng.randint(1, 10_000),
+        spec_decode_num_draft_tokens=rng.randint(0, 10_000),
+        spec_decode_num_accepted_tokens=sum(per_pos),
+        spec_decode_num_accepted_tokens_per_pos=per_pos,
+    )
+    raw = {k.encode(): str(v).encode() for k, v in status_fields(stats).items()}
+    reg = CollectorRegistry()
+    snap = StatusSnapshot()
+    reg.register(ExecutorCollector(snap, model_name="m"))
+    snap.set([ExecutorStatus.from_hash(raw, executor_id="e0")])
+    got = samples(reg)
+    lab = (("engine", "e0"), ("model_name", "m"))
+    assert got[("vllm:spec_decode_num_drafts_total", lab)] == stats.spec_decode_num_drafts
+    assert got[("vllm:spec_decode_num_draft_tokens_total", lab)] == (
+        stats.spec_decode_num_draft_tokens
+    )
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", lab)] == sum(per_pos)
+    for i, v in enumerate(per_pos):
+        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*lab, ("position", str(i))))
+        assert got[key] == v
+    assert not any(
+        k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        and ("position", str(len(per_pos))) in k[1]
+        for k in got
+    )
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in metric_names()

@@ -1,0 +1,329 @@
+"""Speculative decoding on a random-weight checkpoint: batch-1 decode tok/s with n-gram and
+with an oracle drafter of forced acceptance, and the verify step's cost against a decode step,
+every figure against speculation off in the same run.
+
+Random weights make acceptance a property of the weights, not of the method, so two figures do
+not depend on it:
+- the cost curve: the median engine step of a batch of B requests verifying k proposed tokens
+  each (an oracle that proposes the target's own recorded greedy output, so every step
+  verifies k) against the median plain decode step of the same batch (speculation off, CUDA
+  graphs and the pipelined decode as a server runs it), k = --cost-ks, B = --batch-sizes;
+- forced acceptance: the oracle's tokens each replaced by a wrong one with probability p
+  (--corrupt), batch 1, k = --oracle-ks: tok/s, its speedup over speculation off, the measured
+  mean accepted length, and the ideal speedup (tokens per step / verify-step cost in decode
+  steps).
+A draft model (`--draft-preset`, default Llama-3.2-1B's shape with the target's vocabulary) runs
+batch 1 with its measured acceptance and step time.
+n-gram (`--ngram-k`) runs on a copy-heavy prompt (a phrase repeated to --prompt-len): its
+acceptance is whatever the random model's output repeats of it, reported as measured.
+Verify steps run eagerly (no CUDA graph for them yet); plain decode steps replay graphs.
+
+    python load_tests/bench_spec.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b \
+        --out results/spec_llama3-8b.json
+    python load_tests/bench_spec.py --preset tiny --device cpu --output-len 16 --cost-ks 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load_tests.common import (  # noqa: E402
+    PRESETS,
+    checkpoint_matches,
+    dtype_name,
+    env_info,
+    make_hf_config,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+    write_json,
+    write_random_checkpoint,
+)
+
+logger = logging.getLogger("bench_spec")
+
+
+def make_engine(model_dir: Path, device: str, dtype, args, spec: dict | None):
+    from voltserve.services.executor.engine import LLMEngine
+    from voltserve.shared.config import EngineConfig
+
+    B = max(args.batch_sizes)
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype=dtype_name(dtype),
+        device=device,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=max(B, 8),
+        max_num_batched_tokens=max(2048, args.prompt_len),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_graph_batch_size=max(B, 1),
+        cuda_graph_sizes=tuple(sorted({1, *args.batch_sizes})),
+        speculative_config=spec,
+        seed=0,
+    )
+    return LLMEngine(config)
+
+
+def release(engine) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(engine, device: str, prompts, output_len: int, tag: str) -> dict[str, Any]:
+    """Run prompts to the end at once; per-step wall times (synchronized), tokens per request,
+    and the decode phase of request 0 (first token to last)."""
+    from voltserve.shared.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    stamps: list[float] = []
+    steps: list[tuple[float, int, bool]] = []  # (ms, tokens emitted, every request past prefill)
+    while engine.has_unfinished_requests():
+        decoding = all(len(tokens[r]) > 0 for r in ids)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        synchronize(device)
+        t1 = time.perf_counter()
+        n = 0
+        for o in outs:
+            tokens[o.request_id].extend(o.new_token_ids)
+            n += len(o.new_token_ids)
+            if o.request_id == ids[0] and o.new_token_ids:
+                stamps.append(t1)
+        steps.append(((t1 - t0) * 1e3, n, decoding))
+    out0 = tokens[ids[0]]
+    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else None
+    # Steps with the whole batch decoding and producing at least one token per request.
+    full = [ms for ms, n, dec in steps if dec and n >= len(ids)]
+    return {
+        "tokens": [tokens[r] for r in ids],
+        "decode_tok_s": (len(out0) - 1) / decode_s if decode_s else None,
+        "decode_steps": len([1 for _, _, dec in steps if dec]),
+        "median_step_ms": statistics.median(full) if full else None,
+    }
+
+
+def spec_counters(engine) -> tuple[int, int, int]:
+    s = engine.stats()
+    return (
+        s.spec_decode_num_drafts,
+        s.spec_decode_num_draft_tokens,
+        s.spec_decode_num_accepted_tokens,
+    )
+
+
+def with_proposer(engine, proposer, device, prompts, output_len, tag) -> dict[str, Any]:
+    engine.proposer = proposer
+    d0, t0, a0 = spec_counters(engine)
+    r = run(engine, device, prompts, output_len, tag)
+    d1, t1, a1 = spec_counters(engine)
+    drafts, draft_toks, acc = d1 - d0, t1 - t0, a1 - a0
+    r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"] = drafts, draft_toks, acc
+    r["acceptance_rate"] = acc / draft_toks if draft_toks else None
+    r["mean_acceptance_length"] = 1 + acc / drafts if drafts else None
+    return r
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--phrase-len", type=int, default=48, help="the repeated phrase's length")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--ngram-k", type=int, default=3)
+    p.add_argument("--oracle-ks", default="3,5")
+    p.add_argument("--corrupt", default="0.1,0.3,0.5", help="oracle corruption probabilities")
+    p.add_argument("--cost-ks", default="1,2,3,4,5,6,7")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument(
+        "--draft-preset", default="llama3.2-1b", help="draft model shape; 'none' skips that run"
+    )
+    p.add_argument("--draft-dir", default="/tmp/voltserve-llama3.2-1b")
+    p.add_argument("--draft-k", type=int, default=4)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON results file")
+    a = p.parse_args(argv)
+    a.oracle_ks = [int(x) for x in a.oracle_ks.split(",") if x]
+    a.corrupt = [float(x) for x in a.corrupt.split(",") if x]
+    a.cost_ks = [int(x) for x in a.cost_ks.split(",") if x]
+    a.batch_sizes = [int(x) for x in a.batch_sizes.split(",") if x]
+    return a
+
+
+def main(argv=None) -> int:
+    from voltserve.services.executor.spec.ngram import NgramProposer
+    from voltserve.services.executor.spec.oracle import OracleProposer
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    vocab = make_hf_config(args.preset, dtype).vocab_size
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-"))
+    if not checkpoint_matches(model_dir, args.preset):
+        logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
+        write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    phrase = rng.integers(3, vocab, args.phrase_len).tolist()
+    copy_prompt = (phrase * (args.prompt_len // len(phrase) + 1))[: args.prompt_len]
+    B_max = max(args.batch_sizes)
+    batch_prompts = [copy_prompt] + [
+        rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(B_max - 1)
+    ]
+    result: dict[str, Any] = {
+        "benchmark": "spec_decode",
+        "preset": args.preset,
+        "device": device,
+        "dtype": dtype_name(dtype),
+        "env": env_info(device),
+        "args": vars(args),
+        "notes": "verify steps run eagerly; plain decode steps replay CUDA graphs",
+    }
+
+    # 1. Speculation off, as a server runs it (graphs, pipelined decode): the anchor, and the
+    # recorded greedy outputs the oracle proposes from.
+    eng = make_engine(model_dir, device, dtype, args, None)
+    run(eng, device, [copy_prompt], 8, "warm")
+    off: dict[str, Any] = {}
+    recorded: dict[int, list[list[int]]] = {}
+    for B in args.batch_sizes:
+        r = run(eng, device, batch_prompts[:B], args.output_len, f"off{B}")
+        recorded[B] = r.pop("tokens")
+        off[str(B)] = r
+    result["spec_off"] = off
+    release(eng)
+    eng = None
+
+    # 2. The speculative engine (no pipelined decode).
+    eng = make_engine(
+        model_dir, device, dtype, args, {"method": "ngram", "num_speculative_tokens": args.ngram_k}
+    )
+    run(eng, device, [copy_prompt], 8, "warm")
+    eng.proposer = None
+    in_engine_off = run(eng, device, [copy_prompt], args.output_len, "off-in")
+    in_engine_off.pop("tokens")
+    result["spec_off_same_engine_batch1"] = in_engine_off
+    base_tok_s = off["1"]["decode_tok_s"]
+    base_step = {B: off[str(B)]["median_step_ms"] for B in args.batch_sizes}
+
+    ng = with_proposer(
+        eng,
+        NgramProposer(args.ngram_k, 1, 4),
+        device,
+        [copy_prompt],
+        args.output_len,
+        "ngram",
+    )
+    ng.pop("tokens")
+    ng["speedup"] = ng["decode_tok_s"] / base_tok_s if base_tok_s else None
+    result["ngram_batch1"] = ng
+
+    cost: dict[str, Any] = {}
+    for B in args.batch_sizes:
+        for k in args.cost_ks:
+            tag = f"cost{B}k{k}"
+            cont = {f"{tag}-{i}": t for i, t in enumerate(recorded[B])}
+            r = with_proposer(
+                eng,
+                OracleProposer(k, cont, 0.0, vocab),
+                device,
+                batch_prompts[:B],
+                args.output_len,
+                tag,
+            )
+            r.pop("tokens")
+            step = r["median_step_ms"]
+            r["verify_over_decode_step"] = step / base_step[B] if step and base_step[B] else None
+            cost[f"B{B}_k{k}"] = r
+    result["cost_curve"] = cost
+
+    forced: dict[str, Any] = {}
+    for k in args.oracle_ks:
+        for p in args.corrupt:
+            tag = f"forced{k}p{p}"
+            cont = {f"{tag}-0": recorded[1][0]}
+            r = with_proposer(
+                eng,
+                OracleProposer(k, cont, p, vocab, args.seed),
+                device,
+                [copy_prompt],
+                args.output_len,
+                tag,
+            )
+            r.pop("tokens")
+            r["speedup"] = r["decode_tok_s"] / base_tok_s if base_tok_s else None
+            ratio = cost.get(f"B1_k{k}", {}).get("verify_over_decode_step")
+            mal = r["mean_acceptance_length"]
+            r["ideal_speedup"] = mal / ratio if mal and ratio else None
+            forced[f"k{k}_p{p}"] = r
+    result["forced_acceptance_batch1"] = forced
+    release(eng)
+    eng = None
+
+    # 3. A draft model of the same vocabulary (random weights: acceptance near zero, so the
+    # figure to read is the step cost with the draft's k forwards in it, next to the oracle's).
+    if args.draft_preset != "none":
+        draft_dir = Path(args.draft_dir)
+        if not checkpoint_matches(draft_dir, args.draft_preset):
+            logger.info("writing a random %s checkpoint to %s", args.draft_preset, draft_dir)
+            write_random_checkpoint(draft_dir, args.draft_preset, device, dtype, seed=args.seed + 1)
+        spec = {
+            "method": "draft_model",
+            "model": str(draft_dir),
+            "num_speculative_tokens": args.draft_k,
+        }
+        eng = make_engine(model_dir, device, dtype, args, spec)
+        run(eng, device, [copy_prompt], 8, "warm")
+        dm = with_proposer(eng, eng.proposer, device, [copy_prompt], args.output_len, "draft")
+        dm.pop("tokens")
+        dm["speedup"] = dm["decode_tok_s"] / base_tok_s if base_tok_s else None
+        dm["draft_preset"] = args.draft_preset
+        result["draft_model_batch1"] = dm
+        release(eng)
+
+    write_json(args.out, result)
+    print(f"spec off batch 1: {base_tok_s and round(base_tok_s, 1)} tok/s")
+    print(
+        f"n-gram k={args.ngram_k}: {ng['decode_tok_s'] and round(ng['decode_tok_s'], 1)} tok/s, "
+        f"acceptance {ng['acceptance_rate']}"
+    )
+    for name, r in cost.items():
+        print(f"cost {name}: step {r['median_step_ms']} ms, x{r['verify_over_decode_step']}")
+    if "draft_model_batch1" in result:
+        dm = result["draft_model_batch1"]
+        print(
+            f"draft model k={args.draft_k}: {dm['decode_tok_s']} tok/s, step "
+            f"{dm['median_step_ms']} ms, acceptance {dm['acceptance_rate']}"
+        )
+    for name, r in forced.items():
+        print(
+            f"forced {name}: {r['decode_tok_s']} tok/s, speedup {r['speedup']}, "
+            f"accepted length {r['mean_acceptance_length']}, ideal {r['ideal_speedup']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers suggest tokens, one batched target forward verifies them."""

@@ -1,0 +1,185 @@
+"""On a CUDA GPU: speculative decoding's greedy output equals greedy without speculation and
+transformers' greedy output (fp32, every tiny checkpoint), with an n-gram proposer and with an
+oracle drafter (a perfect one and a corrupted one); the verify step's prefill attention over
+k+1 query rows per sequence equals the reference at real shapes. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from voltserve.kernels.attention_ref import paged_attention_ref
+from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.spec.oracle import OracleProposer
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.sampling_params import SamplingParams
+
+from tests.checkpoints import ARCHS, checkpoint, hf_greedy, tokenizer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _engine(arch: str, dtype: str, spec: dict | None) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(checkpoint(arch)),
+        dtype=dtype,
+        device="cuda",
+        num_kv_blocks=256,
+        max_model_len=256,
+        max_graph_batch_size=16,
+        speculative_config=spec,
+    )
+    return LLMEngine(cfg)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_spec_equals_spec_off_and_transformers(arch: str) -> None:
+    seed = int(os.environ.get("VOLTSERVE_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"VOLTSERVE_TEST_SEED={seed}")
+    rng = random.Random(seed)
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 20))] * 3 for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    base = _engine(arch, "float32", None)
+    want = base.generate(prompts, params)
+    for p, w in zip(prompts, want):
+        assert hf_greedy(checkpoint(arch), p, 40, device="cuda")[0] == w
+    del base
+    eng = _engine(arch, "float32", {"method": "ngram", "num_speculative_tokens": 4})
+    assert eng.generate(prompts, params) == want
+    for corrupt in (0.0, 0.3):
+        ids = [f"generate-{eng._generate_calls + 1}-{i}" for i in range(len(prompts))]
+        eng.proposer = OracleProposer(4, dict(zip(ids, want)), corrupt, V, seed)
+        assert eng.generate(prompts, params) == want
+    st = eng.stats()
+    assert st.spec_decode_num_accepted_tokens > 0
+    assert eng.check_all_free()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_draft_model_on_gpu(dtype: str) -> None:
+    """A draft model on the GPU (its catch-up prefill and decode steps on the draft's own KV
+    cache): output equals speculation off; with the target as its own draft in fp32 every
+    proposal is accepted. fp16 with another draft (qwen3): equal to spec off in fp16 greedy
+    only up to near-ties between the verify path (prefill attention) and the decode path, so
+    only the prefix agreement and the counters are asserted there."""
+    rng = random.Random(5)
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = _engine("llama", dtype, None).generate(prompts, params)
+    draft = "llama" if dtype == "float32" else "qwen3"
+    spec = {"method": "draft_model", "model": str(checkpoint(draft)), "num_speculative_tokens": 3}
+    eng = _engine("llama", dtype, spec)
+    got = eng.generate(prompts, params)
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0
+    assert eng.check_all_free()
+    if dtype == "float32":
+        assert got == want
+        assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
+    else:
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+            for g, w in zip(got, want)
+        ]
+        print("fp16 agreement lengths", agree)
+        assert all(len(g) == 32 for g in got)
+        assert sum(agree) >= len(want) * 8
+
+
+@pytest.mark.parametrize("kernel", ["prefill_attention", "prefill_attention_tc"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("q", [2, 4, 8])
+def test_verify_attention_matches_reference(q: int, group: int, head_dim: int, kernel: str):
+    """The verify step runs the prefill attention path: q query rows per sequence at the end of
+    a paged context, causal among themselves, plus a plain decode row and a padding-free batch.
+    Contexts 1..32K, fp16 cache, against the fp32 reference; output poisoned with NaN first."""
+    import importlib
+
+    fn = importlib.import_module(f"voltserve.kernels.{kernel}").paged_attention_cuda
+    if kernel.endswith("_tc"):
+        fn = importlib.import_module(f"voltserve.kernels.{kernel}").paged_attention_tc_cuda
+    gen = torch.Generator(device="cuda").manual_seed(1234 + q * 100 + group * 10 + head_dim)
+    dev = "cuda"
+    kv_heads = 2
+    heads = kv_heads * group
+    bs = 16
+    # (context before the verify rows, query rows): verify groups, and one plain decode row.
+    cases = [(c, q) for c in (0, 1, 17, 1000, 4096, 32767)] + [(300, 1)]
+    seq_lens = [c + n for c, n in cases]
+    nblk = [-(-s // bs) for s in seq_lens]
+    total = sum(nblk) + 1
+    k_cache = torch.randn(total, kv_heads, bs, head_dim, generator=gen, device=dev).half()
+    v_cache = torch.randn(total, kv_heads, bs, head_dim, generator=gen, device=dev).half()
+    perm = torch.randperm(total - 1, generator=gen, device=dev).int() + 1
+    tables = torch.zeros(len(cases), max(nblk), dtype=torch.int32, device=dev)
+    o = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[o : o + n]
+        o += n
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    q_lens = [n for _, n in cases]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    T = int(qsl[-1])
+    query = torch.randn(T, heads, head_dim, generator=gen, device=dev).half()
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    fn(query, k_cache, v_cache, tables, sl, qsl, scale, out, max_query_len=q)
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(
+        query.float(), k_cache.float(), v_cache.float(), tables, sl, qsl, scale
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=3e-3)
+
+
+def test_structured_spec_on_gpu() -> None:
+    """Constrained requests (regex, choice; greedy and seeded) beside unconstrained ones under
+    speculation on the GPU: verify rows masked on the device from GrammarState.fill_draft
+    (kernels/grammar_mask.py), output equal to speculation off (fp32) and inside the
+    constraint. Needs xgrammar."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint("qwen2"))
+    regex, choices = r"[a-z]{2,4}-[0-9]{1,2}( [A-Z])?", ["yes", "no", "maybe so"]
+    rng = random.Random(11)
+    words = ["ab-12 X", "yes", "no", "cd-3", "maybe so", "xyz-45"]
+    prompts = [
+        tok.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(4, 10))) + " id:")
+        for _ in range(8)
+    ]
+    params = []
+    for i in range(8):
+        s = {"type": "regex", "value": regex} if i % 4 < 2 else {"type": "choice", "value": choices}
+        if i % 2 == 0:
+            params.append(SamplingParams(max_tokens=24, temperature=0.0, structured=s))
+        elif i % 4 == 1:
+            params.append(SamplingParams(max_tokens=24, temperature=1.0, seed=i, structured=s))
+        else:
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    want = _engine("qwen2", "float32", None).generate(prompts, params)
+    eng = _engine("qwen2", "float32", {"method": "ngram", "num_speculative_tokens": 3})
+    assert eng.generate(prompts, params) == want
+    ids = [f"generate-{eng._generate_calls + 1}-{i}" for i in range(len(prompts))]
+    eng.proposer = OracleProposer(3, dict(zip(ids, want)), 0.3, eng.vocab_size, 11)
+    assert eng.generate(prompts, params) == want
+    assert eng.stats().spec_decode_num_accepted_tokens > 0
+    assert eng.check_all_free()
+    for p, w in zip(params, want):
+        if p.structured is None:
+            continue
+        text = tok.decode(w, skip_special_tokens=True)
+        if p.structured["type"] == "regex":
+            assert re.fullmatch(regex, text), text
+        else:
+            assert text in choices, text
