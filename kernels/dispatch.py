@@ -62,6 +62,10 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
+    # MoE: the router's top-k (torch on the device, capturable) and the routed experts
+    # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
+    "moe_topk": (("moe_routing",), "moe_routing", "moe_topk_ref"),
+    "moe_experts": (("moe_experts",), "moe_experts", "moe_experts_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -97,6 +101,7 @@ _CAPTURABLE_REFS = {
     "silu_and_mul",
     "gemv",
     "gemv_gate_up",
+    "moe_topk",
 }
 # What a decode step runs inside a captured graph (sampling stays outside).
 DECODE_GRAPH_OPS = (
@@ -199,6 +204,8 @@ class KernelDispatch:
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
     gemv_qkv_rope: Callable[..., torch.Tensor]
+    moe_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_experts: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

@@ -24,6 +24,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # Mixture of experts (models/moe.py): the Qwen3 / Qwen2 attention plus a sparse MoE block.
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "qwen"},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "moe": "qwen"},
+    "MixtralForCausalLM": {"moe": "mixtral"},
 }
 
 _DTYPES = {
@@ -91,6 +95,7 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
     if name.startswith("Qwen") and not hf.get("use_sliding_window", False):
         sliding = None
     attn_bias = bool(hf.get("attention_bias", False))
+    moe = _parse_moe(hf, name, flags.get("moe"))
     return ModelArch(
         architecture=name,
         vocab_size=hf["vocab_size"],
@@ -112,6 +117,48 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         qk_norm=flags.get("qk_norm", False),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
+        **moe,
+    )
+
+
+def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, Any]:
+    """ModelArch's expert fields from config.json (empty for a dense family)."""
+    if family is None:
+        return {}
+    # Qwen configs say num_experts (transformers 5 also writes num_local_experts); Mixtral's
+    # say num_local_experts.
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    inter = hf.get("intermediate_size") if family == "mixtral" else hf.get("moe_intermediate_size")
+    missing = [
+        k
+        for k, v in (
+            ("num_experts", experts),
+            ("num_experts_per_tok", top_k),
+            ("moe_intermediate_size", inter),
+        )
+        if not v
+    ]
+    if missing:
+        raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
+    if not 1 <= top_k <= experts:
+        raise ModelLoadError(
+            f"config.json: num_experts_per_tok {top_k} must be in 1..num_experts {experts}"
+        )
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ModelLoadError(f"config.json: decoder_sparse_step {step} must be >= 1")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", family == "mixtral")),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+        if name == "Qwen2MoeForCausalLM"
+        else 0,
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        decoder_sparse_step=1 if family == "mixtral" else step,
+        moe_family=family,
     )
 
 
@@ -176,7 +223,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class _Target:
-    module: Linear | None  # None: a plain parameter, copied whole
+    module: Any  # a Linear or FusedExperts (has load_weight); None: a plain parameter, copied whole
     param: torch.nn.Parameter
     param_name: str
     shard: str | int | None
@@ -189,8 +236,15 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     reverse = {ours: [] for ours, _ in LlamaForCausalLM.stacked_params.values()}
     for ckpt, (ours, shard) in LlamaForCausalLM.stacked_params.items():
         reverse[ours].append((ckpt, shard))
+    # Modules that name their own checkpoint tensors (the stacked MoE experts).
+    own = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_params")}
+    for mod_name, m in own.items():
+        for rel, (pname, shard) in m.checkpoint_params().items():
+            out[f"{mod_name}.{rel}"] = _Target(m, getattr(m, pname), pname, shard)
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
+        if mod_name in own:
+            continue
         lin = linears.get(mod_name)
         if lin is None:
             out[name] = _Target(None, param, pname, None)
@@ -210,7 +264,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     targets = _targets(model)
     loaded: set[str] = set()
     ignored: list[str] = []
+    renames = getattr(model, "checkpoint_renames", {})
     for name, tensor in iter_tensors(weight_files(d)):
+        for theirs, ours in renames.items():
+            name = name.replace(theirs, ours)
         t = targets.get(name)
         if t is None:
             # rotary_emb.inv_freq (old exports), lm_head.weight of a tied model: derived, not loaded.
@@ -241,6 +298,24 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         logger.info("ignored %d checkpoint tensors, e.g. %s", len(ignored), ignored[:3])
 
 
+def _log_expert_memory(model: LlamaForCausalLM, arch: ModelArch) -> None:
+    if not arch.num_experts:
+        return
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = [m for m in model.modules() if hasattr(m, "checkpoint_params")]
+    nbytes = sum(m.nbytes() for m in experts)
+    logger.info(
+        "experts: %d MoE layers of %d experts (top-%d, intermediate %d), stacked: %.1f MiB of "
+        "%.1f MiB weights",
+        len(experts),
+        arch.num_experts,
+        arch.num_experts_per_tok,
+        arch.moe_intermediate_size,
+        nbytes / 2**20,
+        total / 2**20,
+    )
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
@@ -260,4 +335,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         model = LlamaForCausalLM(arch, dtype)
     load_weights(model, model_dir)
     model.eval()
+    _log_expert_memory(model, arch)
     return LoadedModel(model, arch, dtype, read_eos_token_ids(model_dir, hf), hf)

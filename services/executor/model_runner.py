@@ -226,7 +226,9 @@ class ModelRunner:
     def _why_no_graphs(self, graph_batch: int) -> str | None:
         if graph_batch < 1:
             return "max_graph_batch_size < 1"
-        if not self.ops.capturable():
+        if not (
+            self.ops.capturable() and self.ops.capturable(getattr(self.model, "graph_ops", ()))
+        ):
             return f"some decode ops cannot be captured ({self.ops.impl})"
         if self.ops.impl["paged_decode_attention"] == "torch-capturable":
             # The torch fallback gathers the whole block table width of every row in fp32.

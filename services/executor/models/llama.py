@@ -27,6 +27,7 @@ from voltserve.services.executor.models.layers import (
     gate_up_silu,
     linear,
 )
+from voltserve.services.executor.models.moe import SparseMoE
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -57,10 +58,27 @@ class ModelArch:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # not implemented: the runner caps max_model_len at it
     extra: dict[str, Any] = field(default_factory=dict)
+    # Mixture of experts (models/moe.py); num_experts = 0: every layer is a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    moe_family: str = "qwen"  # "qwen" | "mixtral": expert names, routing-weight dtype
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """transformers' rule (Qwen2/3-MoE; Mixtral has every layer sparse)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 class Attention(nn.Module):
@@ -190,10 +208,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(arch, dtype)
-        self.mlp = MLP(arch, dtype)
+        # Same call either way: MLP and SparseMoE both map [T, H] -> [T, H] given ops.
+        self.mlp = (
+            SparseMoE.from_arch(arch, dtype) if arch.is_moe_layer(index) else MLP(arch, dtype)
+        )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -222,7 +243,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
 
@@ -243,6 +264,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, dtype)
+        # Checkpoint name fragments spelled differently from ours (Mixtral's MoE block).
+        self.checkpoint_renames = (
+            {".block_sparse_moe.": ".mlp."} if arch.moe_family == "mixtral" else {}
+        )
+        # Ops a decode graph holds beyond the dense ones (the runner checks they capture).
+        self.graph_ops = ("moe_topk", "moe_experts") if arch.num_experts else ()
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
