@@ -235,3 +235,37 @@ KERNELS += [
     )
     for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
+
+# moe_decode.py: fused MoE experts for <= 8 tokens. gate_up: x [T, H], w13 [E, 2I, H],
+# topk_ids [T, k] int32, h [T * k, I]; down: h, w2 [E, H, I], topk_ids, topk_weights [T, k] fp32,
+# out [T, H].
+KERNELS += [
+    KernelSpec(
+        "moe_decode",
+        "moe_decode_gate_up_kernel",
+        _both("void({t}[:, ::1], {t}[:, :, ::1], int32[:, ::1], {t}[:, ::1])"),
+    ),
+    KernelSpec(
+        "moe_decode",
+        "moe_decode_down_kernel",
+        _both("void({t}[:, ::1], {t}[:, :, ::1], int32[:, ::1], float32[:, ::1], {t}[:, ::1])"),
+    ),
+]
+
+# moe_grouped.py: grouped expert GEMMs over expert-sorted pairs (moe_routing.moe_align_ref).
+# gate_up: x, w13, order [P], expert_start [E + 1], tile_first [E], tile_expert [tiles] (int32),
+# top_k, h_sorted [P, I]; down: h_sorted, w2, the same four, topk_weights flat [P] fp32,
+# y_pairs [P, H] fp32.
+_MOE_META = "int32[::1], int32[::1], int32[::1], int32[::1]"
+KERNELS += [
+    KernelSpec(
+        "moe_grouped",
+        "moe_grouped_gate_up_kernel",
+        _both(f"void({{t}}[:, ::1], {{t}}[:, :, ::1], {_MOE_META}, int64, {{t}}[:, ::1])"),
+    ),
+    KernelSpec(
+        "moe_grouped",
+        "moe_grouped_down_kernel",
+        _both(f"void({{t}}[:, ::1], {{t}}[:, :, ::1], {_MOE_META}, float32[::1], float32[:, ::1])"),
+    ),
+]
