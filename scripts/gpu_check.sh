@@ -7,7 +7,8 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `moe`: the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped MoE
+# decode benchmark; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -165,6 +166,15 @@ for stage in $STAGES; do
       clocks_start serving
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json" -- --log-level "${SERVING_LOG:-debug}"
       clocks_stop
+      ;;
+    moe)
+      # MoE: the expert kernels against their reference at Qwen3-30B-A3B and Mixtral-8x7B shapes
+      # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU;
+      # then bench_moe (MOE_LAYERS of the 48 layers, default 8: batch 1 against the bytes-read
+      # floor and transformers on the same weights, batch 64 and 256).
+      XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
+      run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --out "$OUT/bench_moe.json"
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the
