@@ -91,6 +91,7 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
+    "moe_topk": "VOLTSERVE_MOE_TOPK",
 }
 
 # References that never synchronise with the host, so a CUDA graph can capture them.

@@ -9,9 +9,10 @@ weights are read, in two launches and no host synchronisation.
    Rounding as the linear and the activation round: gate and up to the storage dtype, silu
    rounded before the product.
 2. down + weighted sum: out[t, n] = sum_slot w[t, slot] * (h[t * k + slot] . w2[e_slot, n]).
-   One warp owns one (t, n) and walks the k experts' rows of w2 as one flat list of 16-byte
-   chunks (k * I / 8 of them), UD chunks per lane in flight; the weighted sum is in fp32 and the
-   output is rounded once. No atomics, no [T, k, H] intermediate.
+   One warp owns (t, n) and (t, n + 1) and walks the k experts' rows of w2 as one flat list of
+   16-byte chunks (k * I / 8 per row), 4 chunks of both rows (8 loads) per lane in flight; each
+   h chunk serves both rows, which halves the L1/L2 traffic for h. The weighted sum is in fp32
+   and the output is rounded once. No atomics, no [T, k, H] intermediate.
 
 Both read every selected expert's weights exactly once per token (the decode floor); tokens that
 share an expert re-read it, which L2 absorbs at these T.
@@ -93,58 +94,57 @@ def moe_decode_gate_up_kernel(x, w13, topk_ids, h):
 
 
 @cuda.jit(device=True, inline="always")
-def _w2_chunk(w2, topk_ids, t, n, q, ic):
-    """Flat chunk q of token t's k rows w2[e_slot, n, :]: (slot, column, 8 weights)."""
+def _w2_chunk2(w2, topk_ids, t, n, q, ic):
+    """Flat chunk q of token t's k slots: (slot, column, w2[e, n, col:+8], w2[e, n + 1, col:+8])."""
     s = q // ic
     col = (q - s * ic) * VEC
-    return s, col, ld8(w2, (topk_ids[t, s], n, col))
+    e = topk_ids[t, s]
+    return s, col, ld8(w2, (e, n, col)), ld8(w2, (e, n + 1, col))
 
 
 @cuda.jit(device=True, inline="always")
-def _wdot(acc, h, wts, t, k, s, col, wv):
-    """acc + w[t, s] * (h[t * k + s, col:col+8] . wv)."""
-    return acc + wts[t, s] * dot8(float32(0.0), ld8(h, (t * k + s, col)), wv)
+def _wdot2(a, b, h, wts, t, k, s, col, v0, v1):
+    """(a, b) + w[t, s] * (h[t * k + s, col:col+8] . (v0, v1)): one h chunk serves both rows."""
+    hv = ld8(h, (t * k + s, col))
+    w = wts[t, s]
+    return a + w * dot8(float32(0.0), hv, v0), b + w * dot8(float32(0.0), hv, v1)
 
 
 @cuda.jit
 def moe_decode_down_kernel(h, w2, topk_ids, wts, out):
-    # h [T * k, I], w2 [E, H, I], topk_ids [T, k] int32, wts [T, k] fp32, out [T, H]
+    # h [T * k, I], w2 [E, H, I], topk_ids [T, k] int32, wts [T, k] fp32, out [T, H]; one warp
+    # owns rows n and n + 1 (H is even), so each h chunk it reads serves two weight rows.
     lane = cuda.threadIdx.x & 31
-    n = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
+    n = ((cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5) * 2
     t = cuda.blockIdx.y
     if n >= out.shape[1]:
         return  # whole warp
     k = topk_ids.shape[1]
     ic = h.shape[1] // VEC
     total = k * ic
-    acc = float32(0.0)
+    a = float32(0.0)
+    b = float32(0.0)
     q = lane
-    # 8 chunks per lane per step, every load of the step issued before the first use.
-    while q + 7 * 32 < total:
-        s0, o0, v0 = _w2_chunk(w2, topk_ids, t, n, q, ic)
-        s1, o1, v1 = _w2_chunk(w2, topk_ids, t, n, q + 32, ic)
-        s2, o2, v2 = _w2_chunk(w2, topk_ids, t, n, q + 64, ic)
-        s3, o3, v3 = _w2_chunk(w2, topk_ids, t, n, q + 96, ic)
-        s4, o4, v4 = _w2_chunk(w2, topk_ids, t, n, q + 128, ic)
-        s5, o5, v5 = _w2_chunk(w2, topk_ids, t, n, q + 160, ic)
-        s6, o6, v6 = _w2_chunk(w2, topk_ids, t, n, q + 192, ic)
-        s7, o7, v7 = _w2_chunk(w2, topk_ids, t, n, q + 224, ic)
-        acc = _wdot(acc, h, wts, t, k, s0, o0, v0)
-        acc = _wdot(acc, h, wts, t, k, s1, o1, v1)
-        acc = _wdot(acc, h, wts, t, k, s2, o2, v2)
-        acc = _wdot(acc, h, wts, t, k, s3, o3, v3)
-        acc = _wdot(acc, h, wts, t, k, s4, o4, v4)
-        acc = _wdot(acc, h, wts, t, k, s5, o5, v5)
-        acc = _wdot(acc, h, wts, t, k, s6, o6, v6)
-        acc = _wdot(acc, h, wts, t, k, s7, o7, v7)
-        q += 256
+    # 4 chunks x 2 rows = 8 loads of 16 bytes per lane in flight, all before the first use.
+    while q + 3 * 32 < total:
+        s0, o0, v0, u0 = _w2_chunk2(w2, topk_ids, t, n, q, ic)
+        s1, o1, v1, u1 = _w2_chunk2(w2, topk_ids, t, n, q + 32, ic)
+        s2, o2, v2, u2 = _w2_chunk2(w2, topk_ids, t, n, q + 64, ic)
+        s3, o3, v3, u3 = _w2_chunk2(w2, topk_ids, t, n, q + 96, ic)
+        a, b = _wdot2(a, b, h, wts, t, k, s0, o0, v0, u0)
+        a, b = _wdot2(a, b, h, wts, t, k, s1, o1, v1, u1)
+        a, b = _wdot2(a, b, h, wts, t, k, s2, o2, v2, u2)
+        a, b = _wdot2(a, b, h, wts, t, k, s3, o3, v3, u3)
+        q += 128
     while q < total:
-        s0, o0, v0 = _w2_chunk(w2, topk_ids, t, n, q, ic)
-        acc = _wdot(acc, h, wts, t, k, s0, o0, v0)
+        s0, o0, v0, u0 = _w2_chunk2(w2, topk_ids, t, n, q, ic)
+        a, b = _wdot2(a, b, h, wts, t, k, s0, o0, v0, u0)
         q += 32
-    acc = _warp_sum(acc)
+    a = _warp_sum(a)
+    b = _warp_sum(b)
     if lane == 0:
-        out[t, n] = acc
+        out[t, n] = a
+        out[t, n + 1] = b
 
 
 def gate_up_grid(num_pairs: int, inter: int) -> tuple[int, int]:
@@ -152,7 +152,8 @@ def gate_up_grid(num_pairs: int, inter: int) -> tuple[int, int]:
 
 
 def down_grid(tokens: int, hidden: int) -> tuple[int, int]:
-    return (hidden + WARPS - 1) // WARPS, tokens
+    pairs = hidden // 2  # row pairs, one per warp
+    return (pairs + WARPS - 1) // WARPS, tokens
 
 
 def moe_decode(

@@ -73,4 +73,132 @@ def moe_align_ref(
     )
 
 
-__all__ = ["moe_topk_ref", "moe_align_ref", "max_tiles"]
+# ---------------------------------------------------------------------------------------------
+# numba.cuda: the router's softmax, top-k and normalisation in one launch (one block per token).
+# The router's linear runs before it (ops.gemv at decode). Exact ties go to the lowest expert
+# index: torch.topk has no fixed order for ties (CPU and CUDA differ), so this is the one place
+# the kernel and the reference may choose differently, and only between equal probabilities.
+# VOLTSERVE_MOE_TOPK=0 keeps torch.topk (the reference) on CUDA too.
+
+import math  # noqa: E402
+
+from numba import cuda  # noqa: E402
+from voltserve.kernels.numba_common import (  # noqa: E402
+    NEG_INF,
+    SIM,
+    block_argmax,
+    block_max,
+    block_sum,
+    current_stream,
+    dev,
+    float32,
+    int32,
+    launch,
+    round_like,
+)
+
+TOPK_THREADS = 32 if SIM else 128
+MAX_EXPERTS = 1024
+MAX_TOP_K = 32
+
+
+@cuda.jit
+def moe_topk_kernel(logits, weights, ids, renormalize, round_weights):
+    # logits [T, E], weights [T, k] fp32, ids [T, k] int32
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    bd = cuda.blockDim.x
+    E = logits.shape[1]
+    k = ids.shape[1]
+    p = cuda.shared.array(MAX_EXPERTS, float32)
+    sel_v = cuda.shared.array(MAX_TOP_K, float32)
+    sel_i = cuda.shared.array(MAX_TOP_K, int32)
+    sf = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    m = NEG_INF
+    e = tid
+    while e < E:
+        v = float32(logits[t, e])
+        p[e] = v
+        if v > m:
+            m = v
+        e += bd
+    m = block_max(m, sf)
+    z = float32(0.0)
+    e = tid
+    while e < E:
+        ex = float32(math.exp(p[e] - m))
+        p[e] = ex
+        z += ex
+        e += bd
+    z = block_sum(z, sf)
+    e = tid
+    while e < E:
+        p[e] = p[e] / z
+        e += bd
+    cuda.syncthreads()
+    total = float32(0.0)
+    for j in range(k):
+        bv = NEG_INF
+        bi = E
+        e = tid
+        while e < E:  # ascending e and a strict > keep the lowest index of a tie
+            if p[e] > bv:
+                bv = p[e]
+                bi = e
+            e += bd
+        bv, bi = block_argmax(bv, bi, sf, si)
+        total += bv
+        if tid == 0:
+            sel_v[j] = bv
+            sel_i[j] = bi
+            p[bi] = float32(-1.0)  # taken (probabilities are >= 0)
+        cuda.syncthreads()
+    if tid < k:
+        w = sel_v[tid]
+        if renormalize:
+            w = w / total
+        if round_weights:
+            w = round_like(w, logits)
+        weights[t, tid] = w
+        ids[t, tid] = sel_i[tid]
+
+
+moe_topk_cuda_dtypes = (torch.float16, torch.float32)
+
+
+def moe_topk_cuda(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same meaning as moe_topk_ref (one launch, no host sync); other inputs go to the
+    reference."""
+    x = router_logits
+    round_weights = weights_dtype is not None and weights_dtype != torch.float32
+    ok = (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in moe_topk_cuda_dtypes
+        and x.is_contiguous()
+        and 1 <= top_k <= min(x.shape[1], MAX_TOP_K)
+        and x.shape[1] <= MAX_EXPERTS
+        and (not round_weights or weights_dtype == x.dtype)
+    )
+    if not ok or x.shape[0] == 0:
+        return moe_topk_ref(x, top_k, renormalize, weights_dtype)
+    T = x.shape[0]
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    launch(
+        moe_topk_kernel,
+        T,
+        TOPK_THREADS,
+        (dev(x), dev(weights), dev(ids), bool(renormalize), round_weights),
+        current_stream(),
+    )
+    return weights, ids
+
+
+__all__ = ["moe_topk_ref", "moe_topk_cuda", "moe_align_ref", "max_tiles", "moe_topk_kernel"]

@@ -252,6 +252,16 @@ KERNELS += [
     ),
 ]
 
+# moe_routing.py: the router's softmax + top-k + normalisation, one block per token. Arguments:
+# logits [T, E], weights [T, k] fp32, ids [T, k] int32, renormalize, round_weights.
+KERNELS += [
+    KernelSpec(
+        "moe_routing",
+        "moe_topk_kernel",
+        _both("void({t}[:, ::1], float32[:, ::1], int32[:, ::1], boolean, boolean)"),
+    ),
+]
+
 # moe_grouped.py: grouped expert GEMMs over expert-sorted pairs (moe_routing.moe_align_ref).
 # gate_up: x, w13, order [P], expert_start [E + 1], tile_first [E], tile_expert [tiles] (int32),
 # top_k, h_sorted [P, I]; down: h_sorted, w2, the same four, topk_weights flat [P] fp32,

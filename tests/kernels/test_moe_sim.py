@@ -86,7 +86,7 @@ def test_decode_gate_up_full_step(rng):
 @pytest.mark.parametrize("inter", [16, 1032])  # 1032 (k=2): one full 8-chunk step and a tail
 def test_decode_down_kernel(rng, dtype, inter):
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    T, E, k, H = 2, 4, 2, 3
+    T, E, k, H = 2, 4, 2, 4  # two row pairs
     h = torch.randn(T * k, inter, generator=gen).to(dtype)
     _, w2 = _weights(gen, E, H, inter, dtype)
     wts, ids = _routing(gen, T, E, k, all_to=1)
@@ -98,6 +98,26 @@ def test_decode_down_kernel(rng, dtype, inter):
         for s in range(k):
             want[t] += wts[t, s] * F.linear(h[t * k + s].float(), w2[ids[t, s]].float())
     _close(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_topk_kernel_matches_reference(rng, dtype, renorm):
+    from voltserve.kernels.moe_routing import TOPK_THREADS, moe_topk_kernel
+
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    T, E, k = 3, 40, 4  # E > 32 threads: each thread scans two experts
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
+    logits[2] = 0.5  # a row of ties: the lowest indices win
+    w = torch.full((T, k), float("nan"))
+    ids = torch.full((T, k), -1, dtype=torch.int32)
+    rnd = dtype == torch.float16
+    args = (logits.numpy(), w.numpy(), ids.numpy(), renorm, rnd)
+    launch(moe_topk_kernel, T, TOPK_THREADS, args)
+    want_w, want_ids = moe_topk_ref(logits, k, renorm, dtype if rnd else None)
+    assert torch.equal(ids[:2], want_ids[:2])
+    assert ids[2].tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
 
 
 def test_moe_topk_ref_matches_transformers_routing():
