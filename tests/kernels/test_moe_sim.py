@@ -208,3 +208,20 @@ def test_reference_against_dense_loop(rng):
             e = ids[t, s]
             want[t] += wts[t, s] * (w2[e] @ silu_and_mul_ref((w13[e] @ x[t])[None])[0])
     torch.testing.assert_close(moe_experts_ref(x, w13, w2, wts, ids), want, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_resolves_moe_ops_and_their_capture(monkeypatch):
+    from voltserve.kernels.dispatch import KernelDispatch
+
+    ops = ("moe_topk", "moe_experts")
+    monkeypatch.delenv("VOLTSERVE_MOE_TOPK", raising=False)
+    cpu = KernelDispatch("cpu", torch.float32)
+    assert cpu.impl["moe_experts"] == "ref" and cpu.impl["moe_topk"] == "ref"
+    cuda = KernelDispatch("cuda", torch.float16)  # resolving touches no device
+    assert cuda.impl["moe_experts"] == "cuda" and cuda.impl["moe_topk"] == "cuda"
+    assert cuda.capturable(ops)
+    monkeypatch.setenv("VOLTSERVE_MOE_TOPK", "0")
+    off = KernelDispatch("cuda", torch.float16)
+    assert off.impl["moe_topk"] == "ref" and off.capturable(ops)  # torch.topk never syncs
+    # numba has no bf16: the experts' reference loops with a host sync, so no decode graphs
+    assert not KernelDispatch("cuda", torch.bfloat16).capturable(ops)
