@@ -10,12 +10,15 @@ stores them, the activation as silu_and_mul rounds it; the down projection, the 
 and the sum over the k slots are fp32, rounded once to the storage dtype at the end.
 
 On CUDA (`moe_experts_cuda`): T <= 8 tokens run the fused decode kernels (moe_decode.py: only
-each token's k experts are read), more run the grouped GEMMs (moe_grouped.py). Neither syncs
+each token's k experts are read), more run the grouped GEMMs (moe_grouped.py, SIMT; or
+moe_wmma.py on tensor cores for fp16 with VOLTSERVE_MOE_WMMA=1). Neither syncs
 with the host, so both sit inside the decode CUDA graphs. What they cannot take (bf16, rows not
 16-byte aligned, H or I not a multiple of 8) runs the reference, which syncs.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +60,14 @@ def moe_experts_ref(
 # CUDA
 
 moe_experts_cuda_dtypes = (torch.float16, torch.float32)
+WMMA_ENV = "VOLTSERVE_MOE_WMMA"  # 1: the grouped GEMMs on tensor cores (moe_wmma.py), fp16
+
+
+def wmma_enabled() -> bool:
+    """Read at each call (cheap), so the decode graphs bake in what was set at capture."""
+    return os.environ.get(WMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 DECODE_MAX_TOKENS = 8  # up to this many tokens: the fused decode kernels
 
 
@@ -99,6 +110,11 @@ def moe_experts_cuda(
         from voltserve.kernels.moe_decode import moe_decode
 
         return moe_decode(x, w13, w2, wts, ids)
+    if wmma_enabled():
+        from voltserve.kernels import moe_wmma
+
+        if moe_wmma.supports(x, w13, w2):
+            return moe_wmma.moe_wmma(x, w13, w2, wts, ids)
     from voltserve.kernels.moe_grouped import moe_grouped
 
     return moe_grouped(x, w13, w2, wts, ids)

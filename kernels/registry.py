@@ -279,3 +279,26 @@ KERNELS += [
         _both(f"void({{t}}[:, ::1], {{t}}[:, :, ::1], {_MOE_META}, float32[::1], float32[:, ::1])"),
     ),
 ]
+
+# moe_wmma.py (opt-in: VOLTSERVE_MOE_WMMA=1): the grouped expert GEMMs on tensor cores through
+# vs_moe_tile16x64 (linked wmma_ptx.cu), fp16. gate_up: x_sorted and w13 flattened, expert_start,
+# tile_first, tile_expert, h_sorted [P + 16, I], hidden; down: h_sorted and w2 flattened, order,
+# the same three, topk_weights flat, y_pairs [P, H] fp32, intermediate.
+KERNELS += [
+    KernelSpec(
+        "moe_wmma",
+        "moe_wmma_gate_up_kernel",
+        (
+            "void(float16[::1], float16[::1], int32[::1], int32[::1], int32[::1], "
+            "float16[:, ::1], int64)",
+        ),
+    ),
+    KernelSpec(
+        "moe_wmma",
+        "moe_wmma_down_kernel",
+        (
+            "void(float16[::1], float16[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
+            "float32[::1], float32[:, ::1], int64)",
+        ),
+    ),
+]

@@ -337,6 +337,9 @@ def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok,
         op: engine.runner.ops.impl.get(op) for op in ("moe_experts", "moe_topk", "gemv")
     }
     result["cuda_graphs"] = engine.runner.graphs is not None
+    from voltserve.kernels.moe_experts import wmma_enabled
+
+    result["grouped_gemm"] = "wmma" if wmma_enabled() else "simt"
     try:
         runs = []
         for i, prompt in enumerate(prompts):

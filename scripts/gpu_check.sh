@@ -171,10 +171,14 @@ for stage in $STAGES; do
       # MoE: the expert kernels against their reference at Qwen3-30B-A3B and Mixtral-8x7B shapes
       # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU;
       # then bench_moe (MOE_LAYERS of the 48 layers, default 8: batch 1 against the bytes-read
-      # floor and transformers on the same weights, batch 64 and 256).
+      # floor and transformers on the same weights, batch 64 and 256), and again with the grouped
+      # GEMMs on tensor cores (VOLTSERVE_MOE_WMMA=1, no transformers).
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
       run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
-      run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --out "$OUT/bench_moe.json"
+      # The checkpoint is kept for the second run: the grouped GEMMs on tensor cores (opt-in).
+      MOE_DIR=${MOE_DIR:-/tmp/voltserve-moe-bench}
+      run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --out "$OUT/bench_moe.json"
+      run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the

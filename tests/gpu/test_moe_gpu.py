@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels.moe_experts import moe_experts_cuda, moe_experts_ref, supports
+from voltserve.kernels.moe_experts import WMMA_ENV, moe_experts_cuda, moe_experts_ref, supports
 from voltserve.kernels.moe_routing import moe_topk_cuda, moe_topk_ref
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request
@@ -73,13 +73,18 @@ def _poison_pool(nbytes: int) -> None:
     del junk
 
 
+@pytest.mark.parametrize("grouped", ["simt", "wmma"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_moe_experts_kernel_matches_reference(shape, T, routing, dtype) -> None:
+def test_moe_experts_kernel_matches_reference(shape, T, routing, dtype, grouped, monkeypatch):
+    """grouped: which grouped GEMMs serve T > 8 (the SIMT default or the tensor-core opt-in)."""
     if dtype == torch.float32 and (T > 256 or routing != "random"):
         pytest.skip("fp32 at the decode and batched sizes only (time)")
+    if grouped == "wmma" and (dtype != torch.float16 or T <= 8):
+        pytest.skip("the tensor-core grouped GEMMs take fp16 and more than 8 tokens")
+    monkeypatch.setenv(WMMA_ENV, "1" if grouped == "wmma" else "0")
     H, E, k, inter, renorm = SHAPES[shape]
     w13, w2 = _weights(shape, dtype)
     g = torch.Generator(device="cuda").manual_seed(_seed())
@@ -117,10 +122,14 @@ def test_topk_kernel_matches_torch_topk(T, E, k, renorm, dtype) -> None:
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("grouped", ["simt", "wmma"])
 @pytest.mark.parametrize("T", [1, 5, 8, 16, 64])
-def test_moe_path_is_graph_capturable(T) -> None:
+def test_moe_path_is_graph_capturable(T, grouped, monkeypatch) -> None:
     """Router top-k + experts captured in a CUDA graph (capture fails on a host sync), then
     replayed on new inputs written into the captured buffers."""
+    if grouped == "wmma" and T <= 8:
+        pytest.skip("T <= 8 runs the decode kernels")
+    monkeypatch.setenv(WMMA_ENV, "1" if grouped == "wmma" else "0")
     H, E, k, inter, renorm = SHAPES["qwen3-30b-a3b"]
     w13, w2 = _weights("qwen3-30b-a3b", torch.float16)
     g = torch.Generator(device="cuda").manual_seed(_seed())
