@@ -10,14 +10,16 @@ Families (transformers' modeling code is the reference for each):
 - Mixtral: top-2 of 8, always renormalised, routing weights kept in fp32. Checkpoint names
   block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down).
 
-Quantization seam: `FusedExperts` is to the experts what `layers.Linear` is to a linear. It
-creates the stacked parameters, loads each checkpoint tensor into its expert's slice through
-`load_weight(param_name, (expert, part), tensor)` and multiplies through `ops.moe_experts`. A
-quantized method subclasses it: it declares its own stacked parameters (e.g. qweight
-[E, 2I, H/8] int32, scales/zeros [E, 2I, H/group]), converts each expert's tensors into its slot
-at load (the repacking for the kernel happens once, there), lists the checkpoint names it needs
-in `checkpoint_params`, and overrides `forward` to call its grouped/decode kernels with the same
-routing tensors. The model and the loader stay the same.
+Quantization seam: `FusedExperts` is to the experts what `layers.Linear` is to a linear: it
+holds an `ExpertsMethod` (the same four steps as a linear's method: create_weights, load,
+process_after_loading, apply). `UnquantizedExperts` stores w13 [E, 2I, H] and w2 [E, H, I] and
+runs `ops.moe_experts`. An int4 method keeps the same stacking with its own tensors, e.g.
+qweight [E, 2I, H/8] int32 and scales/zeros [E, 2I, H/group] for w13 (and the same for w2),
+loads each expert's qweight/scales/qzeros into slot e (gate rows, then up rows) through
+`load(layer, name, (expert, part), tensor)`, repacks once in process_after_loading, and runs
+its kernels in `apply` with the same routing tensors (topk_weights, topk_ids) and the same
+grouping (kernels/moe_routing.moe_align_ref). `checkpoint_params` then lists the per-expert
+names the format has (qweight, scales, qzeros, g_idx). The model and the loader stay the same.
 """
 
 from __future__ import annotations
@@ -35,46 +37,101 @@ EXPERT_NAMES = {
 }
 
 
+class ExpertsMethod:
+    """How one layer's stacked experts are stored, loaded and multiplied (the experts' side of
+    the quantization seam; a linear's `LinearMethod` has the same four steps)."""
+
+    def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def checkpoint_params(
+        self, layer: FusedExperts
+    ) -> dict[str, tuple[str, tuple[int, int | None]]]:
+        """Checkpoint name relative to the experts module -> (parameter, (expert, part)); part
+        0/1 = the gate/up rows of w13, None = the whole of w2[expert]. A quantized method lists
+        its own tensors (qweight, scales, ...) per expert projection."""
+        out = {}
+        for e in range(layer.num_experts):
+            for leaf, (param, part) in layer.names.items():
+                out[f"{e}.{leaf}.weight"] = (param, (e, part))
+        return out
+
+    def load(
+        self, layer: FusedExperts, name: str, shard: tuple[int, int | None], t: torch.Tensor
+    ) -> None:
+        raise NotImplementedError
+
+    def process_after_loading(self, layer: FusedExperts) -> None:
+        """Called once after every tensor is loaded (repacking for a kernel goes here)."""
+
+    def apply(
+        self,
+        layer: FusedExperts,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedExperts(ExpertsMethod):
+    """fp16/fp32 (bf16 where the device has it) experts: w13 [E, 2I, H] (each expert's gate
+    rows, then its up rows: the merged gate_up layout of the dense MLP) and w2 [E, H, I]."""
+
+    def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
+        E, H, inter = layer.num_experts, layer.hidden, layer.inter
+        layer.w13 = nn.Parameter(torch.empty(E, 2 * inter, H, dtype=dtype), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=dtype), requires_grad=False)
+
+    def load(
+        self, layer: FusedExperts, name: str, shard: tuple[int, int | None], t: torch.Tensor
+    ) -> None:
+        e, part = shard
+        target = getattr(layer, name).data[e]
+        if part is not None:
+            target = target.narrow(0, part * layer.inter, layer.inter)
+        if tuple(t.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(t.shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+        target.copy_(t)
+
+    def apply(self, layer, ops, x, topk_weights, topk_ids) -> torch.Tensor:
+        return ops.moe_experts(x, layer.w13, layer.w2, topk_weights, topk_ids)
+
+
 class FusedExperts(nn.Module):
-    """E experts of one layer, stacked: w13 [E, 2I, H] (gate rows then up rows per expert, the
-    merged gate_up layout) and w2 [E, H, I]."""
+    """E experts of one layer, stored stacked per layer by its `method` (UnquantizedExperts:
+    w13 [E, 2I, H] and w2 [E, H, I]). Checkpoints name each expert's projections separately;
+    `checkpoint_params` maps those names to (parameter, (expert, part)) for the loader."""
 
     def __init__(
-        self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, names: str = "qwen"
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        names: str = "qwen",
+        method: ExpertsMethod | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.names = EXPERT_NAMES[names]
-        self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
-        )
+        self.method = method or UnquantizedExperts()
+        self.method.create_weights(self, dtype)
 
     def checkpoint_params(self) -> dict[str, tuple[str, tuple[int, int | None]]]:
-        """Checkpoint name relative to this module -> (parameter, (expert, part))."""
-        out = {}
-        for e in range(self.num_experts):
-            for leaf, (param, part) in self.names.items():
-                out[f"{e}.{leaf}.weight"] = (param, (e, part))
-        return out
+        """What the loader asks: the method's checkpoint names for this layer."""
+        return self.method.checkpoint_params(self)
 
     def load_weight(
         self, param_name: str, shard: tuple[int, int | None], tensor: torch.Tensor
     ) -> None:
-        """Copy one expert's projection into its slice; raise naming the shape on a mismatch."""
-        e, part = shard
-        param = getattr(self, param_name)
-        target = param.data[e]
-        if part is not None:
-            target = target.narrow(0, part * self.inter, self.inter)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, "
-                f"model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        """Hand one expert's projection to the method; it raises naming the shape on a
+        mismatch."""
+        self.method.load(self, param_name, shard, tensor)
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -86,7 +143,7 @@ class FusedExperts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.moe_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self.method.apply(self, ops, x, topk_weights, topk_ids)
 
 
 class SharedExpert(nn.Module):
@@ -155,4 +212,11 @@ class SparseMoE(nn.Module):
         return out
 
 
-__all__ = ["FusedExperts", "SharedExpert", "SparseMoE", "EXPERT_NAMES"]
+__all__ = [
+    "EXPERT_NAMES",
+    "ExpertsMethod",
+    "FusedExperts",
+    "SharedExpert",
+    "SparseMoE",
+    "UnquantizedExperts",
+]
