@@ -118,8 +118,14 @@ def test_topk_kernel_matches_torch_topk(T, E, k, renorm, dtype) -> None:
     # Same experts up to exact ties (torch.topk orders ties its own way; the kernel takes the
     # lowest index): the chosen probabilities agree slot by slot.
     torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, rids.long()))
-    assert (ids == rids).float().mean() > 0.99
-    torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+    if dtype == torch.float32:
+        assert torch.equal(ids, rids)  # no exact ties among fp32 draws
+        torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+    else:
+        # fp16 logits tie now and then (~1% of slots); weights rounded to fp16 may sit one ulp
+        # apart where the fp32 probabilities round differently.
+        assert (ids == rids).float().mean() > 0.9
+        torch.testing.assert_close(w, rw, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("grouped", ["simt", "wmma"])
