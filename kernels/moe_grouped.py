@@ -77,6 +77,10 @@ def moe_grouped_gate_up_kernel(
     tid = cuda.threadIdx.x
     tx = tid & 15
     ty = tid >> 4
+    # Rows ty and ty + 8 both past the tile's end: skip the products (small tiles are the rule
+    # in batched decode; whole warps skip, as a warp holds two values of ty). The loads and
+    # barriers stay the same for every thread.
+    active = r0 + ty < r1
     H = x.shape[1]
     inter = h_sorted.shape[1]
     j0 = cuda.blockIdx.y * BN_PAIRS
@@ -113,7 +117,7 @@ def moe_grouped_gate_up_kernel(
             else:
                 _st8_shared(b_sh, br, bc, ZERO8)
         cuda.syncthreads()
-        for kk in range(BK):
+        for kk in range(BK if active else 0):
             a0 = a_sh[ty, kk]
             a1 = a_sh[ty + 8, kk]
             bg0 = b_sh[tx, kk]
@@ -168,6 +172,7 @@ def moe_grouped_down_kernel(
     tid = cuda.threadIdx.x
     tx = tid & 15
     ty = tid >> 4
+    active = r0 + ty < r1  # as in the gate_up kernel
     inter = h_sorted.shape[1]
     H = w2.shape[1]
     n0 = cuda.blockIdx.y * BN
@@ -199,7 +204,7 @@ def moe_grouped_down_kernel(
             else:
                 _st8_shared(b_sh, br, bc, ZERO8)
         cuda.syncthreads()
-        for kk in range(BK):
+        for kk in range(BK if active else 0):
             a0 = a_sh[ty, kk]
             a1 = a_sh[ty + 8, kk]
             b0 = b_sh[tx, kk]
