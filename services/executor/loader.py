@@ -139,6 +139,11 @@ def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, A
         )
         if not v
     ]
+    shared = hf.get("shared_expert_intermediate_size")
+    if name == "Qwen2MoeForCausalLM" and shared is None:
+        # transformers would fall back to its class default and load a shared expert of that
+        # size; guessing it here could silently skip the checkpoint's shared expert.
+        missing.append("shared_expert_intermediate_size")
     if missing:
         raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
     if not 1 <= top_k <= experts:
@@ -153,9 +158,7 @@ def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, A
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(inter),
         norm_topk_prob=bool(hf.get("norm_topk_prob", family == "mixtral")),
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
-        if name == "Qwen2MoeForCausalLM"
-        else 0,
+        shared_expert_intermediate_size=int(shared or 0) if name == "Qwen2MoeForCausalLM" else 0,
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
         decoder_sparse_step=1 if family == "mixtral" else step,
         moe_family=family,

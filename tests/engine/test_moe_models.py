@@ -139,6 +139,16 @@ def test_moe_loader_errors_name_the_tensor_or_field(tmp_path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
         load_model(d, torch.float32, CPU)
+    cfg["num_experts_per_tok"] = 2
+    del cfg["shared_expert_intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shared_expert_intermediate_size"):
+        load_model(d, torch.float32, CPU)
+    cfg["shared_expert_intermediate_size"] = 48
+    cfg["num_experts_per_tok"] = 7  # more than the 6 experts
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok 7 must be in 1..num_experts 6"):
+        load_model(d, torch.float32, CPU)
 
 
 def test_start_up_log_states_expert_memory(caplog) -> None:
