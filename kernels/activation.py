@@ -23,6 +23,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
     dev,
@@ -55,6 +56,7 @@ def _silu_mul8(g, u, out):
     )
 
 
+@cached
 @cuda.jit
 def silu_and_mul_kernel(x, out, vec):
     row = cuda.blockIdx.x

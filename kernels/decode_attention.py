@@ -58,6 +58,7 @@ from voltserve.kernels.attention_common import (
     shfl_xor,
     torch_stream,
 )
+from voltserve.kernels.compile_cache import cached, cached_factory
 from voltserve.kernels.numba_common import SIM
 
 BLOCK_SIZE = 16  # tokens per KV block (fixed by the block manager)
@@ -630,6 +631,7 @@ assert MERGE_MAX_PARTITIONS % MERGE_CHUNK == 0
 MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K registers)
 
 
+@cached_factory
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     """The partition kernel for one shape and mode (see MODES). max_registers: -1 = the default
@@ -663,6 +665,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
 REDUCE_THREADS = 128  # also the largest block size decode_reduce_kernel may be launched with
 
 
+@cached
 @cuda.jit
 def decode_reduce_kernel(out, max_logits, exp_sums, tmp_out, seq_lens, partition):
     """Merge the partitions of one (sequence, head): grid (H, B), a power-of-two block size up to

@@ -56,6 +56,7 @@ def gemv_gate_up_ref(
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.activation import _silu_mul  # noqa: E402
+from voltserve.kernels.compile_cache import cached_factory  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     FULL_MASK,
     SIM,
@@ -276,6 +277,7 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     return "\n".join(L) + "\n"
 
 
+@cached_factory
 def _build(M: int, R: int, U: int, kind: str = PLAIN):
     scope = {
         "cuda": cuda,

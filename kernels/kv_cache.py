@@ -34,6 +34,7 @@ def reshape_and_cache_ref(
 # projection).
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
 from voltserve.kernels.vec_io import VEC, ld8, st8, vec_ok  # noqa: E402
 
@@ -71,6 +72,7 @@ def cache_row(t, slot, key, value, k_cache, v_cache, vec):
             e += cuda.blockDim.x
 
 
+@cached
 @cuda.jit
 def reshape_and_cache_kernel(key, value, k_cache, v_cache, slot_mapping, vec):
     t = cuda.blockIdx.x

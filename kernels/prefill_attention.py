@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, int64
 from numba.core.types import float16
 from voltserve.kernels.attention_common import as_numba, ld_f16x8, torch_stream
+from voltserve.kernels.compile_cache import cached_factory
 
 BLOCK_SIZE = 16
 TX = 8  # threads along the key / dim axis of a tile
@@ -71,6 +72,7 @@ def prefill_config(
     return PrefillConfig(head_dim, group, num_threads, rpt, cpt)
 
 
+@cached_factory
 @functools.cache
 def prefill_kernel(cfg: PrefillConfig):
     D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads

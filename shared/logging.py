@@ -1,7 +1,8 @@
 """Structured logging for every service: one line per record, `key=value` (default) or JSON.
 
-Quiet by default (WARNING); `--log-level info|debug` makes a service talk. Call `setup_logging`
-once in a service's main(), and `add_log_level_flag` when building its argparse parser.
+Quiet by default (WARNING, plus one INFO line per start-up phase); `--log-level info|debug`
+makes a service talk. Call `setup_logging` once in a service's main(), and
+`add_log_level_flag` when building its argparse parser.
 """
 
 from __future__ import annotations
@@ -75,3 +76,9 @@ def setup_logging(service: str, level: str = "warning", json_lines: bool = False
     # redis-py a line per new connection at DEBUG.
     for noisy in ("asyncio", "aiohttp.access", "urllib3", "filelock", "numba", "redis"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # The start-up phase lines (one per phase, with its time) show at the default level too:
+    # where a slow start spends its time is what an operator needs first.
+    quiet = root.level > logging.WARNING  # --log-level error: quiet
+    logging.getLogger("voltserve.startup").setLevel(
+        root.level if quiet else min(root.level, logging.INFO)
+    )

@@ -1,7 +1,7 @@
 """Wire messages between the services, defined once. Each is a plain dataclass; on the wire it is
 a msgpack map of its fields plus "t", the message type. Token ids travel as lists of ints.
 
-Streams (see DESIGN.md):
+Streams (see docs/architecture.md):
   vs:render          RenderRequest                     gateway  -> renderer (group)
   vs:sched           EngineRequest | AbortRequest      renderer/gateway -> scheduler (group)
   vs:exec:{id}       EngineRequest | AbortRequest      scheduler -> executor (group)
@@ -70,6 +70,11 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Only on a request's first delta, when its sampling asked for prompt_logprobs: the prompt's
+    # token ids and one entry per prompt token (None for the first, which has no context):
+    # {"logprob": float, "rank": int (1 = most likely), "top": [[token_id, logprob], ...]}.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass

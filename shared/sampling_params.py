@@ -29,6 +29,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs. 0: logprob of the sampled token only. N: also the top N.
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (vLLM's prompt_logprobs), computed in prefill: None: none;
+    # 0: each prompt token's own logprob and rank; N: also the top N. Such a request skips the
+    # prefix cache (cached tokens have no logits to read).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +64,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:

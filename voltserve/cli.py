@@ -12,6 +12,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "renderer": ("voltserve.services.renderer.main", "run a tokenizer/chat-template renderer"),
     "scheduler": ("voltserve.services.scheduler.main", "run the scheduler (leader or standby)"),
     "executor": ("voltserve.services.executor.main", "run one executor (one per GPU)"),
+    "warmup": (
+        "voltserve.services.executor.warmup",
+        "compile the kernels `serve` with the same flags needs into the kernel cache",
+    ),
     "generate": ("voltserve.services.executor.generate", "generate from a prompt in-process"),
     "make-demo-model": (
         "voltserve.services.executor.demo_model",

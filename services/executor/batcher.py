@@ -34,6 +34,17 @@ from voltserve.services.executor.request import (
 logger = logging.getLogger(__name__)
 
 
+# A prefill chunk that returns prompt logprobs computes logits for every row (vocabulary-wide,
+# fp32): its size is capped so those stay a bounded fraction of the activation memory.
+PROMPT_LOGPROBS_CHUNK = 1024
+
+
+def _chunk_cap(req: Request) -> int:
+    if req.params.prompt_logprobs is not None and not req.output_token_ids:
+        return PROMPT_LOGPROBS_CHUNK
+    return 1 << 62
+
+
 class Batcher:
     def __init__(
         self,
@@ -130,7 +141,7 @@ class Batcher:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             if grow(req, num_new):
                 scheduled[req.request_id] = ScheduledRequest(req, num_new)
                 budget -= num_new
@@ -147,7 +158,7 @@ class Batcher:
             req = self.waiting[0]
             cached = bm.match_prefix(req)
             num_cached = len(cached) * bm.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget, _chunk_cap(req))
             if not bm.allocate(req, cached, num_new):
                 break
             self.waiting.popleft()

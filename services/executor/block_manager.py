@@ -120,6 +120,10 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if request.params.prompt_logprobs is not None and not request.output_token_ids:
+            # Prompt logprobs are read from the logits of every prompt row; cached blocks have
+            # none, so the whole prompt is computed (its full blocks still become cached).
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
             return []

@@ -60,7 +60,15 @@ def graph_batch_sizes(max_batch: int, wanted: tuple[int, ...] = ()) -> list[int]
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int, sizes: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        sizes: tuple[int, ...] = (),
+        capture: bool = True,
+    ) -> None:
+        """capture=False: the static buffers only (the start-up trace runs `_forward` on them,
+        see kernel_warmup.py)."""
         self.model = runner.model
         self.kv_caches = runner.kv_caches
         self.device = runner.device
@@ -91,7 +99,8 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
         self.num_replays = 0
-        self._capture_all()
+        if capture:
+            self._capture_all()
 
     @staticmethod
     def _views(buf: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -123,7 +132,8 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bs in startup.progress(list(reversed(self.sizes)), "capturing CUDA graphs"):
-            # Warm up eagerly first: numba compiles, cuBLAS picks its kernels and workspaces.
+            # Warm up eagerly first: cuBLAS picks its kernels and workspaces, the decode attention
+            # sizes its merge counters (numba compiled everything in the start-up compile phase).
             self._forward(bs)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()

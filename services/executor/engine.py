@@ -206,6 +206,10 @@ class LLMEngine:
                 )
             return []
         sampled = self.runner.execute(plan)
+        take = getattr(self.runner, "take_prompt_logprobs", None)
+        prompt_lp = take() if take is not None else None
+        if prompt_lp:
+            self._store_prompt_logprobs(prompt_lp)
         # The sampler's greedy fast path hands back bare ids: no SampledToken per row.
         ids = sampled.token_ids if type(sampled) is SampledIds else None
         outputs: list[RequestOutput] = []
@@ -255,12 +259,34 @@ class LLMEngine:
             if p.logprobs is not None:
                 logprobs = [tok if tok is not None else SampledToken(token)]
             append(RequestOutput(rid, [token], logprobs, reason, prompt_len, req.num_cached_tokens))
+            if len(out_ids) == 1 and p.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs = self._prompt_logprobs_of(req)
+                outputs[-1].prompt_token_ids = req.prompt_token_ids
         self._generation_tokens_total += i
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
         if any_finished:
             self.batcher.remove_finished()
         return outputs
+
+    def _store_prompt_logprobs(self, computed: dict[str, list[tuple[int, dict]]]) -> None:
+        for rid, entries in computed.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.prompt_lp is None:
+                req.prompt_lp = {}
+            req.prompt_lp.update(entries)
+
+    @staticmethod
+    def _prompt_logprobs_of(req: Request) -> list[dict | None]:
+        got = req.prompt_lp or {}
+        n = len(req.prompt_token_ids)
+        missing = [p for p in range(1, n) if p not in got]
+        if missing:  # a bug if it happens: say so, and send nothing rather than a wrong number
+            logger.error("%s: no prompt logprobs for positions %s", req.request_id, missing[:5])
+        req.prompt_lp = None
+        return [None] + [got.get(p) for p in range(1, n)]
 
     def _check_stop(self, req: Request, token_id: int) -> str | None:
         """The stop rule that step() applies inline (kept as its readable definition)."""

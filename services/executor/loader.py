@@ -55,6 +55,12 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     d = Path(model_dir)
+    if d.is_file():
+        kind = "a GGUF file" if d.suffix.lower() == ".gguf" else "a file"
+        raise ModelLoadError(
+            f"{d} is {kind}, not a model folder: this loader reads a Hugging Face folder "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
     if not d.is_dir():
         raise ModelLoadError(f"model folder {d} does not exist")
     cfg = d / "config.json"

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 
+from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
@@ -127,7 +128,10 @@ def main(argv: list[str]) -> None:
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.services.executor.service import ExecutorService
 
-    engine = LLMEngine(engine_config(args))
+    # A failure that a restart cannot fix (the model, a flag, the memory) exits with
+    # startup.FATAL_EXIT_CODE and its reason, so the launcher stops instead of retrying.
+    with startup.fatal_errors(f"executor {args.executor_id}"):
+        engine = LLMEngine(engine_config(args))
     svc = ExecutorService(engine, service_config(args))
 
     if args.metrics_port:

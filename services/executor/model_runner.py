@@ -12,12 +12,15 @@ host-to-device copy, one graph replay, the sampler and one copy back.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
+from voltserve.kernels import compile_cache
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor import kernel_warmup
 from voltserve.services.executor.decode_pipeline import (
     DecodePipeline,
     pipeline_enabled,
@@ -148,13 +151,18 @@ class DeviceBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, compile_only: bool = False) -> None:
+        """compile_only: stop after the compile phase (`voltserve warmup`: fills the kernel
+        cache; the runner cannot run steps)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.startup_times: dict[str, float] = {}  # phase -> seconds
+        self.compile_report: compile_cache.CompileReport | None = None
+        t_start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        with startup.phase("loading weights"):
+        with startup.phase("loading weights", self.startup_times):
             loaded = load_model(config.model, self.dtype, self.device)
         self.model = loaded.model
         self.arch = loaded.arch
@@ -168,34 +176,58 @@ class ModelRunner:
             self.device, self.dtype, self.block_size, graph_torch_fallback=use_graphs
         )
         self.model.ops = self.ops
-        self.sampler = Sampler(self.ops, self.device)
         # GEMV or cuBLAS per decode linear shape, timed on CUDA; before any capture (graphs bake
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
-        self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
-        self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
-        self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
-        with startup.phase("sizing the KV cache"):
-            self.num_kv_blocks: int = self._decide_num_blocks()
-        self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
-        self.graphs = None
-        self.pipeline: DecodePipeline | None = None
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         why_not = self._why_no_graphs(graph_batch) if use_graphs else "enforce_eager or CPU"
-        if why_not is None:
-            from voltserve.services.executor.cuda_graphs import CudaGraphRunner
-
-            with startup.phase("compiling kernels and capturing CUDA graphs"):
-                self.graphs = CudaGraphRunner(self, graph_batch, config.cuda_graph_sizes)
-            if pipeline_enabled():
-                self.pipeline = DecodePipeline(self, pipeline_max_batch())
-        elif use_graphs:
+        if use_graphs and why_not is not None:
             logger.info("decode runs eagerly: %s", why_not)
             self.ops = KernelDispatch(self.device, self.dtype, self.block_size)
             self.ops.linear_plan = linear_plan
             self.model.ops = self.ops
-            self.sampler = Sampler(self.ops, self.device)
+        use_graphs = use_graphs and why_not is None
+        self.sampler = Sampler(self.ops, self.device)
+        self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
+        self._prompt_rows: list[tuple[Request, int, int, int]] = []
+        self.prompt_logprobs_out: dict[str, list[tuple[int, dict]]] = {}
+        self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
+        self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
+        if kernel_warmup.needs_compile(self):
+            # Every kernel the next phases launch, loaded or compiled now, so that KV sizing
+            # measures no compiler and graph capture compiles nothing.
+            with startup.phase("compiling kernels", self.startup_times) as ph:
+                self.compile_report = kernel_warmup.compile_kernels(
+                    self, graph_batch if use_graphs else None
+                )
+                ph.detail = self.compile_report.summary()
+        if compile_only:
+            return
+        with startup.phase("sizing the KV cache", self.startup_times) as ph:
+            self.num_kv_blocks: int = self._decide_num_blocks()
+            ph.detail = f"{self.num_kv_blocks} blocks of {self.block_size} tokens"
+        self.kv_caches = self._alloc_kv_caches(self.num_kv_blocks)
+        self.graphs = None
+        self.pipeline: DecodePipeline | None = None
+        self.compiled_in_capture: list[str] = []
+        if use_graphs:
+            from voltserve.services.executor.cuda_graphs import CudaGraphRunner
+
+            missed = len(compile_cache.stats.compiled)
+            with startup.phase("capturing CUDA graphs", self.startup_times) as ph:
+                self.graphs = CudaGraphRunner(self, graph_batch, config.cuda_graph_sizes)
+                ph.detail = f"{len(self.graphs.sizes)} batch sizes"
+            self.compiled_in_capture = compile_cache.stats.compiled[missed:]
+            if self.compiled_in_capture:
+                logger.warning(
+                    "%d kernels were compiled during graph capture (the start-up trace missed "
+                    "them): %s",
+                    len(self.compiled_in_capture),
+                    self.compiled_in_capture,
+                )
+            if pipeline_enabled():
+                self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
             "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.arch.architecture,
@@ -204,6 +236,11 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.max_model_len,
+        )
+        startup.logger.info(
+            "start-up: engine ready in %.1f s (%s)",
+            time.perf_counter() - t_start,
+            ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_times.items()),
         )
 
     # ---- setup -------------------------------------------------------------------------------
@@ -253,26 +290,34 @@ class ModelRunner:
         else:
             n = self._profile_gpu_blocks(per_block)
         if n < 1:
-            raise RuntimeError(
+            raise startup.StartupError(
                 f"not enough memory for a single KV block ({per_block} bytes); "
-                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+                "lower --max-num-batched-tokens or raise --gpu-memory-utilization"
+            )
+        if self.device.type == "cuda" and n < self.max_blocks_per_seq:
+            # A sequence of max_model_len tokens could never be held: refuse to start rather
+            # than serve a context the cache cannot hold.
+            raise startup.StartupError(
+                f"the KV cache fits {int(n)} blocks ({int(n) * self.block_size} tokens), less "
+                f"than one sequence of max_model_len {self.max_model_len} tokens; lower "
+                "--max-model-len or --max-num-batched-tokens, or raise --gpu-memory-utilization"
             )
         return int(n)
 
-    def _profile_gpu_blocks(self, per_block: int) -> int:
-        """KV blocks that fit in gpu_memory_utilization of the card after weights and the
-        activation peak of a forward at max_num_batched_tokens."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        weights = torch.cuda.memory_allocated()
+    def _profile_blocks(self) -> int:
+        """KV blocks the profile forward's batch uses (its sequences' blocks + 1)."""
+        T = self.config.max_num_batched_tokens
+        seq = min(T, self.max_model_len)
+        return -(-T // seq) * -(-seq // self.block_size) + 1
+
+    def _profile_forward(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """A prefill forward of max_num_batched_tokens tokens (sequences of up to max_model_len)
+        on kv (_profile_blocks() blocks), with up to max_num_seqs logits rows: the activation
+        peak KV sizing measures (and the prefill kernels the start-up trace records)."""
         T = self.config.max_num_batched_tokens
         seq = min(T, self.max_model_len)
         n_seqs = -(-T // seq)
         blocks_per = -(-seq // self.block_size)
-        tmp_blocks = n_seqs * blocks_per + 1
-        tmp = self._alloc_kv_caches(tmp_blocks, scratch=False)
-        tmp_bytes = tmp_blocks * per_block
-        torch.cuda.reset_peak_memory_stats()
         lens = [min(seq, T - i * seq) for i in range(n_seqs)]
         ids = torch.randint(0, self.vocab_size, (T,), device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
@@ -286,11 +331,23 @@ class ModelRunner:
         )
         # Sampling rows: up to max_num_seqs logits rows.
         rows = torch.arange(min(self.config.max_num_seqs, T), device=self.device) % T
-        logits = self.model(ids, pos, meta, tmp, rows)
+        return self.model(ids, pos, meta, kv, rows)
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        """KV blocks that fit in gpu_memory_utilization of the card after weights and the
+        activation peak of a forward at max_num_batched_tokens."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated()
+        tmp_blocks = self._profile_blocks()
+        tmp = self._alloc_kv_caches(tmp_blocks, scratch=False)
+        tmp_bytes = tmp_blocks * per_block
+        torch.cuda.reset_peak_memory_stats()
+        logits = self._profile_forward(tmp)
         torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's peak (sort + softmax)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        del tmp, logits, ids, pos, slots, bt, qsl, meta
+        del tmp, logits
         torch.cuda.empty_cache()
         activation = max(0, peak - weights - tmp_bytes)
         free, total = torch.cuda.mem_get_info()
@@ -381,6 +438,9 @@ class ModelRunner:
             if start_list[b] + n_list[b] == len(r.prompt_token_ids) + len(r.output_token_ids):
                 rows.append(SampleRow(r, len(r.output_token_ids), eos))
                 logit_rows.append(int(qsl[b + 1]) - 1)
+        self._prompt_rows = self._prompt_logprob_rows(reqs, start_list, n_list, qsl)
+        for _, _, first_row, count in self._prompt_rows:
+            logit_rows.extend(range(first_row, first_row + count))
         if self._copy_done is not None:
             self._copy_done.synchronize()
         parts = [
@@ -409,6 +469,60 @@ class ModelRunner:
             max_query_len=max(n_list),
         )
         return DeviceBatch(d[0], d[1], meta, d[6], B), rows
+
+    # ---- prompt logprobs (params.prompt_logprobs) ------------------------------------------
+
+    @staticmethod
+    def _prompt_logprob_rows(
+        reqs: list[Request], start_list: list[int], n_list: list[int], qsl: np.ndarray
+    ) -> list[tuple[Request, int, int, int]]:
+        """(request, first position, first flat row, count) of the rows whose logits give prompt
+        logprobs: the row at position p predicts prompt token p + 1."""
+        out = []
+        for b, r in enumerate(reqs):
+            if r.params.prompt_logprobs is None or r.output_token_ids:
+                continue
+            start = start_list[b]
+            end = min(start + n_list[b], len(r.prompt_token_ids) - 1)
+            if end > start:
+                out.append((r, start, int(qsl[b]), end - start))
+        return out
+
+    def _compute_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        """logits: one row per prompt-logprob row of this step, in _prompt_rows order."""
+        rows = self._prompt_rows
+        targets: list[int] = []
+        for r, start, _, count in rows:
+            targets.extend(r.prompt_token_ids[start + 1 : start + 1 + count])
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        t = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, t[:, None])[:, 0]
+        # Rank as vLLM counts it: 1 + the number of tokens more likely than this one.
+        rank = (lp > chosen[:, None]).sum(dim=1) + 1
+        k = max(r.params.prompt_logprobs or 0 for r, *_ in rows)
+        top_v = top_i = None
+        if k:
+            tv, ti = lp.topk(k, dim=-1)
+            top_v, top_i = tv.cpu().tolist(), ti.cpu().tolist()
+        chosen_l, rank_l = chosen.cpu().tolist(), rank.cpu().tolist()
+        out = self.prompt_logprobs_out
+        i = 0
+        for r, start, _, count in rows:
+            n_top = r.params.prompt_logprobs or 0
+            entries = out.setdefault(r.request_id, [])
+            for j in range(count):
+                top = []
+                if n_top:
+                    top = [[int(a), float(v)] for a, v in zip(top_i[i][:n_top], top_v[i][:n_top])]
+                entries.append(
+                    (start + 1 + j, {"logprob": chosen_l[i], "rank": int(rank_l[i]), "top": top})
+                )
+                i += 1
+
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, dict]]]:
+        """Prompt logprobs computed since the last call: request id -> [(position, entry)]."""
+        out, self.prompt_logprobs_out = self.prompt_logprobs_out, {}
+        return out
 
     def _stage_decode(self, plan: StepPlan) -> list[Request]:
         """Write a decode-only step (one new token per request, each sampling) into the CUDA
@@ -476,7 +590,15 @@ class ModelRunner:
         if self.pipeline is not None:
             self.pipeline.discard()  # a step launched ahead is not this one
         batch, rows = self.prepare(plan)
-        if rows:
+        if self._prompt_rows:
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
+            )
+            self._compute_prompt_logprobs(logits[len(rows) :])
+            if not rows:
+                return []
+            logits = logits[: len(rows)]
+        elif rows:
             logits = self.model(
                 batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
             )

@@ -41,6 +41,9 @@ class Request:
     # length that ends the request (max_tokens or the context limit, whichever is first).
     stop_token_set: frozenset[int] = frozenset()
     max_output_tokens: int = 0
+    # params.prompt_logprobs: prompt position -> its entry, filled as prefill chunks run (a
+    # recomputation after preemption overwrites); sent with the first sampled token.
+    prompt_lp: dict[int, dict] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -142,6 +145,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # params.prompt_logprobs, on the first token's output: one entry per prompt token (None for
+    # the first): {"logprob", "rank", "top": [[token_id, logprob], ...]}.
+    prompt_logprobs: list[dict | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
     @property
     def finished(self) -> bool:

@@ -217,6 +217,9 @@ class EngineLoop:
                 o.num_prompt_tokens,
                 o.num_cached_tokens,
             )
+            if o.prompt_logprobs is not None:
+                delta.prompt_logprobs = o.prompt_logprobs
+                delta.prompt_token_ids = o.prompt_token_ids
             entry[1] = offset + len(token_ids)
             if o.finish_reason is not None:
                 del live[rid]

@@ -77,6 +77,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def version(request: web.Request) -> web.Response:
+    from voltserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
+async def ping(request: web.Request) -> web.Response:
+    """vLLM's liveness probe: the same answer as /health."""
+    return await health(request)
+
+
 async def models(request: web.Request) -> web.Response:
     gw: GatewayState = request.app["gw"]
     data = [
@@ -184,5 +195,8 @@ def build_app(gw: GatewayState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", ping)
+    app.router.add_post("/ping", ping)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     return app

@@ -31,11 +31,22 @@ class TokenInfo:
 
 
 @dataclass
+class PromptInfo:
+    """The prompt as the engine saw it, with its logprobs (prompt_logprobs / echo)."""
+
+    token_ids: list[int]
+    # One per prompt token; the first is None (no context). logprob None: not computed.
+    logprobs: list[TokenInfo | None]
+    ranks: list[int | None]
+
+
+@dataclass
 class ChoiceUpdate:
     index: int
     text: str
     logprobs: list[TokenInfo] | None  # one per new token, when logprobs were asked for
     finish_reason: str | None
+    prompt: PromptInfo | None = None  # on the first update, when prompt logprobs were asked
 
 
 @dataclass
@@ -142,6 +153,7 @@ class Generation:
                 else:
                     prev.text += u.text
                     prev.finish_reason = u.finish_reason
+                    prev.prompt = prev.prompt or u.prompt
             for u in out:
                 yield u
                 if u.finish_reason is not None:
@@ -165,9 +177,20 @@ class Generation:
             self.num_cached_tokens = d.num_cached_tokens
         st.timer.num_prompt_tokens = self.num_prompt_tokens
         st.timer.on_tokens(len(d.token_ids))
-        st.num_tokens += len(d.token_ids)
         finish = d.finish_reason
-        text = st.detok.add(d.token_ids)
+        ids = d.token_ids
+        if self.spec.discard_output:
+            ids = []  # max_tokens 0: the step ran for the prompt's logprobs only
+        elif finish == "stop" and ids and not self.spec.skip_special_tokens:
+            # The stop token itself is not part of the text (it would show once special
+            # tokens are kept, as they are for tool parsers that need them).
+            if (
+                ids[-1] in self.gw.renderer.eos_token_ids
+                or ids[-1] in self.spec.params.stop_token_ids
+            ):
+                ids = ids[:-1]
+        st.num_tokens += len(ids) if self.spec.discard_output else len(d.token_ids)
+        text = st.detok.add(ids)
         if finish is not None:
             text += st.detok.flush()
         text = st.stop.feed(text)
@@ -179,7 +202,9 @@ class Generation:
             text += st.stop.flush()
         if finish is not None:
             st.finished = True
-        return ChoiceUpdate(ev.index, text, self._logprobs(d), finish)
+        prompt = _prompt_info(d) if d.prompt_logprobs is not None else None
+        lp = None if self.spec.discard_output else self._logprobs(d)
+        return ChoiceUpdate(ev.index, text, lp, finish, prompt)
 
     def _logprobs(self, d: Any) -> list[TokenInfo] | None:
         if self.spec.params.logprobs is None or not d.logprobs:
@@ -217,3 +242,18 @@ class Generation:
             for st in self.choices:
                 self._count(st, "abort")
         self.handle = None
+
+
+def _prompt_info(d: Any) -> PromptInfo:
+    ids = list(d.prompt_token_ids or [])
+    infos: list[TokenInfo | None] = []
+    ranks: list[int | None] = []
+    for tok, e in zip(ids, d.prompt_logprobs):
+        if e is None:
+            infos.append(None)
+            ranks.append(None)
+            continue
+        top = [(int(t), float(v)) for t, v in (e.get("top") or [])]
+        infos.append(TokenInfo(tok, float(e["logprob"]), top))
+        ranks.append(int(e["rank"]))
+    return PromptInfo(ids, infos, ranks)

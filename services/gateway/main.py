@@ -14,9 +14,12 @@ from aiohttp import web
 from voltserve.services.gateway.app import build_app
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
+from voltserve.services.gateway.reasoning_parsers import REASONING_PARSERS
 from voltserve.services.gateway.state import GatewayState
+from voltserve.services.gateway.tool_parsers import TOOL_PARSERS
+from voltserve.services.gateway.tools import ChatTooling
 from voltserve.services.renderer.render import Renderer
-from voltserve.shared import streams
+from voltserve.shared import startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -34,14 +37,56 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_tool_flags(p)
     add_log_level_flag(p)
     return p.parse_args(argv)
 
 
+def add_tool_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for tool calling and reasoning output (`voltserve serve` passes them on)."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> into reasoning_content",
+    )
+
+
+def tool_flags_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    if args.tool_call_parser:
+        out += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        out += ["--reasoning-parser", args.reasoning_parser]
+    return out
+
+
 def build_state(args: argparse.Namespace) -> GatewayState:
-    renderer = Renderer(args.model, args.max_model_len)
+    # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
+    with startup.fatal_errors("gateway", also=(OSError,)):
+        renderer = Renderer(args.model, args.max_model_len)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
+    try:
+        tooling = ChatTooling.from_flags(
+            args.enable_auto_tool_choice,
+            args.tool_call_parser,
+            args.reasoning_parser,
+            renderer.tokenizer,
+        )
+    except ValueError as e:
+        raise SystemExit(f"voltserve gateway: {e}") from e
     redis = streams.connect(args.redis_url)
     return GatewayState(
         redis=redis,
@@ -53,6 +98,7 @@ def build_state(args: argparse.Namespace) -> GatewayState:
         api_key=args.api_key,
         metrics=GatewayMetrics(names[0], renderer.max_model_len),
         dispatcher=OutputDispatcher(redis, gateway_id),
+        tooling=tooling,
     )
 
 

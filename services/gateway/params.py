@@ -28,6 +28,13 @@ class GenerationSpec:
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
+    # Completions: the prompt's text (and, with logprobs, its tokens) comes first in the output.
+    echo: bool = False
+    # max_tokens 0 (with echo): the engine runs one step for the prompt's logprobs, the token it
+    # samples is not returned.
+    discard_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    continuous_usage_stats: bool = False
 
 
 def _get(
@@ -134,6 +141,9 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         spec.include_usage = _get(opts, "include_usage", (bool,), False, "stream_options")
+        spec.continuous_usage_stats = _get(
+            opts, "continuous_usage_stats", (bool,), False, "stream_options"
+        )
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -142,13 +152,27 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
         )
     spec.stop = [s for s in stop if s]
     spec.skip_special_tokens = _get(body, "skip_special_tokens", (bool,), True)
+    spec.return_tokens_as_token_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+    plp = _get(body, "prompt_logprobs", (int,), None)
+    if plp is not None:
+        if not 0 <= plp <= MAX_LOGPROBS:
+            raise bad_request(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {plp}", "prompt_logprobs"
+            )
+        p.prompt_logprobs = plp
     return spec
 
 
-def _max_tokens(body: dict, spec: GenerationSpec, names: tuple[str, ...], default: int) -> None:
+def _max_tokens(
+    body: dict, spec: GenerationSpec, names: tuple[str, ...], default: int, allow_zero=False
+) -> None:
     for name in names:
         v = _get(body, name, (int,), None)
         if v is not None:
+            if v == 0 and allow_zero:
+                spec.params.max_tokens, spec.discard_output = 1, True
+                spec.max_tokens_explicit = True
+                return
             if v < 1:
                 raise bad_request(f"{name} must be at least 1, got {v}", name)
             spec.params.max_tokens = v
@@ -195,15 +219,7 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
             f"response_format type {fmt.get('type')!r} is not supported (only 'text')",
             "response_format",
         )
-    tools = _get(body, "tools", (list,), None)
-    if tools:
-        if not all(isinstance(t, dict) for t in tools):
-            raise bad_request("tools must be an array of objects", "tools")
-        # The chat template renders the tools (as in vLLM); nothing parses tool calls back.
-        spec.chat_template_kwargs = {"tools": tools, **(spec.chat_template_kwargs or {})}
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise bad_request("tool_choice may only be 'none' or 'auto'", "tool_choice")
+    # tools, tool_choice and parallel_tool_calls: tools.plan_chat (it needs the server's flags).
     return _validate(spec)
 
 
@@ -240,9 +256,8 @@ def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
             "prompt must be a non-empty string or a non-empty list of integer token ids", "prompt"
         )
     spec.prompt = prompt
-    _max_tokens(body, spec, ("max_tokens",), 16)
-    if _get(body, "echo", (bool,), False):
-        raise bad_request("echo is not supported", "echo")
+    spec.echo = _get(body, "echo", (bool,), False)
+    _max_tokens(body, spec, ("max_tokens",), 16, allow_zero=spec.echo)
     if _get(body, "suffix", (str,), ""):
         raise bad_request("suffix is not supported", "suffix")
     best_of = _get(body, "best_of", (int,), None)
@@ -256,4 +271,7 @@ def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
         if not 0 <= lp <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}", "logprobs")
         spec.params.logprobs = lp
+        if spec.echo and spec.params.prompt_logprobs is None:
+            # The echoed prompt's tokens carry logprobs too (computed in prefill).
+            spec.params.prompt_logprobs = lp
     return _validate(spec)

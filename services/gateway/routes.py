@@ -10,9 +10,11 @@ from aiohttp import web
 from voltserve.services.gateway import sse
 from voltserve.services.gateway.detokenizer import token_text
 from voltserve.services.gateway.errors import APIError, bad_request
-from voltserve.services.gateway.generate import ChoiceUpdate, Generation, TokenInfo
+from voltserve.services.gateway.generate import ChoiceUpdate, Generation, PromptInfo, TokenInfo
 from voltserve.services.gateway.params import GenerationSpec, parse_chat, parse_completion
 from voltserve.services.gateway.state import GatewayState
+from voltserve.services.gateway.token_bytes import token_bytes
+from voltserve.services.gateway.tools import ChatPlan, ChatTooling, plan_chat
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,16 @@ def check_model(gw: GatewayState, body: dict[str, Any]) -> str:
 # ---- logprobs in the two OpenAI shapes ---------------------------------------------------------
 
 
-def chat_logprobs(gw: GatewayState, infos: list[TokenInfo]) -> dict[str, Any]:
+def _label(gw: GatewayState, tok: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+    return f"token_id:{tok}" if as_ids else token_text(gw.tokenizer, tok)
+
+
+def chat_logprobs(gw: GatewayState, infos: list[TokenInfo], as_ids: bool = False) -> dict:
     def entry(tok: int, lp: float) -> dict[str, Any]:
         text = token_text(gw.tokenizer, tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        label = f"token_id:{tok}" if as_ids else text
+        return {"token": label, "logprob": lp, "bytes": token_bytes(gw.tokenizer, tok, text)}
 
     content = []
     for t in infos:
@@ -75,19 +83,53 @@ def chat_logprobs(gw: GatewayState, infos: list[TokenInfo]) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(gw: GatewayState, infos: list[TokenInfo], offset: int) -> dict[str, Any]:
-    tokens, offsets = [], []
+def completion_logprobs(
+    gw: GatewayState, infos: list[TokenInfo | None], offset: int, as_ids: bool = False
+) -> dict[str, Any]:
+    """Completions' logprobs; an entry None (the first echoed prompt token) has no logprob."""
+    tokens, offsets, lps, tops = [], [], [], []
     for t in infos:
-        text = token_text(gw.tokenizer, t.token_id)
-        tokens.append(text)
+        tok = t.token_id if t is not None else None
+        text = token_text(gw.tokenizer, tok) if tok is not None else ""
+        tokens.append(f"token_id:{tok}" if as_ids else text)
         offsets.append(offset)
         offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [t.logprob for t in infos],
-        "top_logprobs": [{token_text(gw.tokenizer, tok): lp for tok, lp in t.top} for t in infos],
-        "text_offset": offsets,
-    }
+        lps.append(t.logprob if t is not None and t.logprob is not None else None)
+        tops.append(
+            {_label(gw, a, as_ids): lp for a, lp in t.top}
+            if t is not None and lps[-1] is not None
+            else None
+        )
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echo_infos(prompt: PromptInfo) -> list[TokenInfo | None]:
+    """Prompt tokens as completion logprob entries (a token without a logprob keeps its id)."""
+    return [
+        info if info is not None else TokenInfo(tok, None, [])  # type: ignore[arg-type]
+        for tok, info in zip(prompt.token_ids, prompt.logprobs)
+    ]
+
+
+def vllm_prompt_logprobs(gw: GatewayState, prompt: PromptInfo, as_ids: bool = False) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then {token_id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top N."""
+    out: list[dict[str, Any] | None] = []
+    for tok, info, rank in zip(prompt.token_ids, prompt.logprobs, prompt.ranks):
+        if info is None:
+            out.append(None)
+            continue
+        d = {
+            str(tok): {
+                "logprob": info.logprob,
+                "rank": rank,
+                "decoded_token": _label(gw, tok, as_ids),
+            }
+        }
+        for r, (t, lp) in enumerate(info.top, start=1):
+            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": _label(gw, t, as_ids)})
+        out.append(d)
+    return out
 
 
 # ---- the two endpoints ---------------------------------------------------------------------
@@ -98,7 +140,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = check_model(gw, body)
     spec = parse_chat(body, gw.renderer.vocab_size, gw.max_model_len)
-    return await _serve(request, gw, spec, model, chat=True)
+    plan = plan_chat(body, spec, gw.tooling or ChatTooling())
+    return await _serve(request, gw, spec, model, chat=True, plan=plan)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -110,62 +153,102 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(
-    request: web.Request, gw: GatewayState, spec: GenerationSpec, model: str, chat: bool
+    request: web.Request,
+    gw: GatewayState,
+    spec: GenerationSpec,
+    model: str,
+    chat: bool,
+    plan: ChatPlan | None = None,
 ) -> web.StreamResponse:
     gen = Generation(gw, spec, "chatcmpl" if chat else "cmpl")
+    plan = plan or ChatPlan()
     try:
         await gen.start()
         if spec.stream:
-            return await _stream(request, gw, gen, model, chat)
-        return await _complete(gw, gen, model, chat)
+            return await _stream(request, gw, gen, model, chat, plan)
+        return await _complete(gw, gen, model, chat, plan)
     finally:
         gen.close()
 
 
-async def _complete(gw: GatewayState, gen: Generation, model: str, chat: bool) -> web.Response:
-    n = gen.spec.n
+def _echo_text(gw: GatewayState, spec: GenerationSpec, prompt: PromptInfo | None) -> str:
+    if isinstance(spec.prompt, str):
+        return spec.prompt
+    ids = prompt.token_ids if prompt is not None else list(spec.prompt or [])
+    return gw.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+async def _complete(
+    gw: GatewayState, gen: Generation, model: str, chat: bool, plan: ChatPlan
+) -> web.Response:
+    spec = gen.spec
+    n = spec.n
+    as_ids = spec.return_tokens_as_token_ids
     texts = [[] for _ in range(n)]
     infos: list[list[TokenInfo]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
+    prompts: list[PromptInfo | None] = [None] * n
     async for u in gen.updates():
         texts[u.index].append(u.text)
         if u.logprobs:
             infos[u.index].extend(u.logprobs)
         if u.finish_reason:
             finish[u.index] = u.finish_reason
-    want_lp = gen.spec.params.logprobs is not None
+        if u.prompt is not None:
+            prompts[u.index] = u.prompt
+    want_lp = spec.params.logprobs is not None
+    want_plp = spec.params.prompt_logprobs is not None
     choices = []
     for i in range(n):
         text = "".join(texts[i])
         if chat:
+            out = plan.output()
+            message = (
+                out.message(text) if not plan.plain else {"role": "assistant", "content": text}
+            )
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": chat_logprobs(gw, infos[i]) if want_lp else None,
-                "finish_reason": finish[i],
+                "message": message,
+                "logprobs": chat_logprobs(gw, infos[i], as_ids) if want_lp else None,
+                "finish_reason": out.finish_reason(finish[i]),
             }
         else:
-            choice = {
-                "index": i,
-                "text": text,
-                "logprobs": completion_logprobs(gw, infos[i], 0) if want_lp else None,
-                "finish_reason": finish[i],
-            }
+            lp = None
+            if spec.echo:
+                text = _echo_text(gw, spec, prompts[i]) + text
+            if want_lp:
+                entries: list[TokenInfo | None] = list(infos[i])
+                if spec.echo and prompts[i] is not None:
+                    entries = _echo_infos(prompts[i]) + entries
+                lp = completion_logprobs(gw, entries, 0, as_ids)
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]}
+            if want_plp:
+                pi = prompts[i]
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(gw, pi, as_ids) if pi else None
         choices.append(choice)
-    return web.json_response(
-        {
-            "id": gen.request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": gen.created,
-            "model": model,
-            "choices": choices,
-            "usage": gen.usage(),
-        }
-    )
+    body: dict[str, Any] = {
+        "id": gen.request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": gen.created,
+        "model": model,
+        "choices": choices,
+        "usage": gen.usage(),
+    }
+    if chat and want_plp:
+        # vLLM puts a chat request's prompt logprobs beside the choices (one prompt for all).
+        body["prompt_logprobs"] = (
+            vllm_prompt_logprobs(gw, prompts[0], as_ids) if prompts[0] is not None else None
+        )
+    return web.json_response(body)
 
 
 async def _stream(
-    request: web.Request, gw: GatewayState, gen: Generation, model: str, chat: bool
+    request: web.Request,
+    gw: GatewayState,
+    gen: Generation,
+    model: str,
+    chat: bool,
+    plan: ChatPlan,
 ) -> web.StreamResponse:
     spec = gen.spec
     updates = gen.updates()
@@ -173,6 +256,9 @@ async def _stream(
     # still gets its proper HTTP status instead of a 200 stream.
     first = await anext(updates)
     resp = await sse.open_stream(request)
+    as_ids = spec.return_tokens_as_token_ids
+    want_plp = spec.params.prompt_logprobs is not None
+    continuous = spec.include_usage and spec.continuous_usage_stats
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         c = {
@@ -183,7 +269,7 @@ async def _stream(
             "choices": choices,
         }
         if spec.include_usage:
-            c["usage"] = None
+            c["usage"] = gen.usage() if continuous else None
         return c
 
     text_offsets = [0] * spec.n
@@ -197,20 +283,58 @@ async def _stream(
         chat,
         spec.include_usage,
     )
+    # The pre-encoded chunk serves plain text deltas; everything else builds its chunk.
+    fast = (not chat or plan.plain) and not (spec.echo or continuous or want_plp)
+    outputs = [plan.output() for _ in range(spec.n)] if chat and not plan.plain else None
+    first_seen = [False] * spec.n
 
-    def choice(u: ChoiceUpdate) -> dict[str, Any] | None:
-        if not u.text and not u.logprobs and u.finish_reason is None:
-            return None
+    def event(u: ChoiceUpdate) -> bytes | None:
+        i = u.index
+        opening = not first_seen[i]
+        first_seen[i] = True
+        final = u.finish_reason is not None
+        extra: dict[str, Any] = {}
         if chat:
-            return {
-                "index": u.index,
-                "delta": {"content": u.text} if u.text else {},
-                "logprobs": chat_logprobs(gw, u.logprobs) if u.logprobs else None,
-                "finish_reason": u.finish_reason,
-            }
-        lp = completion_logprobs(gw, u.logprobs, text_offsets[u.index]) if u.logprobs else None
-        text_offsets[u.index] += len(u.text)
-        return {"index": u.index, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
+            if outputs is not None:
+                delta = outputs[i].feed(u.text, final)
+                finish = outputs[i].finish_reason(u.finish_reason)
+            else:
+                delta, finish = ({"content": u.text} if u.text else {}), u.finish_reason
+            if want_plp and u.prompt is not None:
+                extra["prompt_logprobs"] = vllm_prompt_logprobs(gw, u.prompt, as_ids)
+            if not delta and not u.logprobs and finish is None and not extra:
+                return None
+            c = chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": chat_logprobs(gw, u.logprobs, as_ids) if u.logprobs else None,
+                        "finish_reason": finish,
+                    }
+                ]
+            )
+            c.update(extra)
+            return sse.event(c)
+        text = u.text
+        entries: list[TokenInfo | None] = list(u.logprobs or [])
+        if spec.echo and opening:
+            text = _echo_text(gw, spec, u.prompt) + text
+            if spec.params.logprobs is not None and u.prompt is not None:
+                entries = _echo_infos(u.prompt) + entries
+        lp = completion_logprobs(gw, entries, text_offsets[i], as_ids) if entries else None
+        text_offsets[i] += len(text)
+        ch: dict[str, Any] = {
+            "index": i,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": u.finish_reason,
+        }
+        if want_plp and u.prompt is not None:
+            ch["prompt_logprobs"] = vllm_prompt_logprobs(gw, u.prompt, as_ids)
+        if not text and lp is None and u.finish_reason is None and "prompt_logprobs" not in ch:
+            return None
+        return sse.event(chunk([ch]))
 
     try:
         try:
@@ -228,16 +352,16 @@ async def _stream(
                     await resp.write(sse.event(chunk([r])))
 
             async def send(u: ChoiceUpdate) -> None:
-                if u.logprobs is None:
+                if fast and u.logprobs is None:
                     # The common case, once per request per engine step: no dicts, no JSON encoder.
                     if u.text or u.finish_reason is not None:
                         if not chat:
                             text_offsets[u.index] += len(u.text)
                         await resp.write(template.choice(u.index, u.text, u.finish_reason))
                     return
-                c = choice(u)
-                if c is not None:
-                    await resp.write(sse.event(chunk([c])))
+                e = event(u)
+                if e is not None:
+                    await resp.write(e)
 
             await send(first)
             async for u in updates:

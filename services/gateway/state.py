@@ -28,6 +28,9 @@ class GatewayState:
     # Appends to the render/scheduler streams, batched across requests (a burst of arrivals
     # costs a round trip, not one each). Built from `redis` when not given.
     appender: StreamAppender | None = None
+    # --enable-auto-tool-choice / --tool-call-parser / --reasoning-parser (tools.ChatTooling);
+    # None: no tool parsing, no reasoning split.
+    tooling: Any = None
 
     def __post_init__(self) -> None:
         if self.appender is None:

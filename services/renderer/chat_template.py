@@ -72,7 +72,31 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["content"] = ""
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            m["tool_calls"] = _template_tool_calls(i, m["tool_calls"])
         out.append(m)
+    return out
+
+
+def _template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls with their arguments as objects: OpenAI clients send the
+    arguments as a JSON string, templates (Qwen, Llama, Mistral) write them with tojson, so a
+    string would come out quoted twice (vLLM parses them the same way)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be an array")
+    out = []
+    for j, c in enumerate(calls):
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must be an object with a function")
+        f = dict(c["function"])
+        if isinstance(f.get("arguments"), str):
+            try:
+                f["arguments"] = json.loads(f["arguments"])
+            except ValueError as e:
+                raise ValueError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}"
+                ) from e
+        out.append({**c, "function": f})
     return out
 
 

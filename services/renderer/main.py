@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
-from voltserve.shared import metrics, streams
+from voltserve.shared import metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import RenderRequest
 
@@ -86,7 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    renderer = Renderer(args.model, args.max_model_len)
+    # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
+    with startup.fatal_errors("renderer", also=(OSError,)):
+        renderer = Renderer(args.model, args.max_model_len)
     redis = streams.connect(args.redis_url)
     service = RendererService(redis, renderer)
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"

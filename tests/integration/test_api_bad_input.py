@@ -231,7 +231,8 @@ async def test_ranges(http, vocab: int) -> None:
         (cmp(stop_token_ids=[vocab]), "stop_token_ids"),
         (cmp(stream_options={"include_usage": True}), "stream_options"),
         (cmp(stream=False, stream_options={"include_usage": True}), "stream_options"),
-        (cmp(echo=True), "echo"),
+        (cmp(max_tokens=0), "max_tokens"),  # 0 only with echo (the prompt's logprobs)
+        (cmp(prompt_logprobs=21), "prompt_logprobs"),
         (cmp(suffix="tail"), "suffix"),
         (cmp(best_of=2), "best_of"),
         (chat(top_logprobs=2), "top_logprobs"),
@@ -353,9 +354,10 @@ async def test_chat_unusual_but_valid(http) -> None:
         [{"role": "user", "content": "🦙 ñ 世界 \u200d " + text, "name": "x"}],
     ):
         await greedy(messages)
-    # Tools are rendered by the template; tool_choice none/auto and unknown fields are fine.
+    # Tools are rendered by the template with tool_choice none; unknown fields are fine.
+    # (tool_choice auto needs --enable-auto-tool-choice: tests/integration/test_tools_api.py.)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    await greedy(USER, tools=tools, tool_choice="auto", user="u", metadata={"k": "v"}, store=False)
+    await greedy(USER, tools=tools, tool_choice="none", user="u", metadata={"k": "v"}, store=False)
 
 
 # ---- unusual but valid ----------------------------------------------------------------------

@@ -276,3 +276,24 @@ def test_profile_serving_steps_cpu_smoke(tmp_path):
         range(len(steps))
     )
     assert d["prefill_steps"] + d["decode_only_steps"] + 2 == len(steps)
+
+
+def test_bench_startup_cpu_smoke(tmp_path):
+    # One cold start of a demo model on the CPU: ready, and its phases read back from the log
+    # (the CPU has no kernels to compile or graphs to capture).
+    model = tmp_path / "demo"
+    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    out = tmp_path / "startup.json"
+    _run(
+        ["load_tests/bench_startup.py", "--model-dir", str(model), "--runs", "cold"]
+        + ["--timeout", "300", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+        + ["--", "--device", "cpu", "--num-kv-blocks", "64"],
+        timeout=400,
+    )
+    d = json.loads(out.read_text())
+    (run,) = d["runs"]
+    assert run["kind"] == "cold" and run["ready_s"] > 0 and "error" not in run
+    assert set(run["phases_s"]) == {"loading weights", "sizing the KV cache"}
+    assert run["engine_ready_s"] is not None and run["engine_ready_s"] <= run["ready_s"]
+    assert d["summary"]["cold_ready_s"] == run["ready_s"]
+    assert run["cache_entries"] == 0  # nothing compiled on the CPU
