@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from numba import cuda
 from voltserve.kernels.activation import _silu_mul
+from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
 from voltserve.kernels.vec_io import VEC, dot8, ld8
@@ -36,6 +37,7 @@ U = 4  # gate_up: chunks per lane per step (x 2 rows = 8 loads of 16 bytes in fl
 WARP_ELEMS = 32 * VEC  # elements a warp reads per chunk of one row
 
 
+@cached
 @cuda.jit
 def moe_decode_gate_up_kernel(x, w13, topk_ids, h):
     # x [T, H], w13 [E, 2I, H], topk_ids [T, k] int32, h [T * k, I]
@@ -110,6 +112,7 @@ def _wdot2(a, b, h, wts, t, k, s, col, v0, v1):
     return a + w * dot8(float32(0.0), hv, v0), b + w * dot8(float32(0.0), hv, v1)
 
 
+@cached
 @cuda.jit
 def moe_decode_down_kernel(h, w2, topk_ids, wts, out):
     # h [T * k, I], w2 [E, H, I], topk_ids [T, k] int32, wts [T, k] fp32, out [T, H]; one warp

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from numba import cuda
 from voltserve.kernels.activation import _silu_mul
+from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.moe_routing import moe_align_ref
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.vec_io import VEC, ZERO8, ld8
@@ -63,6 +64,7 @@ def _st8_shared(sh, r, c, v):
     sh[r, c + 7] = v[7]
 
 
+@cached
 @cuda.jit
 def moe_grouped_gate_up_kernel(
     x, w13, order, expert_start, tile_first, tile_expert, top_k, h_sorted
@@ -158,6 +160,7 @@ def moe_grouped_gate_up_kernel(
             )
 
 
+@cached
 @cuda.jit
 def moe_grouped_down_kernel(
     h_sorted, w2, order, expert_start, tile_first, tile_expert, wts_flat, y_pairs

@@ -53,7 +53,10 @@ def moe_align_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order [P] int32: pair ids sorted by expert, expert_start [E + 1] int32,
     tile_first [E] int32, tile_expert [max_tiles] int32), as the module docstring says."""
-    flat = topk_ids.reshape(-1).long()
+    # The router never yields an id outside 0..E-1; the clamp is for the start-up trace
+    # (services/executor/kernel_warmup.py), which records the kernels without running them, so
+    # the ids are then uninitialised memory and an unclamped scatter could fault.
+    flat = topk_ids.reshape(-1).long().clamp_(0, num_experts - 1)
     P, dev = flat.numel(), flat.device
     order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
@@ -83,6 +86,7 @@ def moe_align_ref(
 import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
+from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     NEG_INF,
     block_argmax,
@@ -103,6 +107,7 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 
 
+@cached
 @cuda.jit
 def moe_topk_kernel(logits, weights, ids, renormalize, round_weights):
     # logits [T, E], weights [T, k] fp32, ids [T, k] int32

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from numba import cuda, int32, int64
 from voltserve.kernels.activation import _silu_mul
+from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.moe_grouped import BM, _tile_of
 from voltserve.kernels.moe_routing import moe_align_ref
 from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
@@ -54,6 +55,7 @@ if not SIM:
         abi="c",
     )
 
+    @cached
     @cuda.jit
     def moe_wmma_gate_up_kernel(
         x_flat, w13_flat, expert_start, tile_first, tile_expert, h_sorted, hidden
@@ -100,6 +102,7 @@ if not SIM:
                     round_like(g, h_sorted), round_like(u, h_sorted), h_sorted
                 )
 
+    @cached
     @cuda.jit
     def moe_wmma_down_kernel(
         h_flat, w2_flat, order, expert_start, tile_first, tile_expert, wts_flat, y_pairs, inter
