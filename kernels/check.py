@@ -172,13 +172,17 @@ def check_ptx(ptx: str, cc: tuple[int, int]) -> None:
             raise RuntimeError(f"PTX contains {bad!r}, which SM70 kernels must not use")
 
 
-def compile_all(cc: tuple[int, int], use_ptxas: bool = True) -> list[Result]:
+def compile_all(
+    cc: tuple[int, int], use_ptxas: bool = True, only: tuple[str, ...] = ()
+) -> list[Result]:
     from numba import cuda
     from voltserve.kernels.registry import KERNELS
 
     ptxas = find_ptxas() if use_ptxas else None
     results: list[Result] = []
     for spec in KERNELS:
+        if only and not any(o in spec.name for o in only):
+            continue
         for sig in spec.signatures:
             res = Result(spec.name, sig)
             results.append(res)
@@ -208,6 +212,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument(
         "--no-ptxas", action="store_true", help="skip assembling (report PTX size only)"
     )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated substrings: compile only kernels whose module.attr contains one",
+    )
     args = ap.parse_args(argv)
     try:
         major, minor = (int(x) for x in args.cc.split("."))
@@ -218,7 +227,8 @@ def main(argv: list[str]) -> None:
     _prepare_numba()
     _patch_device_cc(cc)
     t0 = time.perf_counter()
-    results = compile_all(cc, use_ptxas=not args.no_ptxas)
+    only = tuple(o for o in args.only.split(",") if o)
+    results = compile_all(cc, use_ptxas=not args.no_ptxas, only=only)
     failed = [r for r in results if r.error]
     for r in results:
         if r.error:

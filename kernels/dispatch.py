@@ -66,6 +66,9 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
     "moe_topk": (("moe_routing",), "moe_routing", "moe_topk_ref"),
     "moe_experts": (("moe_experts",), "moe_experts", "moe_experts_ref"),
+    # Linears with group-quantized weights (quant_linear.py picks the kernel by row count; the
+    # model calls quant_linear.quant_linear(x, w, bias, ops), which reads impl["quant_linear"]).
+    "quant_linear": (("quant_linear",), "quant_linear", "quant_linear_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
 }
@@ -92,6 +95,7 @@ _OP_ENV: dict[str, str] = {
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
     "moe_topk": "VOLTSERVE_MOE_TOPK",
+    "quant_linear": "VOLTSERVE_QUANT_KERNELS",
 }
 
 # References that never synchronise with the host, so a CUDA graph can capture them.
@@ -103,6 +107,7 @@ _CAPTURABLE_REFS = {
     "gemv",
     "gemv_gate_up",
     "moe_topk",
+    "quant_linear",
 }
 # What a decode step runs inside a captured graph (sampling stays outside).
 DECODE_GRAPH_OPS = (
@@ -159,6 +164,8 @@ class KernelDispatch:
         # and row count: a LinearPlan (services/executor/linear_plan.py) the runner sets before
         # graph capture. None: every linear of <= 8 rows runs ops.gemv, MLPs stay unfused.
         self.linear_plan: Any = None
+        # The dequantize path's reused weight buffer (quant_linear.QuantScratch), made on first use.
+        self.quant_scratch: Any = None
         self._fns: dict[str, Callable] = {}
         use_cuda = self.device.type == "cuda" and not self.force_ref
         for op, (families, ref_mod, ref_name) in _OPS.items():
@@ -207,6 +214,7 @@ class KernelDispatch:
     gemv_qkv_rope: Callable[..., torch.Tensor]
     moe_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]
+    quant_linear: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
 

@@ -302,3 +302,66 @@ KERNELS += [
         ),
     ),
 ]
+
+# quant_gemv.py: fused dequantize-GEMV for group-quantized weights (qgemv_kernel(M, bits, split,
+# kind)); representative instances (each is a large generated body, ~30 s to compile: the int4
+# M = 1 kernel in both dtypes, the others in fp16, what decode runs). Arguments: x [M, K],
+# qweight int32 [N, K * bits / 32] (pair-interleaved codes, quant_pack.py), scales and offsets
+# [N, groups], bias [N] (unused without has_bias), out [M, N] (gate_up: [M, N / 2]), has_bias,
+# group_shift.
+_QGEMV_SIG = (
+    "void({t}[:, :], int32[:, ::1], {t}[:, ::1], {t}[:, ::1], {t}[::1], {t}[:, :], boolean, int64)"
+)
+KERNELS += [KernelSpec("quant_gemv", "qgemv_int4_m1", _both(_QGEMV_SIG))]
+KERNELS += [
+    KernelSpec("quant_gemv", name, (_QGEMV_SIG.format(t="float16"),))
+    for name in (
+        "qgemv_int4_m8",
+        "qgemv_int4_split_m1",
+        "qgemv_int8_m1",
+        "qgemv_gate_up_int4_m1",
+        "qgemv_gate_up_int4_m8",
+    )
+]
+
+# quant_dequant.py: a group-quantized weight into an [N, K] buffer (the prefill path's scratch).
+# Arguments: qweight, scales, offsets, out [N, K], group_shift.
+_DEQUANT_SIG = "void(int32[:, ::1], {t}[:, ::1], {t}[:, ::1], {t}[:, ::1], int64)"
+KERNELS += [
+    KernelSpec("quant_dequant", "dequant_int4_kernel", _both(_DEQUANT_SIG)),
+    KernelSpec("quant_dequant", "dequant_int8_kernel", (_DEQUANT_SIG.format(t="float16"),)),
+]
+
+# quant_gemm_tc.py: the dequantize-in-shared-memory tensor-core GEMM (links wmma_ptx.cu), per
+# tile config from qgemm_kernel(); representative instances (fp16 only). Arguments: flat x,
+# qweight, scales, offsets, bias, out [T, N], flat fp32 split-K partials, has_bias, group_shift,
+# T, K steps per split. Then the split-K reduction: partials, bias, out, has_bias, splits.
+_QGEMM_SIG = (
+    "void(float16[::1], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
+    " float16[:, :], float32[::1], boolean, int64, int64, int64)"
+)
+KERNELS += [
+    KernelSpec("quant_gemm_tc", name, (_QGEMM_SIG,))
+    for name in ("qgemm_int4_m16", "qgemm_int4_m64", "qgemm_int8_m32")
+]
+KERNELS += [
+    KernelSpec(
+        "quant_gemm_tc",
+        "qgemm_reduce_kernel",
+        ("void(float32[::1], float16[::1], float16[:, :], boolean, int64)",),
+    ),
+]
+# The quantized qkv_rope variant (qgemv_kernel(M, bits, kind=QKV_ROPE)): the quant_gemv
+# arguments, then positions [M] int64, the fp32 cos/sin cache, the K and V caches, slots [M]
+# int64, and the q and kv head counts.
+KERNELS += [
+    KernelSpec(
+        "quant_gemv",
+        "qgemv_qkv_rope_int4_m1",
+        (
+            "void(float16[:, :], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
+            " float16[:, :], boolean, int64, int64[::1], float32[:, ::1], float16[:, :, :, ::1],"
+            " float16[:, :, :, ::1], int64[::1], int64, int64)",
+        ),
+    ),
+]

@@ -278,3 +278,72 @@ extern "C" __device__ int vs_moe_tile16x64(float* out, int out_off, const f16_t*
   store_d_row(o + 48, c3, 64);
   return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Group-quantized GEMM (quant_gemm_tc.py): one K step of a warp's WM x WN fragment tile.
+//
+// acc (this lane's WM * WN accumulator fragments, 8 floats each, in a per-thread array) +=
+// a[rows, BK] (f16, row-major, ld lda; the warp's first row at a) * b^T, where b[cols, BK] is
+// the dequantized weight tile (f16, row-major [n][k], ld ldb; the warp's first column at b),
+// i.e. B = b^T read column-major. BK is a multiple of 16.
+template <int WM, int WN, int BK>
+__device__ __forceinline__ void qgemm_step(float* acc, const f16_t* a, int lda, const f16_t* b,
+                                           int ldb) {
+  FragC c[WM][WN];
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) c[i][j].x[e] = acc[(i * WN + j) * 8 + e];
+#pragma unroll
+  for (int kk = 0; kk < BK; kk += 16) {
+    FragAB fa[WM];
+#pragma unroll
+    for (int i = 0; i < WM; ++i) load_a_row(fa[i], a + i * 16 * lda + kk, lda);
+#pragma unroll
+    for (int j = 0; j < WN; ++j) {
+      FragAB fb;
+      load_b_col(fb, b + j * 16 * ldb + kk, ldb);
+#pragma unroll
+      for (int i = 0; i < WM; ++i) mma_rc(c[i][j], fa[i], fb);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[(i * WN + j) * 8 + e] = c[i][j].x[e];
+}
+
+#define VS_QGEMM_BK 64  // BK in quant_gemm_tc.py
+
+extern "C" __device__ int vs_qgemm_step_w22(float* acc, const f16_t* a, int a_off, int lda,
+                                             const f16_t* b, int b_off, int ldb) {
+  qgemm_step<2, 2, VS_QGEMM_BK>(acc, a + a_off, lda, b + b_off, ldb);
+  return 0;
+}
+
+extern "C" __device__ int vs_qgemm_step_w21(float* acc, const f16_t* a, int a_off, int lda,
+                                             const f16_t* b, int b_off, int ldb) {
+  qgemm_step<2, 1, VS_QGEMM_BK>(acc, a + a_off, lda, b + b_off, ldb);
+  return 0;
+}
+
+extern "C" __device__ int vs_qgemm_step_w11(float* acc, const f16_t* a, int a_off, int lda,
+                                             const f16_t* b, int b_off, int ldb) {
+  qgemm_step<1, 1, VS_QGEMM_BK>(acc, a + a_off, lda, b + b_off, ldb);
+  return 0;
+}
+
+// Stores accumulator fragment f (8 floats per lane at acc + 8 f) as a 16 x 16 f32 tile at
+// stage + st_off (row-major, ld ld).
+extern "C" __device__ int vs_qgemm_store_frag(const float* acc, int f, float* stage, int st_off,
+                                               int ld) {
+  FragC c;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) c.x[e] = acc[f * 8 + e];
+  store_d_row(stage + st_off, c, ld);
+  return 0;
+}

@@ -10,7 +10,8 @@
 # batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `moe`: the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped MoE decode benchmark;
-# `gemm`: cuBLAS on the linear shapes; `profile-serving`: the
+# `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
+# quantized-linear kernels' GPU tests and bench_quant_linear; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -132,6 +133,22 @@ for stage in $STAGES; do
     gemm)
       # cuBLAS alone on the Llama-3-8B linear shapes at decode and prefill row counts.
       run bench_gemm $PY load_tests/bench_gemm.py --rows "${GEMM_ROWS:-64,256,8192}" --out "$OUT/bench_gemm.json"
+      ;;
+    quant|quant-tests|quant-bench)
+      # Quantized linears (kernels/quant_*.py). quant-tests: the GPU tests (every path at
+      # Llama-3-8B and Qwen2.5-7B shapes, graphs; numba compiles ~20 kernel variants per
+      # process). quant-bench: int4/int8 against fp16 cuBLAS / GEMV with the copy bandwidth of
+      # the same run (QUANT_ROWS, QUANT_MODELS=llama,qwen, QUANT_TILES=1 adds the GEMV tile
+      # sweep; QUANT_BENCH_ARGS="--no-tc" with VOLTSERVE_QUANT_TC=0 leaves the tensor-core GEMM
+      # out). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot
+      # target Volta).
+      if [ "$stage" != quant-bench ]; then
+        XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
+        run quant_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_quant_linear_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      fi
+      if [ "$stage" != quant-tests ]; then
+        run bench_quant_linear $PY load_tests/bench_quant_linear.py --rows "${QUANT_ROWS:-1,2,4,8,16,64,256,2048,8192}" --models "${QUANT_MODELS:-llama}" $([ "${QUANT_TILES:-0}" = 1 ] && echo --tiles) ${QUANT_BENCH_ARGS:-} --out "$OUT/bench_quant_linear.json"
+      fi
       ;;
     kernels)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"

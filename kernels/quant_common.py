@@ -1,0 +1,142 @@
+"""Device helpers shared by the group-quantized kernels (quant_gemv.py, quant_dequant.py,
+quant_gemm_tc.py): the 16-byte load of packed code words and the code -> fp32 conversion.
+
+Code -> float without an integer-to-float conversion instruction (I2F runs at a quarter of the
+FP32 rate on Volta, and a 4-bit weight stream needs ~15 conversions per clock per SM): a code c
+placed in the top mantissa bits of 1.0f reads as f = 1 + c / 2**bits exactly, so
+
+    w = c * s + o = f * (2**bits * s) + (o - 2**bits * s)
+
+one shift and one AND-OR (LOP3) per code, then one FMA with the group's folded (S, O). The fold
+costs at most two bits of fp32 precision (|f * S| <= 2 * |S|), far below the fp16 rounding of the
+reference's dequantized weight. `fold(s, o, bits)` makes (S, O); `code_f(u, p, bits)` is f for the
+code at bit p of word u.
+
+In the CUDA simulator both are plain Python on ints.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+from voltserve.kernels.numba_common import SIM
+
+# Bit of the fp32 mantissa where a code's lowest bit goes: codes fill the top `bits` bits.
+MANT_POS = {4: 19, 8: 15}
+ONE_BITS = 0x3F800000
+
+if SIM:
+
+    def ld_w4(arr, idx):
+        """arr[r, c:c+4] of an int32 array as four uint32 (Python ints)."""
+        r, c = idx
+        return tuple(int(arr[r, c + j]) & 0xFFFFFFFF for j in range(4))
+
+    def st_h8(arr, i, vals):
+        for e in range(8):
+            arr[i + e] = vals[e]
+
+    def bits_f32(t):
+        return np.array([int(t) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def ld_w4(typingctx, arr, idx):
+        """arr[r, c:c+4] (int32, 2-D, c a multiple of 4, 16-byte aligned rows) as four uint32,
+        one 16-byte global load."""
+        if not (
+            isinstance(arr, types.Array)
+            and arr.dtype == types.int32
+            and arr.ndim == 2
+            and isinstance(idx, types.BaseTuple)
+            and len(idx) == 2
+            and all(isinstance(t, types.Integer) for t in idx)
+        ):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty = signature.args
+            ary = context.make_array(arr_ty)(context, builder, value=args[0])
+            inds = [
+                context.cast(builder, builder.extract_value(args[1], k), idx_ty[k], types.intp)
+                for k in range(2)
+            ]
+            ptr = cgutils.get_item_pointer(context, builder, arr_ty, ary, inds, wraparound=False)
+            vty = ir.VectorType(ir.IntType(32), 4)
+            vp = builder.addrspacecast(builder.bitcast(ptr, vty.as_pointer()), vty.as_pointer(1))
+            raw = builder.load(vp, align=16)
+            words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def st_h8(typingctx, arr, idx, vals):
+        """arr[idx:idx+8] = vals (8 float32 rounded to fp16) as one 16-byte store through a
+        generic pointer (shared memory tiles; idx a multiple of 8, base 16-byte aligned)."""
+        if not (
+            isinstance(arr, types.Array)
+            and arr.dtype == types.float16
+            and arr.ndim == 1
+            and isinstance(idx, types.Integer)
+            and isinstance(vals, types.BaseTuple)
+            and len(vals) == 8
+            and all(t == types.float32 for t in vals)
+        ):
+            return None
+        sig = types.void(arr, idx, vals)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty, _ = signature.args
+            ary = context.make_array(arr_ty)(context, builder, value=args[0])
+            i64 = context.cast(builder, args[1], idx_ty, types.int64)
+            ptr = builder.gep(ary.data, [i64])
+            i32 = ir.IntType(32)
+            hvec = ir.Constant(ir.VectorType(ir.HalfType(), 8), ir.Undefined)
+            for j in range(8):
+                h = builder.fptrunc(builder.extract_value(args[2], j), ir.HalfType())
+                hvec = builder.insert_element(hvec, h, ir.Constant(i32, j))
+            vp = builder.bitcast(ptr, ir.VectorType(i32, 4).as_pointer())
+            builder.store(builder.bitcast(hvec, ir.VectorType(i32, 4)), vp, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def bits_f32(t):
+        return cuda.libdevice.int_as_float(int32(t))
+
+
+ZERO_W4 = (uint32(0), uint32(0), uint32(0), uint32(0))
+
+
+def code_f_expr(u: str, p: int, bits: int) -> str:
+    """Source of f = 1 + c / 2**bits for the code at bit p of word `u` (generated kernels)."""
+    pos = MANT_POS[bits]
+    mask = ((1 << bits) - 1) << pos
+    if p <= pos:
+        moved = f"({u} << {pos - p})" if p < pos else u
+    else:
+        moved = f"({u} >> {p - pos})"
+    return f"bits_f32(({moved} & {mask:#x}) | {ONE_BITS:#x})"
+
+
+@cuda.jit(device=True, inline="always")
+def fold(s, o, scale_mul):
+    """(S, O) with c * s + o == f * S + O for f = 1 + c / scale_mul (scale_mul = 2**bits)."""
+    S = float32(s) * float32(scale_mul)
+    return S, float32(o) - S
+
+
+def code_bit(e: int, bits: int) -> int:
+    """Bit position of code e of a word in the pair-interleaved order (quant_pack.py)."""
+    return 16 * (e & 1) + bits * (e >> 1)
+
+
+__all__ = ["ld_w4", "st_h8", "bits_f32", "code_f_expr", "fold", "code_bit", "ZERO_W4", "MANT_POS"]

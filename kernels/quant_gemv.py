@@ -1,0 +1,549 @@
+"""Fused dequantize-GEMV for group-quantized weights (decode, 1..8 rows):
+y[M, N] = x[M, K] @ dequantize(w)^T (+ bias), reference `quant_linear_ref` (quant_linear.py).
+
+At decode a linear is a pure weight stream, and with 4-bit codes the stream is a quarter of the
+fp16 one, so the kernel must read code words at the bandwidth floor while doing ~4 instructions
+per weight. It follows gemv.py's structure:
+
+- one warp owns R consecutive output rows for all M inputs; each lane reads 16 bytes of a row
+  per chunk (4 code words: 32 int4 or 16 int8 codes), U chunks per step, and issues all R * U
+  16-byte loads of a step, with the (scale, offset) of each, before the first multiply;
+- codes become fp32 with a shift and a LOP3 each (quant_common.py: no I2F), one FMA with the
+  group's folded (S, O) dequantises, one FMA per input row accumulates in fp32; x is read next
+  to its use in 16-byte loads (a few KB: L1/L2 hits after the first warp), each load serving the
+  warp's R rows;
+- lane partial sums are reduced with warp shuffles; lane i writes output i with one rounding.
+
+Groups: a 16-byte chunk of codes starts at a multiple of 32 (int4) / 16 (int8) inputs, so for
+group sizes >= 32 (int4) / >= 16 (int8) it lies in one group: one (scale, offset) per chunk per
+row. int4 with group 16 (GGUF K-quant sub-blocks) is the SPLIT variant: words 0-1 and 2-3 of a
+chunk take consecutive groups. Per-channel weights (g = K) have group_shift 30: every k maps to
+group 0.
+
+The gate_up variant (kind GATE_UP) owns gate rows j.. and up rows I + j.. in one warp and writes
+silu_and_mul's h[m, j], rounded as the unfused path rounds (the product to the storage dtype,
+silu, then the product), like gemv.py's.
+
+Requirements (checked on the host by `supports`, otherwise quant_linear takes another path):
+K a multiple of 32 (int4) / 16 (int8) so chunks are whole 16-byte words; qweight, x and out
+16-byte aligned with unit last stride. Every chunk load is guarded (zeros past K: one body for
+full and partial steps); a partial last group of rows re-reads row N - 1 and does not write it.
+
+M, R, U, bits and SPLIT are compile-time constants of a generated kernel (one per combination,
+built on first use), so accumulators and in-flight words stay in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cuda, uint32
+from voltserve.kernels.activation import _silu_mul
+from voltserve.kernels.gemv import _warp_sum
+from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
+from voltserve.kernels.quant_common import ZERO_W4, bits_f32, code_bit, code_f_expr, fold, ld_w4
+from voltserve.kernels.quant_pack import GroupQuantWeight
+from voltserve.kernels.rotary import _rot1
+from voltserve.kernels.vec_io import ZERO8, ld8
+
+MAX_M = 8
+WARPS = 4
+THREADS = 32 * WARPS
+WORDS_PER_CHUNK = 4  # 16 bytes
+WARP_WORDS = 32 * WORDS_PER_CHUNK  # code words a warp reads per chunk (128)
+VARIANTS = (1, 2, 4, 8)
+PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"
+
+
+def variant_for(m: int) -> int:
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"quantized gemv kernels cover M = 1..{MAX_M}, got {m}")
+    return next(v for v in VARIANTS if v >= m)
+
+
+def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
+    """(R rows per warp, U chunks per lane per step): R * U 16-byte loads in flight per lane.
+
+    Why R = 4 for int4: every x element a lane reads is widened fp16 -> fp32 once per row it
+    meets, and a chunk of 32 codes needs 32 of them; conversions run at a quarter of the FP32
+    rate on Volta, so at R = 1 they, not the weight stream, would bound the kernel. Four rows
+    per warp share each converted x value (8 conversions per chunk and row) and cut x's L1
+    traffic per weight byte to M bytes. The generated body (R * U * 32 * M multiply-adds) stays
+    small enough to compile. M = 8 takes R = 2: its 8 x 4 accumulators and 4 x 8 dequantised
+    weights did not fit 255 registers at R = 4. At R = 4 a 4096-row weight is only 1024 warps
+    (~8 per SM): int4 at M <= 2 keeps two chunks per row in flight (U = 2, 128 bytes a lane) so
+    that enough of the stream is in flight. gate_up: R = 4 is two (gate j, up I + j) pairs, and
+    its 14336 columns make warps plentiful."""
+    if kind == QKV_ROPE:
+        return (2, 2)  # the rotary pair (dims j and j + D/2 of one head)
+    if m == 8:
+        return (2, 2)  # R = 4 at M = 8 needs more than 255 registers (spills)
+    if bits == 4:
+        return (4, 1) if kind == GATE_UP or m == 4 else (4, 2)
+    return (4, 1) if m == 4 else (2, 2)
+
+
+@cuda.jit(device=True, inline="always")
+def _ldw_guard(qw, row, col, W):
+    if col < W:
+        return ld_w4(qw, (row, col))
+    return ZERO_W4
+
+
+@cuda.jit(device=True, inline="always")
+def _ldx_guard(x, row, col, K):
+    if col < K:
+        return ld8(x, (row, col))
+    return ZERO8
+
+
+def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
+    """One kernel, written out statement by statement (see gemv._source for why)."""
+    gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
+    P = 32 // bits  # codes per word
+    acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
+    step = U * WARP_WORDS  # words per step
+    args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
+    if rope:
+        args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
+    L = [
+        f"def kernel({args}):",
+        "    lane = cuda.threadIdx.x & 31",
+        "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
+        "    K = x.shape[1]",
+        "    W = qw.shape[1]",
+        "    G = scales.shape[1]",
+    ]
+    if gate_up:
+        Q = R // 2  # output columns per warp: gate rows row0 + q, up rows N + row0 + q
+        L += [
+            "    N = qw.shape[0] >> 1",
+            f"    row0 = warp * {Q}",
+            "    if row0 >= N:",
+            "        return",
+        ]
+        for q in range(Q):
+            L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
+    elif rope:
+        L += [
+            "    D = k_cache.shape[3]",
+            "    half = D >> 1",
+            "    if warp >= qw.shape[0] >> 1:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+            "    head = warp // half",
+            "    j = warp - head * half",
+            "    rw0 = head * D + j",
+            "    rw1 = rw0 + half",
+        ]
+    else:
+        L += [
+            "    N = qw.shape[0]",
+            f"    row0 = warp * {R}",
+            "    if row0 >= N:",
+            "        return  # the whole warp leaves together: the shuffles stay full-mask",
+        ]
+        L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
+    L.append("    Mx = x.shape[0]")
+    L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
+    L += [f"    {a} = float32(0.0)" for a in acc]
+    L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
+
+    def body(ind: str, guarded: bool = True) -> list[str]:
+        out = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
+        # Group of each chunk (and of its second half for SPLIT), clamped for guarded chunks.
+        for j in range(U):
+            out.append(f"{ind}g{j} = min((c{j} * {P}) >> gshift, G - 1)")
+            if split:
+                out.append(f"{ind}h{j} = min(((c{j} + 2) * {P}) >> gshift, G - 1)")
+        # Every load of the step before the first use: code words, then scales and offsets.
+        for r in range(R):
+            for j in range(U):
+                if guarded:
+                    out.append(f"{ind}q{r}_{j} = _ldw_guard(qw, rw{r}, c{j}, W)")
+                else:
+                    out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
+        for r in range(R):
+            for j in range(U):
+                out.append(f"{ind}s{r}_{j} = scales[rw{r}, g{j}]")
+                out.append(f"{ind}o{r}_{j} = offsets[rw{r}, g{j}]")
+                if split:
+                    out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
+                    out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
+        for j in range(U):
+            for r in range(R):
+                out.append(f"{ind}S{r}, O{r} = fold(s{r}_{j}, o{r}_{j}, {1 << bits})")
+                if split:
+                    out.append(f"{ind}T{r}, Q{r} = fold(t{r}_{j}, p{r}_{j}, {1 << bits})")
+            # 8 inputs per x load: one word of int4 codes, two words of int8.
+            n_x = WORDS_PER_CHUNK * P // 8
+            for t in range(n_x):
+                col = f"(c{j} + {t * 8 // P}) * {P}"
+                # The R x 8 weights these inputs meet, dequantised once; then each input row
+                # (one x load) against all of them: few values live at once for any M.
+                for e in range(8):
+                    word = t * 8 // P + e // P  # word of the chunk holding input e
+                    p = code_bit(e % P, bits)
+                    sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
+                    for r in range(R):
+                        f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
+                        out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+                for m in range(M):
+                    xm = f"xm{m}" if m else "0"
+                    if guarded:
+                        out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                    else:
+                        out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                    for e in range(8):
+                        for r in range(R):
+                            out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
+        return out
+
+    # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
+    L.append("    while w0 < W:")
+    L += body("        ")
+    L.append(f"        w0 += {step}")
+    if gate_up:
+        # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            for q in range(Q):
+                L += [
+                    f"    ta = _warp_sum(a{m}_{2 * q})",
+                    f"    tb = _warp_sum(a{m}_{2 * q + 1})",
+                    f"    if lane == {m * Q + q}:",
+                    "        a = ta",
+                    "        b = tb",
+                ]
+        L += [
+            f"    if lane < {M * Q}:",
+            f"        col = row0 + lane % {Q}",
+            f"        if col < N and lane // {Q} < Mx:",
+            "            if has_bias:",
+            "                a += float32(bias[col])",
+            "                b += float32(bias[col + N])",
+            "            # As the linear stores gate and up, then as silu_and_mul rounds h.",
+            f"            out[lane // {Q}, col] = _silu_mul(round_like(a, out), round_like(b, out), out)",
+        ]
+        return "\n".join(L) + "\n"
+    if rope:
+        # Lane m keeps input m's pair, rounded as the linear stores q/k/v, then rotated as
+        # rotary.py rotates and written to out and (k, v) to the cache (gemv_qkv_rope.py).
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            L += [
+                f"    ta = _warp_sum(a{m}_0)",
+                f"    tb = _warp_sum(a{m}_1)",
+                f"    if lane == {m}:",
+                "        a = ta",
+                "        b = tb",
+            ]
+        L += [
+            f"    if lane < {M} and lane < Mx:",
+            "        if has_bias:",
+            "            a += float32(bias[rw0])",
+            "            b += float32(bias[rw1])",
+            "        a = round_like(a, out)",
+            "        b = round_like(b, out)",
+            "        if head < n_q + n_kv:",
+            "            pos = positions[lane]",
+            "            c = round_like(cos_sin[pos, j], out)",
+            "            s = round_like(cos_sin[pos, half + j], out)",
+            "            a, b = _rot1(a, b, c, s, out)",
+            "        out[lane, rw0] = a",
+            "        out[lane, rw1] = b",
+            "        slot = slots[lane]",
+            "        if head >= n_q and slot >= 0:",
+            "            bs = k_cache.shape[2]",
+            "            blk = slot // bs",
+            "            off = slot - blk * bs",
+            "            if head < n_q + n_kv:",
+            "                k_cache[blk, head - n_q, off, j] = a",
+            "                k_cache[blk, head - n_q, off, j + half] = b",
+            "            else:",
+            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
+            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
+        ]
+        return "\n".join(L) + "\n"
+    L.append("    mine = float32(0.0)")
+    for i, a in enumerate(acc):
+        L += [f"    t = _warp_sum({a})", f"    if lane == {i}:", "        mine = t"]
+    L += [
+        f"    if lane < {M * R}:",
+        f"        row = row0 + lane % {R}",
+        f"        if row < N and lane // {R} < Mx:",
+        "            if has_bias:",
+        "                mine += float32(bias[row])",
+        f"            out[lane // {R}, row] = mine",
+    ]
+    return "\n".join(L) + "\n"
+
+
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
+    scope = {
+        "cuda": cuda,
+        "float32": float32,
+        "uint32": uint32,
+        "ld8": ld8,
+        "ld_w4": ld_w4,
+        "_ldw_guard": _ldw_guard,
+        "_ldx_guard": _ldx_guard,
+        "bits_f32": bits_f32,
+        "fold": fold,
+        "_warp_sum": _warp_sum,
+        "_silu_mul": _silu_mul,
+        "round_like": round_like,
+        "_rot1": _rot1,
+    }
+    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split}>"
+    exec(compile(_source(M, R, U, bits, split, kind), name, "exec"), scope)  # noqa: S102
+    return cuda.jit(scope["kernel"])
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None):
+    """The kernel serving M = m inputs (the next variant's), built once per configuration.
+    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R)."""
+    v = variant_for(m)
+    R, U = tile if tile is not None else tile_for(v, bits, kind)
+    if kind == GATE_UP and R % 2:
+        raise ValueError("the gate_up kernel pairs rows: R must be even")
+    if kind == QKV_ROPE and R != 2:
+        raise ValueError("the qkv_rope kernel owns one rotary pair per warp: R must be 2")
+    if split and bits != 4:
+        raise ValueError("the SPLIT variant is for int4 codes with group 16")
+    key = (v, R, U, bits, split, kind)
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = _build(v, R, U, bits, split, kind)
+    return k
+
+
+def is_split(w: GroupQuantWeight) -> bool:
+    """True when a 16-byte chunk of w's codes spans two groups (int4, group 16)."""
+    return w.bits == 4 and w.group_shift == 4
+
+
+def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
+    """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs."""
+    R, _ = tile if tile is not None else tile_for(variant_for(m), bits, kind)
+    rows_per_block = WARPS * (R if kind == PLAIN else R // 2 if kind == GATE_UP else 1)
+    return (n + rows_per_block - 1) // rows_per_block
+
+
+# Representative instances for `voltserve check-kernels` (kernels/registry.py).
+qgemv_int4_m1 = qgemv_kernel(1, 4)
+qgemv_int4_m8 = qgemv_kernel(8, 4)
+qgemv_int4_split_m1 = qgemv_kernel(1, 4, split=True)
+qgemv_int8_m1 = qgemv_kernel(1, 8)
+qgemv_gate_up_int4_m1 = qgemv_kernel(1, 4, kind=GATE_UP)
+qgemv_gate_up_int4_m8 = qgemv_kernel(8, 4, kind=GATE_UP)
+qgemv_qkv_rope_int4_m1 = qgemv_kernel(1, 4, kind=QKV_ROPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+DTYPES = (torch.float16, torch.float32)
+
+
+def _aligned(t: torch.Tensor, elems: int) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1])
+
+
+def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
+    """True when the kernel covers w (else quant_linear takes another path)."""
+    P = 32 // w.bits
+    return (
+        w.qweight.is_cuda
+        and dtype in DTYPES
+        and w.scales.dtype == dtype
+        and w.in_features % (WORDS_PER_CHUNK * P) == 0
+        and w.qweight.is_contiguous()
+        and w.scales.is_contiguous()
+        and w.offsets.is_contiguous()
+        and _aligned(w.qweight, 4)
+    )
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x, or a fresh contiguous copy when its rows are not 16-byte aligned (a view at an odd
+    offset or stride): a few KB at decode, cheaper than any fallback."""
+    if x.is_cuda and x.dim() == 2 and (x.stride(-1) != 1 or not _aligned(x, 8)):
+        return x.contiguous() if not x.is_contiguous() else x.clone()
+    return x
+
+
+def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_M
+        and x.shape[1] == w.in_features
+        and x.stride(-1) == 1
+        and _aligned(x, 8)
+        and supports_weight(w, x.dtype)
+    )
+
+
+def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=()):
+    """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
+    extra: qkv_rope's arguments after group_shift, already converted."""
+    M, rows = x.shape[0], w.out_features
+    if out is None:
+        cols = rows // 2 if kind == GATE_UP else rows
+        out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else w.scales.view(-1)  # any 1-D array of the dtype; unread
+    launch(
+        qgemv_kernel(M, w.bits, is_split(w), kind, tile),
+        grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile),
+        THREADS,
+        (
+            dev(x),
+            dev(w.qweight),
+            dev(w.scales),
+            dev(w.offsets),
+            dev(b),
+            dev(out),
+            has_bias,
+            w.group_shift,
+            *extra,
+        ),
+        current_stream(),
+    )
+    return out
+
+
+def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> torch.Tensor:
+    """quant_linear_ref's meaning for x of 1..8 rows (already permuted by the caller); what
+    `supports` rejects goes to the reference. No host sync: graph-capturable."""
+    x = _aligned_rows(x)
+    if not supports(x, w):
+        from voltserve.kernels.quant_pack import dequantize
+
+        y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+        return y if out is None else out.copy_(y)
+    return launch_qgemv(x, w, bias, out, PLAIN, tile)
+
+
+def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None):
+    """silu_and_mul(x @ dequantize(w)^T (+ bias)) for a merged gate_up weight [2I, K] and x of
+    1..8 rows (already permuted); one launch."""
+    x = _aligned_rows(x)
+    if w.out_features % 2 or not supports(x, w):
+        from voltserve.kernels.activation import silu_and_mul_ref
+        from voltserve.kernels.quant_pack import dequantize
+
+        y = silu_and_mul_ref(torch.nn.functional.linear(x, dequantize(w, x.dtype), bias))
+        return y if out is None else out.copy_(y)
+    return launch_qgemv(x, w, bias, out, GATE_UP, tile)
+
+
+def quant_qkv_rope_ref(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """gemv_qkv_rope_ref's meaning with a quantized qkv weight: quant_linear_ref, then NeoX
+    rotary on q and k and the KV-cache write (rotary_cache.rotary_and_cache_ref); x already
+    permuted. Returns qkv [M, N]."""
+    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.rotary_cache import rotary_and_cache_ref
+
+    y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+    out = y if out is None else out.copy_(y)
+    D = k_cache.shape[3]
+    q, k, v = out.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    rotary_and_cache_ref(positions, q, k, v, D, cos_sin_cache, True, k_cache, v_cache, slot_mapping)
+    return out
+
+
+def supports_qkv_rope(
+    x,
+    w: GroupQuantWeight,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+) -> bool:
+    """When the fused kernel computes this step (the checks of gemv_qkv_rope.supports_qkv_rope
+    with a quantized weight)."""
+    M = x.shape[0] if x.dim() == 2 else 0
+    return (
+        supports(x, w)
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[1] == n_kv
+        and k_cache.shape[3] % 2 == 0
+        and w.out_features == (n_q + 2 * n_kv) * k_cache.shape[3]
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[1] == k_cache.shape[3]
+        and cos_sin_cache.dtype == torch.float32
+        and k_cache.dtype == x.dtype
+        and v_cache.dtype == x.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and positions.dtype == torch.int64
+        and slot_mapping.dtype == torch.int64
+        and positions.dim() == 1
+        and slot_mapping.dim() == 1
+        and positions.shape[0] >= M
+        and slot_mapping.shape[0] >= M
+    )
+
+
+def quant_qkv_rope_cuda(
+    x,
+    w: GroupQuantWeight,
+    bias,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    n_q: int,
+    n_kv: int,
+    out=None,
+) -> torch.Tensor:
+    """quant_qkv_rope_ref's meaning in one launch (x of 1..8 rows, already permuted); what
+    `supports_qkv_rope` rejects runs the reference. No host sync."""
+    x = _aligned_rows(x)
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+    if not supports_qkv_rope(x, w, *args):
+        return quant_qkv_rope_ref(x, w, bias, *args, out=out)
+    extra = (
+        dev(positions),
+        dev(cos_sin_cache),
+        dev(k_cache),
+        dev(v_cache),
+        dev(slot_mapping),
+        int(n_q),
+        int(n_kv),
+    )
+    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra)
+
+
+__all__ = [
+    "quant_qkv_rope_ref",
+    "quant_qkv_rope_cuda",
+    "supports_qkv_rope",
+    "qgemv_kernel",
+    "tile_for",
+    "grid_for",
+    "supports",
+    "supports_weight",
+    "quant_gemv_cuda",
+    "quant_gemv_gate_up_cuda",
+]

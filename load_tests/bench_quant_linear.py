@@ -1,0 +1,308 @@
+"""Quantized linears against fp16 on the GPU: per shape and row count, the time of fp16 cuBLAS
+(F.linear), the fp16 GEMV kernel (ops.gemv, rows <= 8) and the int4 / int8 paths of
+kernels/quant_linear.py (auto = the path quant_linear picks; gemv / tc / dequant each forced),
+with the HBM copy bandwidth measured in the same run and each GEMV's fraction of its weight-read
+floor (packed codes + scales + offsets over the copy bandwidth).
+
+Shapes: Llama-3-8B (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and
+Qwen2.5-7B (3584->4608, 3584->3584, 3584->37888, 18944->3584). gate_up is also timed fused with
+its SiLU (quant_gate_up_silu vs ops.gemv_gate_up) at decode rows. The summary adds one Llama-3-8B
+decoder step's linears (32 layers, gate_up fused where the path fuses, the fp16 lm_head via
+cuBLAS or GEMV, whichever is faster) per row count: int4 vs fp16 time and the batch-1 ratio of
+tokens/s of the linears alone (an upper bound on the end-to-end ratio, which adds attention,
+norms and sampling).
+
+Every point: CUDA-graph replays of the call over weight copies that together exceed L2 (so each
+call streams from HBM), timed with events, median of 7.
+
+    python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
+        [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at rows 1..8)
+"""
+
+# Every lambda below is timed (called) before its loop variables change:
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from load_tests.bench_attention import time_graph  # noqa: E402
+from load_tests.common import env_info, measure_copy_bandwidth, write_json  # noqa: E402
+
+MODELS = {
+    "llama": (
+        ("qkv", 4096, 6144),
+        ("o", 4096, 4096),
+        ("gate_up", 4096, 28672),
+        ("down", 14336, 4096),
+    ),
+    "qwen": (
+        ("qkv", 3584, 4608),
+        ("o", 3584, 3584),
+        ("gate_up", 3584, 37888),
+        ("down", 18944, 3584),
+    ),
+}
+LLAMA_LAYERS, LLAMA_VOCAB = 32, 128256
+L2_BYTES = 64 << 20
+FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
+
+
+def make_weight(K, N, bits, g, gen):
+    from voltserve.kernels.quant_pack import pack_group_quant
+
+    codes = torch.randint(0, 2**bits, (N, K), generator=gen, device="cuda", dtype=torch.uint8)
+    s = (torch.rand(N, K // g, generator=gen, device="cuda") + 0.5) * (0.04 / 2**bits)
+    return pack_group_quant(codes, s, -s * 2 ** (bits - 1), bits, g, torch.float16)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(8, -(-2 * L2_BYTES // nbytes)))
+
+
+def timed(fn_of_weight, weights, reps: int = 4) -> float:
+    """Median seconds per call, cycling over the weight copies inside one graph."""
+    it = itertools.cycle(weights)
+    return time_graph(lambda: fn_of_weight(next(it)), iters=len(weights) * reps, repeats=7)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,2048,8192")
+    ap.add_argument("--models", default="llama,qwen")
+    ap.add_argument("--formats", default="int4_g128,int8_g32")
+    ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at 1 row")
+    ap.add_argument(
+        "--no-tc",
+        action="store_true",
+        help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC=0: not at all)",
+    )
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_quant_linear.py needs a CUDA device")
+    from voltserve.kernels.dispatch import KernelDispatch
+    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+    from voltserve.kernels.quant_gemv import quant_gemv_cuda
+    from voltserve.kernels.quant_linear import (
+        quant_gate_up_silu,
+        quant_linear,
+        quant_path,
+        reserve_scratch,
+    )
+
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True  # torch's default
+    ops = KernelDispatch("cuda", torch.float16, force_ref=False)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    copy = measure_copy_bandwidth("cuda")
+    bw = copy["bandwidth_GBps"] * 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results: list[dict] = []
+    max_numel = max(k * n for m in MODELS.values() for _, k, n in m)
+    reserve_scratch(ops, max_numel)
+
+    def record(**row):
+        results.append(row)
+        frac = f" ({row['of_floor']:.2f} of floor)" if row.get("of_floor") is not None else ""
+        print(
+            f"{row['model']:>5} {row['op']:>8} rows {row['rows']:>5} {row['impl']:>22}: "
+            f"{row['time_us']:9.1f} us{frac}",
+            flush=True,
+        )
+
+    env = env_info("cuda")  # before any kernel runs: a fault would make it fail
+    error = None
+    try:
+        for model in args.models.split(","):
+            for op, K, N in MODELS[model]:
+                w16 = [
+                    torch.randn(N, K, generator=gen, device="cuda", dtype=torch.float16) * 0.02
+                    for _ in range(copies_for(N * K * 2))
+                ]
+                qws = {
+                    name: [
+                        make_weight(K, N, *FORMATS[name], gen)
+                        for _ in range(copies_for(N * K * FORMATS[name][0] // 8))
+                    ]
+                    for name in args.formats.split(",")
+                }
+                for rows in rows_list:
+                    x = torch.randn(rows, K, generator=gen, device="cuda", dtype=torch.float16)
+                    out = torch.empty(rows, N, device="cuda", dtype=torch.float16)
+                    base = dict(model=model, op=op, in_features=K, out_features=N, rows=rows)
+                    fp16_floor = N * K * 2 / bw
+                    t = timed(lambda w: torch.matmul(x, w.t(), out=out), w16)
+                    record(**base, impl="fp16_cublas", time_us=t * 1e6, of_floor=fp16_floor / t)
+                    if rows <= 8:
+                        t = timed(lambda w: ops.gemv(x, w, None, out), w16)
+                        record(**base, impl="fp16_gemv", time_us=t * 1e6, of_floor=fp16_floor / t)
+                        if op == "gate_up":
+                            t = timed(lambda w: ops.gemv_gate_up(x, w), w16)
+                            record(
+                                **base,
+                                impl="fp16_gemv_gate_up",
+                                time_us=t * 1e6,
+                                of_floor=fp16_floor / t,
+                            )
+                    for name, ws in qws.items():
+                        q = ws[0]
+                        floor = q.nbytes() / bw
+                        auto = quant_path(rows, torch.float16, q)
+                        t = timed(lambda w: quant_linear(x, w, None, ops, out=out), ws)
+                        record(
+                            **base,
+                            impl=f"{name}_auto[{auto}]",
+                            time_us=t * 1e6,
+                            of_floor=floor / t,
+                            floor_us=floor * 1e6,
+                        )
+                        if rows <= 8:
+                            if auto != "gemv":
+                                t = timed(lambda w: quant_gemv_cuda(x, w, None, out), ws)
+                                record(
+                                    **base, impl=f"{name}_gemv", time_us=t * 1e6, of_floor=floor / t
+                                )
+                            if op == "gate_up":
+                                t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
+                                record(
+                                    **base,
+                                    impl=f"{name}_gemv_gate_up",
+                                    time_us=t * 1e6,
+                                    of_floor=floor / t,
+                                )
+                            if args.tiles and rows == 1:
+                                for tile in (
+                                    (1, 2),
+                                    (1, 4),
+                                    (1, 8),
+                                    (2, 1),
+                                    (2, 2),
+                                    (2, 4),
+                                    (4, 1),
+                                    (4, 2),
+                                ):
+                                    t = timed(
+                                        lambda w, tile=tile: quant_gemv_cuda(
+                                            x, w, None, out, tile=tile
+                                        ),
+                                        ws,
+                                    )
+                                    record(
+                                        **base,
+                                        impl=f"{name}_gemv_R{tile[0]}U{tile[1]}",
+                                        time_us=t * 1e6,
+                                        of_floor=floor / t,
+                                    )
+                        if 8 < rows <= 2048 and auto != "tc" and not args.no_tc:
+                            t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
+                            record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
+                        if rows > 8 and auto != "dequant":
+                            from voltserve.kernels.quant_linear import _dequant_linear
+
+                            t = timed(lambda w: _dequant_linear(x, w, None, ops, out), ws)
+                            record(
+                                **base,
+                                impl=f"{name}_dequant_cublas",
+                                time_us=t * 1e6,
+                                of_floor=floor / t,
+                            )
+                        if rows > 8 and op == "gate_up":
+                            t = timed(lambda w: quant_gate_up_silu(x, w, None, ops), ws)
+                            record(
+                                **base, impl=f"{name}_gate_up_silu", time_us=t * 1e6, of_floor=None
+                            )
+                del w16, qws
+                torch.cuda.empty_cache()
+
+    except Exception as e:  # a kernel fault poisons the CUDA context: keep what was measured
+        error = f"{type(e).__name__}: {e}"
+        print("FAILED:", error, flush=True)
+    summary = {} if error else summarise(results, rows_list, bw, gen, ops)
+    write_json(
+        args.out,
+        dict(
+            benchmark="quant_linear",
+            env=env,
+            copy_bandwidth=copy,
+            results=results,
+            summary=summary,
+            error=error,
+        ),
+    )
+    if error:
+        raise SystemExit(1)
+
+
+def best(results, model, op, rows, prefix) -> float | None:
+    ts = [
+        r["time_us"]
+        for r in results
+        if r["model"] == model
+        and r["op"] == op
+        and r["rows"] == rows
+        and r["impl"].startswith(prefix)
+    ]
+    return min(ts) if ts else None
+
+
+def summarise(results, rows_list, bw, gen, ops) -> dict:
+    """Llama-3-8B: one decoder step's linears (32 layers + the fp16 lm_head of the step's rows,
+    sampled rows only at decode: rows <= 256) per row count, fp16 (best of cuBLAS / GEMV) and
+    int4 (quant_linear's choice), and the batch-1 tokens/s ratio of the linears alone."""
+    if not any(r["model"] == "llama" for r in results):
+        return {}
+    head = torch.randn(LLAMA_VOCAB, 4096, generator=gen, device="cuda", dtype=torch.float16) * 0.02
+    out: dict = {"lm_head_us": {}, "step_linears_us": {}}
+    for rows in rows_list:
+        hr = min(rows, 256)  # prefill samples only the last row of each sequence
+        x = torch.randn(hr, 4096, generator=gen, device="cuda", dtype=torch.float16)
+        t_head = time_graph(lambda: F.linear(x, head), iters=4, repeats=7) * 1e6
+        if hr <= 8:
+            t_head = min(t_head, time_graph(lambda: ops.gemv(x, head), iters=4, repeats=7) * 1e6)
+        out["lm_head_us"][rows] = t_head
+        fp16 = int4 = 0.0
+        ok = True
+        for op in ("qkv", "o", "gate_up", "down"):
+            f = best(results, "llama", op, rows, "fp16")
+            # int4 with the path quant_linear picks; gate_up fused with SiLU where timed.
+            q = best(results, "llama", op, rows, "int4_g128_auto")
+            if op == "gate_up":
+                qf = best(results, "llama", op, rows, "int4_g128_gemv_gate_up") or best(
+                    results, "llama", op, rows, "int4_g128_gate_up_silu"
+                )
+                q = qf if qf is not None else q
+            if f is None or q is None:
+                ok = False
+                break
+            fp16 += f
+            int4 += q
+        if not ok:
+            continue
+        fp16 = LLAMA_LAYERS * fp16 + t_head
+        int4 = LLAMA_LAYERS * int4 + t_head
+        out["step_linears_us"][rows] = dict(fp16=fp16, int4_g128=int4, int4_over_fp16=int4 / fp16)
+    if 1 in out["step_linears_us"]:
+        s = out["step_linears_us"][1]
+        out["batch1_linears_tok_s_ratio"] = s["fp16"] / s["int4_g128"]
+        qbytes = sum(
+            r["floor_us"]
+            for r in results
+            if r["model"] == "llama" and r["rows"] == 1 and r["impl"].startswith("int4_g128_auto")
+        )
+        floor = LLAMA_LAYERS * qbytes + LLAMA_VOCAB * 4096 * 2 / bw * 1e6
+        out["batch1_int4_floor_us"] = floor
+        out["batch1_int4_of_floor"] = floor / s["int4_g128"]
+    print("summary:", out, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

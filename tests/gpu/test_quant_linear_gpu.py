@@ -1,0 +1,256 @@
+"""Quantized linears on a real GPU (kernels/quant_linear.py and the kernels it routes to: the
+fused dequantize-GEMV, the tensor-core GEMM, dequantize + cuBLAS) against the reference (F.linear
+with the dequantized weight, in fp32) at Llama-3-8B and Qwen2.5-7B shapes, every row count from
+batch-1 decode to an 8K prefill chunk, poisoned outputs, bias, input permutation, int4 / int8
+and group sizes 16 / 32 / 128 / K; the fused gate_up + SiLU; CUDA-graph capture and replay."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+# (K, N): Llama-3-8B qkv, o_proj, gate_up, down; Qwen2.5-7B qkv (with bias), o_proj, gate_up,
+# down. (lm_head stays fp16 in every quantized checkpoint.)
+LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+QWEN = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)]
+ROWS = [1, 3, 8, 17, 64, 255, 256, 2048, 8192]
+
+
+@functools.cache
+def weight(K: int, N: int, bits: int, g: int, perm: bool = False):
+    from voltserve.kernels.quant_pack import pack_group_quant
+
+    gen = torch.Generator(device=DEV).manual_seed(K * 31 + N + bits * 7 + g)
+    codes = torch.randint(0, 2**bits, (N, K), generator=gen, device=DEV, dtype=torch.uint8)
+    G = K // g
+    # weights ~ +-0.02 (a trained 8B layer's range): s * 2**bits / 2 ~ 0.02
+    s = (torch.rand(N, G, generator=gen, device=DEV) + 0.5) * (0.04 / 2**bits)
+    o = -s * 2 ** (bits - 1) + torch.randn(N, G, generator=gen, device=DEV) * 0.002
+    p = torch.randperm(K, generator=gen, device=DEV) if perm else None
+    return pack_group_quant(codes, s, o, bits, g, torch.float16, perm=p)
+
+
+def ops():
+    from voltserve.kernels.dispatch import KernelDispatch
+
+    o = KernelDispatch(DEV, torch.float16, force_ref=False)
+    assert o.impl["quant_linear"] == "cuda"
+    return o
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w, bias) -> None:
+    """out against the fp32 product with the (unrounded) dequantized weight: no worse than the
+    reference model's own fp16 F.linear by more than a few fp16 ulps of the output's scale."""
+    from voltserve.kernels.quant_pack import dequantize
+
+    assert not torch.isnan(out).any(), "poisoned (NaN) outputs left"
+    xp = x if w.perm is None else x[:, w.perm]
+    b32 = None if bias is None else bias.float()
+    ref32 = F.linear(xp.float(), dequantize(w, torch.float32), b32)
+    ref16 = F.linear(xp, dequantize(w, torch.float16), bias).float()
+    scale = ref32.abs().max().item()
+    err = (out.float() - ref32).abs().max().item()
+    err16 = (ref16 - ref32).abs().max().item()
+    assert err <= err16 + scale * 2**-9 + 1e-3, (err, err16, scale)
+
+
+def run_linear(K, N, rows, bits=4, g=128, bias=False, perm=False):
+    from voltserve.kernels.quant_linear import quant_linear
+
+    w = weight(K, N, bits, g, perm)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
+    b = torch.randn(N, device=DEV, dtype=torch.float16) if bias else None
+    out = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.float16)
+    quant_linear(x, w, b, ops(), out=out)
+    torch.cuda.synchronize()
+    check(out, x, w, b)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("K,N", LLAMA)
+def test_llama_awq_int4_g128(K, N, rows):
+    run_linear(K, N, rows)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("K,N", QWEN)
+def test_qwen_int4_g128(K, N, rows):
+    run_linear(K, N, rows, bias=(N == 4608))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 256, 2048])
+@pytest.mark.parametrize(
+    "bits,g",
+    [(4, 32), (4, 16), (8, 32), (8, 16), (8, 128), (4, 4096)],  # 4096 = K: per-channel
+)
+def test_group_sizes_and_int8(bits, g, rows):
+    run_linear(4096, 4096, rows, bits=bits, g=g, bias=rows % 2 == 1)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 17, 255, 2048])
+def test_act_order_permutation(rows):
+    run_linear(4096, 6144, rows, bits=4, g=128, perm=True)
+    run_linear(3584, 3584, rows, bits=8, g=32, perm=True)
+
+
+def test_paths_by_row_count():
+    from voltserve.kernels.quant_linear import DEQUANT, GEMV, TC, quant_path
+
+    w = weight(4096, 4096, 4, 128)
+    assert [quant_path(r, torch.float16, w) for r in (1, 8, 9, 256, 257)] == [
+        GEMV,
+        GEMV,
+        TC,
+        TC,
+        DEQUANT,
+    ]
+    assert quant_path(64, torch.float32, w.to(DEV)) != TC  # fp16 only
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("K,N", [(4096, 28672), (3584, 37888)])
+def test_gate_up_silu(K, N, rows):
+    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.quant_linear import quant_gate_up_silu
+    from voltserve.kernels.quant_pack import dequantize
+
+    w = weight(K, N, 4, 128)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16) * 2
+    out = quant_gate_up_silu(x, w, None, ops())
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    y = F.linear(x.float(), dequantize(w, torch.float32)).half()  # the linear's stored product
+    ref = silu_and_mul_ref(y).float()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ref.abs().max().item() * 2**-8 + 2e-3, err
+
+
+def test_gemv_fp32_runs():
+    from voltserve.kernels.quant_gemv import quant_gemv_cuda, supports
+    from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    K, N = 4096, 1024
+    codes = torch.randint(0, 16, (N, K), generator=gen, device=DEV, dtype=torch.uint8)
+    s = torch.rand(N, K // 64, generator=gen, device=DEV) * 0.01
+    w = pack_group_quant(codes, s, -8 * s, 4, 64, torch.float32)
+    x = torch.randn(3, K, device=DEV)
+    assert supports(x, w)
+    out = quant_gemv_cuda(x, w)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, F.linear(x, dequantize(w)), atol=1e-3, rtol=1e-3)
+
+
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_cuda_graph_capture_and_replay(rows):
+    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.quant_linear import quant_gate_up_silu, quant_linear
+    from voltserve.kernels.quant_pack import dequantize
+
+    o = ops()
+    w = weight(4096, 6144, 4, 128)
+    wg = weight(4096, 28672, 4, 128)
+    x = torch.randn(rows, 4096, device=DEV, dtype=torch.float16)
+    out = torch.empty(rows, 6144, device=DEV, dtype=torch.float16)
+    res = {}
+
+    def step():
+        quant_linear(x, w, None, o, out=out)
+        res["h"] = quant_gate_up_silu(x, wg, None, o)
+
+    g = _capture(step)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        res["h"].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(out, x, w, None)
+        y = F.linear(x.float(), dequantize(wg, torch.float32)).half()
+        ref = silu_and_mul_ref(y).float()
+        err = (res["h"].float() - ref).abs().max().item()
+        assert err <= ref.abs().max().item() * 2**-8 + 2e-3, err
+
+
+def test_dequantize_kernel_matches_reference():
+    from voltserve.kernels.quant_dequant import dequantize_into, supports
+    from voltserve.kernels.quant_pack import dequantize
+
+    for bits, g in ((4, 128), (4, 16), (8, 32)):
+        w = weight(4096, 4096, bits, g)
+        out = torch.full((4096, 4096), float("nan"), device=DEV, dtype=torch.float16)
+        assert supports(w, out)
+        dequantize_into(w, out)
+        torch.cuda.synchronize()
+        ref = dequantize(w)
+        assert not torch.isnan(out).any()
+        # The same fp32 value rounded once; an FMA may round differently: 1 ulp at most.
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=2**-10)
+
+
+def test_tc_split_k_matches_unsplit():
+    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+
+    w = weight(14336, 4096, 4, 128)
+    x = torch.randn(17, 14336, device=DEV, dtype=torch.float16)
+    b = torch.randn(4096, device=DEV, dtype=torch.float16)
+    one = quant_gemm_tc_cuda(x, w, b, split=1)
+    four = quant_gemm_tc_cuda(x, w, b, split=4)
+    torch.cuda.synchronize()
+    check(one, x, w, b)
+    check(four, x, w, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("K,n_q,n_kv,bias", [(4096, 32, 8, False), (3584, 28, 4, True)])
+def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
+    """quant_qkv_rope (fused for <= 8 rows, quant_linear + rotary_and_cache beyond) against the
+    reference: the dequantized product in fp32, rounded to fp16, rotated, cached."""
+    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
+    from voltserve.kernels.quant_linear import quant_qkv_rope
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    D, bs, blocks = 128, 16, 8
+    N = (n_q + 2 * n_kv) * D
+    w = weight(K, N, 4, 128)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
+    b = torch.randn(N, device=DEV, dtype=torch.float16) if bias else None
+    pos = torch.randint(0, 4096, (rows,), device=DEV)
+    slots = torch.randperm(blocks * bs, device=DEV)[:rows]
+    if rows > 1:
+        slots[1] = -1
+    cache = build_cos_sin_cache(D, 4096, 500000.0, None).to(DEV)
+    # Caches start random: comparing them whole also checks that only live slots are written.
+    kc = torch.randn(blocks, n_kv, bs, D, device=DEV).half()
+    vc = torch.randn_like(kc)
+    kr, vr = kc.float(), vc.float()
+    y = quant_qkv_rope(x, w, b, ops(), pos, cache, kc, vc, slots, n_q, n_kv)
+    bf = None if b is None else b.float()
+    ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any()
+    tol = ref.abs().max().item() * 2**-8 + 2e-3
+    assert (y.float() - ref).abs().max().item() <= tol
+    assert (kc.float() - kr).abs().max().item() <= tol
+    assert (vc.float() - vr).abs().max().item() <= tol

@@ -1,0 +1,202 @@
+"""The fused dequantize-GEMV (kernels/quant_gemv.py) against F.linear with the dequantized weight
+in the CUDA simulator: int4 and int8 codes, group sizes 16 (the SPLIT variant), 32, 128 and K,
+1, 3 and 8 rows, bias on and off, fp16 and fp32, NaN-poisoned outputs, a guarded partial step
+and a partial last group of rows; the gate_up variant against linear then silu_and_mul.
+Seeded: the seed is printed, VOLTSERVE_TEST_SEED overrides it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from voltserve.kernels import quant_gemv
+from voltserve.kernels.activation import silu_and_mul_ref
+from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+
+pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
+SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
+
+
+def make(gen, N, K, bits, g, dtype):
+    codes = torch.randint(0, 2**bits, (N, K), generator=gen, dtype=torch.uint8)
+    G = K // g
+    s = (torch.rand(N, G, generator=gen) + 0.5) * (2.0 / (K**0.5 * 2**bits))
+    o = -s * 2 ** (bits - 1) + torch.randn(N, G, generator=gen) * 0.01
+    return pack_group_quant(codes, s, o, bits, g, dtype)
+
+
+def run(x, w, bias, kind=quant_gemv.PLAIN):
+    M = x.shape[0]
+    cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
+    out = torch.full((M, cols), float("nan"), dtype=x.dtype)
+    R, _ = quant_gemv.tile_for(quant_gemv.variant_for(M), w.bits, kind)
+    warps = -(-cols // (R // 2)) if kind == quant_gemv.GATE_UP else -(-cols // R)
+    b = bias if bias is not None else w.scales[:, 0].contiguous()
+    # One warp per block: the simulator's shuffle is exact only within a one-warp block.
+    launch(
+        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind),
+        warps,
+        32,
+        (
+            x.numpy(),
+            w.qweight.numpy(),
+            w.scales.numpy(),
+            w.offsets.numpy(),
+            b.numpy(),
+            out.numpy(),
+            bias is not None,
+            w.group_shift,
+        ),
+    )
+    return out
+
+
+def tol(dtype):
+    return dict(atol=3e-3, rtol=3e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+
+
+# (M, N, bits, g, K, bias, dtype). A warp step of the M = 1 int4 kernel (U = 4) covers 4096
+# inputs: K = 4096 + 128 is one full step and a partial one; small K only a partial step. N not
+# a multiple of R leaves a partial last group of rows.
+CASES = [
+    (1, 3, 4, 32, 4224, True, torch.float16),
+    (3, 5, 4, 16, 128, False, torch.float32),
+    (8, 6, 4, 128, 256, True, torch.float16),
+    (1, 2, 4, 64, 64, False, torch.float32),  # g = K (power of two)
+    (2, 3, 8, 16, 64, True, torch.float32),
+    (8, 3, 8, 32, 96, False, torch.float16),
+    (3, 4, 8, 48, 48, True, torch.float16),  # g = K, per-channel shift
+]
+
+
+@pytest.mark.parametrize("M,N,bits,g,K,with_bias,dtype", CASES)
+def test_qgemv_matches_dequantized_linear(M, N, bits, g, K, with_bias, dtype):
+    gen = torch.Generator().manual_seed(SEED + M * 1000 + K)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    w = make(gen, N, K, bits, g, dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    out = run(x, w, bias)
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    ref = F.linear(x.float(), dequantize(w, torch.float32), None if bias is None else bias.float())
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize(
+    "M,inter,bits,g,dtype",
+    [(1, 2, 4, 32, torch.float16), (3, 3, 8, 16, torch.float32), (8, 2, 4, 16, torch.float32)],
+)
+def test_qgemv_gate_up(M, inter, bits, g, dtype):
+    gen = torch.Generator().manual_seed(SEED + 7 * M)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    K = 128
+    w = make(gen, 2 * inter, K, bits, g, dtype)
+    x = (torch.randn(M, K, generator=gen) * 2).to(dtype)
+    bias = torch.randn(2 * inter, generator=gen).to(dtype) if M != 3 else None
+    out = run(x, w, bias, quant_gemv.GATE_UP)
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    y = F.linear(x.float(), dequantize(w, torch.float32), None if bias is None else bias.float())
+    ref = silu_and_mul_ref(y.to(dtype).float()).to(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), **tol(dtype))
+
+
+def test_host_side_rules():
+    gen = torch.Generator().manual_seed(0)
+    w = make(gen, 4, 64, 4, 16, torch.float32)
+    assert quant_gemv.is_split(w) and not quant_gemv.is_split(
+        make(gen, 4, 64, 4, 32, torch.float32)
+    )
+    assert not quant_gemv.supports(torch.randn(1, 64), w)  # CPU tensors
+    assert quant_gemv.qgemv_kernel(3, 4) is quant_gemv.qgemv_kernel(4, 4)
+    with pytest.raises(ValueError, match="M = 1..8"):
+        quant_gemv.qgemv_kernel(9, 4)
+    with pytest.raises(ValueError, match="R must be even"):
+        quant_gemv.qgemv_kernel(1, 4, kind=quant_gemv.GATE_UP, tile=(3, 1))
+    src = quant_gemv._source(1, 2, 4, 4, False, quant_gemv.PLAIN)
+    assert "_ldw_guard(qw, rw1, c3, W)" in src and "bits_f32(" in src
+    src = quant_gemv._source(2, 4, 1, 4, False, quant_gemv.GATE_UP)
+    assert "rw3 = rw2 + N" in src and "_silu_mul(" in src and "bits_f32(" in src
+
+
+# ---- qkv_rope: rotary and the KV-cache write in the epilogue ---------------------------------
+
+
+@pytest.mark.parametrize("M,bits,g,dtype", [(1, 4, 32, torch.float32), (2, 8, 16, torch.float16)])
+def test_qgemv_qkv_rope_matches_reference(M, bits, g, dtype):
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    gen = torch.Generator().manual_seed(SEED + 11 * M)
+    n_q, n_kv, D, K, bs, blocks = 2, 1, 8, 64, 4, 3
+    N = (n_q + 2 * n_kv) * D
+    w = make(gen, N, K, bits, g, dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype) if M == 2 else None
+    positions = torch.randint(0, 64, (M,), generator=gen, dtype=torch.int64)
+    slots = torch.randperm(blocks * bs, generator=gen)[:M].to(torch.int64)
+    if M > 1:
+        slots[1] = -1  # padding row: rotated into out, never written to the cache
+    cache = build_cos_sin_cache(D, 64, 10000.0, None)
+    k_cache = torch.randn(blocks, n_kv, bs, D, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, n_kv, bs, D, generator=gen).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = quant_gemv.quant_qkv_rope_ref(
+        x, w, bias, positions, cache, k_ref, v_ref, slots, n_q, n_kv
+    )
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    b = bias if bias is not None else w.scales.view(-1)
+    launch(
+        quant_gemv.qgemv_kernel(M, bits, False, quant_gemv.QKV_ROPE),
+        N // 2,
+        32,
+        tuple(
+            a.numpy() if isinstance(a, torch.Tensor) else a
+            for a in (
+                x,
+                w.qweight,
+                w.scales,
+                w.offsets,
+                b,
+                out,
+                bias is not None,
+                w.group_shift,
+                positions,
+                cache,
+                k_cache,
+                v_cache,
+                slots,
+                n_q,
+                n_kv,
+            )
+        ),
+    )
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    t = dict(atol=8e-3, rtol=8e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), **t)
+    torch.testing.assert_close(k_cache.float(), k_ref.float(), **t)  # only live slots written
+    torch.testing.assert_close(v_cache.float(), v_ref.float(), **t)
+
+
+def test_quant_qkv_rope_cpu_composition():
+    from voltserve.kernels.dispatch import KernelDispatch
+    from voltserve.kernels.quant_linear import quant_qkv_rope
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(SEED)
+    n_q, n_kv, D, K = 2, 1, 16, 64
+    w = make(gen, (n_q + 2 * n_kv) * D, K, 4, 32, torch.float32)
+    x = torch.randn(3, K, generator=gen)
+    pos = torch.tensor([1, 5, 9])
+    slots = torch.tensor([0, -1, 6])
+    cache = build_cos_sin_cache(D, 64, 10000.0, None)
+    kc, vc = torch.zeros(2, n_kv, 4, D), torch.zeros(2, n_kv, 4, D)
+    kr, vr = kc.clone(), vc.clone()
+    ops = KernelDispatch("cpu", torch.float32)
+    y = quant_qkv_rope(x, w, None, ops, pos, cache, kc, vc, slots, n_q, n_kv)
+    ref = quant_gemv.quant_qkv_rope_ref(x, w, None, pos, cache, kr, vr, slots, n_q, n_kv)
+    assert torch.equal(y, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert kc.abs().sum() > 0
