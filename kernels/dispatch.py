@@ -71,6 +71,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "quant_linear": (("quant_linear",), "quant_linear", "quant_linear_ref"),
     "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
     "sample": (("sampling",), "sampling", "sample_ref"),
+    # Structured outputs: -inf where the grammar's bitmask forbids a token (masked rows only).
+    "apply_token_bitmask": (("grammar_mask",), "grammar_mask", "apply_token_bitmask_ref"),
 }
 
 # Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
@@ -82,6 +84,7 @@ _CUDA_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
     # Sampling works on fp32 logits whatever the model's dtype.
     "apply_penalties": None,
     "sample": None,
+    "apply_token_bitmask": None,
 }
 # The attention kernels are written for 16-token KV blocks.
 _CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
@@ -211,6 +214,7 @@ class KernelDispatch:
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
+    apply_token_bitmask: Callable[..., None]
     gemv_qkv_rope: Callable[..., torch.Tensor]
     moe_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]

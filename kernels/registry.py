@@ -125,6 +125,15 @@ KERNELS += [
     ),
 ]
 
+# grammar_mask.py
+KERNELS += [
+    KernelSpec(
+        "grammar_mask",
+        "apply_token_bitmask_kernel",
+        ("void(float32[:, ::1], int32[:, ::1], int64[::1])",),
+    ),
+]
+
 # Attention kernels (decode_attention.py, prefill_attention.py): add their specs here.
 
 # decode_attention.py: the kernels are built per shape by decode_kernel(); the module exposes a

@@ -73,9 +73,15 @@ def build_cos_sin_cache(
         inv_freq = _inv_freq_llama3(_inv_freq_default(base, rotary_dim), rope_scaling)
     elif kind == "yarn":
         inv_freq, attention_scaling = _yarn(base, rotary_dim, rope_scaling, max_positions)
+    elif kind == "freq_factors":
+        # One divisor per frequency, as a GGUF file's rope_freqs tensor carries them (llama.cpp's
+        # form of Llama 3.1's rope scaling).
+        factors = torch.tensor(rope_scaling["factors"], dtype=torch.float32)
+        inv_freq = _inv_freq_default(base, rotary_dim) / factors
     else:
         raise ValueError(
-            f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)"
+            f"unsupported rope scaling type {kind!r} "
+            "(supported: default, linear, llama3, yarn, freq_factors)"
         )
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)

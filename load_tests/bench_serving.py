@@ -8,6 +8,13 @@ Targets:
                             folder), then launch it as above
 Extra `voltserve serve` flags go in --serve-args "..." or after a bare `--`.
 
+Structured outputs: --response-format json_schema sends every request with a JSON-schema
+constraint (STRUCTURED_SCHEMA: an array of objects that cannot close before max_tokens, so
+output lengths match the plain run); --compare-structured runs the HTTP phase twice against
+one server, plain then constrained, and reports both and the constrained path's cost
+(output tokens/s ratio, ITL difference) under "structured_cost". A --preset checkpoint's
+tokenizer spells tokens `t{i}`, from which no grammar can build JSON: add --text-tokenizer.
+
 Comparisons in the same run, on the same prompts:
   --engine-only             LLMEngine in-process (no HTTP, no services), same arrivals and stats
   --compare-engine          HTTP and engine-only, both in one JSON with the difference
@@ -61,6 +68,27 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 # ---------------------------------------------------------------------------------------------
 # Workload
+
+# The --response-format json_schema constraint: objects with an integer range, a bounded string,
+# an enum and a boolean (the kinds of state a real schema has). minItems is set per run so the
+# array cannot close before max_tokens: every request generates its full output_len, as in the
+# plain run (ignore_eos alone does not keep a constrained request going once its grammar ends).
+STRUCTURED_ITEM = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "maxLength": 24},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "name", "kind", "ok"],
+}
+
+
+def structured_format(output_len: int) -> dict:
+    # Each item takes at least ~10 tokens: output_len items cannot fit in output_len tokens.
+    schema = {"type": "array", "items": STRUCTURED_ITEM, "minItems": max(1, output_len)}
+    return {"type": "json_schema", "json_schema": {"name": "items", "schema": schema}}
 
 
 @dataclass
@@ -260,8 +288,10 @@ async def run_http(
     arrivals: list[float],
     args: argparse.Namespace,
     warmup: list[Prompt],
+    structured: bool = False,
 ) -> tuple[list[RequestRecord], float, float]:
-    """The measured requests' records, the run's duration and its wall-clock start."""
+    """The measured requests' records, the run's duration and its wall-clock start.
+    structured: every request (warm-up too) carries the json_schema response_format."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -272,7 +302,7 @@ async def run_http(
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
 
     def payload(p: Prompt) -> dict:
-        return {
+        body = {
             "model": model,
             "prompt": p.text if p.text is not None else p.token_ids,
             "max_tokens": p.output_len,
@@ -281,6 +311,9 @@ async def run_http(
             "stream_options": {"include_usage": True},
             "ignore_eos": True,
         }
+        if structured:
+            body["response_format"] = structured_format(p.output_len)
+        return body
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         # Warm-up requests (not measured): first-request costs are not serving costs.
@@ -444,6 +477,8 @@ def engine_config_from_serve_args(model_dir: Path, serve_args: list[str]):
         num_kv_blocks=a.num_kv_blocks,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enforce_eager=a.enforce_eager,
+        quantization=a.quantization,
+        max_gpu_memory=a.max_gpu_memory,
     )
 
 
@@ -675,7 +710,7 @@ def _records_json(records: list[RequestRecord]) -> list[dict[str, Any]]:
 
 def print_summary(result: dict[str, Any]) -> None:
     print()
-    rows = [(k, result[k]) for k in ("http", "engine") if k in result]
+    rows = [(k, result[k]) for k in ("http", "http_structured", "engine") if k in result]
     if rows:
         print(
             f"{'':<8}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}"
@@ -688,7 +723,8 @@ def print_summary(result: dict[str, Any]) -> None:
                 return "-" if v is None else format(v, spec)
 
             print(
-                f"{name:<8}{f('request_throughput', '.2f'):>8}{f('output_throughput'):>11}"
+                f"{name.replace('http_structured', 'http+json'):<8}"
+                f"{f('request_throughput', '.2f'):>8}{f('output_throughput'):>11}"
                 f"{f('total_token_throughput'):>11}{f('median_ttft_ms'):>10}{f('p99_ttft_ms'):>10}"
                 f"{f('median_tpot_ms', '.2f'):>10}{f('median_itl_ms', '.2f'):>9}"
                 f"{f('p99_itl_ms', '.2f'):>9}{m.get('failed', 0):>6}"
@@ -696,6 +732,9 @@ def print_summary(result: dict[str, Any]) -> None:
     if "services_overhead" in result:
         o = result["services_overhead"]
         print("services add: " + ", ".join(f"{k} {v:+.2f}" for k, v in o.items() if v is not None))
+    if "structured_cost" in result:
+        o = result["structured_cost"]
+        print("json_schema: " + ", ".join(f"{k} {v:+.3f}" for k, v in o.items() if v is not None))
     if "transformers" in result:
         t = result["transformers"]
         print(f"transformers (batch {t['batch_size']}): {t['output_throughput']:.1f} output tok/s")
@@ -746,6 +785,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     md.add_argument("--engine-only", action="store_true", help="LLMEngine in-process, no HTTP")
     md.add_argument("--compare-engine", action="store_true", help="HTTP and engine-only")
     md.add_argument("--transformers-baseline", action="store_true")
+    md.add_argument(
+        "--response-format",
+        choices=["none", "json_schema"],
+        default="none",
+        help="json_schema: every HTTP request carries a JSON-schema constraint",
+    )
+    md.add_argument(
+        "--text-tokenizer",
+        action="store_true",
+        help="serve a copy of the model folder with a tokenizer whose tokens spell text "
+        "(load_tests/common.write_text_tokenizer): random checkpoints' t{i} tokens cannot "
+        "spell JSON",
+    )
+    md.add_argument(
+        "--compare-structured",
+        action="store_true",
+        help="HTTP twice against one server: plain, then with --response-format json_schema",
+    )
     md.add_argument("--hf-batch-size", type=int, default=32)
     md.add_argument("--hf-max-prompts", type=int, default=128)
     out = p.add_argument_group("output")
@@ -793,6 +850,13 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir, args.preset, device, resolve_dtype("float16", device), seed=args.seed
             )
             result["checkpoint_write_s"] = time.perf_counter() - t
+    if args.text_tokenizer:
+        if model_dir is None:
+            raise SystemExit("--text-tokenizer needs the model folder (--launch or --preset)")
+        from load_tests.common import with_text_tokenizer
+
+        model_dir = with_text_tokenizer(model_dir)
+        logger.info("serving %s (the weights with a text-spelling tokenizer)", model_dir)
     if (args.engine_only or args.compare_engine or args.transformers_baseline) and not model_dir:
         raise SystemExit(
             "--engine-only/--compare-engine/--transformers-baseline need a model "
@@ -847,16 +911,22 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
 
     if not args.engine_only:
         try:
-            records, duration, name, steps = _http_phase(args, model_dir, prompts, arrivals, warmup)
-            result["http"] = compute_metrics(records, duration, args.percentiles)
-            result["http"]["served_model_name"] = name
-            # With `-- --log-level debug`: when the burst reached the engine, step by step.
-            result["http"]["executor_steps"] = steps
-            result["http"]["requests"] = _records_json(records)
-            runs["http"] = records
+            phases = _http_phase(args, model_dir, prompts, arrivals, warmup)
+            for key, (records, duration, name, steps) in phases.items():
+                result[key] = compute_metrics(records, duration, args.percentiles)
+                result[key]["served_model_name"] = name
+                result[key]["structured"] = key == "http_structured" or (
+                    key == "http" and args.response_format == "json_schema"
+                )
+                # With `-- --log-level debug`: when the burst reached the engine, step by step.
+                result[key]["executor_steps"] = steps
+                result[key]["requests"] = _records_json(records)
+                runs[key] = records
         except Exception as e:
             traceback.print_exc()
             result["errors"]["http"] = f"{type(e).__name__}: {e}"
+        if "http" in result and "http_structured" in result:
+            result["structured_cost"] = structured_cost(result["http"], result["http_structured"])
 
     # The engine runs last: the server is gone and transformers has freed its memory.
     if args.engine_only or args.compare_engine:
@@ -901,35 +971,82 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
             result["errors"]["plots"] = f"{type(e).__name__}: {e}"
     write_json(args.out, result)
     print_summary(result)
-    failed = any(result.get(k, {}).get("failed") for k in ("http", "engine"))
+    failed = any(result.get(k, {}).get("failed") for k in ("http", "http_structured", "engine"))
     return 1 if result["errors"] or failed else 0
+
+
+def structured_cost(plain: dict[str, Any], constrained: dict[str, Any]) -> dict[str, Any]:
+    """The constrained run against the plain one: throughput ratio and latency differences."""
+
+    def ratio(k: str) -> float | None:
+        a, b = plain.get(k), constrained.get(k)
+        return b / a if a and b is not None else None
+
+    def diff(k: str) -> float | None:
+        a, b = plain.get(k), constrained.get(k)
+        return b - a if a is not None and b is not None else None
+
+    return {
+        "output_throughput_ratio": ratio("output_throughput"),
+        "median_itl_ms_diff": diff("median_itl_ms"),
+        "mean_itl_ms_diff": diff("mean_itl_ms"),
+        "p99_itl_ms_diff": diff("p99_itl_ms"),
+        "median_ttft_ms_diff": diff("median_ttft_ms"),
+        "median_tpot_ms_diff": diff("median_tpot_ms"),
+    }
 
 
 def _http_phase(
     args, model_dir, prompts, arrivals, warmup
-) -> tuple[list[RequestRecord], float, str, list[dict[str, Any]]]:
-    """The HTTP run; the last item is the launched server's executor steps (executor_steps:
-    empty unless it logs at debug level, and against --base-url)."""
+) -> dict[str, tuple[list[RequestRecord], float, str, list[dict[str, Any]]]]:
+    """The HTTP runs by result key ("http", and "http_structured" with --compare-structured,
+    both against the same server): records, duration, model name and the launched server's
+    executor steps (empty unless it logs at debug level, and against --base-url)."""
+    kinds = [("http", args.response_format == "json_schema")]
+    if args.compare_structured:
+        kinds = [("http", False), ("http_structured", True)]
     if args.base_url:
         name = args.model or asyncio.run(served_model_name(args.base_url, args.api_key))
-        records, duration, _ = asyncio.run(
-            run_http(args.base_url, name, prompts, arrivals, args, warmup)
-        )
-        return records, duration, name, []
+        out = {}
+        for key, structured in kinds:
+            records, duration, _ = asyncio.run(
+                run_http(args.base_url, name, prompts, arrivals, args, warmup, structured)
+            )
+            out[key] = (records, duration, name, [])
+        return out
     if args.out:
         log_path = Path(args.out).with_name(Path(args.out).stem + "_server.log")
     else:
         log_path = Path(tempfile.gettempdir()) / f"voltserve-bench-{os.getpid()}.log"
+    runs = {}
+    called: list[float] = []  # when each run (its warm-up first) began: splits the step log
     with launched_server(model_dir, args.serve_args, log_path, args.launch_timeout) as base:
         name = args.model or asyncio.run(served_model_name(base, args.api_key))
-        logger.info("HTTP run: %d requests to %s (model %s)", len(prompts), base, name)
-        records, duration, start = asyncio.run(
-            run_http(base, name, prompts, arrivals, args, warmup)
-        )
-    steps = executor_steps(log_path)
-    for st in steps:
-        st["t"] = st.pop("ts") - start  # seconds since the first measured request was sent
-    return records, duration, name, steps
+        for key, structured in kinds:
+            called.append(time.time())
+            logger.info(
+                "HTTP run%s: %d requests to %s (model %s)",
+                " (json_schema)" if structured else "",
+                len(prompts),
+                base,
+                name,
+            )
+            runs[key] = asyncio.run(
+                run_http(base, name, prompts, arrivals, args, warmup, structured)
+            )
+    all_steps = executor_steps(log_path)
+    out = {}
+    bounds = [float("-inf"), *called[1:], float("inf")]
+    for j, (key, _) in enumerate(kinds):
+        records, duration, start = runs[key]
+        steps = []
+        for st in all_steps:
+            if bounds[j] <= st["ts"] < bounds[j + 1]:
+                st = dict(st)
+                st["t"] = st.pop("ts") - start  # seconds since the first measured request
+                steps.append(st)
+        out[key] = (records, duration, name, steps)
+    return out
 
 
 if __name__ == "__main__":

@@ -231,6 +231,94 @@ def write_synthetic_tokenizer(out: Path, vocab_size: int, bos_id: int, eos_id: i
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def write_text_tokenizer(
+    out: Path, vocab_size: int, bos_id: int, eos_id: int, seed: int = 0
+) -> None:
+    """A word-level tokenizer whose tokens spell pieces of text, for grammar-constrained runs of a
+    random-weight checkpoint: a grammar engine (xgrammar) builds JSON, regexes and choices from
+    the tokens' strings, which `write_synthetic_tokenizer`'s `t{i}` names cannot spell. Tokens:
+    every printable ASCII character and whitespace, runs of JSON punctuation, digit groups,
+    whitespace runs, then random lowercase words (with and without a leading space, quote or
+    colon) up to vocab_size, like a subword vocabulary's mix. Prompts are token ids; the
+    word-level decoder joins tokens with spaces, so decoded text is not meant to be read."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    rng = random.Random(seed)
+    pieces: list[str] = [chr(c) for c in range(32, 127)] + ["\n", "\t", "\r"]
+    pieces += [
+        '{"',
+        '":',
+        '",',
+        '"}',
+        '":"',
+        '","',
+        "},",
+        "[{",
+        "}]",
+        "],",
+        '": ',
+        ', "',
+        "true",
+        "false",
+        "null",
+    ]
+    pieces += [str(i) for i in range(10, 1000)]
+    pieces += [" " * n for n in range(2, 17)] + ["\n" + " " * n for n in range(1, 17)]
+    seen = set(pieces)
+    assert len(seen) == len(pieces), "duplicate base pieces"
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    prefixes = ["", " ", '"', ' "']
+    while len(pieces) < vocab_size:
+        w = rng.choice(prefixes) + "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        if w not in seen:
+            seen.add(w)
+            pieces.append(w)
+    vocab = {w: i for i, w in enumerate(pieces[:vocab_size])}
+    names = {bos_id: "<s>", eos_id: "</s>"}
+    inv = {i: w for w, i in vocab.items()}
+    for i, name in names.items():
+        del vocab[inv[i]]
+        vocab[name] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=names[eos_id]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names[bos_id],
+        "eos_token": names[eos_id],
+        "unk_token": names[eos_id],
+        "model_max_length": 1 << 20,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def with_text_tokenizer(model_dir: Path) -> Path:
+    """A sibling folder `<model_dir>-texttok`: the same weights and configs (symlinks) with
+    `write_text_tokenizer`'s tokenizer, for structured-output runs of a random checkpoint."""
+    model_dir = Path(model_dir)
+    out = model_dir.with_name(model_dir.name + "-texttok")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            continue
+        link = out / f.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(f.resolve())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    bos = cfg.get("bos_token_id")
+    bos = 0 if bos is None or bos == eos else bos
+    write_text_tokenizer(out, cfg["vocab_size"], bos, eos)
+    return out
+
+
 def write_random_checkpoint(
     out: str | Path,
     preset: str,

@@ -10,9 +10,11 @@
 # batched decode in one go; `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
-# MoE decode benchmark;
-# `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
-# quantized-linear kernels' GPU tests and bench_quant_linear; `profile-serving`: the
+# MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark
+# with and without a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or
+# `quant-tests`, `quant-bench`): the quantized-linear kernels' GPU tests and bench_quant_linear;
+# `quant-models`: quantized checkpoints through the GPU runner; `serving-awq-16g`: Llama-3-8B
+# AWQ served under --max-gpu-memory 16GiB; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
@@ -156,6 +158,19 @@ for stage in $STAGES; do
       run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --out "$OUT/bench_prefill_attention.json"
       run bench_elementwise $PY load_tests/bench_kernels_elementwise.py --out "$OUT/bench_elementwise.json"
       ;;
+    quant-models)
+      # Quantized checkpoints (AWQ, GPTQ, compressed-tensors, GGUF Q4_K_M) through the GPU
+      # runner: fp32 greedy equals transformers, fp16 graphs equal eager, --max-gpu-memory.
+      run quant_models $PY -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
+      ;;
+    serving-awq-16g)
+      # Llama-3-8B as AutoAWQ int4 g128 (quantized from the random-weight checkpoint) served under
+      # a V100-16GB budget: the executor log states weights, activation and the KV pool it gets;
+      # bench_serving 1024 in / 256 out at AWQ_CONCURRENCY (default 32) concurrent requests.
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run make_llama8b_awq $PY load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-awq --group 128
+      run serving_awq_16g $PY load_tests/bench_serving.py --launch /tmp/voltserve-llama3-8b-awq --num-prompts "${AWQ_PROMPTS:-256}" --input-len 1024 --output-len 256 --max-concurrency "${AWQ_CONCURRENCY:-32}" --serve-args "--max-gpu-memory 16GiB" --out "$OUT/serving_llama3-8b-awq-16g.json" -- --log-level info
+      ;;
     decode-small)
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
       ;;
@@ -226,6 +241,20 @@ for stage in $STAGES; do
           [ -f "$f" ] && mv "$f" "${f%.log}_$preset.log"
         done
       done
+      ;;
+    structured)
+      # Structured outputs (needs xgrammar importable): the mask kernel and the graph decode path
+      # with constraints (GPU tests), then the serving benchmark on Llama-3-8B (random weights,
+      # a tokenizer whose tokens spell text) plain and with a json_schema response_format
+      # against one server, same prompts: "structured_cost" holds the tokens/s ratio and the
+      # ITL difference. STRUCTURED_TEMP: sampling temperature of both runs (default 0: greedy,
+      # where the plain run keeps the pipelined argmax path that a constrained request leaves).
+      if $PY -c 'import xgrammar' 2>/dev/null; then
+        run structured_tests $PY -m pytest -q --timeout 600 tests/gpu/test_grammar_mask_gpu.py -p no:cacheprovider
+        run serving_structured $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --text-tokenizer --num-prompts "${STRUCTURED_PROMPTS:-256}" --input-len 1024 --output-len 256 --temperature "${STRUCTURED_TEMP:-0}" --compare-structured --out "$OUT/serving_structured_llama3-8b.json"
+      else
+        echo "structured: xgrammar does not import (add its wheel to $WHEELS)" | tee -a "$OUT/summary.txt"
+      fi
       ;;
     optins)
       # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the

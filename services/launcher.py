@@ -24,6 +24,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from voltserve.services.executor.main import memory_size
 from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.shared import startup
 from voltserve.shared.logging import add_log_level_flag, setup_logging
@@ -61,7 +62,9 @@ class Child:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint folder or GGUF file / folder"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -80,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["awq", "gptq", "compressed-tensors", "gguf"],
+        help="force the quantization method (default: from the checkpoint)",
+    )
+    p.add_argument(
+        "--max-gpu-memory",
+        type=memory_size,
+        default=None,
+        help="GPU memory budget per card (bytes, or 16GiB / 16GB ...)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     add_tool_flags(p)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
@@ -125,6 +141,10 @@ def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str
     ]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    if args.max_gpu_memory:
+        argv += ["--max-gpu-memory", str(args.max_gpu_memory)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.enforce_eager:
@@ -139,6 +159,8 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     if args.log_json:
         common.append("--log-json")
     mml = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    if args.tokenizer:
+        mml += ["--tokenizer", args.tokenizer]  # renderer and gateway
     children = [
         Child(
             "scheduler",

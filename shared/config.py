@@ -33,3 +33,9 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     # Seeds the engine's choice of per-request seeds for requests that give none.
     seed: int = 0
+    # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the
+    # checkpoint. A forced method the checkpoint does not use is an error.
+    quantization: str | None = None
+    # GPU memory budget in bytes (None: the whole card): KV sizing uses min(card, budget), so a
+    # 16 or 32 GB V100 can be simulated on a bigger card.
+    max_gpu_memory: int | None = None

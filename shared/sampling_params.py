@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from voltserve.shared.structured import check_after, check_shape
+
 # Largest top-N logprobs a request may ask for (OpenAI allows 20 for chat).
 MAX_LOGPROBS = 20
 
@@ -33,6 +35,11 @@ class SamplingParams:
     # 0: each prompt token's own logprob and rank; N: also the top N. Such a request skips the
     # prefix cache (cached tokens have no logits to read).
     prompt_logprobs: int | None = None
+    # Structured output: {"type": T, "value": V} (shared/structured.py), or None.
+    structured: dict[str, Any] | None = None
+    # Token ids of a marker (the reasoning end, e.g. "</think>"): when set, the constraint
+    # applies only to the output after the first occurrence of this sequence.
+    structured_after: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +83,16 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.structured is not None:
+            check_shape(self.structured)
+            if self.min_tokens:
+                # A grammar may end before min_tokens, and then nothing may be sampled.
+                raise ValueError(
+                    "min_tokens cannot be combined with a structured output constraint"
+                )
+        check_after(self.structured_after)
+        if self.structured_after is not None and self.structured is None:
+            raise ValueError("structured_after needs a structured output constraint")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

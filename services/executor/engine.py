@@ -21,6 +21,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from voltserve.services.executor.batcher import Batcher
@@ -56,7 +58,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig, runner=None, grammar_pool=None):
+        """grammar_pool: a GrammarCompilerPool (grammar.py) for structured outputs; None: one
+        is made on the first structured request, from the model folder's tokenizer."""
         if runner is None:
             from voltserve.services.executor.model_runner import ModelRunner
 
@@ -96,6 +100,10 @@ class LLMEngine:
         self._awaiting_first_token: set[str] = set()
         self._generation_tokens_total = 0
         self._generate_calls = 0
+        # Structured outputs: requests whose grammar is compiling (off this thread) wait here,
+        # outside the batcher, and join its waiting queue once compiled; nothing else waits.
+        self._grammar_pool = grammar_pool
+        self._compiling: dict[str, tuple[Request, Future]] = {}
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -130,6 +138,12 @@ class LLMEngine:
                 f"request {request_id!r}: logit_bias token ids {sorted(bad_bias)} are outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        bad_after = [t for t in params.structured_after or () if t >= self.vocab_size]
+        if bad_after:
+            raise ValueError(
+                f"request {request_id!r}: structured_after token ids {bad_after} are outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
         num_tokens = len(prompt) + len(output)
         if num_tokens >= self.max_model_len:
             raise ValueError(
@@ -160,7 +174,67 @@ class LLMEngine:
         request.max_output_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
         self.requests[request_id] = request
         self._awaiting_first_token.add(request_id)
+        if params.structured is not None:
+            self._compiling[request_id] = (request, self._grammars().submit(params.structured))
+            return
         self.batcher.add(request)
+
+    # ---- structured outputs ------------------------------------------------------------------
+
+    def _grammars(self):
+        if self._grammar_pool is None:
+            from voltserve.services.executor.grammar import GrammarCompilerPool
+
+            source = getattr(self.runner, "tokenizer_source", None) or self.config.model
+            self._grammar_pool = GrammarCompilerPool(source, self.vocab_size, self.eos_token_ids)
+        return self._grammar_pool
+
+    def _admit_compiled(self, wait: float = 0.0) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the batcher; those whose grammar
+        failed end with an error. wait: seconds to block for one to finish (nothing else to
+        do)."""
+        if wait > 0:
+            futures.wait(
+                [f for _, f in self._compiling.values()],
+                timeout=wait,
+                return_when=futures.FIRST_COMPLETED,
+            )
+        errors: list[RequestOutput] = []
+        for rid, (req, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            try:
+                from voltserve.services.executor.grammar_state import GrammarState
+
+                state = GrammarState(fut.result(), req.stop_token_set, req.params.structured_after)
+                bad = state.catch_up(req.output_token_ids)
+                if bad is not None:
+                    raise ValueError(
+                        f"output token {bad} ({req.output_token_ids[bad]}) given with the "
+                        "request does not follow its structured output constraint"
+                    )
+            except Exception as e:  # noqa: BLE001 - any failure ends this request, not the engine
+                logger.warning("request %s: structured output constraint failed: %s", rid, e)
+                errors.append(self._error_output(req, f"{e}", 400))
+                continue
+            req.grammar = state
+            self.batcher.add(req)
+        return errors
+
+    def _error_output(self, req: Request, message: str, status: int) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self._awaiting_first_token.discard(req.request_id)
+        out = RequestOutput(
+            req.request_id,
+            [],
+            None,
+            "error",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        out.error, out.error_status = message, status
+        return out
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Finish the given requests now and free their blocks. Unknown or finished ids are
@@ -172,7 +246,11 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            self.batcher.abort(req)
+            if self._compiling.pop(rid, None) is not None:
+                req.status = RequestStatus.FINISHED  # never reached the batcher
+                req.finish_reason = "abort"
+            else:
+                self.batcher.abort(req)
             self._awaiting_first_token.discard(rid)
             outputs.append(
                 RequestOutput(
@@ -196,8 +274,14 @@ class LLMEngine:
         # While a pipelined decode step is in flight, admitting a request would discard it
         # (decode_pipeline.py): admit on the step after, which launches nothing ahead.
         pipeline = self._pipeline
+        early = self._admit_compiled() if self._compiling else None
         plan = self.batcher.schedule(admit=pipeline is None or pipeline.may_admit())
         if not plan.scheduled:
+            if early:
+                return early
+            if self._compiling:
+                # Only grammars being compiled: wait a little for one instead of spinning.
+                return self._admit_compiled(wait=0.005)
             if self.requests and not self.batcher.running:
                 # Cannot happen with max_model_len capped at the KV capacity; be loud if it does.
                 raise RuntimeError(
@@ -212,7 +296,7 @@ class LLMEngine:
             self._store_prompt_logprobs(prompt_lp)
         # The sampler's greedy fast path hands back bare ids: no SampledToken per row.
         ids = sampled.token_ids if type(sampled) is SampledIds else None
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = early or []
         append = outputs.append
         any_finished = False
         i = 0
@@ -251,6 +335,28 @@ class LLMEngine:
                 reason = "length"
             else:
                 reason = None
+            g = req.grammar
+            if g is not None:
+                if not g.accept(token):
+                    # The sampler drew this token under the grammar's own mask: a bug.
+                    logger.error(
+                        "request %s: the grammar matcher rejected token %d at output position "
+                        "%d, which its own mask allowed",
+                        rid,
+                        token,
+                        len(out_ids) - 1,
+                    )
+                    self.batcher.finish(req, "error")
+                    del self.requests[rid]
+                    any_finished = True
+                    append(
+                        self._error_output(
+                            req, "internal error: the structured output matcher failed", 500
+                        )
+                    )
+                    continue
+                if reason is None and g.terminated:
+                    reason = "stop"
             if reason is not None:
                 self.batcher.finish(req, reason)
                 del self.requests[rid]
@@ -306,7 +412,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.batcher.running),
-            num_waiting=len(self.batcher.waiting),
+            num_waiting=len(self.batcher.waiting) + len(self._compiling),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,

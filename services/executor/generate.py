@@ -17,9 +17,13 @@ from voltserve.shared.sampling_params import SamplingParams
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="voltserve generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="Hugging Face model folder")
+    ap.add_argument("--model", required=True, help="Hugging Face model folder or GGUF file")
     ap.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
+    )
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    ap.add_argument(
+        "--quantization", default=None, choices=["awq", "gptq", "compressed-tensors", "gguf"]
     )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens", type=int, default=0)
@@ -43,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     # Heavy imports after argument parsing, so --help is instant.
-    from transformers import AutoTokenizer
     from voltserve.services.executor.engine import LLMEngine
+    from voltserve.services.renderer.render import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model, args.tokenizer)
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -57,6 +61,7 @@ def main(argv: list[str]) -> None:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         seed=args.seed if args.seed is not None else 0,
+        quantization=args.quantization,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,

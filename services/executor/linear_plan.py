@@ -166,11 +166,12 @@ def model_linear_weights(
         out.setdefault((kind, w.shape[0], w.shape[1]), []).append((w, b))
 
     for m in model.modules():
-        # Only the plain Linear: a quantized subclass has its own forward (no GEMV choice).
-        if type(m) is Linear:
-            add(GATE_UP if id(m) in gate_up_ids else LINEAR, m.weight, m.bias)
+        # Only linears with a float weight: a quantized method runs its own kernels.
+        w = m.method.dense_weight(m) if isinstance(m, Linear) else None
+        if w is not None:
+            add(GATE_UP if id(m) in gate_up_ids else LINEAR, w, m.bias)
     head = getattr(model, "lm_head_weight", None)
-    if callable(head):
+    if callable(head) and head() is not None:
         add(LINEAR, head(), None)
     return out
 

@@ -15,6 +15,9 @@ import torch
 from safetensors import safe_open
 from voltserve.services.executor.models.layers import Linear
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
+from voltserve.services.executor.quant.base import UNQUANTIZED, QuantFormatError
+from voltserve.services.executor.quant.detect import quant_config
+from voltserve.shared.gguf_files import GGUFError, is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -230,61 +233,82 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def rename_checkpoint_name(name: str, renames: dict[str, str]) -> str:
+    """A checkpoint tensor name in our module paths' spelling (model.checkpoint_renames)."""
+    for theirs, ours in renames.items():
+        name = name.replace(theirs, ours)
+    return name
+
+
 @dataclass
 class _Target:
-    module: Any  # a Linear or FusedExperts (has load_weight); None: a plain parameter, copied whole
-    param: torch.nn.Parameter
+    # A Linear or a module naming its own tensors (FusedExperts; both have load_weight);
+    # None: a plain parameter, copied whole.
+    module: Any
+    param: torch.nn.Parameter | None  # None: a linear's tensor (its method loads it)
     param_name: str
     shard: str | int | None
 
 
-def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
-    """Checkpoint tensor name -> where it goes."""
+def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
+    """Checkpoint tensor name -> where it goes, and the names that may be absent. A linear's
+    tensors are the ones its method reads, per shard (weight [, bias]; qweight, scales, ...)."""
     out: dict[str, _Target] = {}
+    optional: set[str] = set()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    reverse = {ours: [] for ours, _ in LlamaForCausalLM.stacked_params.values()}
-    for ckpt, (ours, shard) in LlamaForCausalLM.stacked_params.items():
-        reverse[ours].append((ckpt, shard))
-    # Modules that name their own checkpoint tensors (the stacked MoE experts).
+    renames = getattr(model, "checkpoint_renames", {})
+    reverse: dict[str, list[str]] = {}
+    for ckpt, (ours, _) in LlamaForCausalLM.stacked_params.items():
+        reverse.setdefault(ours, []).append(ckpt)
+    for mod_name, lin in linears.items():
+        required, maybe = lin.method.checkpoint_tensors(lin)
+        prefixes = lin.prefixes
+        if not prefixes:
+            # a Linear built without checkpoint names: its module path (merged ones through
+            # stacked_params, in shard order)
+            parent, _, leaf = mod_name.rpartition(".")
+            prefixes = [f"{parent}.{c}" for c in reverse[leaf]] if leaf in reverse else [mod_name]
+        for prefix, shard in zip(prefixes, lin.shard_offsets, strict=True):
+            # the loader renames checkpoint names before looking them up; so are the targets
+            prefix = rename_checkpoint_name(prefix, renames)
+            for pname in required + maybe:
+                out[f"{prefix}.{pname}"] = _Target(lin, None, pname, shard)
+            optional.update(f"{prefix}.{p}" for p in maybe)
+    # Modules that name their own checkpoint tensors (the stacked MoE experts), by module path.
     own = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_params")}
     for mod_name, m in own.items():
         for rel, (pname, shard) in m.checkpoint_params().items():
             out[f"{mod_name}.{rel}"] = _Target(m, getattr(m, pname), pname, shard)
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
-        if mod_name in own:
-            continue
-        lin = linears.get(mod_name)
-        if lin is None:
+        if mod_name not in linears and mod_name not in own:
             out[name] = _Target(None, param, pname, None)
-            continue
-        parent, _, leaf = mod_name.rpartition(".")
-        if leaf in reverse:
-            for ckpt_leaf, shard in reverse[leaf]:
-                out[f"{parent}.{ckpt_leaf}.{pname}"] = _Target(lin, param, pname, shard)
-        else:
-            out[name] = _Target(lin, param, pname, None)
-    return out
+    return out, optional
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the folder's safetensors; raise on anything missing."""
+def load_weights(
+    model: LlamaForCausalLM,
+    model_dir: str | Path,
+    tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
+) -> None:
+    """Fill every parameter of `model` from the folder's safetensors (or from `tensors`, named as
+    in a Hugging Face checkpoint); raise on anything missing. Then each linear's method converts
+    what it loaded into its kernels' form."""
     d = Path(model_dir)
-    targets = _targets(model)
+    targets, optional = _targets(model)
     loaded: set[str] = set()
     ignored: list[str] = []
     renames = getattr(model, "checkpoint_renames", {})
-    for name, tensor in iter_tensors(weight_files(d)):
-        for theirs, ours in renames.items():
-            name = name.replace(theirs, ours)
+    for ckpt_name, tensor in tensors if tensors is not None else iter_tensors(weight_files(d)):
+        name = rename_checkpoint_name(ckpt_name, renames)
         t = targets.get(name)
         if t is None:
             # rotary_emb.inv_freq (old exports), lm_head.weight of a tied model: derived, not loaded.
-            ignored.append(name)
+            ignored.append(ckpt_name)
             continue
-        if tensor.is_floating_point():
-            # bf16/fp32 checkpoints are converted to the run dtype; integer tensors (packed
-            # quantized weights) are handed to their linear's load_weight untouched.
+        if tensor.is_floating_point() and t.param is not None:
+            # bf16/fp32 checkpoints are converted to the run dtype; a linear's method converts
+            # its own tensors (packed codes stay integers, scales are widened to fp32).
             tensor = tensor.to(t.param.dtype)
         try:
             if t.module is not None:
@@ -297,14 +321,27 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             else:
                 t.param.data.copy_(tensor)
         except ValueError as e:
-            raise ModelLoadError(f"tensor {name!r} in {d}: {e}") from e
+            raise ModelLoadError(f"tensor {ckpt_name!r} in {d}: {e}") from e
+        except KeyError as e:
+            raise ModelLoadError(f"tensor {ckpt_name!r} in {d}: {e.args[0]}") from e
         loaded.add(name)
-    missing = sorted(set(targets) - loaded)
+    missing = sorted(set(targets) - loaded - optional)
     if missing:
         shown = missing[:8] + ([f"... {len(missing) - 8} more"] if len(missing) > 8 else [])
         raise ModelLoadError(f"{d} lacks weight tensors: {shown}")
     if ignored:
         logger.info("ignored %d checkpoint tensors, e.g. %s", len(ignored), ignored[:3])
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            try:
+                m.method.process_after_loading(m)
+            except ValueError as e:
+                raise ModelLoadError(f"linear {name!r} ({', '.join(m.prefixes)}): {e}") from e
+        elif hasattr(m, "checkpoint_params"):
+            try:
+                m.method.process_after_loading(m)
+            except ValueError as e:
+                raise ModelLoadError(f"experts {name!r}: {e}") from e
 
 
 def _log_expert_memory(model: LlamaForCausalLM, arch: ModelArch) -> None:
@@ -334,15 +371,45 @@ class LoadedModel:
     hf_config: dict[str, Any]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    hf = read_hf_config(model_dir)
-    arch = parse_arch(hf)
-    src = checkpoint_dtype(hf)
-    if src is not None and src != dtype:
-        logger.info("converting %s weights to %s on load", src, dtype)
-    with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype)
-    load_weights(model, model_dir)
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """A Hugging Face folder or a GGUF checkpoint; `quantization` forces (and checks) the
+    method that config.json or the GGUF path implies."""
+    tensors = None
+    try:
+        if is_gguf(model_dir):
+            from voltserve.services.executor.gguf_source import GGUFSource
+
+            if quantization not in (None, "gguf"):
+                raise QuantFormatError(
+                    f"--quantization {quantization} was given, but the model is a GGUF file"
+                )
+            source = GGUFSource(model_dir)
+            hf, quant, eos = source.config, source.quant, source.eos_token_ids()
+            tensors = source.iter_tensors()
+        else:
+            hf = read_hf_config(model_dir)
+            legacy = Path(model_dir) / "quantize_config.json"
+            if "quantization_config" not in hf and legacy.is_file():
+                # AutoGPTQ's older exports keep the GPTQ settings beside config.json
+                hf["quantization_config"] = {"quant_method": "gptq", **read_json(legacy)}
+            quant = quant_config(hf, quantization)
+            eos = read_eos_token_ids(model_dir, hf)
+            src = checkpoint_dtype(hf)
+            if src is not None and src != dtype and quant is UNQUANTIZED:
+                logger.info("converting %s weights to %s on load", src, dtype)
+        arch = parse_arch(hf)
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, dtype, quant)
+    except (QuantFormatError, GGUFError) as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
+    if quant is not UNQUANTIZED:
+        logger.info("quantization: %s", quant.describe())
+    load_weights(model, model_dir, tensors)
     model.eval()
     _log_expert_memory(model, arch)
-    return LoadedModel(model, arch, dtype, read_eos_token_ids(model_dir, hf), hf)
+    return LoadedModel(model, arch, dtype, eos, hf)

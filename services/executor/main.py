@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve executor", description=__doc__)
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint folder or GGUF file / folder"
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -41,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode batch sizes to capture, comma-separated (default 1,2,4,8,16,24,...)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["awq", "gptq", "compressed-tensors", "gguf"],
+        help="force the quantization method (default: from the checkpoint)",
+    )
+    p.add_argument(
+        "--max-gpu-memory",
+        type=memory_size,
+        default=None,
+        help="GPU memory budget (bytes, or 16GiB / 16GB ...): KV sizing uses min(card, budget)",
+    )
     p.add_argument(
         "--executor-id",
         default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
@@ -74,6 +88,27 @@ def graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9}
+_UNITS.update({"gb": 10**9, "t": 10**12, "tb": 10**12})
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def memory_size(text: str) -> int:
+    """--max-gpu-memory: "17179869184", "16GiB", "16GB", "16g", "1.5 TiB" -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m[2].lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a memory size: {text!r} (bytes, or a number with KB/MB/GB/TB or KiB/MiB/GiB/TiB)"
+        )
+    n = int(float(m[1]) * _UNITS[unit])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
+    return n
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     return EngineConfig(
@@ -90,6 +125,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         seed=args.seed,
+        quantization=args.quantization,
+        max_gpu_memory=args.max_gpu_memory,
     )
 
 

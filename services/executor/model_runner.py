@@ -29,6 +29,7 @@ from voltserve.services.executor.decode_pipeline import (
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.shared import startup
@@ -163,7 +164,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with startup.phase("loading weights", self.startup_times):
-            loaded = load_model(config.model, self.dtype, self.device)
+            loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.eos_token_ids: list[int] = loaded.eos_token_ids
@@ -180,6 +181,7 @@ class ModelRunner:
         # the choice in) and before KV sizing (its buffers are freed by then).
         linear_plan = plan_linears(self.model, self.ops)
         self.ops.linear_plan = linear_plan
+        reserve_quant_scratch(self.model, self.ops)
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         why_not = self._why_no_graphs(graph_batch) if use_graphs else "enforce_eager or CPU"
         if use_graphs and why_not is not None:
@@ -229,12 +231,13 @@ class ModelRunner:
             if pipeline_enabled():
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
-            "model %s (%s) on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
             self.arch.architecture,
             self.dtype,
             self.device,
             self.num_kv_blocks,
             self.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block() / 2**30,
             self.max_model_len,
         )
         startup.logger.info(
@@ -352,11 +355,15 @@ class ModelRunner:
         activation = max(0, peak - weights - tmp_bytes)
         free, total = torch.cuda.mem_get_info()
         non_torch = total - free - torch.cuda.memory_reserved()
+        card = total
+        if self.config.max_gpu_memory is not None:
+            total = min(total, self.config.max_gpu_memory)
         budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
         logger.info(
-            "memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+            "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
             "other %.2f GiB -> KV budget %.2f GiB",
             total / 2**30,
+            card / 2**30,
             weights / 2**30,
             activation / 2**30,
             non_torch / 2**30,

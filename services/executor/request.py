@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from voltserve.shared.sampling_params import SamplingParams
 
@@ -44,6 +45,9 @@ class Request:
     # params.prompt_logprobs: prompt position -> its entry, filled as prefill chunks run (a
     # recomputation after preemption overwrites); sent with the first sampled token.
     prompt_lp: dict[int, dict] | None = None
+    # Structured output: the request's GrammarState (grammar_state.py) once its grammar is
+    # compiled; None for an unconstrained request.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -149,6 +153,10 @@ class RequestOutput:
     # the first): {"logprob", "rank", "top": [[token_id, logprob], ...]}.
     prompt_logprobs: list[dict | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs
+    # Set when the request ended with an error instead of tokens (finish_reason "error"): the
+    # service sends the client a RequestError with this message and HTTP status.
+    error: str | None = None
+    error_status: int = 400
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,17 @@ is the argmax of the raw logits when no bias, penalty or mask applies.
 
 Logprobs are log_softmax of the RAW model logits (before bias, penalties, temperature and
 truncation), which is what vLLM returns by default (logprobs_mode="raw_logprobs").
+
+Structured outputs: a constrained row's grammar mask comes first, on the logits themselves
+(tokens the grammar forbids become -inf), before bias, penalties and the sampling rule, as in
+vLLM, where the grammar bitmask is applied to the logits before the sampler sees them. So its
+logprobs are those of the masked distribution (renormalised over the allowed tokens; forbidden
+tokens never appear among the top N), which is also what vLLM returns. The masks are filled on
+the host (xgrammar) after the step's forward was launched and before anything here waits for
+the device, so the fill overlaps the GPU's forward; one copy moves them to the device and one
+kernel (kernels/grammar_mask.py) applies them to the constrained rows only. A constrained row's
+draw still depends only on its seed and output position (the mask changes which tokens can win,
+not the noise), so seeded structured requests are batch-invariant too.
 """
 
 from __future__ import annotations
@@ -46,7 +57,13 @@ def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that adjusts the logits and no logprobs: the token is the raw
     logits' argmax (unless min_tokens bans something at this position)."""
     p = r.params
-    return p.greedy and p.logprobs is None and not p.logit_bias and not _has_penalties(r)
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and not _has_penalties(r)
+        and p.structured is None
+    )
 
 
 def plain_argmax_step(reqs: list[Request]) -> bool:
@@ -73,10 +90,18 @@ def _min_tokens_ban(row: SampleRow) -> list[int]:
     return sorted(set(ban))
 
 
+# From this many constrained rows on, xgrammar fills the masks with its own thread pool.
+BATCH_FILL_MIN = 8
+
+
 class Sampler:
     def __init__(self, ops: KernelDispatch, device: torch.device) -> None:
         self.ops = ops
         self.device = device
+        # Host bitmask rows of the constrained requests ([rows, ceil(V / 32)] int32; pinned on
+        # CUDA so the copy to the device is asynchronous). Grown on demand.
+        self._mask_host: torch.Tensor | None = None
+        self._batch_matcher = None
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Small per-step tensors: pinning them would cost more (cudaHostAlloc) than it saves.
@@ -117,6 +142,7 @@ class Sampler:
             return SampledIds(logits.argmax(dim=-1).tolist())
         N, V = logits.shape
         logits = logits.float()  # a no-op for fp32 logits (then work's clone is the one copy)
+        self._apply_grammar(logits, rows, V)
         work = logits.clone()
         self._apply_bias_and_bans(work, rows, V)
         self._apply_penalties(work, rows, V)
@@ -134,6 +160,42 @@ class Sampler:
         if not want:
             return [SampledToken(int(t)) for t in ids.tolist()]
         return self._with_logprobs(logits, ids, rows, want)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], V: int) -> None:
+        """-inf on the tokens each active grammar forbids (in place, constrained rows only)."""
+        idx = [
+            i for i, row in enumerate(rows) if (g := row.request.grammar) is not None and g.active
+        ]
+        if not idx:
+            return
+        M, W = len(idx), (V + 31) // 32
+        host = self._mask_host
+        if host is None or host.shape[0] < M or host.shape[1] != W:
+            cap = max(M, 2 * host.shape[0] if host is not None else 16)
+            pin = self.device.type == "cuda"
+            host = self._mask_host = torch.empty(cap, W, dtype=torch.int32, pin_memory=pin)
+        grammars = [rows[i].request.grammar for i in idx]
+        for g, i in zip(grammars, idx):
+            if g.position != rows[i].output_pos:
+                raise RuntimeError(
+                    f"request {rows[i].request.request_id}: its grammar has seen {g.position} "
+                    f"output tokens but the sampler is at output position {rows[i].output_pos}"
+                )
+        if M >= BATCH_FILL_MIN:
+            if self._batch_matcher is None:
+                import xgrammar as xgr
+
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [g.matcher for g in grammars], host, list(range(M))
+            )
+        else:
+            for m, g in enumerate(grammars):
+                g.fill(host, m)
+        mask = host[:M]
+        if self.device.type != "cpu":
+            mask = mask.to(self.device, non_blocking=True)
+        self.ops.apply_token_bitmask(logits, mask, self._tensor(idx, torch.int64))
 
     def _apply_bias_and_bans(self, work: torch.Tensor, rows: list[SampleRow], V: int) -> None:
         r_idx: list[int] = []

@@ -38,6 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-model-len", type=int, default=None)
     add_tool_flags(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     add_log_level_flag(p)
     return p.parse_args(argv)
 
@@ -75,7 +76,7 @@ def tool_flags_argv(args: argparse.Namespace) -> list[str]:
 def build_state(args: argparse.Namespace) -> GatewayState:
     # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
     with startup.fatal_errors("gateway", also=(OSError,)):
-        renderer = Renderer(args.model, args.max_model_len)
+        renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
     try:

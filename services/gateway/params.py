@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voltserve.services.gateway.errors import bad_request
+from voltserve.services.gateway.structured import parse_structured
 from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
@@ -160,6 +161,9 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {plp}", "prompt_logprobs"
             )
         p.prompt_logprobs = plp
+    # Structured outputs (response_format, structured_outputs, guided_*): services/gateway/
+    # structured.py; the renderer validates the grammar itself.
+    p.structured = parse_structured(body)
     return spec
 
 
@@ -213,12 +217,6 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     spec.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
     spec.chat_template_kwargs = _get(body, "chat_template_kwargs", (dict,), None)
-    fmt = _get(body, "response_format", (dict,), None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r} is not supported (only 'text')",
-            "response_format",
-        )
     # tools, tool_choice and parallel_tool_calls: tools.plan_chat (it needs the server's flags).
     return _validate(spec)
 

@@ -79,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--consumer-name", default=None, help="default: host-pid")
     metrics.add_metrics_port_flag(p)
     add_log_level_flag(p)
@@ -88,7 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
     with startup.fatal_errors("renderer", also=(OSError,)):
-        renderer = Renderer(args.model, args.max_model_len)
+        renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
     redis = streams.connect(args.redis_url)
     service = RendererService(redis, renderer)
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"

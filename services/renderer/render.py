@@ -8,22 +8,30 @@ lengths; a max_tokens the client did not give is lowered to the remaining contex
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from pathlib import Path
 from typing import Any
 
 from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError, from_tokenizer
+from voltserve.shared import gguf_files
+from voltserve.shared.gguf_files import is_gguf
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
 from voltserve.shared.sampling_params import SamplingParams
+from voltserve.shared.structured import ConstraintError, check_shape, to_grammar
 
 SEED_MASK = (1 << 63) - 1
 
 
-def load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The tokenizer folder `tokenizer` when given, else the model's: its folder, or the
+    tokenizer a GGUF file carries in its metadata."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+    if tokenizer is None and is_gguf(model):
+        return gguf_files.load_tokenizer(model)
+    return AutoTokenizer.from_pretrained(tokenizer or model)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -34,6 +42,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def model_max_len(model: str) -> int:
+    if is_gguf(model):
+        return gguf_files.context_length(model)
     cfg = _read_json(Path(model) / "config.json")
     cfg = {**cfg.get("text_config", {}), **cfg}
     for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions"):
@@ -43,7 +53,12 @@ def model_max_len(model: str) -> int:
 
 
 def eos_token_ids(model: str, tokenizer: Any) -> list[int]:
-    """generation_config.json's eos_token_id, else config.json's, else the tokenizer's."""
+    """generation_config.json's eos_token_id, else config.json's, else the tokenizer's (a GGUF
+    file: its metadata's eos / eot ids)."""
+    if is_gguf(model):
+        ids = gguf_files.eos_token_ids(model)
+        if ids:
+            return ids
     for name in ("generation_config.json", "config.json"):
         eos = _read_json(Path(model) / name).get("eos_token_id")
         if isinstance(eos, int):
@@ -61,8 +76,16 @@ class RenderFailed(Exception):
 
 
 class Renderer:
-    def __init__(self, model: str, max_model_len: int | None = None, tokenizer: Any = None):
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+    def __init__(
+        self,
+        model: str,
+        max_model_len: int | None = None,
+        tokenizer: Any = None,
+        tokenizer_path: str | None = None,
+    ):
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model, tokenizer_path)
+        self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model_max_len(model)
         self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         self.template: ChatTemplate | None = from_tokenizer(self.tokenizer)
@@ -143,6 +166,8 @@ class Renderer:
         except (TypeError, ValueError) as e:
             raise RenderFailed(400, f"bad sampling parameters: {e}") from e
         self.fit_context(params, len(ids), req.max_tokens_explicit, where)
+        if params.structured is not None:
+            check_constraint(params.structured)
         params.eos_token_ids = list(self.eos_token_ids)
         try:
             params.validate()
@@ -188,6 +213,29 @@ class Renderer:
                 )
             params.max_tokens = room
             params.min_tokens = min(params.min_tokens, room)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_cached(kind: str, value_json: str) -> str | None:
+    """None when the constraint builds, else the message (cached: clients repeat schemas)."""
+    try:
+        to_grammar({"type": kind, "value": json.loads(value_json)})
+    except ConstraintError as e:
+        return str(e)
+    return None
+
+
+def check_constraint(c: dict[str, Any]) -> None:
+    """Build the constraint's grammar with xgrammar (no vocabulary needed): an invalid schema,
+    regex or grammar is a 400 here, before the request reaches an engine."""
+    try:
+        check_shape(c)
+    except ValueError as e:
+        raise RenderFailed(400, str(e), "response_format") from e
+    msg = _check_cached(c["type"], json.dumps(c["value"]))
+    if msg is not None:
+        param = "response_format" if c["type"] in ("json", "json_object") else "structured_outputs"
+        raise RenderFailed(400, msg, param)
 
 
 def error_for(req: RenderRequest, e: RenderFailed) -> RequestError:

@@ -72,19 +72,22 @@ def test_greedy_and_logprobs_match_transformers(arch: str, runners, rng) -> None
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_engine_batch_with_chunked_prefill_and_preemption(arch: str, rng) -> None:
-    """Five concurrent requests through the real engine: a 24-token budget chunks every prompt,
-    and 10 KV blocks cannot hold all five, so some are preempted and recomputed."""
+    """Five concurrent requests through the real engine: a 24-token budget chunks every prompt
+    (25-32 tokens), and 10 KV blocks of 16 cannot hold them: each prompt takes 2 blocks and
+    grows to 4 (25 + 34 tokens > 48) before it can finish, and the first three are admitted at
+    once (10 free blocks), so 3 x 4 > 10 forces a preemption whatever the draw (scheduling
+    depends only on the lengths; a draw of 10-40 tokens once needed none)."""
     path = checkpoint(arch)
     engine = LLMEngine(
         EngineConfig(model=str(path), num_kv_blocks=10, max_num_batched_tokens=24, max_num_seqs=5)
     )
     V = len(tokenizer())
-    prompts = [[rng.randrange(V) for _ in range(rng.randint(10, 40))] for _ in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(25, 32))] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=34, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert engine.stats().num_preemptions_total > 0
     for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(path, prompt, 14)[0], f"{arch}: prompt of {len(prompt)} tokens"
+        assert got == hf_greedy(path, prompt, 34)[0], f"{arch}: prompt of {len(prompt)} tokens"
     assert engine.check_all_free()
 
 
@@ -149,6 +152,37 @@ def test_moe_loader_errors_name_the_tensor_or_field(tmp_path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="num_experts_per_tok 7 must be in 1..num_experts 6"):
         load_model(d, torch.float32, CPU)
+
+
+def test_moe_linears_carry_checkpoint_names_and_quantized_experts_are_refused() -> None:
+    """The router, shared expert and its gate are Linears named as in the checkpoint (so a
+    quantization config picks their methods; Mixtral's block is block_sparse_moe); experts a
+    config quantizes are refused naming the tensor, until an int4 experts method exists."""
+    from voltserve.services.executor.loader import parse_arch, read_hf_config
+    from voltserve.services.executor.quant.awq import AWQConfig
+    from voltserve.services.executor.quant.base import QuantFormatError
+    from voltserve.services.executor.quant.group import GroupQuantMethod
+
+    mx = load_model(checkpoint("mixtral"), torch.float32, CPU).model.model.layers[1].mlp
+    assert mx.gate.prefixes == ["model.layers.1.block_sparse_moe.gate"]
+    q2 = load_model(checkpoint("qwen2_moe"), torch.float32, CPU).model.model.layers[1].mlp
+    assert q2.shared_expert.gate_up_proj.prefixes == [
+        "model.layers.1.mlp.shared_expert.gate_proj",
+        "model.layers.1.mlp.shared_expert.up_proj",
+    ]
+    assert q2.shared_expert_gate.prefixes == ["model.layers.1.mlp.shared_expert_gate"]
+    arch = parse_arch(read_hf_config(checkpoint("qwen2_moe")))
+    awq = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"})
+    with pytest.raises(
+        QuantFormatError, match=r"model\.layers\.1\.mlp\.experts\.0\.\w+: quantized"
+    ):
+        SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
+    # experts left float by the config (AutoAWQ's modules_to_not_convert): the router and the
+    # shared expert are quantized, the experts stay float
+    awq.skip = ["experts", "gate"]
+    moe = SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
+    assert type(moe.experts.method).__name__ == "UnquantizedExperts"
+    assert isinstance(moe.shared_expert.down_proj.method, GroupQuantMethod)
 
 
 def test_start_up_log_states_expert_memory(caplog) -> None:

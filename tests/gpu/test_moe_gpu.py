@@ -222,3 +222,24 @@ def test_graph_decode_equals_eager_fp16(arch: str) -> None:
         assert ra.output_token_ids == rb.output_token_ids
         for ta, tb in zip(ra.trace, rb.trace):
             assert abs(ta.logprob - tb.logprob) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_start_up_compile_phase_covers_the_moe_kernels(dtype: str) -> None:
+    """The compile phase (services/executor/kernel_warmup.py) traces the MoE kernels (routing
+    top-k, the fused decode pair at graph sizes <= 8, the grouped pair beyond and in the
+    prefill profile), so graph capture compiles nothing."""
+    from voltserve.services.executor import kernel_warmup
+
+    runner = _runner("qwen3_moe", dtype, eager=False)
+    assert runner.graphs is not None and runner.compile_report is not None
+    assert runner.compiled_in_capture == [], runner.compiled_in_capture
+    traced = {d.py_func.__qualname__ for d, _ in kernel_warmup.trace(runner, 16)}
+    want = {
+        "moe_topk_kernel",
+        "moe_decode_gate_up_kernel",
+        "moe_decode_down_kernel",
+        "moe_grouped_gate_up_kernel",
+        "moe_grouped_down_kernel",
+    }
+    assert want <= traced, sorted(traced)

@@ -239,7 +239,7 @@ async def test_ranges(http, vocab: int) -> None:
         (chat(logprobs=False, top_logprobs=2), "top_logprobs"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat(max_completion_tokens=0), "max_completion_tokens"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "xml"}), "response_format"),
         (chat(tool_choice="required"), "tool_choice"),
         (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
         (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),

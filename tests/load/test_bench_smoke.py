@@ -242,6 +242,51 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     assert (tmp_path / "serving_server.log").exists()
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
+)
+def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
+    """--compare-structured: the same prompts plain and with a json_schema response_format
+    against one server; the constrained requests run their full length too."""
+    model = tmp_path / "demo"
+    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    out = tmp_path / "structured.json"
+    _run(
+        [
+            "load_tests/bench_serving.py",
+            "--launch",
+            str(model),
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--compare-structured",
+            "--temperature",
+            "1.0",
+            "--launch-timeout",
+            "180",
+            "--no-plots",
+            "--out",
+            str(out),
+            "--",
+            "--device",
+            "cpu",
+        ],
+        timeout=400,
+    )
+    d = json.loads(out.read_text())
+    assert d["errors"] == {}
+    for name, structured in (("http", False), ("http_structured", True)):
+        m = d[name]
+        assert m["structured"] is structured
+        assert m["completed"] == 4 and m["failed"] == 0, m.get("errors")
+        assert m["total_output_tokens"] == 32 and m["output_tokens_short"] == 0
+    cost = d["structured_cost"]
+    assert cost["output_throughput_ratio"] > 0 and cost["median_itl_ms_diff"] is not None
+
+
 def test_profile_serving_steps_cpu_smoke(tmp_path):
     model = tmp_path / "model"
     common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)

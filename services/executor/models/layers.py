@@ -1,9 +1,9 @@
 """Small layers shared by the model files: linears that know how to load their checkpoint shards,
 RMSNorm, the attention metadata of a flat batch.
 
-Quantization seam: every linear loads through `load_weight(param_name, shard, tensor)`. A
-quantized linear (AWQ/GPTQ int4, FP8, ...) subclasses `Linear`, declares its own parameters
-(qweight, scales, zeros) and overrides `load_weight` and `forward`; the loader stays the same.
+Quantization seam: a Linear delegates its parameters, loading and products to a LinearMethod
+(services/executor/quant/) that its checkpoint's QuantConfig picks from the linear's checkpoint
+names: the plain float weight (UnquantizedMethod), AWQ/GPTQ/compressed-tensors/GGUF codes, ...
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.linear_plan import (
-    GEMV,
-    GEMV_GATE_UP,
-    MAX_ROWS,
-    gate_up_impl,
-    linear_impl,
-)
+from voltserve.services.executor.linear_plan import GEMV, MAX_ROWS, linear_impl
+from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, UnquantizedMethod
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
 # the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
@@ -50,17 +45,9 @@ def linear(
 
 def gate_up_silu(x: torch.Tensor, gate_up: Linear, ops: KernelDispatch) -> torch.Tensor:
     """silu_and_mul(gate_up(x)): the gated MLP's first half. Decode-sized inputs may run it as
-    one gemv_gate_up launch (silu_and_mul fused into the GEMV's output), as the plan says."""
-    if type(gate_up) is not Linear or x.dim() != 2:
-        # A quantized linear has its own forward; keep the unfused path for it.
-        return ops.silu_and_mul(gate_up(x, ops))
-    w, b = gate_up.weight, gate_up.bias
-    impl = gate_up_impl(ops, x.shape[0], w.shape[0], w.shape[1])
-    if impl == GEMV_GATE_UP:
-        return ops.gemv_gate_up(x, w, b)
-    if impl == GEMV:
-        return ops.silu_and_mul(ops.gemv(x, w, b))
-    return ops.silu_and_mul(F.linear(x, w, b))
+    one gemv_gate_up launch (silu_and_mul fused into the GEMV's output), as the plan says; a
+    quantized method runs its own (fused or not) variant."""
+    return gate_up.method.apply_gate_up_silu(gate_up, x, ops)
 
 
 @dataclass
@@ -78,7 +65,10 @@ class AttentionMetadata:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Output shards (q/k/v, gate/up) live side by side in one weight."""
+    """y = x W^T (+ b). Output shards (q/k/v, gate/up) live side by side in one weight.
+
+    `prefixes` are the checkpoint names of the shards, in shard order (q_proj, k_proj, v_proj
+    of a merged qkv_proj); `quant` picks the method from them (none: the plain float weight)."""
 
     def __init__(
         self,
@@ -86,6 +76,8 @@ class Linear(nn.Module):
         shard_sizes: dict[str | int | None, int],
         bias: bool,
         dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefixes: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -95,29 +87,21 @@ class Linear(nn.Module):
             self.shard_offsets[shard] = (off, size)
             off += size
         self.out_features = off
-        self.weight = nn.Parameter(torch.empty(off, in_features, dtype=dtype), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(off, dtype=dtype), requires_grad=False) if bias else None
-        )
+        self.prefixes = list(prefixes or [])
+        # Without checkpoint names the linear is a plain float one (loaded by its module path).
+        quant = quant or UNQUANTIZED
+        self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
+        self.method.create_weights(self, bias, dtype)
 
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into its slice; raise naming the shape on a mismatch."""
-        param = getattr(self, param_name, None)
-        if param is None:
-            raise KeyError(f"linear has no parameter {param_name!r}")
-        start, size = self.shard_offsets[shard]
-        target = param.data.narrow(0, start, size)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, "
-                f"model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        """Hand one checkpoint tensor of one shard to the method; it raises naming the shape on
+        a mismatch."""
+        self.method.load(self, param_name, shard, tensor)
 
     def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:
         """Without ops (tests, tools): plain torch. The model passes its ops, so decode-sized
         inputs run the GEMV kernel on CUDA (captured in the decode graphs)."""
-        return linear(x, self.weight, self.bias, ops)
+        return self.method.apply(self, x, ops)
 
 
 class RMSNorm(nn.Module):

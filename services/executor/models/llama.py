@@ -16,10 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
-from voltserve.services.executor.linear_plan import (
-    GEMV,
-    linear_impl,
-)
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
@@ -28,6 +24,7 @@ from voltserve.services.executor.models.layers import (
     linear,
 )
 from voltserve.services.executor.models.moe import SparseMoE
+from voltserve.services.executor.quant.base import QuantConfig
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -82,7 +79,13 @@ class ModelArch:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
@@ -97,8 +100,12 @@ class Attention(nn.Module):
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             arch.qkv_bias,
             dtype,
+            quant,
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
         )
-        self.o_proj = Linear(self.q_size, {None: arch.hidden_size}, arch.o_bias, dtype)
+        self.o_proj = Linear(
+            self.q_size, {None: arch.hidden_size}, arch.o_bias, dtype, quant, [f"{prefix}.o_proj"]
+        )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
 
@@ -116,10 +123,10 @@ class Attention(nn.Module):
         fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
         if fused:
             # One launch: the projection, rotary on q and k, and the KV-cache write.
-            qkv = ops.gemv_qkv_rope(
+            qkv = self.qkv_proj.method.apply_qkv_rope(
+                self.qkv_proj,
                 x,
-                self.qkv_proj.weight,
-                self.qkv_proj.bias,
+                ops,
                 positions,
                 cos_sin_cache,
                 k_cache,
@@ -178,28 +185,38 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> bool:
-        """Decode rows the plan sends to the GEMV kernel, with plain full NeoX rotary (no q/k
-        norm, rotary_dim = head_dim): qkv, rotary and the KV write in one launch. On CUDA only
-        where the fused kernel itself runs (its reference syncs, so no graph could hold it); on
-        CPU the reference, so the CPU tests walk the same path."""
-        w = self.qkv_proj.weight
+        """Decode rows with plain full NeoX rotary (no q/k norm, rotary_dim = head_dim), where
+        the qkv linear's method fuses the projection, rotary and the KV write (the plain weight
+        does for the rows the plan sends to the GEMV kernel)."""
         return (
             meta.is_decode
             and self.q_norm is None
-            and type(self.qkv_proj) is Linear
-            and x.dim() == 2
             and cos_sin_cache.shape[1] == self.head_dim
-            and (ops.impl["gemv_qkv_rope"] == "cuda" or ops.device.type == "cpu")
-            and linear_impl(ops, x.shape[0], w.shape[0], w.shape[1]) == GEMV
+            and self.qkv_proj.method.can_fuse_qkv_rope(self.qkv_proj, x, ops)
         )
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         inter = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, {0: inter, 1: inter}, arch.mlp_bias, dtype)
-        self.down_proj = Linear(inter, {None: arch.hidden_size}, arch.mlp_bias, dtype)
+        self.gate_up_proj = Linear(
+            arch.hidden_size,
+            {0: inter, 1: inter},
+            arch.mlp_bias,
+            dtype,
+            quant,
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        )
+        self.down_proj = Linear(
+            inter, {None: arch.hidden_size}, arch.mlp_bias, dtype, quant, [f"{prefix}.down_proj"]
+        )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
@@ -208,13 +225,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        index: int = 0,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, dtype)
-        # Same call either way: MLP and SparseMoE both map [T, H] -> [T, H] given ops.
-        self.mlp = (
-            SparseMoE.from_arch(arch, dtype) if arch.is_moe_layer(index) else MLP(arch, dtype)
-        )
+        self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn")
+        # Same call either way: MLP and SparseMoE both map [T, H] -> [T, H] given ops. Their
+        # linears are named as in the checkpoint (Mixtral's MoE block is block_sparse_moe).
+        if arch.is_moe_layer(index):
+            block = "block_sparse_moe" if arch.moe_family == "mixtral" else "mlp"
+            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.{block}")
+        else:
+            self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -239,11 +266,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", i)
+            for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
 
@@ -260,11 +296,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, quant: QuantConfig | None = None
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, dtype)
-        # Checkpoint name fragments spelled differently from ours (Mixtral's MoE block).
+        self.model = LlamaModel(arch, dtype, quant, "model")
+        # Checkpoint name fragments spelled differently from our module paths (Mixtral's MoE
+        # block); the loader applies them to checkpoint names and to the linears' prefixes.
         self.checkpoint_renames = (
             {".block_sparse_moe.": ".mlp."} if arch.moe_family == "mixtral" else {}
         )
@@ -273,15 +312,20 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(arch.hidden_size, {None: arch.vocab_size}, False, dtype)
+            self.lm_head = Linear(
+                arch.hidden_size, {None: arch.vocab_size}, False, dtype, quant, ["lm_head"]
+            )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.ops: KernelDispatch | None = None  # set by the runner once the device is known
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The float [vocab, hidden] weight of the lm_head (None: it is quantized)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.method.dense_weight(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -308,5 +352,8 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.
-        logits = linear(x, self.lm_head_weight(), None, ops)
+        if self.lm_head is None:
+            logits = linear(x, self.model.embed_tokens.weight, None, ops)
+        else:
+            logits = self.lm_head(x, ops)
         return logits.float() if fp32_logits else logits

@@ -28,6 +28,12 @@ import torch
 from torch import nn
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.models.layers import Linear, gate_up_silu
+from voltserve.services.executor.quant.base import (
+    UNQUANTIZED,
+    QuantConfig,
+    QuantFormatError,
+    UnquantizedMethod,
+)
 
 # Per family: the checkpoint leaf name of each expert projection -> (our parameter, part):
 # part 0 = gate rows of w13, 1 = up rows of w13, None = w2.
@@ -102,6 +108,26 @@ class UnquantizedExperts(ExpertsMethod):
         return ops.moe_experts(x, layer.w13, layer.w2, topk_weights, topk_ids)
 
 
+def experts_method(
+    quant: QuantConfig | None, prefix: str, names: str, num_experts: int
+) -> ExpertsMethod:
+    """The method for one layer's experts, from what the checkpoint's quantization config says
+    of each expert's projections (checkpoint names, e.g. model.layers.0.mlp.experts.3.up_proj).
+    Every expert of a layer must share one method: they are stored stacked."""
+    quant = quant or UNQUANTIZED
+    if quant is UNQUANTIZED:
+        return UnquantizedExperts()
+    for e in range(num_experts):
+        for leaf in EXPERT_NAMES[names]:
+            name = f"{prefix}.{e}.{leaf}"
+            if not isinstance(quant.method_for([name]), UnquantizedMethod):
+                raise QuantFormatError(
+                    f"{name}: quantized experts ({quant.describe()}) are not supported yet; "
+                    "MoE checkpoints load with float experts only"
+                )
+    return UnquantizedExperts()
+
+
 class FusedExperts(nn.Module):
     """E experts of one layer, stored stacked per layer by its `method` (UnquantizedExperts:
     w13 [E, 2I, H] and w2 [E, H, I]). Checkpoints name each expert's projections separately;
@@ -150,17 +176,33 @@ class SharedExpert(nn.Module):
     """A gated MLP (Qwen2-MoE's shared expert): the same parameter names as the dense MLP, so
     the loader merges gate_proj/up_proj into gate_up_proj the same way."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, {0: inter, 1: inter}, False, dtype)
-        self.down_proj = Linear(inter, {None: hidden}, False, dtype)
+        self.gate_up_proj = Linear(
+            hidden,
+            {0: inter, 1: inter},
+            False,
+            dtype,
+            quant,
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        )
+        self.down_proj = Linear(inter, {None: hidden}, False, dtype, quant, [f"{prefix}.down_proj"])
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(x, self.gate_up_proj, ops), ops)
 
 
 class SparseMoE(nn.Module):
-    """Router + routed experts (+ shared expert): [T, H] -> [T, H]."""
+    """Router + routed experts (+ shared expert): [T, H] -> [T, H]. `prefix` is the block's
+    checkpoint name (model.layers.N.mlp; Mixtral's model.layers.N.block_sparse_moe): its
+    linears carry checkpoint names, so `quant` picks each one's method as for a dense MLP."""
 
     def __init__(
         self,
@@ -173,6 +215,8 @@ class SparseMoE(nn.Module):
         weights_in_dtype: bool = True,
         shared_inter: int = 0,
         names: str = "qwen",
+        quant: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -181,13 +225,24 @@ class SparseMoE(nn.Module):
         # The Qwen routers hand the experts their weights in the activation dtype; Mixtral's
         # stay fp32.
         self.weights_dtype = dtype if weights_in_dtype else None
-        self.gate = Linear(hidden, {None: num_experts}, False, dtype)
-        self.experts = FusedExperts(num_experts, hidden, inter, dtype, names)
-        self.shared_expert = SharedExpert(hidden, shared_inter, dtype) if shared_inter else None
-        self.shared_expert_gate = Linear(hidden, {None: 1}, False, dtype) if shared_inter else None
+        self.gate = Linear(hidden, {None: num_experts}, False, dtype, quant, [f"{prefix}.gate"])
+        method = experts_method(quant, f"{prefix}.experts", names, num_experts)
+        self.experts = FusedExperts(num_experts, hidden, inter, dtype, names, method)
+        self.shared_expert = (
+            SharedExpert(hidden, shared_inter, dtype, quant, f"{prefix}.shared_expert")
+            if shared_inter
+            else None
+        )
+        self.shared_expert_gate = (
+            Linear(hidden, {None: 1}, False, dtype, quant, [f"{prefix}.shared_expert_gate"])
+            if shared_inter
+            else None
+        )
 
     @classmethod
-    def from_arch(cls, arch, dtype: torch.dtype) -> SparseMoE:
+    def from_arch(
+        cls, arch, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = ""
+    ) -> SparseMoE:
         """The MoE block of a ModelArch (models/llama.py) with num_experts > 0."""
         mixtral = arch.moe_family == "mixtral"
         return cls(
@@ -200,6 +255,8 @@ class SparseMoE(nn.Module):
             weights_in_dtype=not mixtral,
             shared_inter=arch.shared_expert_intermediate_size,
             names=arch.moe_family,
+            quant=quant,
+            prefix=prefix,
         )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
@@ -219,4 +276,5 @@ __all__ = [
     "SharedExpert",
     "SparseMoE",
     "UnquantizedExperts",
+    "experts_method",
 ]

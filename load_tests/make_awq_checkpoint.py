@@ -1,0 +1,109 @@
+"""Quantize a float Hugging Face checkpoint folder into AutoAWQ's GEMM format (int4, zero
+point, group g), for benchmarks at real shapes (e.g. the random-weight Llama-3-8B of
+`common.py make-checkpoint`). Round-to-nearest min/max quantization per group (no activation-
+aware search: the weights are random); packing follows AutoAWQ's layout: qweight int32 [K, N/8]
+and qzeros int32 [K/g, N/8] with 8 nibbles per word in the order 0,2,4,6,1,3,5,7, scales fp16
+[K/g, N]. The lm_head and embeddings stay fp16.
+
+    python load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b \
+        --out /tmp/voltserve-llama3-8b-awq --group 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq(v: torch.Tensor) -> torch.Tensor:
+    """[R, N] 4-bit values (int32) -> [R, N/8] int32, nibble i = column 8c + AWQ_ORDER[i]."""
+    R, N = v.shape
+    v = v.view(R, N // 8, 8)
+    out = torch.zeros(R, N // 8, dtype=torch.int64, device=v.device)
+    for i, col in enumerate(AWQ_ORDER):
+        out |= v[:, :, col].long() << (4 * i)
+    # the word's bit pattern as int32 (nibble 7 may set the sign bit, as in AutoAWQ's files)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def quantize(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    N, K = w.shape
+    x = w.float().view(N, K // group, group)
+    lo = x.amin(-1).clamp_max(0)
+    hi = x.amax(-1).clamp_min(0)
+    s = ((hi - lo) / 15).clamp_min(1e-5).half().float()
+    z = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(x / s[..., None]) + z[..., None]).clamp(0, 15).to(torch.int32)
+    return {
+        "qweight": pack_awq(q.view(N, K).t().contiguous()).cpu(),
+        "qzeros": pack_awq(z.to(torch.int32).t().contiguous()).cpu(),
+        "scales": s.t().contiguous().half().cpu(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    src, out = Path(args.src), Path(args.out)
+    marker = out / "voltserve_awq.json"
+    if marker.is_file() and json.loads(marker.read_text()) == {
+        "src": str(src),
+        "group": args.group,
+    }:
+        print(f"{out}: already holds the AWQ g{args.group} checkpoint of {src}")
+        return
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    weight_map: dict[str, str] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                t = st.get_tensor(name)
+                parts = name.rsplit(".", 2)
+                if len(parts) == 3 and parts[1] in LINEARS and parts[2] == "weight":
+                    for k, v in quantize(t.to(args.device), args.group).items():
+                        tensors[f"{parts[0]}.{parts[1]}.{k}"] = v
+                else:
+                    tensors[name] = t
+        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, f.name))
+        print(f"{f.name}: {len(tensors)} tensors")
+    if (src / "model.safetensors.index.json").is_file():
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": args.group,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "voltserve_preset.json").unlink(missing_ok=True)
+    marker.write_text(json.dumps({"src": str(src), "group": args.group}))
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""GGUF checkpoints as a model source, the torch-free half: which files a `--model` path names,
+the architecture and hyper-parameters from the metadata as a Hugging Face config dict, the eos
+ids, and the tokenizer (transformers builds one from `tokenizer.ggml.*`). The renderer and the
+gateway use this; the executor's tensor side is services/executor/gguf_source.py.
+
+A path is a GGUF checkpoint when it is a `.gguf` file or a folder holding one. A split file
+(`name-00001-of-00003.gguf`) brings its siblings; the metadata lives in the first.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+# GGUF general.architecture -> Hugging Face architecture and model_type.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+class GGUFError(ValueError):
+    """The GGUF checkpoint is unusable; the message names the file, key or tensor."""
+
+
+def gguf_files(path: str | Path) -> list[Path] | None:
+    """The GGUF files of a model path, first (metadata) file first; None: not a GGUF path."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        first = p
+    elif p.is_dir():
+        found = sorted(p.glob("*.gguf"))
+        if not found:
+            return None
+        firsts = [
+            f for f in found if not _SPLIT.match(f.name) or _SPLIT.match(f.name)["i"] == "00001"
+        ]
+        if len(firsts) != 1:
+            raise GGUFError(
+                f"{p} holds several GGUF models ({[f.name for f in firsts]}); "
+                "pass the file itself as --model"
+            )
+        first = firsts[0]
+    else:
+        return None
+    m = _SPLIT.match(first.name)
+    if m is None:
+        return [first]
+    n = int(m["n"])
+    files = [first.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise GGUFError(f"split GGUF {first.name} lacks its parts {missing}")
+    return files
+
+
+def is_gguf(path: str | Path) -> bool:
+    try:
+        return gguf_files(path) is not None
+    except GGUFError:
+        return True
+
+
+def _value(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    v = field.contents()
+    return v
+
+
+def read_metadata(path: str | Path, keys: list[str] | None = None) -> dict[str, Any]:
+    """The first file's metadata (every key, or the ones named), without tensor data."""
+    import gguf
+
+    files = gguf_files(path)
+    if files is None:
+        raise GGUFError(f"{path} is not a GGUF file or a folder holding one")
+    reader = gguf.GGUFReader(str(files[0]))
+    names = keys if keys is not None else list(reader.fields)
+    out = {}
+    for k in names:
+        if (
+            k.startswith("tokenizer.ggml.")
+            and keys is None
+            and k
+            in (
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type",
+                "tokenizer.ggml.scores",
+            )
+        ):
+            continue  # large lists; read them where needed
+        out[k] = _value(reader, k)
+    return out
+
+
+def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> dict[str, Any]:
+    """A Hugging Face config.json dict from GGUF metadata (llama, qwen2, qwen3)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    hf_arch, model_type = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = ...) -> Any:
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            if default is ...:
+                raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+            return default
+        return v
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = get("attention.key_length", None) or get("rope.dimension_count", None)
+    head_dim = int(head_dim) if head_dim else hidden // heads
+    rope_dim = get("rope.dimension_count", None)
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(get("vocab_size", None) or n_vocab or 0),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output,
+        "hidden_act": "silu",
+    }
+    if rope_dim and int(rope_dim) != head_dim:
+        cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
+    kind = get("rope.scaling.type", None)
+    if kind not in (None, "none"):
+        factor = float(get("rope.scaling.factor", 1.0))
+        if kind == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif kind == "yarn":
+            cfg["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": int(
+                    get("rope.scaling.original_context_length")
+                ),
+            }
+        else:
+            raise GGUFError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported")
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        v = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if v is not None:
+            cfg[key] = int(v)
+    return cfg
+
+
+def eos_token_ids(path: str | Path) -> list[int]:
+    meta = read_metadata(path, ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"])
+    ids = [int(v) for v in meta.values() if v is not None]
+    return list(dict.fromkeys(ids))
+
+
+def context_length(path: str | Path) -> int:
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    v = read_metadata(path, [f"{arch}.context_length"]).get(f"{arch}.context_length")
+    if v is None:
+        raise GGUFError(
+            f"GGUF metadata of {path} lacks {arch}.context_length; pass --max-model-len"
+        )
+    return int(v)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """transformers' tokenizer built from the GGUF metadata (vocabulary, merges, special ids,
+    chat template)."""
+    from transformers import AutoTokenizer
+
+    first = gguf_files(path)[0]
+    return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
