@@ -278,7 +278,11 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
     own = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_params")}
     for mod_name, m in own.items():
         for rel, (pname, shard) in m.checkpoint_params().items():
-            out[f"{mod_name}.{rel}"] = _Target(m, getattr(m, pname), pname, shard)
+            # a float parameter (converted to its dtype on load), or a quantized method's tensor
+            out[f"{mod_name}.{rel}"] = _Target(m, getattr(m, pname, None), pname, shard)
+        maybe = getattr(m.method, "optional_checkpoint_params", None)
+        if maybe is not None:
+            optional.update(f"{mod_name}.{rel}" for rel in maybe(m))
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         if mod_name not in linears and mod_name not in own:

@@ -154,13 +154,14 @@ def test_moe_loader_errors_name_the_tensor_or_field(tmp_path) -> None:
         load_model(d, torch.float32, CPU)
 
 
-def test_moe_linears_carry_checkpoint_names_and_quantized_experts_are_refused() -> None:
+def test_moe_linears_carry_checkpoint_names_and_the_experts_method_follows_the_config() -> None:
     """The router, shared expert and its gate are Linears named as in the checkpoint (so a
-    quantization config picks their methods; Mixtral's block is block_sparse_moe); experts a
-    config quantizes are refused naming the tensor, until an int4 experts method exists."""
+    quantization config picks their methods; Mixtral's block is block_sparse_moe); the experts
+    get the group-quantized experts method when the config quantizes all of them."""
     from voltserve.services.executor.loader import parse_arch, read_hf_config
     from voltserve.services.executor.quant.awq import AWQConfig
     from voltserve.services.executor.quant.base import QuantFormatError
+    from voltserve.services.executor.quant.experts import GroupQuantExperts
     from voltserve.services.executor.quant.group import GroupQuantMethod
 
     mx = load_model(checkpoint("mixtral"), torch.float32, CPU).model.model.layers[1].mlp
@@ -173,16 +174,17 @@ def test_moe_linears_carry_checkpoint_names_and_quantized_experts_are_refused() 
     assert q2.shared_expert_gate.prefixes == ["model.layers.1.mlp.shared_expert_gate"]
     arch = parse_arch(read_hf_config(checkpoint("qwen2_moe")))
     awq = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"})
-    with pytest.raises(
-        QuantFormatError, match=r"model\.layers\.1\.mlp\.experts\.0\.\w+: quantized"
-    ):
+    moe = SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
+    assert isinstance(moe.experts.method, GroupQuantExperts)
+    assert isinstance(moe.shared_expert.down_proj.method, GroupQuantMethod)
+    # one expert left float while the others are quantized: refused, naming it (stacked)
+    awq.skip = ["experts.4."]
+    with pytest.raises(QuantFormatError, match=r"model\.layers\.1\.mlp\.experts\.4\.gate_proj"):
         SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
-    # experts left float by the config (AutoAWQ's modules_to_not_convert): the router and the
-    # shared expert are quantized, the experts stay float
+    # every expert left float (modules_to_not_convert): float experts, quantized shared expert
     awq.skip = ["experts", "gate"]
     moe = SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
     assert type(moe.experts.method).__name__ == "UnquantizedExperts"
-    assert isinstance(moe.shared_expert.down_proj.method, GroupQuantMethod)
 
 
 def test_start_up_log_states_expert_memory(caplog) -> None:

@@ -243,3 +243,37 @@ def test_start_up_compile_phase_covers_the_moe_kernels(dtype: str) -> None:
         "moe_grouped_down_kernel",
     }
     assert want <= traced, sorted(traced)
+
+
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-4b-act-sym"])
+def test_quantized_experts_greedy_equal_transformers_on_gpu(fmt: str) -> None:
+    """int4 experts (services/executor/quant/experts.py: dequantize then the float expert
+    kernels, no host sync) in CUDA graphs, fp32, against transformers on the dequantized
+    reference weights on the same GPU."""
+    from tests import quant_checkpoints as qc
+
+    path, ref = {
+        "awq-g32": lambda: qc.awq_checkpoint("qwen3_moe", 32),
+        "gptq-4b-act-sym": lambda: qc.gptq_checkpoint("qwen3_moe", 4, 32, desc_act=True, sym=True),
+    }[fmt]()
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=128,
+            max_model_len=256,
+            max_graph_batch_size=16,
+        )
+    )
+    assert runner.graphs is not None, f"no graphs captured: {runner.ops.impl}"
+    assert runner.compiled_in_capture == [], runner.compiled_in_capture
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    reqs = _requests(2, 10, params)
+    drive(runner, reqs, 8, chunk=24)
+    for r in reqs:
+        want, logits = hf_greedy(ref, r.prompt_token_ids, 8, device="cuda")
+        assert r.output_token_ids == want
+        lp = torch.log_softmax(logits, -1)
+        for step, tok in enumerate(r.trace):
+            assert abs(tok.logprob - lp[step, tok.token_id].item()) < 1e-3

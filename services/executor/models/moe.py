@@ -117,15 +117,31 @@ def experts_method(
     quant = quant or UNQUANTIZED
     if quant is UNQUANTIZED:
         return UnquantizedExperts()
-    for e in range(num_experts):
-        for leaf in EXPERT_NAMES[names]:
-            name = f"{prefix}.{e}.{leaf}"
-            if not isinstance(quant.method_for([name]), UnquantizedMethod):
-                raise QuantFormatError(
-                    f"{name}: quantized experts ({quant.describe()}) are not supported yet; "
-                    "MoE checkpoints load with float experts only"
-                )
-    return UnquantizedExperts()
+    from voltserve.services.executor.quant.group import GroupQuantMethod
+
+    methods = {
+        f"{prefix}.{e}.{leaf}": quant.method_for([f"{prefix}.{e}.{leaf}"])
+        for e in range(num_experts)
+        for leaf in EXPERT_NAMES[names]
+    }
+    if all(isinstance(m, UnquantizedMethod) for m in methods.values()):
+        return UnquantizedExperts()
+    first_name, first = next(iter(methods.items()))
+    for name, m in methods.items():
+        same = (
+            isinstance(m, GroupQuantMethod)
+            and isinstance(first, GroupQuantMethod)
+            and m.variant == first.variant
+        )
+        if not same:
+            raise QuantFormatError(
+                f"{name}: {m.describe()} differs from {first_name}: {first.describe()}; the "
+                "experts of a layer are stored stacked, so they must share one group-quantized "
+                f"format ({quant.describe()})"
+            )
+    from voltserve.services.executor.quant.experts import GroupQuantExperts
+
+    return GroupQuantExperts(first, prefix)
 
 
 class FusedExperts(nn.Module):
@@ -160,7 +176,8 @@ class FusedExperts(nn.Module):
         self.method.load(self, param_name, shard, tensor)
 
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        ts = list(self.parameters()) + list(self.buffers())
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def forward(
         self,
@@ -202,7 +219,8 @@ class SharedExpert(nn.Module):
 class SparseMoE(nn.Module):
     """Router + routed experts (+ shared expert): [T, H] -> [T, H]. `prefix` is the block's
     checkpoint name (model.layers.N.mlp; Mixtral's model.layers.N.block_sparse_moe): its
-    linears carry checkpoint names, so `quant` picks each one's method as for a dense MLP."""
+    linears carry checkpoint names, so `quant` picks the shared expert's methods as for a dense
+    MLP, and the experts' method (experts_method) from what it says of each expert."""
 
     def __init__(
         self,
@@ -225,7 +243,9 @@ class SparseMoE(nn.Module):
         # The Qwen routers hand the experts their weights in the activation dtype; Mixtral's
         # stay fp32.
         self.weights_dtype = dtype if weights_in_dtype else None
-        self.gate = Linear(hidden, {None: num_experts}, False, dtype, quant, [f"{prefix}.gate"])
+        # The router and the shared expert's gate stay float whatever the config says: every
+        # quantizer keeps them so (they are tiny and routing is sensitive to them).
+        self.gate = Linear(hidden, {None: num_experts}, False, dtype, None, [f"{prefix}.gate"])
         method = experts_method(quant, f"{prefix}.experts", names, num_experts)
         self.experts = FusedExperts(num_experts, hidden, inter, dtype, names, method)
         self.shared_expert = (
@@ -234,7 +254,7 @@ class SparseMoE(nn.Module):
             else None
         )
         self.shared_expert_gate = (
-            Linear(hidden, {None: 1}, False, dtype, quant, [f"{prefix}.shared_expert_gate"])
+            Linear(hidden, {None: 1}, False, dtype, None, [f"{prefix}.shared_expert_gate"])
             if shared_inter
             else None
         )
