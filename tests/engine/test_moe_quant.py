@@ -63,3 +63,14 @@ def test_awq_experts_dequantize_to_the_reference_weights() -> None:
             gate_up = torch.cat([want[f"{p}.gate_proj.weight"], want[f"{p}.up_proj.weight"]])
             assert torch.equal(w13, gate_up), p
             assert torch.equal(dequantize(fe.quant_weights["w2"][e]), want[f"{p}.down_proj.weight"])
+
+
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-4b-act-sym"])
+def test_all_experts_dequantize_as_each_one_does(fmt: str) -> None:
+    """The CUDA path's one-shot dequantize of every expert (dense_all) equals the per-expert
+    one that the CPU path and the reference test above use, act-order permutation included."""
+    path, _ = FORMATS[fmt][0]()
+    fe = load_model(path, torch.float32, CPU).model.model.layers[1].mlp.experts
+    for param in ("w13", "w2"):
+        each = torch.stack([fe.method.dense_expert(fe, param, e) for e in range(fe.num_experts)])
+        assert torch.equal(fe.method.dense_all(fe, param), each), param

@@ -12,14 +12,12 @@ Families (transformers' modeling code is the reference for each):
 
 Quantization seam: `FusedExperts` is to the experts what `layers.Linear` is to a linear: it
 holds an `ExpertsMethod` (the same four steps as a linear's method: create_weights, load,
-process_after_loading, apply). `UnquantizedExperts` stores w13 [E, 2I, H] and w2 [E, H, I] and
-runs `ops.moe_experts`. An int4 method keeps the same stacking with its own tensors, e.g.
-qweight [E, 2I, H/8] int32 and scales/zeros [E, 2I, H/group] for w13 (and the same for w2),
-loads each expert's qweight/scales/qzeros into slot e (gate rows, then up rows) through
-`load(layer, name, (expert, part), tensor)`, repacks once in process_after_loading, and runs
-its kernels in `apply` with the same routing tensors (topk_weights, topk_ids) and the same
-grouping (kernels/moe_routing.moe_align_ref). `checkpoint_params` then lists the per-expert
-names the format has (qweight, scales, qzeros, g_idx). The model and the loader stay the same.
+process_after_loading, apply), chosen by `experts_method` from what the checkpoint's
+quantization config says of each expert projection. `UnquantizedExperts` stores w13 [E, 2I, H]
+and w2 [E, H, I] and runs `ops.moe_experts`; quant/experts.py `GroupQuantExperts` (AWQ, GPTQ,
+compressed-tensors) stacks each expert's packed codes/scales/offsets per layer and lists the
+per-expert tensor names the format has (`checkpoint_params`). The model and the loader stay
+the same.
 """
 
 from __future__ import annotations

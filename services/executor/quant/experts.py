@@ -136,6 +136,30 @@ class GroupQuantExperts(ExpertsMethod):
         out[:, w.perm] = deq  # y = x[:, perm] @ deq^T = x @ out^T
         return out
 
+    def dense_all(self, layer: FusedExperts, param: str) -> torch.Tensor:
+        """Every expert's float weight [E, N, K] (checkpoint input order) from the stacked
+        tensors in one dequantize, with no host sync."""
+        ws = layer.quant_weights[param]
+        w0, E = ws[0], len(ws)
+        N, K = w0.out_features, w0.in_features
+
+        def flat(f: str) -> torch.Tensor:
+            return getattr(layer, f"{param}_{f}").view(E * N, -1)
+
+        whole = replace(
+            w0,
+            out_features=E * N,
+            qweight=flat("qweight"),
+            scales=flat("scales"),
+            offsets=flat("offsets"),
+            perm=None,
+        )
+        deq = dequantize(whole).view(E, N, K)
+        if w0.perm is None:
+            return deq
+        perm = getattr(layer, f"{param}_perm")  # [E, K]
+        return torch.empty_like(deq).scatter_(2, perm[:, None, :].expand(E, N, K), deq)
+
     def apply(
         self,
         layer: FusedExperts,
@@ -148,9 +172,7 @@ class GroupQuantExperts(ExpertsMethod):
 
         if x.is_cuda:
             # every expert: no host sync (graph-capturable); the float kernels run the product
-            E = layer.num_experts
-            w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in range(E)])
-            w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in range(E)])
+            w13, w2 = self.dense_all(layer, "w13"), self.dense_all(layer, "w2")
             return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
         used = torch.unique(topk_ids.reshape(-1).long())
         remap = torch.zeros(layer.num_experts, dtype=torch.int64)
