@@ -1,6 +1,8 @@
 """A mixture-of-experts model (the tiny Qwen3-MoE checkpoint: top-3 of 8 experts, a dense layer
 between two sparse ones) through the real services: concurrent greedy completions equal
-transformers token for token, and their logprobs agree within LOGPROB_ATOL."""
+transformers token for token, and their logprobs agree within LOGPROB_ATOL. The same for its
+AWQ int4 version (experts quantized too; tests/quant_checkpoints.py), against transformers on
+the dequantized reference weights."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pytest
 import torch
 from checkpoints import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,8 +35,18 @@ def _hf_greedy_logprobs(model_dir: str, prompt: list[int], n: int) -> tuple[list
     return toks, lps
 
 
-def test_moe_concurrent_greedy_and_logprobs_equal_transformers(tmp_path: Path) -> None:
-    model = checkpoint("qwen3_moe")
+def _model(kind: str) -> tuple[Path, Path]:
+    """(served folder, transformers reference folder)."""
+    if kind == "float":
+        return checkpoint("qwen3_moe"), checkpoint("qwen3_moe")
+    from tests.quant_checkpoints import awq_checkpoint
+
+    return awq_checkpoint("qwen3_moe", 32)
+
+
+@pytest.mark.parametrize("kind", ["float", "awq-int4"])
+def test_moe_concurrent_greedy_and_logprobs_equal_transformers(kind: str, tmp_path: Path) -> None:
+    model, ref = _model(kind)
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random()
     seed = rng.randrange(1 << 30)
@@ -59,7 +72,7 @@ def test_moe_concurrent_greedy_and_logprobs_equal_transformers(tmp_path: Path) -
     finally:
         stack.stop()
     for p, r in zip(prompts, results):
-        want, want_lp = _hf_greedy_logprobs(str(model), p, 8)
+        want, want_lp = _hf_greedy_logprobs(str(ref), p, 8)
         choice = r.choices[0]
         assert choice.text == tok.decode(want, skip_special_tokens=True), f"prompt {p}"
         got_lp = choice.logprobs.token_logprobs
