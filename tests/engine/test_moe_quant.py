@@ -74,3 +74,21 @@ def test_all_experts_dequantize_as_each_one_does(fmt: str) -> None:
     for param in ("w13", "w2"):
         each = torch.stack([fe.method.dense_expert(fe, param, e) for e in range(fe.num_experts)])
         assert torch.equal(fe.method.dense_all(fe, param), each), param
+
+
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-4b-act-sym"])
+def test_pair_path_equals_the_reference(fmt: str) -> None:
+    """The CUDA decode path (apply_pairs: one dequantized expert per (token, slot), batched
+    matmuls) against the CPU reference path on the same routing (fp32; summation order only)."""
+    from voltserve.kernels.moe_routing import moe_topk_ref
+
+    path, _ = FORMATS[fmt][0]()
+    moe = load_model(path, torch.float32, CPU).model.model.layers[0].mlp
+    fe = moe.experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, fe.hidden, generator=g)
+    w, ids = moe_topk_ref(moe.gate(x), moe.top_k, moe.renormalize)
+    want = fe.method.apply(fe, None, x, w, ids)
+    got = fe.method.apply_pairs(fe, x, w, ids)
+    assert want.abs().max() > 0
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

@@ -247,9 +247,9 @@ def test_start_up_compile_phase_covers_the_moe_kernels(dtype: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["awq-g32", "gptq-4b-act-sym"])
 def test_quantized_experts_greedy_equal_transformers_on_gpu(fmt: str) -> None:
-    """int4 experts (services/executor/quant/experts.py: dequantize then the float expert
-    kernels, no host sync) in CUDA graphs, fp32, against transformers on the dequantized
-    reference weights on the same GPU."""
+    """int4 experts (services/executor/quant/experts.py: dequantize, then the float expert
+    kernels or, for fewer pairs than experts, batched matmuls; no host sync) in CUDA graphs,
+    fp32, against transformers on the dequantized reference weights on the same GPU."""
     from tests import quant_checkpoints as qc
 
     path, ref = {
@@ -269,9 +269,13 @@ def test_quantized_experts_greedy_equal_transformers_on_gpu(fmt: str) -> None:
     assert runner.graphs is not None, f"no graphs captured: {runner.ops.impl}"
     assert runner.compiled_in_capture == [], runner.compiled_in_capture
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    # 10 rows (every expert dequantized once), then one alone (3 pairs < 8 experts: one
+    # dequantized expert per pair)
     reqs = _requests(2, 10, params)
     drive(runner, reqs, 8, chunk=24)
-    for r in reqs:
+    single = _requests(3, 1, params)
+    drive(runner, single, 8, chunk=24)
+    for r in reqs + single:
         want, logits = hf_greedy(ref, r.prompt_token_ids, 8, device="cuda")
         assert r.output_token_ids == want
         lp = torch.log_softmax(logits, -1)

@@ -13,10 +13,12 @@ once with kernels/quant_pack.pack_group_quant, and the packed tensors are stacke
 
 `apply` is the torch reference: it dequantizes experts (kernels/quant_pack.dequantize's rule,
 rounded once to the run dtype) and runs the float experts path. On CPU it dequantizes only the
-experts that received a token (syncs with the host); on CUDA every expert of the layer, so the
-step has no host sync and a CUDA graph can hold it, then the float expert kernels
-(ops.moe_experts). No fused int4 expert kernel yet: this is the correctness path, not the fast
-one.
+experts that received a token (syncs with the host). On CUDA nothing syncs, so a CUDA graph can
+hold the step: with fewer (token, slot) pairs than experts (decode), one dequantized expert per
+pair and batched matmuls (`apply_pairs`); otherwise every expert of the layer once, then the
+float expert kernels (ops.moe_experts). No fused int4 expert kernel yet: this is the
+correctness path, not the fast one (it writes the dequantized weights, where a fused kernel
+would read only the int4 codes).
 """
 
 from __future__ import annotations
@@ -136,15 +138,21 @@ class GroupQuantExperts(ExpertsMethod):
         out[:, w.perm] = deq  # y = x[:, perm] @ deq^T = x @ out^T
         return out
 
-    def dense_all(self, layer: FusedExperts, param: str) -> torch.Tensor:
-        """Every expert's float weight [E, N, K] (checkpoint input order) from the stacked
-        tensors in one dequantize, with no host sync."""
+    def dense_all(
+        self, layer: FusedExperts, param: str, experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The float weights [E', N, K] (checkpoint input order) of `experts` (int64 ids, may
+        repeat; None: all E) from the stacked tensors in one dequantize, with no host sync."""
         ws = layer.quant_weights[param]
-        w0, E = ws[0], len(ws)
+        w0 = ws[0]
         N, K = w0.out_features, w0.in_features
+        E = len(ws) if experts is None else experts.numel()
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if experts is None else t.index_select(0, experts)
 
         def flat(f: str) -> torch.Tensor:
-            return getattr(layer, f"{param}_{f}").view(E * N, -1)
+            return pick(getattr(layer, f"{param}_{f}")).reshape(E * N, -1)
 
         whole = replace(
             w0,
@@ -157,7 +165,7 @@ class GroupQuantExperts(ExpertsMethod):
         deq = dequantize(whole).view(E, N, K)
         if w0.perm is None:
             return deq
-        perm = getattr(layer, f"{param}_perm")  # [E, K]
+        perm = pick(getattr(layer, f"{param}_perm"))  # [E', K]
         return torch.empty_like(deq).scatter_(2, perm[:, None, :].expand(E, N, K), deq)
 
     def apply(
@@ -171,9 +179,14 @@ class GroupQuantExperts(ExpertsMethod):
         from voltserve.kernels.moe_experts import moe_experts_ref
 
         if x.is_cuda:
-            # every expert: no host sync (graph-capturable); the float kernels run the product
+            # No host sync (graph-capturable). Fewer (token, expert) pairs than experts (decode):
+            # dequantize each pair's expert; else every expert once, then the float kernels.
+            if topk_ids.numel() < layer.num_experts:
+                return self.apply_pairs(layer, x, topk_weights, topk_ids)
             w13, w2 = self.dense_all(layer, "w13"), self.dense_all(layer, "w2")
             return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
         used = torch.unique(topk_ids.reshape(-1).long())
         remap = torch.zeros(layer.num_experts, dtype=torch.int64)
         remap[used] = torch.arange(used.numel())
@@ -181,6 +194,27 @@ class GroupQuantExperts(ExpertsMethod):
         w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in ids])
         w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in ids])
         return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
+
+    def apply_pairs(
+        self,
+        layer: FusedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """moe_experts_ref's products with one dequantized expert per (token, slot) pair, as
+        batched matmuls (no host sync: every shape follows from T and k)."""
+        from voltserve.kernels.activation import silu_and_mul_ref
+
+        T, k = topk_ids.shape
+        ids = topk_ids.reshape(-1).long()
+        w13 = self.dense_all(layer, "w13", ids)  # [P, 2I, H]
+        w2 = self.dense_all(layer, "w2", ids)  # [P, H, I]
+        xs = x.repeat_interleave(k, dim=0)  # pair p = token p // k
+        h = silu_and_mul_ref(torch.bmm(w13, xs.unsqueeze(-1)).squeeze(-1))
+        y = torch.bmm(w2.float(), h.float().unsqueeze(-1)).squeeze(-1)  # [P, H] fp32
+        y = y * topk_weights.reshape(-1, 1).float()
+        return y.view(T, k, -1).sum(1).to(x.dtype)
 
 
 __all__ = ["GroupQuantExperts"]
