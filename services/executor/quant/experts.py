@@ -207,7 +207,10 @@ class GroupQuantExperts(ExpertsMethod):
         from voltserve.kernels.activation import silu_and_mul_ref
 
         T, k = topk_ids.shape
-        ids = topk_ids.reshape(-1).long()
+        # The router never yields an id outside 0..E-1; the clamp is for the start-up trace
+        # (services/executor/kernel_warmup.py records the router kernel without running it, so
+        # the ids are uninitialised memory and an unclamped gather could fault).
+        ids = topk_ids.reshape(-1).long().clamp(0, layer.num_experts - 1)
         w13 = self.dense_all(layer, "w13", ids)  # [P, 2I, H]
         w2 = self.dense_all(layer, "w2", ids)  # [P, H, I]
         xs = x.repeat_interleave(k, dim=0)  # pair p = token p // k
