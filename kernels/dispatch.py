@@ -62,6 +62,10 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
+    # MoE: the router's top-k (torch on the device, capturable) and the routed experts
+    # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
+    "moe_topk": (("moe_routing",), "moe_routing", "moe_topk_ref"),
+    "moe_experts": (("moe_experts",), "moe_experts", "moe_experts_ref"),
     # Linears with group-quantized weights (quant_linear.py picks the kernel by row count; the
     # model calls quant_linear.quant_linear(x, w, bias, ops), which reads impl["quant_linear"]).
     "quant_linear": (("quant_linear",), "quant_linear", "quant_linear_ref"),
@@ -93,6 +97,7 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
+    "moe_topk": "VOLTSERVE_MOE_TOPK",
     "quant_linear": "VOLTSERVE_QUANT_KERNELS",
 }
 
@@ -104,6 +109,7 @@ _CAPTURABLE_REFS = {
     "silu_and_mul",
     "gemv",
     "gemv_gate_up",
+    "moe_topk",
     "quant_linear",
 }
 # What a decode step runs inside a captured graph (sampling stays outside).
@@ -210,6 +216,8 @@ class KernelDispatch:
     gemv_gate_up: Callable[..., torch.Tensor]
     apply_token_bitmask: Callable[..., None]
     gemv_qkv_rope: Callable[..., torch.Tensor]
+    moe_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_experts: Callable[..., torch.Tensor]
     quant_linear: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]

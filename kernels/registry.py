@@ -245,6 +245,73 @@ KERNELS += [
     for name in ("gemv_qkv_rope_kernel_m1", "gemv_qkv_rope_kernel_m2")
 ]
 
+# moe_decode.py: fused MoE experts for <= 8 tokens. gate_up: x [T, H], w13 [E, 2I, H],
+# topk_ids [T, k] int32, h [T * k, I]; down: h, w2 [E, H, I], topk_ids, topk_weights [T, k] fp32,
+# out [T, H].
+KERNELS += [
+    KernelSpec(
+        "moe_decode",
+        "moe_decode_gate_up_kernel",
+        _both("void({t}[:, ::1], {t}[:, :, ::1], int32[:, ::1], {t}[:, ::1])"),
+    ),
+    KernelSpec(
+        "moe_decode",
+        "moe_decode_down_kernel",
+        _both("void({t}[:, ::1], {t}[:, :, ::1], int32[:, ::1], float32[:, ::1], {t}[:, ::1])"),
+    ),
+]
+
+# moe_routing.py: the router's softmax + top-k + normalisation, one block per token. Arguments:
+# logits [T, E], weights [T, k] fp32, ids [T, k] int32, renormalize, round_weights.
+KERNELS += [
+    KernelSpec(
+        "moe_routing",
+        "moe_topk_kernel",
+        _both("void({t}[:, ::1], float32[:, ::1], int32[:, ::1], boolean, boolean)"),
+    ),
+]
+
+# moe_grouped.py: grouped expert GEMMs over expert-sorted pairs (moe_routing.moe_align_ref).
+# gate_up: x, w13, order [P], expert_start [E + 1], tile_first [E], tile_expert [tiles] (int32),
+# top_k, h_sorted [P, I]; down: h_sorted, w2, the same four, topk_weights flat [P] fp32,
+# y_pairs [P, H] fp32.
+_MOE_META = "int32[::1], int32[::1], int32[::1], int32[::1]"
+KERNELS += [
+    KernelSpec(
+        "moe_grouped",
+        "moe_grouped_gate_up_kernel",
+        _both(f"void({{t}}[:, ::1], {{t}}[:, :, ::1], {_MOE_META}, int64, {{t}}[:, ::1])"),
+    ),
+    KernelSpec(
+        "moe_grouped",
+        "moe_grouped_down_kernel",
+        _both(f"void({{t}}[:, ::1], {{t}}[:, :, ::1], {_MOE_META}, float32[::1], float32[:, ::1])"),
+    ),
+]
+
+# moe_wmma.py (opt-in: VOLTSERVE_MOE_WMMA=1): the grouped expert GEMMs on tensor cores through
+# vs_moe_tile16x64 (linked wmma_ptx.cu), fp16. gate_up: x_sorted and w13 flattened, expert_start,
+# tile_first, tile_expert, h_sorted [P + 16, I], hidden; down: h_sorted and w2 flattened, order,
+# the same three, topk_weights flat, y_pairs [P, H] fp32, intermediate.
+KERNELS += [
+    KernelSpec(
+        "moe_wmma",
+        "moe_wmma_gate_up_kernel",
+        (
+            "void(float16[::1], float16[::1], int32[::1], int32[::1], int32[::1], "
+            "float16[:, ::1], int64)",
+        ),
+    ),
+    KernelSpec(
+        "moe_wmma",
+        "moe_wmma_down_kernel",
+        (
+            "void(float16[::1], float16[::1], int32[::1], int32[::1], int32[::1], int32[::1], "
+            "float32[::1], float32[:, ::1], int64)",
+        ),
+    ),
+]
+
 # quant_gemv.py: fused dequantize-GEMV for group-quantized weights (qgemv_kernel(M, bits, split,
 # kind)); representative instances (each is a large generated body, ~30 s to compile: the int4
 # M = 1 kernel in both dtypes, the others in fp16, what decode runs). Arguments: x [M, K],

@@ -237,6 +237,49 @@ extern "C" __device__ int vs_attn_store_tile(const float* acc, int j, float* sta
 }
 
 // ---------------------------------------------------------------------------------------------
+// Grouped MoE expert GEMMs (moe_wmma.py): one warp's 16 x 64 output tile.
+// out[16, 64] (f32, row-major, ld 64, at out + out_off) has column block j (16 columns) =
+// a[16, K] (f16 row-major, ld lda, at a + a_off) times b_j^T, where b_j is a block of 16 weight
+// rows [16, K] (row-major, ld ldb, at b + off_j), i.e. b_j^T read column-major. The K loop runs
+// here with the four accumulators in registers; A and B fragments load straight from global
+// memory (every tile start 32-byte aligned: K, lda, ldb and the offsets multiples of 16).
+
+extern "C" __device__ int vs_moe_tile16x64(float* out, int out_off, const f16_t* a,
+                                            long long a_off, int lda, const f16_t* b,
+                                            long long off0, long long off1, long long off2,
+                                            long long off3, int ldb, int K) {
+  FragC c0, c1, c2, c3;
+  zero(c0);
+  zero(c1);
+  zero(c2);
+  zero(c3);
+  const f16_t* pa = a + a_off;
+  const f16_t* p0 = b + off0;
+  const f16_t* p1 = b + off1;
+  const f16_t* p2 = b + off2;
+  const f16_t* p3 = b + off3;
+#pragma unroll 2
+  for (int kk = 0; kk < K; kk += 16) {
+    FragAB fa, f0, f1, f2, f3;
+    load_a_row(fa, pa + kk, lda);
+    load_b_col(f0, p0 + kk, ldb);
+    load_b_col(f1, p1 + kk, ldb);
+    load_b_col(f2, p2 + kk, ldb);
+    load_b_col(f3, p3 + kk, ldb);
+    mma_rc(c0, fa, f0);
+    mma_rc(c1, fa, f1);
+    mma_rc(c2, fa, f2);
+    mma_rc(c3, fa, f3);
+  }
+  float* o = out + out_off;
+  store_d_row(o, c0, 64);
+  store_d_row(o + 16, c1, 64);
+  store_d_row(o + 32, c2, 64);
+  store_d_row(o + 48, c3, 64);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Group-quantized GEMM (quant_gemm_tc.py): one K step of a warp's WM x WN fragment tile.
 //
 // acc (this lane's WM * WN accumulator fragments, 8 floats each, in a per-thread array) +=

@@ -11,7 +11,8 @@
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
-# `structured`: structured outputs' GPU tests and the serving benchmark with and without
+# `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
+# MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
 # quantized-linear kernels' GPU tests and bench_quant_linear; `quant-models`: quantized
 # checkpoints through the GPU runner; `serving-awq-16g`: Llama-3-8B AWQ served under
@@ -217,6 +218,24 @@ for stage in $STAGES; do
       clocks_start serving
       run serving $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --compare-engine $([ "${SERVING_HF:-1}" = 0 ] || echo --transformers-baseline) --out "$OUT/serving_llama3-8b.json" -- --log-level "${SERVING_LOG:-debug}"
       clocks_stop
+      ;;
+    moe|moe-tests|moe-bench)
+      # MoE: the expert kernels against their reference at Qwen3-30B-A3B and Mixtral-8x7B shapes
+      # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU
+      # (moe-tests); then bench_moe (moe-bench: MOE_LAYERS of the 48 layers, default 8: batch 1
+      # against the bytes-read floor and transformers on the same weights, batch 64 and 256),
+      # and again with the grouped GEMMs on tensor cores (VOLTSERVE_MOE_WMMA=1, no
+      # transformers). moe: both; under a 10-minute limit, one call each.
+      if [ "$stage" != moe-bench ]; then
+        XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
+        run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      fi
+      if [ "$stage" != moe-tests ]; then
+        # The checkpoint is kept for the second run (MOE_DIR), which skips transformers.
+        MOE_DIR=${MOE_DIR:-/tmp/voltserve-moe-bench}
+        run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --out "$OUT/bench_moe.json"
+        [ "${MOE_WMMA:-1}" = 0 ] || run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
+      fi
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families: several experts, top-k > 1, dense and MoE layers mixed.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # Small on purpose: the whole model suite must run in well under a minute on 2 CPU cores.
 TINY = dict(
@@ -43,6 +45,38 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": dict(tie_word_embeddings=True),
     # q/k RMSNorm per head; head_dim different from hidden/heads, as in real Qwen3
     "qwen3": dict(tie_word_embeddings=False, head_dim=32),
+    # top-3 of 8, renormalised (as the released models); layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+    ),
+    # top-2 of 6 without renormalisation, a shared expert behind its sigmoid gate; qkv bias;
+    # decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
+    "qwen2_moe": dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=4,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+    ),
+    # top-2 of 4, softmax then top-k then renormalise; block_sparse_moe.experts.N.w1/w2/w3
+    "mixtral": dict(
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+    ),
 }
 
 
@@ -79,7 +113,7 @@ def checkpoint(arch: str, shard_size: str | None = None) -> Path:
         _root() / name,
         arch=arch,
         size="tiny",
-        seed=ARCHS.index(arch) + 1,
+        seed=(ARCHS + MOE_ARCHS).index(arch) + 1,
         tokenizer=tokenizer(),
         shard_size=shard_size,
         **overrides,

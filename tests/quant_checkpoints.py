@@ -38,6 +38,18 @@ ARCH_QUANT_OVERRIDES: dict[str, dict] = {
     "qwen2": dict(tie_word_embeddings=True),
     # head_dim 128 (Qwen3Config's default: transformers reads no head_dim from a qwen3 GGUF)
     "qwen3": dict(tie_word_embeddings=False, head_dim=128),
+    # Qwen3-MoE: top-3 of 8 experts in every layer; expert K (hidden 256, expert intermediate
+    # 64) divisible by the groups tested
+    "qwen3_moe": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    ),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds column 8c + AWQ_ORDER[i]
@@ -133,6 +145,8 @@ def awq_reference_dequant(qweight, qzeros, scales, g: int) -> torch.Tensor:
 
 
 def awq_checkpoint(arch: str, group: int) -> tuple[Path, Path]:
+    """Every decoder linear (MoE experts too: their leaves are gate/up/down_proj) quantized; an
+    MoE router (mlp.gate) stays float, as AutoAWQ keeps it (modules_to_not_convert)."""
     src = float_checkpoint(arch)
     dst, ref = _root() / f"{arch}-awq-g{group}", _root() / f"{arch}-awq-g{group}-ref"
     if (dst / "model.safetensors").is_file():
@@ -160,7 +174,7 @@ def awq_checkpoint(arch: str, group: int) -> tuple[Path, Path]:
         "group_size": group,
         "zero_point": True,
         "version": "gemm",
-        "modules_to_not_convert": None,
+        "modules_to_not_convert": ["mlp.gate"] if "moe" in arch else None,
     }
     _copy_meta(src, dst)
     _write(dst, out, qcfg)

@@ -112,13 +112,24 @@ SIZES = {
 
 def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | None, **overrides):
     """A transformers config object for one of the supported architectures."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     classes = {
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "mixtral": MixtralConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
@@ -164,7 +175,7 @@ def write_checkpoint(
     # Wider weights than the 0.02 default give peaked, less tie-prone next-token distributions.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # linears, embeddings, stacked MoE experts
                 p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.05)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
@@ -179,7 +190,11 @@ def write_checkpoint(
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="voltserve make-demo-model", description=__doc__)
     p.add_argument("dir", help="output folder")
-    p.add_argument("--arch", choices=["qwen2", "llama", "mistral", "qwen3"], default="qwen2")
+    p.add_argument(
+        "--arch",
+        choices=["qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"],
+        default="qwen2",
+    )
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)

@@ -27,6 +27,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # Mixture of experts (models/moe.py): the Qwen3 / Qwen2 attention plus a sparse MoE block.
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "qwen"},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "moe": "qwen"},
+    "MixtralForCausalLM": {"moe": "mixtral"},
 }
 
 _DTYPES = {
@@ -100,6 +104,7 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
     if name.startswith("Qwen") and not hf.get("use_sliding_window", False):
         sliding = None
     attn_bias = bool(hf.get("attention_bias", False))
+    moe = _parse_moe(hf, name, flags.get("moe"))
     return ModelArch(
         architecture=name,
         vocab_size=hf["vocab_size"],
@@ -121,6 +126,51 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         qk_norm=flags.get("qk_norm", False),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
+        **moe,
+    )
+
+
+def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, Any]:
+    """ModelArch's expert fields from config.json (empty for a dense family)."""
+    if family is None:
+        return {}
+    # Qwen configs say num_experts (transformers 5 also writes num_local_experts); Mixtral's
+    # say num_local_experts.
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    inter = hf.get("intermediate_size") if family == "mixtral" else hf.get("moe_intermediate_size")
+    missing = [
+        k
+        for k, v in (
+            ("num_experts", experts),
+            ("num_experts_per_tok", top_k),
+            ("moe_intermediate_size", inter),
+        )
+        if not v
+    ]
+    shared = hf.get("shared_expert_intermediate_size")
+    if name == "Qwen2MoeForCausalLM" and shared is None:
+        # transformers would fall back to its class default and load a shared expert of that
+        # size; guessing it here could silently skip the checkpoint's shared expert.
+        missing.append("shared_expert_intermediate_size")
+    if missing:
+        raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
+    if not 1 <= top_k <= experts:
+        raise ModelLoadError(
+            f"config.json: num_experts_per_tok {top_k} must be in 1..num_experts {experts}"
+        )
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ModelLoadError(f"config.json: decoder_sparse_step {step} must be >= 1")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", family == "mixtral")),
+        shared_expert_intermediate_size=int(shared or 0) if name == "Qwen2MoeForCausalLM" else 0,
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        decoder_sparse_step=1 if family == "mixtral" else step,
+        moe_family=family,
     )
 
 
@@ -183,9 +233,18 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def rename_checkpoint_name(name: str, renames: dict[str, str]) -> str:
+    """A checkpoint tensor name in our module paths' spelling (model.checkpoint_renames)."""
+    for theirs, ours in renames.items():
+        name = name.replace(theirs, ours)
+    return name
+
+
 @dataclass
 class _Target:
-    module: Linear | VocabParallelEmbedding | None  # None: a plain parameter, copied whole
+    # A Linear, a VocabParallelEmbedding or a module naming its own tensors (FusedExperts;
+    # all have load_weight); None: a plain parameter, copied whole.
+    module: Any
     param: torch.nn.Parameter | None  # None: a linear's tensor (its method loads it)
     param_name: str
     shard: str | int | None
@@ -197,6 +256,7 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
     out: dict[str, _Target] = {}
     optional: set[str] = set()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    renames = getattr(model, "checkpoint_renames", {})
     reverse: dict[str, list[str]] = {}
     for ckpt, (ours, _) in LlamaForCausalLM.stacked_params.items():
         reverse.setdefault(ours, []).append(ckpt)
@@ -209,12 +269,23 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
             parent, _, leaf = mod_name.rpartition(".")
             prefixes = [f"{parent}.{c}" for c in reverse[leaf]] if leaf in reverse else [mod_name]
         for prefix, shard in zip(prefixes, lin.shard_offsets, strict=True):
+            # the loader renames checkpoint names before looking them up; so are the targets
+            prefix = rename_checkpoint_name(prefix, renames)
             for pname in required + maybe:
                 out[f"{prefix}.{pname}"] = _Target(lin, None, pname, shard)
             optional.update(f"{prefix}.{p}" for p in maybe)
+    # Modules that name their own checkpoint tensors (the stacked MoE experts), by module path.
+    own = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_params")}
+    for mod_name, m in own.items():
+        for rel, (pname, shard) in m.checkpoint_params().items():
+            # a float parameter (converted to its dtype on load), or a quantized method's tensor
+            out[f"{mod_name}.{rel}"] = _Target(m, getattr(m, pname, None), pname, shard)
+        maybe = getattr(m.method, "optional_checkpoint_params", None)
+        if maybe is not None:
+            optional.update(f"{mod_name}.{rel}" for rel in maybe(m))
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
-        if mod_name in linears:
+        if mod_name in linears or mod_name in own:
             continue
         mod = model.get_submodule(mod_name) if mod_name else None
         # The (vocabulary-parallel) embedding narrows its checkpoint tensor to its rows.
@@ -235,11 +306,13 @@ def load_weights(
     targets, optional = _targets(model)
     loaded: set[str] = set()
     ignored: list[str] = []
-    for name, tensor in tensors if tensors is not None else iter_tensors(weight_files(d)):
+    renames = getattr(model, "checkpoint_renames", {})
+    for ckpt_name, tensor in tensors if tensors is not None else iter_tensors(weight_files(d)):
+        name = rename_checkpoint_name(ckpt_name, renames)
         t = targets.get(name)
         if t is None:
             # rotary_emb.inv_freq (old exports), lm_head.weight of a tied model: derived, not loaded.
-            ignored.append(name)
+            ignored.append(ckpt_name)
             continue
         if tensor.is_floating_point() and t.param is not None:
             # bf16/fp32 checkpoints are converted to the run dtype; a linear's method converts
@@ -256,9 +329,9 @@ def load_weights(
             else:
                 t.param.data.copy_(tensor)
         except ValueError as e:
-            raise ModelLoadError(f"tensor {name!r} in {d}: {e}") from e
+            raise ModelLoadError(f"tensor {ckpt_name!r} in {d}: {e}") from e
         except KeyError as e:
-            raise ModelLoadError(f"tensor {name!r} in {d}: {e.args[0]}") from e
+            raise ModelLoadError(f"tensor {ckpt_name!r} in {d}: {e.args[0]}") from e
         loaded.add(name)
     missing = sorted(set(targets) - loaded - optional)
     if missing:
@@ -272,6 +345,29 @@ def load_weights(
                 m.method.process_after_loading(m)
             except ValueError as e:
                 raise ModelLoadError(f"linear {name!r} ({', '.join(m.prefixes)}): {e}") from e
+        elif hasattr(m, "checkpoint_params"):
+            try:
+                m.method.process_after_loading(m)
+            except ValueError as e:
+                raise ModelLoadError(f"experts {name!r}: {e}") from e
+
+
+def _log_expert_memory(model: LlamaForCausalLM, arch: ModelArch) -> None:
+    if not arch.num_experts:
+        return
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = [m for m in model.modules() if hasattr(m, "checkpoint_params")]
+    nbytes = sum(m.nbytes() for m in experts)
+    logger.info(
+        "experts: %d MoE layers of %d experts (top-%d, intermediate %d), stacked: %.1f MiB of "
+        "%.1f MiB weights",
+        len(experts),
+        arch.num_experts,
+        arch.num_experts_per_tok,
+        arch.moe_intermediate_size,
+        nbytes / 2**20,
+        total / 2**20,
+    )
 
 
 @dataclass
@@ -325,4 +421,5 @@ def load_model(
         logger.info("quantization: %s", quant.describe())
     load_weights(model, model_dir, tensors)
     model.eval()
+    _log_expert_memory(model, arch)
     return LoadedModel(model, arch, dtype, eos, hf)

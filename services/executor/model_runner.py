@@ -93,7 +93,13 @@ def check_tp_model(config: EngineConfig) -> None:
             f"--tensor-parallel-size {size} is not supported yet for {quant.describe()} "
             "checkpoints; use --tensor-parallel-size 1"
         )
-    TPLayout.build(parse_arch(hf), 0, size)
+    arch = parse_arch(hf)
+    if arch.num_experts:
+        raise TPSplitError(
+            f"--tensor-parallel-size {size} is not supported yet for mixture-of-experts models "
+            f"({arch.architecture}: the experts are not sharded); use --tensor-parallel-size 1"
+        )
+    TPLayout.build(arch, 0, size)
 
 
 def _token_slice(r: Request, start: int, n: int) -> list[int]:
@@ -369,7 +375,9 @@ class ModelRunner:
     def _why_no_graphs(self, graph_batch: int) -> str | None:
         if graph_batch < 1:
             return "max_graph_batch_size < 1"
-        if not self.ops.capturable():
+        if not (
+            self.ops.capturable() and self.ops.capturable(getattr(self.model, "graph_ops", ()))
+        ):
             return f"some decode ops cannot be captured ({self.ops.impl})"
         if self.ops.impl["paged_decode_attention"] == "torch-capturable":
             # The torch fallback gathers the whole block table width of every row in fp32.

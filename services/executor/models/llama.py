@@ -23,6 +23,7 @@ from voltserve.services.executor.models.layers import (
     gate_up_silu,
     linear,
 )
+from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import QuantConfig
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
@@ -57,10 +58,27 @@ class ModelArch:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # not implemented: the runner caps max_model_len at it
     extra: dict[str, Any] = field(default_factory=dict)
+    # Mixture of experts (models/moe.py); num_experts = 0: every layer is a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    moe_family: str = "qwen"  # "qwen" | "mixtral": expert names, routing-weight dtype
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """transformers' rule (Qwen2/3-MoE; Mixtral has every layer sparse)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def _column(tp: TPGroup | None, slices: dict) -> ColumnParallel | None:
@@ -251,10 +269,18 @@ class DecoderLayer(nn.Module):
         prefix: str = "",
         tp: TPGroup | None = None,
         lay: TPLayout | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn", tp, lay)
-        self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
+        # Same call either way: MLP and SparseMoE both map [T, H] -> [T, H] given ops. Their
+        # linears are named as in the checkpoint (Mixtral's MoE block is block_sparse_moe).
+        # MoE models are refused under tensor parallelism (check_tp_model): experts unsharded.
+        if arch.is_moe_layer(index):
+            block = "block_sparse_moe" if arch.moe_family == "mixtral" else "mlp"
+            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.{block}")
+        else:
+            self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -298,7 +324,7 @@ class LlamaModel(nn.Module):
             )
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", tp, lay)
+            DecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", tp, lay, i)
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -332,6 +358,13 @@ class LlamaForCausalLM(nn.Module):
             TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
         )
         self.model = LlamaModel(arch, dtype, quant, "model", tp, lay)
+        # Checkpoint name fragments spelled differently from our module paths (Mixtral's MoE
+        # block); the loader applies them to checkpoint names and to the linears' prefixes.
+        self.checkpoint_renames = (
+            {".block_sparse_moe.": ".mlp."} if arch.moe_family == "mixtral" else {}
+        )
+        # Ops a decode graph holds beyond the dense ones (the runner checks they capture).
+        self.graph_ops = ("moe_topk", "moe_experts") if arch.num_experts else ()
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:

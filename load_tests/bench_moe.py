@@ -1,0 +1,429 @@
+"""MoE decode speed: a Qwen3-30B-A3B-shaped model (hidden 2048, 32 q / 4 kv heads of 128, 128
+experts of intermediate 768, top-8, vocab 151936) with random fp16 weights, through the engine
+(CUDA graphs, the fused MoE kernels), against the floor counted from the bytes one decode step
+actually reads and against transformers on the same card and the same weights.
+
+The model has `--layers` of the real 48 decoder layers (default 8: the full model's 61 GB of
+fp16 would take minutes to write and load); every floor below is counted for the layers that
+are there, so the ratios carry over, and the JSON also states the full 48-layer floor.
+
+Floors (the copy bandwidth of the same run, measured with a device-to-device copy):
+- batch 1: per layer the attention weights (q, k, v, o, norms), the router and the 8 routed
+  experts' gate/up/down, then the final norm and the lm_head (the embedding is a row gather).
+- batched (`--batch-sizes 64,256`): the same with the expected number of distinct experts a
+  batch of B tokens touches under uniform routing, E * (1 - (1 - k/E)^B) per layer (125.2 of 128
+  at B = 64, all of them at 256), plus the KV cache read at the batch's context.
+
+transformers runs first on the model it was just built with (its default experts implementation
+is recorded), then the engine loads the checkpoint written from it.
+
+    python load_tests/bench_moe.py --layers 8 --batch-sizes 64,256 --out results/bench_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load_tests.bench_decode import (  # noqa: E402
+    _summarise,
+    _TimingStreamer,
+    agree_prefix,
+    batched_max_tokens,
+    engine_batched,
+    engine_single,
+    make_engine,
+    random_prompt,
+)
+from load_tests.common import (  # noqa: E402
+    dtype_name,
+    env_info,
+    measure_copy_bandwidth,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+    write_json,
+    write_synthetic_tokenizer,
+)
+
+logger = logging.getLogger("bench_moe")
+
+FULL_LAYERS = 48
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+# A CPU-sized model of the same structure, for the smoke test of this script.
+TINY = dict(
+    QWEN3_30B_A3B,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+MARKER = "voltserve_moe_bench.json"
+
+
+def make_config(layers: int, dtype: torch.dtype, shape: str = "qwen3-30b-a3b"):
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **SHAPES[shape])
+    cfg.dtype = dtype
+    return cfg
+
+
+def bytes_read(cfg, dtype: torch.dtype, layers: int, experts_per_layer: float) -> dict[str, float]:
+    """Weight bytes one decode step reads with `experts_per_layer` distinct experts a layer."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = (H * (q + 2 * kv) + q * H + 2 * hd + 2 * H) * size  # qkv, o, q/k norm, 2 layer norms
+    router = cfg.num_experts * H * size
+    expert = 3 * H * cfg.moe_intermediate_size * size
+    head = (cfg.vocab_size * H + H) * size
+    per_layer = attn + router + experts_per_layer * expert
+    return {
+        "attention_per_layer": attn,
+        "router_per_layer": router,
+        "expert_bytes": expert,
+        "experts_per_layer": experts_per_layer,
+        "lm_head_and_norm": head,
+        "total": layers * per_layer + head,
+    }
+
+
+def distinct_experts(E: int, k: int, B: int) -> float:
+    return E * (1.0 - (1.0 - k / E) ** B)
+
+
+def build_hf_model(cfg, device: str, dtype: torch.dtype, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.9, 1.1, generator=gen)  # finite activations in fp16
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def write_checkpoint(model, cfg, out: Path, seed: int, shape: str) -> None:
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers writes the experts back in the published per-expert layout
+    # (mlp.experts.N.gate_proj/up_proj/down_proj), which the loader stacks again.
+    model.save_pretrained(out, max_shard_size="4GB")
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id).save_pretrained(
+        out
+    )
+    write_synthetic_tokenizer(out, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    marker = {"layers": cfg.num_hidden_layers, "seed": seed, "shape": shape}
+    (out / MARKER).write_text(json.dumps(marker))
+
+
+def checkpoint_matches(path: Path, layers: int, seed: int, shape: str) -> bool:
+    m = path / MARKER
+    want = {"layers": layers, "seed": seed, "shape": shape}
+    return m.is_file() and json.loads(m.read_text()) == want
+
+
+def hf_decode(model, device: str, prompts: list[list[int]], args) -> dict[str, Any]:
+    """transformers generate on the in-memory model: decode time from first to last token."""
+    gen_kw: dict[str, Any] = dict(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        pad_token_id=model.config.eos_token_id,
+    )
+    runs, first_tokens = [], []
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=device)
+            streamer = _TimingStreamer()
+            synchronize(device)
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer, **gen_kw)
+            synchronize(device)
+            n = len(streamer.tokens)
+            decode_s = streamer.stamps[-1] - streamer.stamps[0]
+            runs.append(
+                {
+                    "warmup": i < args.hf_warmup,
+                    "ttft_ms": (streamer.stamps[0] - start) * 1e3,
+                    "decode_s": decode_s,
+                    "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None,
+                    "ms_per_token": decode_s / (n - 1) * 1e3 if n > 1 else None,
+                }
+            )
+            if i == args.hf_warmup:
+                first_tokens = streamer.tokens
+    impl = getattr(model.config, "_experts_implementation_internal", None) or getattr(
+        model.config, "_experts_implementation", None
+    )
+    return {
+        "experts_implementation": impl,
+        "runs": runs,
+        "first_measured_tokens": first_tokens,
+        **_summarise(runs),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=8, help=f"decoder layers (of {FULL_LAYERS})")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument("--keep-model", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hf-runs", type=int, default=2)
+    p.add_argument("--hf-warmup", type=int, default=1)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--batch-sizes", default="64,256")
+    p.add_argument("--context", type=int, default=512, help="prompt length of batched mode")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-warmup", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--bandwidth-bytes", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    args.hf_cache = "dynamic"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cfg = make_config(args.layers, dtype, args.shape)
+    k = cfg.num_experts_per_tok
+    size = torch.tensor([], dtype=dtype).element_size()
+    kv_tok = 2 * args.layers * cfg.num_key_value_heads * cfg.head_dim * size
+    result: dict[str, Any] = {
+        "benchmark": "moe_decode",
+        "model": f"{args.shape} shape",
+        "layers": args.layers,
+        "full_layers": FULL_LAYERS,
+        "device": device,
+        "dtype": dtype_name(dtype),
+        "env": env_info(device),
+        "args": dict(vars(args)),
+        "errors": {},
+    }
+    bw = measure_copy_bandwidth(device, args.bandwidth_bytes)
+    result["copy_bandwidth"] = bw
+    bw_Bps = bw["bandwidth_GBps"] * 1e9
+    b1 = bytes_read(cfg, dtype, args.layers, k)
+    full = bytes_read(cfg, dtype, FULL_LAYERS, k)
+    result["floor"] = {
+        "bytes_per_token": b1,
+        "ms_per_token": b1["total"] / bw_Bps * 1e3,
+        "tok_s": bw_Bps / b1["total"],
+        "full_model_bytes_per_token": full["total"],
+        "full_model_tok_s": bw_Bps / full["total"],
+    }
+
+    tmp = None
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    if model_dir is None:
+        tmp = tempfile.mkdtemp(prefix="voltserve-moe-bench-")
+        model_dir = Path(tmp)
+    rng = np.random.default_rng(args.seed)
+    prompts = [
+        random_prompt(rng, args.prompt_len, cfg.vocab_size) for _ in range(args.warmup + args.runs)
+    ]
+    compare_prompt = prompts[args.warmup]
+    try:
+        hf_model = None
+        if (
+            not checkpoint_matches(model_dir, args.layers, args.seed, args.shape)
+            or not args.skip_transformers
+        ):
+            t0 = time.perf_counter()
+            hf_model = build_hf_model(cfg, device, dtype, args.seed)
+            result["hf_build_s"] = time.perf_counter() - t0
+        if not checkpoint_matches(model_dir, args.layers, args.seed, args.shape):
+            t0 = time.perf_counter()
+            write_checkpoint(hf_model, cfg, model_dir, args.seed, args.shape)
+            result["checkpoint_write_s"] = time.perf_counter() - t0
+        if not args.skip_transformers:
+            hf_prompts = [
+                random_prompt(rng, args.prompt_len, cfg.vocab_size) for _ in range(args.hf_warmup)
+            ]
+            hf_prompts += [compare_prompt] + [
+                random_prompt(rng, args.prompt_len, cfg.vocab_size) for _ in range(args.hf_runs - 1)
+            ]
+            try:
+                result["transformers"] = hf_decode(hf_model, device, hf_prompts, args)
+            except Exception as e:
+                traceback.print_exc()
+                result["errors"]["transformers"] = f"{type(e).__name__}: {e}"
+        del hf_model
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg)
+    finally:
+        if tmp and not args.keep_model:
+            shutil.rmtree(tmp, ignore_errors=True)
+    write_json(args.out, result)
+    _print(result)
+    return 1 if "engine" in result["errors"] else 0
+
+
+def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg) -> None:
+    try:
+        engine, init_s, ecfg = make_engine(model_dir, device, dtype, args)
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["engine"] = f"engine init: {type(e).__name__}: {e}"
+        return
+    result["engine_init_s"] = init_s
+    result["kernel_impl"] = {
+        op: engine.runner.ops.impl.get(op) for op in ("moe_experts", "moe_topk", "gemv")
+    }
+    result["cuda_graphs"] = engine.runner.graphs is not None
+    from voltserve.kernels.moe_experts import wmma_enabled
+
+    result["grouped_gemm"] = "wmma" if wmma_enabled() else "simt"
+    try:
+        runs = []
+        for i, prompt in enumerate(prompts):
+            r = engine_single(engine, f"single-{i}", prompt, args.output_len)
+            r["warmup"] = i < args.warmup
+            runs.append(r)
+        first_tokens = runs[args.warmup].pop("tokens")
+        for r in runs:
+            r.pop("tokens", None)
+        single = {"runs": runs, **_summarise(runs)}
+        if single["ms_per_token"]:
+            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
+        result["engine"] = single
+        hf = result.get("transformers")
+        if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
+            result["speedup_vs_transformers"] = single["decode_tok_s"] / hf["decode_tok_s"]
+            result["greedy_agreement_tokens"] = agree_prefix(
+                first_tokens, hf.pop("first_measured_tokens")
+            )
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
+        return
+    rng = np.random.default_rng(args.seed + 1)
+    batched = []
+    for b in args.batch_sizes:
+        try:
+            max_tokens = batched_max_tokens(b, args, engine.config.max_num_batched_tokens)
+            r = engine_batched(
+                engine,
+                b,
+                args.context,
+                args.decode_steps,
+                args.decode_warmup,
+                max_tokens,
+                cfg.vocab_size,
+                rng,
+            )
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"][f"batch_{b}"] = f"{type(e).__name__}: {e}"
+            continue
+        if r["steps_not_full_batch"]:
+            result["errors"][f"batch_{b}"] = f"{r['steps_not_full_batch']} steps not full"
+        wb = bytes_read(
+            cfg,
+            dtype,
+            args.layers,
+            distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b),
+        )
+        floor_ms = (wb["total"] + b * r["mean_context"] * kv_tok) / bw_Bps * 1e3
+        r.update(
+            batch_size=b,
+            weight_bytes=wb,
+            floor_ms=floor_ms,
+            roofline_fraction=floor_ms / r["step_ms"],
+            run_roofline_fraction=floor_ms / r["run_step_ms"],
+            output_tok_s=b / (r["step_ms"] / 1e3),
+            run_output_tok_s=b / (r["run_step_ms"] / 1e3),
+        )
+        r.pop("step_ms_all", None)
+        batched.append(r)
+    result["batched"] = batched
+
+
+def _print(result: dict[str, Any]) -> None:
+    f = result["floor"]
+    e = result.get("engine", {})
+    hf = result.get("transformers", {})
+    print(
+        f"moe decode ({result['layers']}/{result['full_layers']} layers, {result['dtype']}): "
+        f"floor {f['tok_s']:.0f} tok/s; engine {e.get('decode_tok_s') or 0:.1f} tok/s "
+        f"({e.get('roofline_fraction') or 0:.2f} of floor); transformers "
+        f"{hf.get('decode_tok_s') or 0:.1f} tok/s ({hf.get('experts_implementation')}); "
+        f"speedup {result.get('speedup_vs_transformers') or 0:.1f}x"
+    )
+    for r in result.get("batched", []):
+        print(
+            f"  batch {r['batch_size']}: {r['step_ms']:.2f} ms/step, {r['output_tok_s']:.0f} tok/s, "
+            f"{r['roofline_fraction']:.2f} of floor ({r['floor_ms']:.2f} ms)"
+        )
+    if result["errors"]:
+        print("errors:", result["errors"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Group-quantized MoE experts (AWQ, GPTQ, compressed-tensors int4/int8): the experts' side of
+the quantization seam (models/moe.py `ExpertsMethod`).
+
+Checkpoints store each expert's projections as separate quantized linears
+(model.layers.N.mlp.experts.E.gate_proj.qweight / .scales / .qzeros ...). Each one is unpacked
+by the format's `GroupQuantMethod.unpack` into codes / scales / offsets (the linear path's
+ShardCodes), gate and up are merged along N as for a dense gate_up_proj, every expert is packed
+once with kernels/quant_pack.pack_group_quant, and the packed tensors are stacked per layer:
+
+    w13_qweight [E, 2I, H / P] int32, w13_scales / w13_offsets [E, 2I, H / g] (run dtype)
+    w2_qweight  [E, H,  I / P] int32, w2_scales  / w2_offsets  [E, H,  I / g]
+    (+ w13_perm [E, H] / w2_perm [E, I] int64 for GPTQ act-order)
+
+`apply` is the torch reference: it dequantizes experts (kernels/quant_pack.dequantize's rule,
+rounded once to the run dtype) and runs the float experts path. On CPU it dequantizes only the
+experts that received a token (syncs with the host). On CUDA nothing syncs, so a CUDA graph can
+hold the step: with fewer (token, slot) pairs than experts (decode), one dequantized expert per
+pair and batched matmuls (`apply_pairs`); otherwise every expert of the layer once, then the
+float expert kernels (ops.moe_experts). No fused int4 expert kernel yet: this is the
+correctness path, not the fast one (it writes the dequantized weights, where a fused kernel
+would read only the int4 codes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize, pack_group_quant
+from voltserve.services.executor.models.moe import ExpertsMethod, FusedExperts
+from voltserve.services.executor.quant.group import GroupQuantMethod, merge_shards
+
+if TYPE_CHECKING:
+    from voltserve.kernels.dispatch import KernelDispatch
+
+# our stacked weight -> its parts in order (part index of EXPERT_NAMES; None: the whole of w2)
+_PARTS = {"w13": (0, 1), "w2": (None,)}
+
+
+class GroupQuantExperts(ExpertsMethod):
+    """Stacked group-quantized experts; `linear` is the method the config gives each expert
+    projection (its tensor names and its format's unpack)."""
+
+    def __init__(self, linear: GroupQuantMethod, prefix: str) -> None:
+        self.linear, self.prefix = linear, prefix
+
+    def describe(self) -> str:
+        return f"{self.linear.variant} experts"
+
+    def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.device = torch.empty(0).device  # the model is built under torch.device(...)
+        layer.staged = {}  # (param, expert, part) -> {tensor name: tensor}
+        layer.quant_weights = {}  # "w13" / "w2" -> per-expert GroupQuantWeight views
+
+    def _leaf(self, layer: FusedExperts, param: str, part: int | None) -> str:
+        return next(leaf for leaf, pp in layer.names.items() if pp == (param, part))
+
+    def checkpoint_params(self, layer: FusedExperts) -> dict:
+        out = {}
+        for e in range(layer.num_experts):
+            for leaf, (_param, part) in layer.names.items():
+                for t in self.linear.required + self.linear.optional:
+                    out[f"{e}.{leaf}.{t}"] = (t, (e, part))
+        return out
+
+    def optional_checkpoint_params(self, layer: FusedExperts) -> set[str]:
+        return {
+            f"{e}.{leaf}.{t}"
+            for e in range(layer.num_experts)
+            for leaf in layer.names
+            for t in self.linear.optional
+        }
+
+    def load(self, layer: FusedExperts, name: str, shard: tuple, t: torch.Tensor) -> None:
+        e, part = shard
+        if name not in self.linear.required and name not in self.linear.optional:
+            raise KeyError(f"{self.linear.variant} experts have no tensor {name!r}")
+        layer.staged.setdefault((e, part), {})[name] = t
+
+    def process_after_loading(self, layer: FusedExperts) -> None:
+        E, H, inter, dev = layer.num_experts, layer.hidden, layer.inter, self.device
+        shapes = {"w13": (inter, H), "w2": (H, inter)}  # per part: (rows, in_features)
+        for param, parts in _PARTS.items():
+            packed: list[GroupQuantWeight] = []
+            for e in range(E):
+                codes, names = [], []
+                for part in parts:
+                    name = f"{self.prefix}.{e}.{self._leaf(layer, param, part)}"
+                    staged = {k: v.to(dev) for k, v in layer.staged.pop((e, part), {}).items()}
+                    rows, k = shapes[param]
+                    codes.append(self.linear.unpack(staged, name, rows, k))
+                    names.append(name)
+                m = merge_shards(codes, names)
+                try:
+                    packed.append(
+                        pack_group_quant(
+                            m.codes.to(dev),
+                            m.scales.to(dev),
+                            m.offsets.to(dev),
+                            m.bits,
+                            m.group_size,
+                            self.dtype,
+                            None if m.perm is None else m.perm.to(dev),
+                        )
+                    )
+                except ValueError as err:
+                    raise ValueError(f"{names[0]}: {self.linear.variant}: {err}") from err
+                w0 = packed[0]
+                if (packed[-1].bits, packed[-1].group_size) != (w0.bits, w0.group_size) or (
+                    (packed[-1].perm is None) != (w0.perm is None)
+                ):
+                    raise ValueError(
+                        f"{names[0]}: {self.linear.variant}: bits, group size or act-order "
+                        f"differ from expert 0's (the experts of a layer are stored stacked)"
+                    )
+            self._stack(layer, param, packed)
+        del layer.staged
+
+    def _stack(self, layer: FusedExperts, param: str, packed: list[GroupQuantWeight]) -> None:
+        """One [E, ...] tensor per field (buffers of the layer), and per-expert views of it."""
+        fields = ["qweight", "scales", "offsets"] + (["perm"] if packed[0].perm is not None else [])
+        stacked = {f: torch.stack([getattr(w, f) for w in packed]).contiguous() for f in fields}
+        for f, t in stacked.items():
+            layer.register_buffer(f"{param}_{f}", t, persistent=False)
+        layer.quant_weights[param] = [
+            replace(w, **{f: stacked[f][e] for f in fields}) for e, w in enumerate(packed)
+        ]
+
+    def dense_expert(self, layer: FusedExperts, param: str, e: int) -> torch.Tensor:
+        """Expert e's float weight in the checkpoint's input order, in the run dtype."""
+        w = layer.quant_weights[param][e]
+        deq = dequantize(w)
+        if w.perm is None:
+            return deq
+        out = torch.empty_like(deq)
+        out[:, w.perm] = deq  # y = x[:, perm] @ deq^T = x @ out^T
+        return out
+
+    def dense_all(
+        self, layer: FusedExperts, param: str, experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The float weights [E', N, K] (checkpoint input order) of `experts` (int64 ids, may
+        repeat; None: all E) from the stacked tensors in one dequantize, with no host sync."""
+        ws = layer.quant_weights[param]
+        w0 = ws[0]
+        N, K = w0.out_features, w0.in_features
+        E = len(ws) if experts is None else experts.numel()
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if experts is None else t.index_select(0, experts)
+
+        def flat(f: str) -> torch.Tensor:
+            return pick(getattr(layer, f"{param}_{f}")).reshape(E * N, -1)
+
+        whole = replace(
+            w0,
+            out_features=E * N,
+            qweight=flat("qweight"),
+            scales=flat("scales"),
+            offsets=flat("offsets"),
+            perm=None,
+        )
+        deq = dequantize(whole).view(E, N, K)
+        if w0.perm is None:
+            return deq
+        perm = pick(getattr(layer, f"{param}_perm"))  # [E', K]
+        return torch.empty_like(deq).scatter_(2, perm[:, None, :].expand(E, N, K), deq)
+
+    def apply(
+        self,
+        layer: FusedExperts,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        from voltserve.kernels.moe_experts import moe_experts_ref
+
+        if x.is_cuda:
+            # No host sync (graph-capturable). Fewer (token, expert) pairs than experts (decode):
+            # dequantize each pair's expert; else every expert once, then the float kernels.
+            if topk_ids.numel() < layer.num_experts:
+                return self.apply_pairs(layer, x, topk_weights, topk_ids)
+            w13, w2 = self.dense_all(layer, "w13"), self.dense_all(layer, "w2")
+            return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        used = torch.unique(topk_ids.reshape(-1).long())
+        remap = torch.zeros(layer.num_experts, dtype=torch.int64)
+        remap[used] = torch.arange(used.numel())
+        ids = used.tolist()
+        w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in ids])
+        w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in ids])
+        return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
+
+    def apply_pairs(
+        self,
+        layer: FusedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """moe_experts_ref's products with one dequantized expert per (token, slot) pair, as
+        batched matmuls (no host sync: every shape follows from T and k)."""
+        from voltserve.kernels.activation import silu_and_mul_ref
+
+        T, k = topk_ids.shape
+        # The router never yields an id outside 0..E-1; the clamp is for the start-up trace
+        # (services/executor/kernel_warmup.py records the router kernel without running it, so
+        # the ids are uninitialised memory and an unclamped gather could fault).
+        ids = topk_ids.reshape(-1).long().clamp(0, layer.num_experts - 1)
+        w13 = self.dense_all(layer, "w13", ids)  # [P, 2I, H]
+        w2 = self.dense_all(layer, "w2", ids)  # [P, H, I]
+        xs = x.repeat_interleave(k, dim=0)  # pair p = token p // k
+        h = silu_and_mul_ref(torch.bmm(w13, xs.unsqueeze(-1)).squeeze(-1))
+        y = torch.bmm(w2.float(), h.float().unsqueeze(-1)).squeeze(-1)  # [P, H] fp32
+        y = y * topk_weights.reshape(-1, 1).float()
+        return y.view(T, k, -1).sum(1).to(x.dtype)
+
+
+__all__ = ["GroupQuantExperts"]

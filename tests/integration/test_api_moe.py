@@ -1,0 +1,81 @@
+"""A mixture-of-experts model (the tiny Qwen3-MoE checkpoint: top-3 of 8 experts, a dense layer
+between two sparse ones) through the real services: concurrent greedy completions equal
+transformers token for token, and their logprobs agree within LOGPROB_ATOL. The same for its
+AWQ int4 version (experts quantized too; tests/quant_checkpoints.py), against transformers on
+the dequantized reference weights."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from checkpoints import checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .conftest import start_stack
+
+LOGPROB_ATOL = 1e-3  # fp32 on CPU; the API rounds nothing, the margin covers summation order
+
+
+def _hf_greedy_logprobs(model_dir: str, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    toks, lps = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            lp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+            nxt = int(lp.argmax())
+            toks.append(nxt)
+            lps.append(float(lp[nxt]))
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return toks, lps
+
+
+def _model(kind: str) -> tuple[Path, Path]:
+    """(served folder, transformers reference folder)."""
+    if kind == "float":
+        return checkpoint("qwen3_moe"), checkpoint("qwen3_moe")
+    from tests.quant_checkpoints import awq_checkpoint
+
+    return awq_checkpoint("qwen3_moe", 32)
+
+
+@pytest.mark.parametrize("kind", ["float", "awq-int4"])
+def test_moe_concurrent_greedy_and_logprobs_equal_transformers(kind: str, tmp_path: Path) -> None:
+    model, ref = _model(kind)
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    print(f"prompt seed {seed}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(4, 40))] for _ in range(6)]
+    stack = start_stack(model, tmp_path / "stack")
+    try:
+        client = openai.OpenAI(base_url=stack.base_url() + "/v1", api_key="x", max_retries=0)
+
+        def complete(p: list[int]):
+            return client.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=8,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True},
+            )
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(complete, prompts))
+    finally:
+        stack.stop()
+    for p, r in zip(prompts, results):
+        want, want_lp = _hf_greedy_logprobs(str(ref), p, 8)
+        choice = r.choices[0]
+        assert choice.text == tok.decode(want, skip_special_tokens=True), f"prompt {p}"
+        got_lp = choice.logprobs.token_logprobs
+        assert len(got_lp) == 8
+        for a, b in zip(got_lp, want_lp):
+            assert abs(a - b) < LOGPROB_ATOL
