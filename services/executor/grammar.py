@@ -57,9 +57,15 @@ class GrammarCompilerPool:
 
                 tok = self.tokenizer_source
                 if isinstance(tok, (str, os.PathLike)):
-                    from transformers import AutoTokenizer
+                    from voltserve.shared.gguf_files import is_gguf, load_tokenizer
 
-                    tok = AutoTokenizer.from_pretrained(str(tok))
+                    if is_gguf(tok):
+                        # A GGUF model carries its tokenizer in its metadata.
+                        tok = load_tokenizer(tok)
+                    else:
+                        from transformers import AutoTokenizer
+
+                        tok = AutoTokenizer.from_pretrained(str(tok))
                 if len(tok) > self.vocab_size:
                     raise ValueError(
                         f"the tokenizer has {len(tok)} tokens but the model only "

@@ -4,6 +4,7 @@ dequantize, detection and --quantization, split GGUF files, the tokenizer from G
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -277,3 +278,22 @@ def test_linear_without_checkpoint_names_loads_by_module_path() -> None:
         t = targets[f"model.layers.0.self_attn.{leaf}.weight"]
         assert t.module is attn.qkv_proj and t.shard == shard
     assert isinstance(model, LlamaForCausalLM)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
+)
+def test_structured_outputs_compile_against_a_gguf_models_own_tokenizer() -> None:
+    """The executor's grammar compiler reads a GGUF model's tokenizer from its metadata (the
+    path is a file, not a folder of tokenizer files)."""
+    from voltserve.services.executor.grammar import GrammarCompilerPool
+    from voltserve.shared.gguf_files import gguf_files, load_tokenizer
+
+    d = qc.gguf_checkpoint("qwen2", lambda _n: "Q8_0", "Q8_0")
+    path = gguf_files(d)[0]
+    vocab = len(load_tokenizer(path))
+    pool = GrammarCompilerPool(str(path), vocab, [0])
+    try:
+        assert pool.compile({"type": "regex", "value": "[ab]{1,3}"}) is not None
+    finally:
+        pool.shutdown()
