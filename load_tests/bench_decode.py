@@ -167,7 +167,8 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
         # these batch sizes, so the other sizes' captures (~3 s each at 8B) would only cost time.
         cuda_graph_sizes=tuple(sorted({1, *args.batch_sizes})),
         seed=0,
-        tensor_parallel_size=args.tensor_parallel_size,
+        # Callers with their own flags (bench_moe, bench_spec) may not have -tp.
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
