@@ -716,7 +716,14 @@ class ModelRunner:
         with self._tp_lock:
             if self.tp_procs is None:
                 raise RuntimeError("the tensor-parallel group has been shut down")
-            return self._execute(plan)
+            try:
+                return self._execute(plan)
+            except Exception:
+                # A collective fails as soon as a peer's connection closes, often before the
+                # watchdog's next poll sees the rank's exit: name the dead rank if there is one
+                # (this exits the process), else let the error end the executor as it is.
+                self.tp_procs.exit_if_a_rank_died(wait_s=2.0)
+                raise
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> list[SampledToken]:

@@ -76,19 +76,30 @@ class RankProcesses:
 
     def _watchdog(self) -> None:
         while not self.stopping:
-            for r, p in enumerate(self.procs, start=1):
-                done = self.compile_only and p.exitcode == 0  # its compile phase ended
-                if p.exitcode is not None and not self.stopping and not done:
-                    logger.critical(
-                        "tensor-parallel rank %d (pid %s) exited with code %s: stopping the "
-                        "executor",
-                        r,
-                        p.pid,
-                        p.exitcode,
-                    )
-                    logging.shutdown()
-                    os._exit(RANK_DIED_EXIT_CODE)
+            self._exit_on_dead_rank()
             time.sleep(0.2)
+
+    def _exit_on_dead_rank(self) -> None:
+        """A rank that exited ends the executor (exit code RANK_DIED_EXIT_CODE), naming it."""
+        for r, p in enumerate(self.procs, start=1):
+            done = self.compile_only and p.exitcode == 0  # its compile phase ended
+            if p.exitcode is not None and not self.stopping and not done:
+                logger.critical(
+                    "tensor-parallel rank %d (pid %s) exited with code %s: stopping the executor",
+                    r,
+                    p.pid,
+                    p.exitcode,
+                )
+                logging.shutdown()
+                os._exit(RANK_DIED_EXIT_CODE)
+
+    def exit_if_a_rank_died(self, wait_s: float) -> None:
+        """After a failed collective: wait up to wait_s for a rank's exit to show, and end the
+        executor naming it; return if every rank is still alive."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            self._exit_on_dead_rank()
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping = True
