@@ -145,3 +145,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Stable: a module's tests keep their order, and a module with a shared fixture (all one
     # rank) stays contiguous, so a serial run sets that fixture up once too.
     items.sort(key=rank)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Every failed test's replay line once more, last: a long assertion diff can push the
+    report's own section out of what a CI log keeps."""
+    lines = [
+        text
+        for rep in terminalreporter.stats.get("failed", [])
+        for title, text in getattr(rep, "sections", [])
+        if title == "random seed"
+    ]
+    if lines:
+        terminalreporter.write_sep("=", "random seeds of the failed tests")
+        for line in lines:
+            terminalreporter.write_line(line)
