@@ -405,22 +405,22 @@ class LLMEngine:
         running = self.batcher.running
         dbs = self.spec_config.disable_by_batch_size
         if dbs is not None and len(running) >= dbs:
-            for r in running:
-                r.spec_token_ids = []
-            return
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+            decoding = []
+        else:
+            decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         for r in running:
             r.spec_token_ids = []
-        if decoding:
-            for r, prop in zip(decoding, self.proposer.propose(decoding)):
-                # Never more than the request can still emit after this step's own token.
-                room = r.max_output_tokens - len(r.output_token_ids) - 1
-                prop = prop[: max(room, 0)]
-                if prop and r.grammar is not None:
-                    # A constrained request: up to the first token its grammar rejects (the
-                    # target could never sample it under the mask).
-                    prop = prop[: r.grammar.valid_prefix(prop)]
-                r.spec_token_ids = prop
+        # Called with no request too: a proposer that collects the target's hidden states
+        # (EAGLE) takes them every step, so they never pile up.
+        for r, prop in zip(decoding, self.proposer.propose(decoding)):
+            # Never more than the request can still emit after this step's own token.
+            room = r.max_output_tokens - len(r.output_token_ids) - 1
+            prop = prop[: max(room, 0)]
+            if prop and r.grammar is not None:
+                # A constrained request: up to the first token its grammar rejects (the
+                # target could never sample it under the mask).
+                prop = prop[: r.grammar.valid_prefix(prop)]
+            r.spec_token_ids = prop
 
     def _accept(self, req: Request, spec, sampled, ids, i: int) -> RequestOutput:
         """A verify row group: keep the target's tokens while they equal the proposals

@@ -43,6 +43,7 @@ from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.draft_model import load_draft
+from voltserve.services.executor.spec.eagle_head import load_eagle_head
 from voltserve.services.executor.tp import launch as tp_launch
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
@@ -77,9 +78,10 @@ def check_tp_model(config: EngineConfig) -> None:
     if config.speculative_config is not None:
         # The draft model and the verify step run on rank 0 alone; the other ranks would need
         # to follow both.
+        method = config.speculative_config.get("method") or "draft_model"
         raise TPSplitError(
-            f"--speculative-config with --tensor-parallel-size {size} is not supported yet; "
-            "use one of them"
+            f"--speculative-config (method {method!r}) with --tensor-parallel-size {size} is "
+            "not supported yet; use one of them"
         )
     if is_gguf(config.model):
         raise TPSplitError(
@@ -252,16 +254,28 @@ class ModelRunner:
             loaded = load_model(config.model, self.dtype, self.device, config.quantization, self.tp)
         self.model = loaded.model
         self.arch = loaded.arch
-        # Speculation with a draft model: loaded beside the target, before KV sizing, so its
-        # weights and its KV cache (the target's block layout) count against the memory.
+        # Speculation with a draft model or an EAGLE head: loaded beside the target, before KV
+        # sizing, so its weights and its KV cache (the target's block layout) count against the
+        # memory. Either has .model and .arch.
         self.draft = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         spec = config.speculative_config
-        if spec is not None and SpeculativeConfig.from_dict(spec).method == "draft_model":
+        method = SpeculativeConfig.from_dict(spec).method if spec is not None else None
+        if method == "draft_model":
             with startup.phase("loading the draft model", self.startup_times):
                 self.draft = load_draft(
                     spec["model"], config.model, self.arch, self.dtype, self.device
                 )
+        elif method == "eagle":
+            with startup.phase("loading the EAGLE head", self.startup_times):
+                self.draft = load_eagle_head(spec["model"], self.arch, self.dtype, self.device)
+        # The hidden-state seam: a proposer that reads the target's last hidden states (EAGLE)
+        # sets keep_hidden_states; each eager forward then leaves (request, first position,
+        # rows) in _hidden_out for take_hidden_states(). Decode-only steps then run eagerly too
+        # (the decode graphs return logits only).
+        self.keep_hidden_states = False
+        self._hidden_out: list[tuple[Request, int, torch.Tensor]] = []
+        self._staged: tuple[list[Request], list[int], np.ndarray] = ([], [], np.zeros(1))
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
         # This rank's KV heads (all of them without tensor parallelism).
@@ -576,6 +590,7 @@ class ModelRunner:
                 rows.append(SampleRow(r, out_pos + j, eos, tuple(sp[:j])))
                 logit_rows.append(end - 1 - m + j)
         self._prompt_rows = self._prompt_logprob_rows(reqs, start_list, n_list, qsl)
+        self._staged = (reqs, start_list, qsl)
         for _, _, first_row, count in self._prompt_rows:
             logit_rows.extend(range(first_row, first_row + count))
         if self._copy_done is not None:
@@ -733,6 +748,7 @@ class ModelRunner:
             self.graphs is not None
             and self.graphs.can_run(len(plan.scheduled))
             and plan.is_decode_only
+            and not self.keep_hidden_states
         ):
             if self.pipeline is not None:
                 ids = self.pipeline.execute(plan)
@@ -756,23 +772,37 @@ class ModelRunner:
                 batch.meta.max_query_len or 0,
             )
         if self._prompt_rows:
-            logits = self.model(
-                batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
-            )
+            logits = self._forward(batch, batch.logits_indices)
             self._compute_prompt_logprobs(logits[len(rows) :])
             if not rows:
                 return []
             logits = logits[: len(rows)]
         elif rows:
-            logits = self.model(
-                batch.input_ids, batch.positions, batch.meta, self.kv_caches, batch.logits_indices
-            )
+            logits = self._forward(batch, batch.logits_indices)
         else:
             # A step of prefill chunks only: write their KV, sample nothing.
-            empty = batch.logits_indices[:0]
-            self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, empty)
+            self._forward(batch, batch.logits_indices[:0])
             return []
         return self.sampler(logits, rows)
+
+    def _forward(self, batch: DeviceBatch, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The target's forward over the prepared batch; with keep_hidden_states, its last
+        hidden states per request are kept for take_hidden_states()."""
+        if not self.keep_hidden_states:
+            return self.model(
+                batch.input_ids, batch.positions, batch.meta, self.kv_caches, logits_indices
+            )
+        h = self.model.hidden_states(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        reqs, starts, qsl = self._staged
+        for b, r in enumerate(reqs):
+            self._hidden_out.append((r, starts[b], h[int(qsl[b]) : int(qsl[b + 1])]))
+        return self.model.compute_logits(h, logits_indices)
+
+    def take_hidden_states(self) -> list[tuple[Request, int, torch.Tensor]]:
+        """(request, first position, [n, hidden] rows) of every request the eager forwards
+        computed since the last call, in step order (keep_hidden_states only)."""
+        out, self._hidden_out = self._hidden_out, []
+        return out
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

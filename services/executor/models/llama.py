@@ -404,6 +404,18 @@ class LlamaForCausalLM(nn.Module):
         model's dtype with fp32_logits=False (the decode graphs: their argmax is the same on
         either, as the widening is exact and monotonic, and the sampler widens the rows it
         needs outside the graph; at batch 256 the fp32 copy and its argmax took 0.19 ms)."""
+        x = self.hidden_states(input_ids, positions, meta, kv_caches)
+        return self.compute_logits(x, logits_indices, fp32_logits)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """The last layer's output after the final norm, [T, hidden]: what the lm_head reads,
+        and the feature an EAGLE head reads (spec/eagle.py)."""
         ops = self.ops
         assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
         x = self.model.embed_tokens(input_ids)
@@ -411,7 +423,16 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in layers:
             x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
-        x = self.model.norm(ops, x, residual)
+        return self.model.norm(ops, x, residual)
+
+    def compute_logits(
+        self,
+        x: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+        fp32_logits: bool = True,
+    ) -> torch.Tensor:
+        """Logits of the rows logits_indices of hidden states x (see forward)."""
+        ops = self.ops
         if logits_indices is not None:
             x = x[logits_indices]
         # The lm_head reads the whole vocabulary matrix per step: the GEMV path at decode.

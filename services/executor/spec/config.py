@@ -6,9 +6,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+# Methods that read a checkpoint folder ("model").
+WITH_MODEL = ("draft_model", "eagle")
 # Methods vLLM knows that this build does not run yet: refused by name, never ignored.
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+# (eagle3: its heads fuse three target layers' hidden states and propose from a reduced draft
+# vocabulary, a different checkpoint format and a second hidden-state seam.)
+NOT_YET = ("eagle3", "medusa", "mlp_speculator", "mtp")
 _KEYS = {
     "method",
     "model",
@@ -28,7 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # No proposals in a step with at least this many running requests (None: always propose).
     disable_by_batch_size: int | None = None
-    # draft_model: the draft checkpoint folder (same tokenizer as the target).
+    # draft_model: the draft checkpoint folder (same tokenizer as the target); eagle: the EAGLE
+    # head's folder (spec/eagle_head.py).
     model: str | None = None
 
     @classmethod
@@ -81,11 +86,11 @@ class SpeculativeConfig:
                 f"got {dbs!r}"
             )
         model = d.get("model")
-        if method == "draft_model":
+        if method in WITH_MODEL:
             if not isinstance(model, str) or not model:
+                what = "draft checkpoint" if method == "draft_model" else "EAGLE head checkpoint"
                 raise ValueError(
-                    "--speculative-config: method 'draft_model' needs \"model\": the draft "
-                    "checkpoint folder"
+                    f'--speculative-config: method {method!r} needs "model": the {what} folder'
                 )
         elif model is not None:
             raise ValueError(f'--speculative-config: method {method!r} takes no "model"')

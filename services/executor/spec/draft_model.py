@@ -141,35 +141,53 @@ class DraftModelProposer(Proposer):
         return out
 
     def _tables(self, reqs: list[Request]) -> torch.Tensor:
-        width = max(len(r.block_ids) for r in reqs)
-        t = torch.zeros(len(reqs), width, dtype=torch.int32)
-        for b, r in enumerate(reqs):
-            t[b, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        return t
+        return block_tables(reqs)
 
     def _forward(self, toks, pos, reqs, tables, qsl, seq_lens, decode: bool) -> list[int]:
         dev = self.device
-        bs = self.bm.block_size
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        row_of = torch.repeat_interleave(
-            torch.arange(len(reqs)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1])
-        )
-        slots = tables.long()[row_of, pos_t // bs] * bs + pos_t % bs
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=qsl_t.to(dev),
-            is_decode=decode,
-            max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
-        )
-        logits_rows = (qsl_t[1:] - 1).long().to(dev)
+        meta = draft_metadata(pos, tables, qsl, seq_lens, decode, self.bm.block_size, dev)
+        logits_rows = torch.tensor(qsl[1:], dtype=torch.int64, device=dev) - 1
         logits = self.model(
             torch.tensor(toks, dtype=torch.int64, device=dev),
-            pos_t.to(dev),
+            torch.tensor(pos, dtype=torch.int64, device=dev),
             meta,
             self.kv,
             logits_rows,
         )
         return logits.argmax(dim=-1).tolist()
+
+
+def block_tables(reqs: list[Request]) -> torch.Tensor:
+    """The requests' block tables, [B, widest] int32 on the host (zeros past a short one)."""
+    width = max(len(r.block_ids) for r in reqs)
+    t = torch.zeros(len(reqs), width, dtype=torch.int32)
+    for b, r in enumerate(reqs):
+        t[b, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+    return t
+
+
+def draft_metadata(
+    pos: list[int],
+    tables: torch.Tensor,
+    qsl: list[int],
+    seq_lens: list[int],
+    decode: bool,
+    block_size: int,
+    device,
+) -> AttentionMetadata:
+    """Attention metadata of a proposer's own forward over the requests' target blocks: row
+    group b (query rows qsl[b]..qsl[b+1]) writes the slots of positions pos in table row b."""
+    pos_t = torch.tensor(pos, dtype=torch.int64)
+    row_of = torch.repeat_interleave(
+        torch.arange(len(seq_lens)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1])
+    )
+    slots = tables.long()[row_of, pos_t // block_size] * block_size + pos_t % block_size
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=qsl_t.to(device),
+        is_decode=decode,
+        max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
+    )

@@ -24,11 +24,16 @@ class Proposer(ABC):
 
 
 def make_proposer(config, runner=None, block_manager=None) -> Proposer:
-    """The proposer a SpeculativeConfig names (a draft model runs on the runner's draft)."""
+    """The proposer a SpeculativeConfig names (a draft model or an EAGLE head runs on the
+    runner's draft)."""
     if config.method == "draft_model":
         from voltserve.services.executor.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer(config.num_speculative_tokens, runner, block_manager)
+    if config.method == "eagle":
+        from voltserve.services.executor.spec.eagle import EagleProposer
+
+        return EagleProposer(config.num_speculative_tokens, runner, block_manager)
     if config.method == "ngram":
         from voltserve.services.executor.spec.ngram import NgramProposer
 

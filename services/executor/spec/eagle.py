@@ -1,0 +1,149 @@
+"""EAGLE proposer: a one-layer head (eagle_head.py) reads the target's last hidden states and
+proposes k tokens greedily, one batched head step per token.
+
+Where the features come from: the proposer sets `runner.keep_hidden_states`, and the runner
+then hands out the target's final hidden state of every row it computes (per request: the first
+position and the rows; `take_hidden_states`). They collect per request in `Request.spec_state`
+(a `_Features`: the target's features from some position on), a later row at a position
+replacing what an earlier one left there (the rows of rejected proposals are recomputed by the
+next verify step), and only features below `num_computed_tokens` count.
+
+Why the head keeps a paged KV cache instead of recomputing a short window: its attention covers
+the whole context (that is how the EAGLE heads are trained), and the draft-model proposer has
+already laid out a second cache in the target's block layout, in the slots of the request's own
+blocks, so the block manager's allocation, take-back and preemption cover the head with no table
+of its own. Per proposal the head catches up over the pairs (f_p, x_{p+1}) whose features came
+since its last proposal (p < num_computed_tokens; after a verify step, the accepted tokens'
+pairs), then runs k - 1 single-row steps on its own outputs. The last pair is kept and recomputed
+by the next proposal, so a request not scheduled in between still has its first proposal.
+KV the head wrote for a prefix-cache hit's blocks (by the request that computed them) or left
+stale by a preemption only makes proposals worse, never the output different: acceptance keeps
+the target's tokens whatever is proposed (acceptance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from voltserve.services.executor.request import Request
+from voltserve.services.executor.spec.draft_model import block_tables, draft_metadata
+from voltserve.services.executor.spec.eagle_head import LoadedHead
+from voltserve.services.executor.spec.proposer import Proposer
+
+
+@dataclass
+class _Features:
+    start: int  # the position of feats[0]
+    feats: torch.Tensor  # [n, hidden]: the target's hidden states at start .. start + n - 1
+
+
+def _tokens(r: Request, start: int, n: int) -> list[int]:
+    p = r.prompt_token_ids
+    if start >= len(p):
+        return r.output_token_ids[start - len(p) : start - len(p) + n]
+    return (p[start:] + r.output_token_ids)[:n]
+
+
+class EagleProposer(Proposer):
+    def __init__(self, num_speculative_tokens: int, runner, block_manager) -> None:
+        super().__init__(num_speculative_tokens)
+        if not isinstance(getattr(runner, "draft", None), LoadedHead):
+            raise ValueError("the eagle method needs a runner that loaded the EAGLE head")
+        self.runner = runner
+        self.bm = block_manager
+        self.head = runner.draft.model
+        self.target = runner.model
+        self.kv = runner.draft_kv_caches
+        self.device = runner.device
+        # The seam: from now on the target's forward also hands out its hidden states.
+        runner.keep_hidden_states = True
+
+    def _collect(self) -> None:
+        """Move the hidden states of the runner's last steps into their requests' state."""
+        for r, s, h in self.runner.take_hidden_states():
+            st = r.spec_state
+            if not isinstance(st, _Features) or not st.start <= s <= st.start + len(st.feats):
+                # First rows, a recomputation from an earlier position, or a gap.
+                r.spec_state = _Features(s, h.clone())
+            else:
+                st.feats = torch.cat([st.feats[: s - st.start], h])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        self._collect()
+        out: list[list[int]] = [[] for _ in requests]
+        rows: list[tuple[int, Request, int]] = []  # (index, request, k)
+        for i, r in enumerate(requests):
+            k = min(self.k, r.max_output_tokens - len(r.output_token_ids) - 1)
+            c = r.num_computed_tokens
+            st = r.spec_state
+            if k <= 0 or c < 1 or not isinstance(st, _Features):
+                continue
+            if st.start > c - 1 or st.start + len(st.feats) < c:
+                continue  # the feature of the last computed position is not known
+            # Slots for the head's own steps (positions c .. c + k - 2); as the draft model,
+            # leaving a block per decoding request free so that the batcher preempts nobody.
+            missing = self.bm.blocks_needed(c + k - 1) - len(r.block_ids)
+            if missing > 0 and self.bm.num_free_blocks - missing < len(requests):
+                continue
+            if not self.bm.append_slots(r, k - 1):
+                continue
+            rows.append((i, r, k))
+        if not rows:
+            return out
+        reqs = [r for _, r, _ in rows]
+        tables = block_tables(reqs)
+        # Catch-up: the pairs (f_p, x_{p+1}) for p from the first new feature to c - 1.
+        toks: list[int] = []
+        pos: list[int] = []
+        feats: list[torch.Tensor] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        for r in reqs:
+            st, c = r.spec_state, r.num_computed_tokens
+            a = st.start
+            toks += _tokens(r, a + 1, c - a)
+            pos += range(a, c)
+            feats.append(st.feats[: c - a])
+            qsl.append(qsl[-1] + c - a)
+            seq_lens.append(c)
+            # Keep the last pair's feature: the next proposal starts from it.
+            st.start, st.feats = c - 1, st.feats[c - 1 - a : c - a].clone()
+        h = self._forward(toks, torch.cat(feats), pos, tables, qsl, seq_lens, decode=False)
+        h = h[torch.tensor(qsl[1:], device=h.device) - 1]
+        nxt = self._argmax(h)
+        drafts = [[t] for t in nxt]
+        # k - 1 single-row steps: the head's own output is the next feature.
+        for j in range(1, max(k for *_, k in rows)):
+            live = [b for b, (*_, k) in enumerate(rows) if k > j]
+            if not live:
+                break
+            p = [reqs[b].num_computed_tokens + j - 1 for b in live]
+            idx = torch.tensor(live, device=h.device)
+            hs = self._forward(
+                [drafts[b][-1] for b in live],
+                h[idx],
+                p,
+                tables[live],
+                list(range(len(live) + 1)),
+                [q + 1 for q in p],
+                decode=True,
+            )
+            h = h.index_copy(0, idx, hs)  # h keeps one row per request of `rows`
+            for b, t in zip(live, self._argmax(hs)):
+                drafts[b].append(t)
+        for (i, _, _), d in zip(rows, drafts):
+            out[i] = d
+        return out
+
+    def _argmax(self, h: torch.Tensor) -> list[int]:
+        return self.target.compute_logits(h).argmax(dim=-1).tolist()
+
+    def _forward(self, toks, feats, pos, tables, qsl, seq_lens, decode: bool) -> torch.Tensor:
+        dev = self.device
+        meta = draft_metadata(pos, tables, qsl, seq_lens, decode, self.bm.block_size, dev)
+        ids = torch.tensor(toks, dtype=torch.int64, device=dev)
+        embeds = self.target.model.embed_tokens(ids)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return self.head(embeds, feats, positions, meta, self.kv)
