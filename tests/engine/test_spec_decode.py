@@ -323,9 +323,9 @@ def test_cli_flag_validated(capsys):
     for parser in (executor_main.build_parser(), launcher.build_parser()):
         with pytest.raises(SystemExit):
             parser.parse_args(
-                ["--model", "m", "--speculative-config", '{"method": "eagle", "model": "x"}']
+                ["--model", "m", "--speculative-config", '{"method": "eagle3", "model": "x"}']
             )
-        assert "method 'eagle' is not supported yet" in capsys.readouterr().err
+        assert "method 'eagle3' is not supported yet" in capsys.readouterr().err
 
 
 # ---- draft model -------------------------------------------------------------------------
