@@ -13,7 +13,8 @@ not depend on it:
   mean accepted length, and the ideal speedup (tokens per step / verify-step cost in decode
   steps).
 A draft model (`--draft-preset`, default Llama-3.2-1B's shape with the target's vocabulary) runs
-batch 1 with its measured acceptance and step time.
+batch 1 with its measured acceptance and step time, and so does an EAGLE-1 head of the target's
+shape (`--eagle-k`; random weights, written once into --eagle-dir).
 n-gram (`--ngram-k`) runs on a copy-heavy prompt (a phrase repeated to --prompt-len): its
 acceptance is whatever the random model's output repeats of it, reported as measured.
 Verify steps run eagerly (no CUDA graph for them yet); plain decode steps replay graphs.
@@ -141,6 +142,64 @@ def with_proposer(engine, proposer, device, prompts, output_len, tag) -> dict[st
     return r
 
 
+def write_random_eagle_head(d: Path, target_dir: Path, seed: int) -> Path:
+    """An EAGLE-1 head (spec/eagle_head.py's layout) of the target's shape, random fp16 weights;
+    kept when its config.json already matches the target's shape."""
+    import json
+
+    from safetensors.torch import save_file
+
+    t = json.loads((target_dir / "config.json").read_text())
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+    )
+    cfg = {k: t[k] for k in keys if t.get(k) is not None}
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
+    cfg["torch_dtype"] = "float16"
+    have = d / "config.json"
+    if (
+        have.is_file()
+        and json.loads(have.read_text()) == cfg
+        and (d / "head.safetensors").is_file()
+    ):
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).half()
+
+    p = "layers.0."
+    tensors = {
+        "fc.weight": w(H, 2 * H),
+        "fc.bias": torch.zeros(H, dtype=torch.float16),
+        p + "self_attn.q_proj.weight": w(q, H),
+        p + "self_attn.k_proj.weight": w(kv, H),
+        p + "self_attn.v_proj.weight": w(kv, H),
+        p + "self_attn.o_proj.weight": w(H, q),
+        p + "mlp.gate_proj.weight": w(inter, H),
+        p + "mlp.up_proj.weight": w(inter, H),
+        p + "mlp.down_proj.weight": w(H, inter),
+        p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.float16),
+    }
+    save_file(tensors, str(d / "head.safetensors"))
+    have.write_text(json.dumps(cfg))
+    return d
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
@@ -160,6 +219,8 @@ def parse_args(argv):
     )
     p.add_argument("--draft-dir", default="/tmp/voltserve-llama3.2-1b")
     p.add_argument("--draft-k", type=int, default=4)
+    p.add_argument("--eagle-k", type=int, default=3, help="EAGLE head run (0: none)")
+    p.add_argument("--eagle-dir", default=None, help="default: /tmp/voltserve-eagle-PRESET")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results file")
@@ -303,6 +364,20 @@ def main(argv=None) -> int:
         result["draft_model_batch1"] = dm
         release(eng)
 
+    # 4. An EAGLE head of the target's shape (random weights: the step cost with the head's
+    # catch-up and k - 1 steps in it, acceptance as measured).
+    if args.eagle_k > 0:
+        eagle_dir = Path(args.eagle_dir or f"/tmp/voltserve-eagle-{args.preset}")
+        write_random_eagle_head(eagle_dir, model_dir, args.seed + 2)
+        spec = {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": args.eagle_k}
+        eng = make_engine(model_dir, device, dtype, args, spec)
+        run(eng, device, [copy_prompt], 8, "warm")
+        ea = with_proposer(eng, eng.proposer, device, [copy_prompt], args.output_len, "eagle")
+        ea.pop("tokens")
+        ea["speedup"] = ea["decode_tok_s"] / base_tok_s if base_tok_s else None
+        result["eagle_batch1"] = ea
+        release(eng)
+
     write_json(args.out, result)
     print(f"spec off batch 1: {base_tok_s and round(base_tok_s, 1)} tok/s")
     print(
@@ -316,6 +391,12 @@ def main(argv=None) -> int:
         print(
             f"draft model k={args.draft_k}: {dm['decode_tok_s']} tok/s, step "
             f"{dm['median_step_ms']} ms, acceptance {dm['acceptance_rate']}"
+        )
+    if "eagle_batch1" in result:
+        ea = result["eagle_batch1"]
+        print(
+            f"eagle k={args.eagle_k}: {ea['decode_tok_s']} tok/s, step "
+            f"{ea['median_step_ms']} ms, acceptance {ea['acceptance_rate']}"
         )
     for name, r in forced.items():
         print(

@@ -183,3 +183,53 @@ def test_structured_spec_on_gpu() -> None:
             assert re.fullmatch(regex, text), text
         else:
             assert text in choices, text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_eagle_on_gpu(dtype: str, tmp_path) -> None:
+    """An EAGLE head on the GPU (its catch-up through the prefill attention and its single-row
+    steps through the decode kernels, on its own KV cache): in fp32 its proposals equal the
+    plain-torch reference of tests/engine/test_spec_eagle.py (up to near-ties) and the output
+    equals speculation off; in fp16 only the prefix agreement and the counters are asserted
+    (see test_draft_model_on_gpu)."""
+    from tests.engine.test_spec_eagle import ref_proposals, spy, write_head
+
+    head = write_head(tmp_path / "head", 7)
+    rng = random.Random(6)
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = _engine("llama", dtype, None).generate(prompts, params)
+    eng = _engine(
+        "llama", dtype, {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    )
+    calls = spy(eng)
+    got = eng.generate(prompts, params)
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0
+    assert st.spec_decode_num_accepted_tokens <= st.spec_decode_num_draft_tokens
+    assert eng.check_all_free()
+    if dtype == "float32":
+        from safetensors.torch import load_file
+
+        from tests.engine.token_match import assert_streams_match
+
+        ids = [str(i) for i in range(len(prompts))]
+        reqs = {i: (p, params) for i, p in zip(ids, prompts)}
+        assert_streams_match(dict(zip(ids, got)), dict(zip(ids, want)), reqs, checkpoint("llama"))
+
+        t = load_file(str(head / "model.safetensors"))
+        for context, p in calls[:40]:
+            ref, logits = ref_proposals(t, context, len(p))
+            j = next((i for i, (a, b) in enumerate(zip(p, ref)) if a != b), None)
+            if j is not None:
+                gap = (logits[j].max() - logits[j][p[j]]).item()
+                assert gap <= 1e-3, f"context {context}: proposals {p} vs reference {ref}"
+    else:
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+            for g, w in zip(got, want)
+        ]
+        print("fp16 agreement lengths", agree)
+        assert all(len(g) == 32 for g in got)
+        assert sum(agree) >= len(want) * 8
