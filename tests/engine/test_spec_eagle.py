@@ -197,15 +197,10 @@ def greedy(n: int) -> SamplingParams:
 # ---- (a) proposals equal the reference ------------------------------------------------------
 
 
-def test_proposals_equal_torch_reference(head_dir, seed):
+def _check_against_reference(head_dir: Path, calls) -> None:
     from safetensors.torch import load_file
 
     t = load_file(str(head_dir / "model.safetensors"))
-    eng = engine(eagle(head_dir))
-    calls = spy(eng)
-    eng.generate(prompts_of(seed, 2), greedy(10))
-    assert eng.check_all_free()
-    assert len(calls) >= 2 * 3
     ties = 0
     for context, got in calls:
         want, logits = ref_proposals(t, context, len(got))
@@ -217,6 +212,45 @@ def test_proposals_equal_torch_reference(head_dir, seed):
         assert gap <= 1e-3, f"context {context}: proposals {got} vs reference {want}"
         ties += 1
     assert ties <= len(calls) // 4
+
+
+def test_proposals_equal_torch_reference(head_dir, seed):
+    # Chunked prefill: the head catches up chunk by chunk, as the target computes them.
+    eng = engine(eagle(head_dir), max_num_batched_tokens=11)
+    calls = spy(eng)
+    eng.generate(prompts_of(seed, 2), greedy(10))
+    assert eng.check_all_free()
+    assert len(calls) >= 2 * 3
+    _check_against_reference(head_dir, calls)
+
+
+def test_prefix_cache_hit_keeps_the_heads_kv(head_dir, seed):
+    """A second request with the same prompt starts from the first one's cached blocks: the
+    head's KV in them (written by the first request's catch-up) is the one the reference
+    computes, so its proposals still equal the reference; the output equals spec off."""
+    rng = random.Random(seed + 3)
+    prompt = [rng.randrange(VOCAB) for _ in range(37)]
+    want = engine().generate([prompt], greedy(6))
+    reqs = {"0": (prompt, greedy(6))}
+
+    def check(got):
+        assert_streams_match({"0": got[0]}, {"0": want[0]}, reqs, checkpoint("llama"))
+
+    eng = engine(eagle(head_dir))
+    check(eng.generate([prompt], greedy(6)))
+    cached: list[int] = []
+    orig = eng.proposer.propose
+
+    def propose(reqs):
+        cached.extend(r.num_cached_tokens for r in reqs)
+        return orig(reqs)
+
+    eng.proposer.propose = propose
+    calls = spy(eng)
+    check(eng.generate([prompt], greedy(6)))
+    assert cached and cached[0] == 32 and calls
+    _check_against_reference(head_dir, calls)
+    assert eng.check_all_free()
 
 
 # ---- (b) output equals speculation off ------------------------------------------------------

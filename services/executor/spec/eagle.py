@@ -1,5 +1,5 @@
 """EAGLE proposer: a one-layer head (eagle_head.py) reads the target's last hidden states and
-proposes k tokens greedily, one batched head step per token.
+proposes k tokens greedily, one batched head forward per token.
 
 Where the features come from: the proposer sets `runner.keep_hidden_states`, and the runner
 then hands out the target's final hidden state of every row it computes (per request: the first
@@ -12,10 +12,13 @@ Why the head keeps a paged KV cache instead of recomputing a short window: its a
 the whole context (that is how the EAGLE heads are trained), and the draft-model proposer has
 already laid out a second cache in the target's block layout, in the slots of the request's own
 blocks, so the block manager's allocation, take-back and preemption cover the head with no table
-of its own. Per proposal the head catches up over the pairs (f_p, x_{p+1}) whose features came
-since its last proposal (p < num_computed_tokens; after a verify step, the accepted tokens'
-pairs), then runs k - 1 single-row steps on its own outputs. The last pair is kept and recomputed
-by the next proposal, so a request not scheduled in between still has its first proposal.
+of its own. Every step the head catches up over the pairs (f_p, x_{p+1}) whose features came
+in the last step (p < num_computed_tokens), for the requests that propose and for those that ran
+a prefill chunk alike, so that no catch-up is longer than one step's tokens (a 32K prompt never
+becomes one 32K-row head forward, nor 32K kept features). A proposing request's last catch-up
+row gives its first proposal; k - 1 single-row steps on the head's own outputs give the rest.
+The last pair is kept and recomputed by the next catch-up, so a request not scheduled in between
+still has its first proposal.
 KV the head wrote for a prefix-cache hit's blocks (by the request that computed them) or left
 stale by a preemption only makes proposals worse, never the output different: acceptance keeps
 the target's tokens whatever is proposed (acceptance.py).
@@ -26,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from voltserve.services.executor.request import Request
+from voltserve.services.executor.request import Request, RequestStatus
 from voltserve.services.executor.spec.draft_model import block_tables, draft_metadata
 from voltserve.services.executor.spec.eagle_head import LoadedHead
 from voltserve.services.executor.spec.proposer import Proposer
@@ -59,8 +62,10 @@ class EagleProposer(Proposer):
         # The seam: from now on the target's forward also hands out its hidden states.
         runner.keep_hidden_states = True
 
-    def _collect(self) -> None:
-        """Move the hidden states of the runner's last steps into their requests' state."""
+    def _collect(self) -> list[Request]:
+        """Move the hidden states of the runner's last steps into their requests' state; the
+        requests that got some, in step order."""
+        fed: dict[str, Request] = {}
         for r, s, h in self.runner.take_hidden_states():
             st = r.spec_state
             if not isinstance(st, _Features) or not st.start <= s <= st.start + len(st.feats):
@@ -68,33 +73,55 @@ class EagleProposer(Proposer):
                 r.spec_state = _Features(s, h.clone())
             else:
                 st.feats = torch.cat([st.feats[: s - st.start], h])
+            fed[r.request_id] = r
+        return list(fed.values())
+
+    @staticmethod
+    def _ready(r: Request) -> bool:
+        """Whether the features reach the last computed position (and the request still holds
+        its blocks: a finished or preempted one has none to write)."""
+        st, c = r.spec_state, r.num_computed_tokens
+        return (
+            r.status is RequestStatus.RUNNING
+            and isinstance(st, _Features)
+            and c >= 1
+            and st.start <= c - 1 < st.start + len(st.feats)
+        )
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[list[int]]:
-        self._collect()
+        fed = self._collect()
         out: list[list[int]] = [[] for _ in requests]
-        rows: list[tuple[int, Request, int]] = []  # (index, request, k)
+        wanted: dict[str, tuple[int, int]] = {}  # request id -> (index in requests, k)
         for i, r in enumerate(requests):
             k = min(self.k, r.max_output_tokens - len(r.output_token_ids) - 1)
-            c = r.num_computed_tokens
-            st = r.spec_state
-            if k <= 0 or c < 1 or not isinstance(st, _Features):
+            if k <= 0 or not self._ready(r):
                 continue
-            if st.start > c - 1 or st.start + len(st.feats) < c:
-                continue  # the feature of the last computed position is not known
             # Slots for the head's own steps (positions c .. c + k - 2); as the draft model,
             # leaving a block per decoding request free so that the batcher preempts nobody.
+            c = r.num_computed_tokens
             missing = self.bm.blocks_needed(c + k - 1) - len(r.block_ids)
             if missing > 0 and self.bm.num_free_blocks - missing < len(requests):
                 continue
             if not self.bm.append_slots(r, k - 1):
                 continue
-            rows.append((i, r, k))
-        if not rows:
+            wanted[r.request_id] = (i, k)
+        # Catch-up rows: the proposing requests, and every other request that computed tokens
+        # in the last step (prefill chunks), so that the head never catches up over more than
+        # one step's tokens at once (its activations and the kept features stay within the
+        # target's own step budget).
+        reqs = [r for r in requests if r.request_id in wanted]
+        reqs += [
+            r
+            for r in fed
+            if r.request_id not in wanted
+            and self._ready(r)
+            and r.num_computed_tokens - r.spec_state.start > 1
+        ]
+        if not reqs:
             return out
-        reqs = [r for _, r, _ in rows]
         tables = block_tables(reqs)
-        # Catch-up: the pairs (f_p, x_{p+1}) for p from the first new feature to c - 1.
+        # The pairs (f_p, x_{p+1}) for p from the first new feature to c - 1.
         toks: list[int] = []
         pos: list[int] = []
         feats: list[torch.Tensor] = []
@@ -110,15 +137,17 @@ class EagleProposer(Proposer):
             seq_lens.append(c)
             # Keep the last pair's feature: the next proposal starts from it.
             st.start, st.feats = c - 1, st.feats[c - 1 - a : c - a].clone()
+        nprop = len(wanted)
+        if not nprop:
+            self._forward(toks, torch.cat(feats), pos, tables, qsl, seq_lens, decode=False)
+            return out
         h = self._forward(toks, torch.cat(feats), pos, tables, qsl, seq_lens, decode=False)
-        h = h[torch.tensor(qsl[1:], device=h.device) - 1]
-        nxt = self._argmax(h)
-        drafts = [[t] for t in nxt]
+        h = h[torch.tensor(qsl[1 : nprop + 1], device=h.device) - 1]
+        ks = [wanted[r.request_id][1] for r in reqs[:nprop]]
+        drafts = [[t] for t in self._argmax(h)]
         # k - 1 single-row steps: the head's own output is the next feature.
-        for j in range(1, max(k for *_, k in rows)):
-            live = [b for b, (*_, k) in enumerate(rows) if k > j]
-            if not live:
-                break
+        for j in range(1, max(ks)):
+            live = [b for b in range(nprop) if ks[b] > j]
             p = [reqs[b].num_computed_tokens + j - 1 for b in live]
             idx = torch.tensor(live, device=h.device)
             hs = self._forward(
@@ -130,11 +159,11 @@ class EagleProposer(Proposer):
                 [q + 1 for q in p],
                 decode=True,
             )
-            h = h.index_copy(0, idx, hs)  # h keeps one row per request of `rows`
+            h = h.index_copy(0, idx, hs)  # h keeps one row per proposing request
             for b, t in zip(live, self._argmax(hs)):
                 drafts[b].append(t)
-        for (i, _, _), d in zip(rows, drafts):
-            out[i] = d
+        for r, d in zip(reqs, drafts):
+            out[wanted[r.request_id][0]] = d
         return out
 
     def _argmax(self, h: torch.Tensor) -> list[int]:
