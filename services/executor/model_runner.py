@@ -80,8 +80,8 @@ def check_tp_model(config: EngineConfig) -> None:
         # to follow both.
         method = config.speculative_config.get("method") or "draft_model"
         raise TPSplitError(
-            f"--speculative-config (method {method!r}) with --tensor-parallel-size {size} is "
-            "not supported yet; use one of them"
+            f"--speculative-config with --tensor-parallel-size {size} is not supported yet "
+            f"(method {method!r}); use one of them"
         )
     if is_gguf(config.model):
         raise TPSplitError(
