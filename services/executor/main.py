@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=speculative_config,
         default=None,
         help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
+        'methods "draft_model" and "eagle" take "model": the draft / EAGLE head folder',
     )
     p.add_argument(
         "--quantization",
