@@ -42,11 +42,13 @@ class GroupQuantExperts(ExpertsMethod):
     """Stacked group-quantized experts; `linear` is the method the config gives each expert
     projection (its tensor names and its format's unpack)."""
 
-    def __init__(self, linear: GroupQuantMethod, prefix: str) -> None:
+    def __init__(self, linear: GroupQuantMethod, prefix: str, variant: str | None = None) -> None:
         self.linear, self.prefix = linear, prefix
+        # every variant of the layer's expert projections (one family: GroupQuantMethod.family)
+        self.variant = variant or linear.variant
 
     def describe(self) -> str:
-        return f"{self.linear.variant} experts"
+        return f"{self.variant} experts"
 
     def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -76,7 +78,7 @@ class GroupQuantExperts(ExpertsMethod):
     def load(self, layer: FusedExperts, name: str, shard: tuple, t: torch.Tensor) -> None:
         e, part = shard
         if name not in self.linear.required and name not in self.linear.optional:
-            raise KeyError(f"{self.linear.variant} experts have no tensor {name!r}")
+            raise KeyError(f"{self.variant} experts have no tensor {name!r}")
         layer.staged.setdefault((e, part), {})[name] = t
 
     def process_after_loading(self, layer: FusedExperts) -> None:
@@ -106,13 +108,13 @@ class GroupQuantExperts(ExpertsMethod):
                         )
                     )
                 except ValueError as err:
-                    raise ValueError(f"{names[0]}: {self.linear.variant}: {err}") from err
+                    raise ValueError(f"{names[0]}: {self.variant}: {err}") from err
                 w0 = packed[0]
                 if (packed[-1].bits, packed[-1].group_size) != (w0.bits, w0.group_size) or (
                     (packed[-1].perm is None) != (w0.perm is None)
                 ):
                     raise ValueError(
-                        f"{names[0]}: {self.linear.variant}: bits, group size or act-order "
+                        f"{names[0]}: {self.variant}: bits, group size or act-order "
                         f"differ from expert 0's (the experts of a layer are stored stacked)"
                     )
             self._stack(layer, param, packed)
