@@ -51,15 +51,14 @@ ARCH_QUANT_OVERRIDES: dict[str, dict] = {
         mlp_only_layers=[],
         decoder_sparse_step=1,
     ),
-    # GGUF MoE files: transformers' GGUF loader reads no expert sizes from the metadata (it
-    # falls back to its config classes' defaults: Qwen3-MoE 768, Qwen2-MoE 1408 with a 5632
-    # shared expert), so these use those sizes; every layer sparse, as llama.cpp builds them.
+    # GGUF MoE files (every layer sparse, as llama.cpp builds them); expert K divisible by the
+    # K-quant super-block where the tests put K-quants (qwen2_moe's 96: 32-element types only)
     "qwen3_moe-gguf": dict(
         tie_word_embeddings=False,
         head_dim=64,  # o_proj's K (heads * head_dim) a K-quant super-block
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=768,
+        moe_intermediate_size=256,
         norm_topk_prob=True,
         mlp_only_layers=[],
         decoder_sparse_step=1,
@@ -68,8 +67,8 @@ ARCH_QUANT_OVERRIDES: dict[str, dict] = {
         tie_word_embeddings=False,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=1408,
-        shared_expert_intermediate_size=5632,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=256,
         norm_topk_prob=False,
         mlp_only_layers=[],
         decoder_sparse_step=1,

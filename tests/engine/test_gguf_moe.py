@@ -42,20 +42,23 @@ def qwen3_k_mix(gname: str) -> str:
 
 
 def qwen2_mix(gname: str) -> str:
-    """Qwen2-MoE's expert intermediate (1408) is no multiple of 256, so its down experts take a
-    32-element type (Q5_0) beside Q4_K gate/up experts; the shared expert Q4_K with a Q6_K down
-    projection (K 5632), Q8_0 attention, F32 routers."""
+    """Qwen2-MoE: gate experts Q4_K beside Q8_0 up experts (one w13 of two types) and Q5_0
+    down experts (the expert intermediate, 96, takes 32-element types only); the shared expert
+    Q4_K with a Q6_K down projection, Q8_0 attention, F32 routers."""
     if gname.endswith("ffn_down_exps.weight"):
         return "Q5_0"
-    if gname.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "_shexp.weight")):
-        return "Q6_K" if gname.endswith("ffn_down_shexp.weight") else "Q4_K"
+    if gname.endswith("ffn_up_exps.weight"):
+        return "Q8_0"
+    if gname.endswith("ffn_down_shexp.weight"):
+        return "Q6_K"
+    if gname.endswith(("ffn_gate_exps.weight", "_shexp.weight")):
+        return "Q4_K"
     if gname.endswith("ffn_gate_inp.weight"):
         return "F32"
     return "Q8_0"
 
 
 CASES = {
-    "qwen3moe-Q8_0": ("qwen3_moe-gguf", lambda _n: "Q8_0"),
     "qwen3moe-Kmix": ("qwen3_moe-gguf", qwen3_k_mix),
     "qwen3moe-F16": ("qwen3_moe-gguf", lambda _n: "F16"),
     "qwen2moe-mix": ("qwen2_moe-gguf", qwen2_mix),
@@ -64,9 +67,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_gguf_moe_matches_transformers(case: str) -> None:
+    from transformers import AutoConfig
+
     arch, types = CASES[case]
     d = qc.gguf_checkpoint(arch, types, case)
-    runner = check_against_reference(d / "model.gguf", d, gguf=True, seed=_seed())
+    # transformers' GGUF loader takes no expert sizes from the metadata (it would build its
+    # config classes' defaults, 768 / 1408 + 5632): it loads the file's tensors into the float
+    # checkpoint's config. What it does read is checked against ours in the next test.
+    hf_cfg = AutoConfig.from_pretrained(qc.float_checkpoint(arch))
+    runner = check_against_reference(d / "model.gguf", d, gguf=True, seed=_seed(), config=hf_cfg)
     cfg = json.loads((qc.float_checkpoint(arch) / "config.json").read_text())
     a = runner.arch
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size) == (
@@ -87,8 +96,32 @@ def test_gguf_moe_matches_transformers(case: str) -> None:
         w13, w2 = fe.quant_weights["w13"][0], fe.quant_weights["w2"][0]
         assert (w13.bits, w13.group_size, w2.bits, w2.group_size) == (4, 32, 8, 16)
     if case == "qwen2moe-mix":
+        fe = runner.model.model.layers[1].mlp.experts
+        w13, w2 = fe.quant_weights["w13"][0], fe.quant_weights["w2"][0]
+        assert (w13.bits, w2.bits) == (8, 8)  # Q4_K gate widened beside the Q8_0 up
         shared = runner.model.model.layers[1].mlp.shared_expert
         assert shared.down_proj.qweight is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe-gguf", "qwen2_moe-gguf"])
+def test_config_agrees_with_what_transformers_reads_from_the_metadata(arch: str) -> None:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from voltserve.services.executor.gguf_source import GGUFSource
+
+    d = qc.gguf_checkpoint(arch, lambda _n: "Q8_0", "Q8_0")
+    theirs = load_gguf_checkpoint(str(d / "model.gguf"))["config"]
+    ours = GGUFSource(d).config
+    assert ours["model_type"] == theirs["model_type"]
+    keys = ["num_experts", "num_experts_per_tok", "hidden_size", "num_hidden_layers"]
+    keys += ["num_attention_heads", "num_key_value_heads", "norm_topk_prob", "vocab_size"]
+    for k in keys:
+        # norm_topk_prob: a GGUF default transformers sets for qwen3_moe, else its class's
+        default = {"norm_topk_prob": False}.get(k)
+        assert ours[k] == theirs.get(k, default), k
+    want = json.loads((qc.float_checkpoint(arch) / "config.json").read_text())
+    for k in ("moe_intermediate_size", "shared_expert_intermediate_size", "head_dim"):
+        if k in want:
+            assert ours[k] == want[k], k
 
 
 def test_expert_sizes_come_from_the_tensors_when_the_metadata_lacks_them() -> None:
@@ -96,7 +129,7 @@ def test_expert_sizes_come_from_the_tensors_when_the_metadata_lacks_them() -> No
     its sizes read from the stacked tensors' shapes."""
     d = qc.gguf_checkpoint("qwen2_moe-gguf", lambda _n: "Q8_0", "Q8_0-nosizes", expert_sizes=False)
     a = load_model(d / "model.gguf", torch.float32, CPU).arch
-    assert (a.moe_intermediate_size, a.shared_expert_intermediate_size) == (1408, 5632)
+    assert (a.moe_intermediate_size, a.shared_expert_intermediate_size) == (96, 256)
 
 
 def _write(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -143,7 +176,9 @@ def test_moe_gguf_with_a_wrong_expert_count_is_refused_naming_the_tensor(tmp_pat
         "blk.0.ffn_down_exps.weight": np.zeros((4, 32, 64), np.float32),
     }
     _write(tmp_path / "m.gguf", "qwen3moe", meta, tensors)
-    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight': shape \[3, 64, 32\]"):
+    with pytest.raises(
+        ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight': shape \[3, 64, 32\]"
+    ):
         load_model(tmp_path / "m.gguf", torch.float32, CPU)
     del tensors["blk.0.ffn_gate_exps.weight"]
     _write(tmp_path / "n.gguf", "qwen3moe", meta, tensors)

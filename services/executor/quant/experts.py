@@ -1,8 +1,10 @@
-"""Group-quantized MoE experts (AWQ, GPTQ, compressed-tensors int4/int8): the experts' side of
-the quantization seam (models/moe.py `ExpertsMethod`).
+"""Group-quantized MoE experts (AWQ, GPTQ, compressed-tensors int4/int8, GGUF block types): the
+experts' side of the quantization seam (models/moe.py `ExpertsMethod`).
 
 Checkpoints store each expert's projections as separate quantized linears
-(model.layers.N.mlp.experts.E.gate_proj.qweight / .scales / .qzeros ...). Each one is unpacked
+(model.layers.N.mlp.experts.E.gate_proj.qweight / .scales / .qzeros ...; a GGUF file's stacked
+expert tensors reach here split per expert, services/executor/gguf_source.py, and may give
+gate/up and down different ggml types). Each one is unpacked
 by the format's `GroupQuantMethod.unpack` into codes / scales / offsets (the linear path's
 ShardCodes), gate and up are merged along N as for a dense gate_up_proj, every expert is packed
 once with kernels/quant_pack.pack_group_quant, and the packed tensors are stacked per layer:
