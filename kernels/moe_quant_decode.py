@@ -26,11 +26,13 @@ dequantized stacked weights (kernels/quant_pack.dequantize).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
+from voltserve.kernels.compile_cache import cached_factory
 from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import bits_f32, fold, ld_w4
@@ -155,21 +157,17 @@ def _build(kind: str, R: int, U: int, bits: int, split: bool):
     return cuda.jit(scope["kernel"])
 
 
-_KERNELS: dict[tuple, object] = {}
-
-
+@cached_factory
+@functools.cache
 def moe_qkernel(kind: str, bits: int, split: bool = False):
-    """The gate_up (GATE_UP) or down (DOWN) kernel for these codes, built once."""
+    """The gate_up (GATE_UP) or down (DOWN) kernel for these codes, built once (and kept in
+    the on-disk kernel cache: the int4 down kernel takes about a minute to compile)."""
     if kind not in (GATE_UP, DOWN):
         raise ValueError(f"kind must be {GATE_UP!r} or {DOWN!r}, got {kind!r}")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
     R, U = tile(bits, kind)
-    key = (kind, R, U, bits, split)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = _build(kind, R, U, bits, split)
-    return k
+    return _build(kind, R, U, bits, split)
 
 
 def grid(kind: str, bits: int, rows: int, programs: int) -> tuple[int, int]:
