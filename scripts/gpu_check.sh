@@ -237,6 +237,8 @@ for stage in $STAGES; do
         # The checkpoint is kept for the second run (MOE_DIR), which skips transformers.
         MOE_DIR=${MOE_DIR:-/tmp/voltserve-moe-bench}
         run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --out "$OUT/bench_moe.json"
+        # one layer's experts at decode: fp16 kernels vs the fused int4 g128 / int8 g32 ones
+        run bench_moe_quant $PY load_tests/bench_moe_quant.py --out "$OUT/bench_moe_quant.json"
         [ "${MOE_WMMA:-1}" = 0 ] || run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
       fi
       ;;
