@@ -1,9 +1,10 @@
 """On a CUDA GPU: quantized tiny checkpoints (AWQ, GPTQ act-order, compressed-tensors, GGUF
-Q4_K_M; AWQ Qwen3-MoE experts and a GGUF qwen3moe file) through the GPU runner. fp32: greedy tokens equal transformers on the same GPU on the
-independent reference (tests/quant_checkpoints.py), logprobs within 1e-3; fp16 (the SM70
-default): decode steps replayed as CUDA graphs give the eager runner's tokens, and the first
-token's logprobs stay within 5e-2 of the fp32 reference. --max-gpu-memory shrinks the KV pool
-to the budget. Skipped without CUDA."""
+Q4_K_M; AWQ Qwen3-MoE experts and a GGUF qwen3moe file) through the GPU runner. fp32: greedy
+tokens equal transformers on the same GPU on the independent reference
+(tests/quant_checkpoints.py), logprobs within 1e-3; fp16 (the SM70 default): decode steps
+replayed as CUDA graphs give the eager runner's tokens, and the first token's logprobs stay
+within 5e-2 of the fp32 reference. --max-gpu-memory shrinks the KV pool to the budget.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
