@@ -96,10 +96,82 @@ def _ldx_guard(x, row, col, K):
     return ZERO8
 
 
+def dot_step(
+    ind: str,
+    M: int,
+    R: int,
+    U: int,
+    bits: int,
+    split: bool,
+    xrows: list[str],
+    weight: str | None = None,
+    guarded: bool = True,
+) -> list[str]:
+    """Source of one warp step (U chunks per lane of R weight rows rw0..rw{R-1}, code words from
+    word w0) accumulated into a{m}_{r} against x rows xrows[m]: every load of the step issued
+    before the first multiply, codes dequantised in registers with the group's folded (S, O).
+    weight: a variable scaling every weight of the step (MoE routing weights folded into S and
+    O, kernels/moe_quant_decode.py). Also the per-expert steps of the int4 MoE kernels."""
+    P = 32 // bits
+    out = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
+    # Group of each chunk (and of its second half for SPLIT), clamped for guarded chunks.
+    for j in range(U):
+        out.append(f"{ind}g{j} = min((c{j} * {P}) >> gshift, G - 1)")
+        if split:
+            out.append(f"{ind}h{j} = min(((c{j} + 2) * {P}) >> gshift, G - 1)")
+    # Every load of the step before the first use: code words, then scales and offsets.
+    for r in range(R):
+        for j in range(U):
+            if guarded:
+                out.append(f"{ind}q{r}_{j} = _ldw_guard(qw, rw{r}, c{j}, W)")
+            else:
+                out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
+    for r in range(R):
+        for j in range(U):
+            out.append(f"{ind}s{r}_{j} = scales[rw{r}, g{j}]")
+            out.append(f"{ind}o{r}_{j} = offsets[rw{r}, g{j}]")
+            if split:
+                out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
+                out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
+    for j in range(U):
+        for r in range(R):
+            out.append(f"{ind}S{r}, O{r} = fold(s{r}_{j}, o{r}_{j}, {1 << bits})")
+            if split:
+                out.append(f"{ind}T{r}, Q{r} = fold(t{r}_{j}, p{r}_{j}, {1 << bits})")
+            if weight is not None:
+                out.append(f"{ind}S{r} = S{r} * {weight}")
+                out.append(f"{ind}O{r} = O{r} * {weight}")
+                if split:
+                    out.append(f"{ind}T{r} = T{r} * {weight}")
+                    out.append(f"{ind}Q{r} = Q{r} * {weight}")
+        # 8 inputs per x load: one word of int4 codes, two words of int8.
+        n_x = WORDS_PER_CHUNK * P // 8
+        for t in range(n_x):
+            col = f"(c{j} + {t * 8 // P}) * {P}"
+            # The R x 8 weights these inputs meet, dequantised once; then each input row
+            # (one x load) against all of them: few values live at once for any M.
+            for e in range(8):
+                word = t * 8 // P + e // P  # word of the chunk holding input e
+                p = code_bit(e % P, bits)
+                sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
+                for r in range(R):
+                    f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
+                    out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+            for m in range(M):
+                xm = xrows[m]
+                if guarded:
+                    out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                else:
+                    out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                for e in range(8):
+                    for r in range(R):
+                        out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
+    return out
+
+
 def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     """One kernel, written out statement by statement (see gemv._source for why)."""
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
-    P = 32 // bits  # codes per word
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     step = U * WARP_WORDS  # words per step
     args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
@@ -147,59 +219,10 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
 
-    def body(ind: str, guarded: bool = True) -> list[str]:
-        out = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
-        # Group of each chunk (and of its second half for SPLIT), clamped for guarded chunks.
-        for j in range(U):
-            out.append(f"{ind}g{j} = min((c{j} * {P}) >> gshift, G - 1)")
-            if split:
-                out.append(f"{ind}h{j} = min(((c{j} + 2) * {P}) >> gshift, G - 1)")
-        # Every load of the step before the first use: code words, then scales and offsets.
-        for r in range(R):
-            for j in range(U):
-                if guarded:
-                    out.append(f"{ind}q{r}_{j} = _ldw_guard(qw, rw{r}, c{j}, W)")
-                else:
-                    out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
-        for r in range(R):
-            for j in range(U):
-                out.append(f"{ind}s{r}_{j} = scales[rw{r}, g{j}]")
-                out.append(f"{ind}o{r}_{j} = offsets[rw{r}, g{j}]")
-                if split:
-                    out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
-                    out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
-        for j in range(U):
-            for r in range(R):
-                out.append(f"{ind}S{r}, O{r} = fold(s{r}_{j}, o{r}_{j}, {1 << bits})")
-                if split:
-                    out.append(f"{ind}T{r}, Q{r} = fold(t{r}_{j}, p{r}_{j}, {1 << bits})")
-            # 8 inputs per x load: one word of int4 codes, two words of int8.
-            n_x = WORDS_PER_CHUNK * P // 8
-            for t in range(n_x):
-                col = f"(c{j} + {t * 8 // P}) * {P}"
-                # The R x 8 weights these inputs meet, dequantised once; then each input row
-                # (one x load) against all of them: few values live at once for any M.
-                for e in range(8):
-                    word = t * 8 // P + e // P  # word of the chunk holding input e
-                    p = code_bit(e % P, bits)
-                    sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
-                    for r in range(R):
-                        f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
-                        out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
-                for m in range(M):
-                    xm = f"xm{m}" if m else "0"
-                    if guarded:
-                        out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
-                    else:
-                        out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
-                    for e in range(8):
-                        for r in range(R):
-                            out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
-        return out
-
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
     L.append("    while w0 < W:")
-    L += body("        ")
+    xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
+    L += dot_step("        ", M, R, U, bits, split, xrows)
     L.append(f"        w0 += {step}")
     if gate_up:
         # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.

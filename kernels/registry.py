@@ -333,6 +333,29 @@ KERNELS += [
     )
 ]
 
+# moe_quant_decode.py: fused MoE experts with group-quantized weights for <= 8 tokens
+# (moe_qkernel(kind, bits, split)); representative instances, fp16 (the fp32 int4 pair compiled
+# clean too, 126 / 102 registers, no spills). gate_up: x [T, H], qweight int32
+# [E * 2I, H * bits / 32] (the stacked experts flattened), scales, offsets [E * 2I, groups],
+# topk_ids [T, k] int32, h [T * k, I], group_shift; down: h, qweight [E * H, I * bits / 32],
+# scales, offsets, topk_ids, topk_weights [T, k] fp32, out [T, H], group_shift.
+_MOEQ_GATE_UP_SIG = (
+    "void({t}[:, :], int32[:, ::1], {t}[:, ::1], {t}[:, ::1], int32[:, ::1], {t}[:, ::1], int64)"
+)
+_MOEQ_DOWN_SIG = (
+    "void({t}[:, ::1], int32[:, ::1], {t}[:, ::1], {t}[:, ::1], int32[:, ::1], float32[:, ::1], "
+    "{t}[:, ::1], int64)"
+)
+KERNELS += [
+    KernelSpec("moe_quant_decode", name, (sig.format(t="float16"),))
+    for name, sig in (
+        ("moe_q_gate_up_int4", _MOEQ_GATE_UP_SIG),
+        ("moe_q_down_int4", _MOEQ_DOWN_SIG),  # ~60 s to compile (a loop over the k experts)
+        ("moe_q_gate_up_int8", _MOEQ_GATE_UP_SIG),
+        ("moe_q_down_int8", _MOEQ_DOWN_SIG),
+    )
+]
+
 # quant_dequant.py: a group-quantized weight into an [N, K] buffer (the prefill path's scratch).
 # Arguments: qweight, scales, offsets, out [N, K], group_shift.
 _DEQUANT_SIG = "void(int32[:, ::1], {t}[:, ::1], {t}[:, ::1], {t}[:, ::1], int64)"

@@ -223,19 +223,24 @@ for stage in $STAGES; do
       ;;
     moe|moe-tests|moe-bench)
       # MoE: the expert kernels against their reference at Qwen3-30B-A3B and Mixtral-8x7B shapes
-      # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU
-      # (moe-tests); then bench_moe (moe-bench: MOE_LAYERS of the 48 layers, default 8: batch 1
-      # against the bytes-read floor and transformers on the same weights, batch 64 and 256),
+      # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU,
+      # the fused quantized expert kernels (moe-tests); then bench_moe (moe-bench: MOE_LAYERS of
+      # the 48 layers, default 8: batch 1 against the bytes-read floor and transformers on the
+      # same weights, batch 64 and 256),
       # and again with the grouped GEMMs on tensor cores (VOLTSERVE_MOE_WMMA=1, no
       # transformers). moe: both; under a 10-minute limit, one call each.
       if [ "$stage" != moe-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
         run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+        # the fused int4/int8 expert kernels (kernels/moe_quant_decode.py) at Qwen3-30B-A3B shapes
+        run moe_quant_tests $PY -m pytest -q --timeout 900 tests/gpu/test_moe_quant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != moe-tests ]; then
         # The checkpoint is kept for the second run (MOE_DIR), which skips transformers.
         MOE_DIR=${MOE_DIR:-/tmp/voltserve-moe-bench}
         run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --out "$OUT/bench_moe.json"
+        # one layer's experts at decode: fp16 kernels vs the fused int4 g128 / int8 g32 ones
+        run bench_moe_quant $PY load_tests/bench_moe_quant.py --out "$OUT/bench_moe_quant.json"
         [ "${MOE_WMMA:-1}" = 0 ] || run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
       fi
       ;;

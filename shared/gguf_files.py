@@ -20,7 +20,15 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    # mixture of experts: every block is a MoE block (llama.cpp builds them so)
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+# llama.cpp renormalises the top-k routing weights of qwen3moe and not of qwen2moe (fixed per
+# architecture in its graph code, as transformers' Qwen configs do by default for the GGUFs).
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+_SOFTMAX_GATING = 1  # llama_expert_gating_func_type LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
 class GGUFError(ValueError):
@@ -101,11 +109,19 @@ def read_metadata(path: str | Path, keys: list[str] | None = None) -> dict[str, 
 
 
 def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> dict[str, Any]:
-    """A Hugging Face config.json dict from GGUF metadata (llama, qwen2, qwen3)."""
+    """A Hugging Face config.json dict from GGUF metadata (llama, qwen2, qwen3, qwen2moe,
+    qwen3moe)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    if arch == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
+        # Mixtral: llama.cpp writes it as a llama file with experts
+        raise GGUFError(
+            f"GGUF llama-architecture file with llama.expert_count {meta['llama.expert_count']} "
+            f"(Mixtral) is not supported; supported MoE GGUF architectures: {list(MOE_ARCHITECTURES)} "
+            "(Mixtral loads from its Hugging Face folder)"
         )
     hf_arch, model_type = ARCHITECTURES[arch]
 
@@ -127,7 +143,7 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
         "model_type": model_type,
         "vocab_size": int(get("vocab_size", None) or n_vocab or 0),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", None) or 0),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -138,6 +154,10 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
         "tie_word_embeddings": not has_output,
         "hidden_act": "silu",
     }
+    if not cfg["intermediate_size"] and arch not in MOE_ARCHITECTURES:
+        raise GGUFError(f"GGUF metadata lacks {arch}.feed_forward_length")
+    if arch in MOE_ARCHITECTURES:
+        cfg.update(_moe_config(arch, get))
     if rope_dim and int(rope_dim) != head_dim:
         cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
     kind = get("rope.scaling.type", None)
@@ -159,6 +179,37 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
         v = meta.get(f"tokenizer.ggml.{name}_token_id")
         if v is not None:
             cfg[key] = int(v)
+    return cfg
+
+
+def _moe_config(arch: str, get: Any) -> dict[str, Any]:
+    """The expert fields of a qwen2moe / qwen3moe config. An expert size the metadata lacks is
+    left out here: the executor's GGUF source reads it from the expert tensors' shapes."""
+    experts = int(get("expert_count"))
+    used = int(get("expert_used_count"))
+    if not 1 <= used <= experts:
+        raise GGUFError(
+            f"GGUF {arch}.expert_used_count {used} must be in 1..{arch}.expert_count {experts}"
+        )
+    gating = get("expert_gating_func", None)
+    if gating is not None and int(gating) != _SOFTMAX_GATING:
+        raise GGUFError(
+            f"GGUF {arch}.expert_gating_func {gating} is not supported (only softmax, "
+            f"{_SOFTMAX_GATING})"
+        )
+    cfg: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "norm_topk_prob": _NORM_TOPK[arch],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    inter = get("expert_feed_forward_length", None)
+    if inter:
+        cfg["moe_intermediate_size"] = int(inter)
+    shared = get("expert_shared_feed_forward_length", None)
+    if arch == "qwen2moe" and shared:
+        cfg["shared_expert_intermediate_size"] = int(shared)
     return cfg
 
 

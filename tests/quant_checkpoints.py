@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,31 @@ ARCH_QUANT_OVERRIDES: dict[str, dict] = {
         mlp_only_layers=[],
         decoder_sparse_step=1,
     ),
+    # GGUF MoE files (every layer sparse, as llama.cpp builds them); expert K divisible by the
+    # K-quant super-block where the tests put K-quants (qwen2_moe's 96: 32-element types only)
+    "qwen3_moe-gguf": dict(
+        tie_word_embeddings=False,
+        head_dim=64,  # o_proj's K (heads * head_dim) a K-quant super-block
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    ),
+    "qwen2_moe-gguf": dict(
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=256,
+        norm_topk_prob=False,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    ),
 }
+# GGUF general.architecture of each tiny model (the default: the same name)
+GGUF_ARCH = {"qwen3_moe-gguf": "qwen3moe", "qwen2_moe-gguf": "qwen2moe"}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 
@@ -67,7 +92,12 @@ def float_checkpoint(arch: str, rope_scaling: bool = True) -> Path:
         over["rope_parameters"] = ARCH_OVERRIDES["llama"]["rope_parameters"]
     name = f"{arch}-qfloat" + ("" if rope_scaling else "-plainrope")
     return write_checkpoint(
-        _root() / name, arch=arch, size="tiny", seed=11, tokenizer=tokenizer(), **over
+        _root() / name,
+        arch=arch.removesuffix("-gguf"),
+        size="tiny",
+        seed=11,
+        tokenizer=tokenizer(),
+        **over,
     )
 
 
@@ -447,12 +477,11 @@ def gguf_quantize(w: np.ndarray, kind: str):
         return w.astype(np.float32), None
     if kind == "F16":
         return w.astype(np.float16), None
-    if kind == "Q4_K":
-        return _q45_k(w, 4), T.Q4_K
-    if kind == "Q5_K":
-        return _q45_k(w, 5), T.Q5_K
-    if kind == "Q6_K":
-        return _q6_k(w), T.Q6_K
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        # rows of the last dim (a stacked [E, N, K] expert tensor too)
+        rows = w.reshape(-1, w.shape[-1])
+        blocks = _q6_k(rows) if kind == "Q6_K" else _q45_k(rows, int(kind[1]))
+        return blocks.reshape(*w.shape[:-1], -1), T[kind]
     return gguf.quants.quantize(w.astype(np.float32), T[kind]), T[kind]
 
 
@@ -468,7 +497,32 @@ _GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _gguf_tensors(sd: dict) -> dict[str, np.ndarray]:
+    """GGUF name -> float array, as llama.cpp's converter lays them out: each layer's experts
+    stacked per projection ([E, N, K]: blk.N.ffn_gate_exps ...), the shared-expert gate a
+    vector [H]."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for hf, t in sd.items():
+        x = t.float().numpy()
+        m = _HF_EXPERT.match(hf)
+        if m:
+            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = x
+            continue
+        gname = _gguf_name(hf)
+        out[gname] = x.reshape(-1) if gname.endswith("ffn_gate_inp_shexp.weight") else x
+    for gname, per in experts.items():
+        out[gname] = np.stack([per[e] for e in range(len(per))])
+    return out
 
 
 def _gguf_name(hf: str) -> str:
@@ -515,13 +569,22 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def gguf_checkpoint(arch: str, types, name: str, split: int = 1, llama3_rope: bool = False) -> Path:
+def gguf_checkpoint(
+    arch: str,
+    types,
+    name: str,
+    split: int = 1,
+    llama3_rope: bool = False,
+    expert_sizes: bool = True,
+) -> Path:
     """A GGUF file of the tiny `arch` model; types(gguf tensor name) -> ggml type name for the
-    2-D weights (1-D tensors stay F32). Returns the folder holding it (tokenizer in the
-    metadata only). llama3_rope: the Llama 3.1 rope scaling as a rope_freqs tensor."""
+    2-D and 3-D (stacked experts) weights (1-D tensors stay F32). Returns the folder holding it
+    (tokenizer in the metadata only). llama3_rope: the Llama 3.1 rope scaling as a rope_freqs
+    tensor. expert_sizes: write the expert_(shared_)feed_forward_length keys."""
     import gguf
 
     src = float_checkpoint(arch, rope_scaling=llama3_rope)
+    garch = GGUF_ARCH.get(arch, arch)
     out = _root() / f"{arch}-gguf-{name}"
     if out.is_dir():
         return out
@@ -537,7 +600,7 @@ def gguf_checkpoint(arch: str, types, name: str, split: int = 1, llama3_rope: bo
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
     def writer(path: Path, with_meta: bool, part: int) -> gguf.GGUFWriter:
-        w = gguf.GGUFWriter(str(path), arch)
+        w = gguf.GGUFWriter(str(path), garch)
         if split > 1:
             w.add_uint16("split.no", part)
             w.add_uint16("split.count", split)
@@ -558,6 +621,14 @@ def gguf_checkpoint(arch: str, types, name: str, split: int = 1, llama3_rope: bo
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_vocab_size(cfg["vocab_size"])
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5
+        if experts:
+            w.add_expert_count(experts)
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            if expert_sizes:
+                w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+                if cfg.get("shared_expert_intermediate_size"):
+                    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
@@ -570,17 +641,17 @@ def gguf_checkpoint(arch: str, types, name: str, split: int = 1, llama3_rope: bo
         w.add_chat_template(tok.chat_template)
         return w
 
-    names = list(sd)
+    tensors = _gguf_tensors(sd)
+    names = list(tensors)
     chunks = [names[i::split] for i in range(split)]
     for part, chunk in enumerate(chunks):
         fname = f"model-{part + 1:05d}-of-{split:05d}.gguf" if split > 1 else "model.gguf"
         w = writer(out / fname, part == 0, part)
-        for hf in chunk:
-            x = sd[hf].float().numpy()
-            gname = _gguf_name(hf)
+        for gname in chunk:
+            x = tensors[gname]
             if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
                 x = _permute_for_gguf(x, heads if "attn_q" in gname else kv)
-            kind = types(gname) if x.ndim == 2 else "F32"
+            kind = types(gname) if x.ndim >= 2 else "F32"
             data, raw = gguf_quantize(x, kind)
             w.add_tensor(gname, data, raw_dtype=raw)
         if llama3_rope and part == 0:

@@ -6,6 +6,14 @@ linear method, which unpacks them once at load; float tensors (F32/F16/BF16) and
 embedding (a gather, dequantized here) travel as float tensors. llama.cpp's converter permutes
 the rows of q and k of llama-arch files (its rotary pairs interleaved dimensions); that is undone
 here, on rows, before anything is unpacked.
+
+MoE files (qwen2moe, qwen3moe) store each layer's routed experts stacked, one tensor per
+projection (`blk.N.ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, [E, rows, K] in torch
+order); they are handed on as each expert's projection under its Hugging Face name
+(model.layers.N.mlp.experts.E.gate_proj.weight), a view of the stacked rows, so the experts'
+quantization method (models/moe.py experts_method) sees them as it sees any checkpoint's. The
+routers (`ffn_gate_inp`, Qwen2-MoE's `ffn_gate_inp_shexp`) stay float, dequantized here if a
+file quantized them.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from voltserve.services.executor.quant.base import (
 )
 from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.quant.group import GroupQuantMethod, ShardCodes
-from voltserve.shared.gguf_files import GGUFError, gguf_files, hf_config
+from voltserve.shared.gguf_files import MOE_ARCHITECTURES, GGUFError, gguf_files, hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +58,21 @@ _LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts (the routed experts: _EXPERTS)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# stacked routed experts [E, rows, K] -> each expert's projection leaf
+_EXPERTS = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+# the routers: float linears whatever the file stores (models/moe.py builds them unquantized)
+_ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -66,6 +88,16 @@ def hf_name(name: str) -> str | None:
     if m and m[2] in _LAYER:
         return f"model.layers.{m[1]}.{_LAYER[m[2]]}"
     return None
+
+
+def expert_names(name: str, num_experts: int) -> list[str] | None:
+    """The Hugging Face names of a stacked expert tensor's experts, in order (else None)."""
+    m = _BLK.match(name)
+    if m is None or m[2] not in _EXPERTS:
+        return None
+    return [
+        f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERTS[m[2]]}.weight" for e in range(num_experts)
+    ]
 
 
 def dequantize_raw(kind: str, raw: torch.Tensor, k: int) -> torch.Tensor:
@@ -116,7 +148,7 @@ class GGUFQuantConfig(QuantConfig):
             codes, scales, offsets = unpack_blocks(kind, raw, k)
             return ShardCodes(codes, scales, offsets, bt.bits, bt.group)
 
-        return GroupQuantMethod(variant, ["weight"], [], unpack)
+        return GroupQuantMethod(variant, ["weight"], [], unpack, family="GGUF")
 
 
 class _DequantizedMethod(UnquantizedMethod):
@@ -194,12 +226,73 @@ class GGUFSource:
             self.config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
         if not self.config["vocab_size"] and "token_embd.weight" in self.tensors:
             self.config["vocab_size"] = self.tensors["token_embd.weight"].shape[0]
+        self.num_experts = int(self.config.get("num_experts") or 0)
+        self._check_experts()
         types: dict[str, tuple[str, str]] = {}
         for name, t in self.tensors.items():
             hf = hf_name(name)
             if hf is not None and hf.endswith(".weight") and len(t.shape) == 2:
                 types[hf[: -len(".weight")]] = (t.kind, name)
+            for hf in expert_names(name, self.num_experts) or ():
+                types[hf[: -len(".weight")]] = (t.kind, name)
         self.quant = GGUFQuantConfig(types)
+
+    def _check_experts(self) -> None:
+        """An MoE file: every block holds E stacked experts of one shape (the config's expert
+        sizes, read from the shapes where the metadata lacks them). A dense architecture
+        holding expert tensors (Mixtral is a llama file with experts) is refused by name."""
+        exps = [n for n in self.tensors if _BLK.match(n) and _BLK.match(n)[2] in _EXPERTS]
+        if self.arch not in MOE_ARCHITECTURES:
+            routed = exps or [n for n in self.tensors if ".ffn_gate_inp" in n]
+            if routed:
+                raise GGUFError(
+                    f"GGUF {self.arch!r} file holds expert tensors ({routed[0]!r}: Mixtral is "
+                    f"written so); supported MoE GGUF architectures: {list(MOE_ARCHITECTURES)}"
+                )
+            return
+        cfg, E = self.config, self.num_experts
+        hidden = cfg["hidden_size"]
+        sizes = {"moe_intermediate_size": None, "shared_expert_intermediate_size": None}
+        for i in range(cfg["num_hidden_layers"]):
+            for leaf in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp"):
+                name = f"blk.{i}.{leaf}.weight"
+                t = self.tensors.get(name)
+                if t is None:
+                    raise QuantFormatError(
+                        f"GGUF {self.arch} file lacks tensor {name!r} (every {self.arch} block "
+                        "is a mixture-of-experts block)"
+                    )
+                if leaf == "ffn_gate_inp":
+                    if t.shape != (E, hidden):
+                        raise QuantFormatError(
+                            f"tensor {name!r}: shape {list(t.shape)}, expected [{E}, {hidden}] "
+                            f"({self.arch}.expert_count {E} experts)"
+                        )
+                    continue
+                if len(t.shape) != 3 or t.shape[0] != E:
+                    raise QuantFormatError(
+                        f"tensor {name!r}: shape {list(t.shape)}, expected [{E}, rows, K] "
+                        f"(stacked experts; {self.arch}.expert_count {E})"
+                    )
+                inter = t.shape[2] if leaf == "ffn_down_exps" else t.shape[1]
+                sizes["moe_intermediate_size"] = sizes["moe_intermediate_size"] or inter
+            shexp = self.tensors.get(f"blk.{i}.ffn_gate_shexp.weight")
+            if shexp is not None and self.arch == "qwen2moe":
+                sizes["shared_expert_intermediate_size"] = (
+                    sizes["shared_expert_intermediate_size"] or shexp.shape[0]
+                )
+        for key, size in sizes.items():
+            if size is not None:
+                # a size the metadata gives wins; a tensor that disagrees with it fails to load
+                # naming itself (the linear methods check every shape)
+                cfg.setdefault(key, int(size))
+        if self.arch == "qwen2moe" and "shared_expert_intermediate_size" not in cfg:
+            raise QuantFormatError(
+                "GGUF qwen2moe file has no shared expert (tensor 'blk.0.ffn_gate_shexp.weight' "
+                "and qwen2moe.expert_shared_feed_forward_length are absent)"
+            )
+        if not cfg["intermediate_size"]:
+            cfg["intermediate_size"] = cfg["moe_intermediate_size"]  # no dense MLP is built
 
     def eos_token_ids(self) -> list[int]:
         ids = [
@@ -218,21 +311,37 @@ class GGUFSource:
             return self.config["num_key_value_heads"]
         return None
 
+    @staticmethod
+    def _torch(t: _Tensor) -> torch.Tensor:
+        arr = np.asarray(t.data)
+        if t.kind == "BF16":
+            return torch.from_numpy(arr.copy().view(np.int16)).view(torch.bfloat16)
+        if t.kind in FLOAT_TYPES:
+            return torch.from_numpy(arr.copy())
+        return torch.from_numpy(arr.copy().view(np.uint8))
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.tensors.items():
+            experts = expert_names(name, self.num_experts)
+            if experts is not None and len(t.shape) == 3:
+                # [E, rows, K] (float) or [E, rows, row bytes] (blocks): one view per expert
+                x = self._torch(t).reshape(t.shape[0], t.shape[1], -1)
+                for e, hf in enumerate(experts):
+                    yield hf, x[e]
+                continue
             hf = hf_name(name)
             if hf is None:
                 yield name, torch.empty(0)  # reported as ignored by the loader
                 continue
-            arr = np.asarray(t.data)
-            if t.kind == "BF16":
-                x = torch.from_numpy(arr.copy().view(np.int16)).view(torch.bfloat16)
-            elif t.kind in FLOAT_TYPES:
-                x = torch.from_numpy(arr.copy())
-            else:
-                x = torch.from_numpy(arr.copy().view(np.uint8))
+            x = self._torch(t)
             rows = t.shape[0]
             x = x.reshape(rows, -1) if len(t.shape) == 2 else x.reshape(t.shape)
+            if hf.endswith(_ROUTERS):
+                if t.kind in BLOCK_TYPES:
+                    x = dequantize_raw(t.kind, x, t.shape[-1])
+                # llama.cpp's shared-expert gate is a vector [H]; the linear's weight is [1, H]
+                yield hf, x.reshape(-1, t.shape[-1])
+                continue
             heads = self._permute_rows(name)
             if heads is not None:
                 # converter: rows (h, j, i) <- HF rows (h, i, j) with j in {0, 1}; undo it

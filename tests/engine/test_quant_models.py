@@ -49,10 +49,14 @@ def _gguf(arch: str, kind: str):
     return qc.gguf_checkpoint(arch, lambda _name: kind, kind)
 
 
-def hf_model(ref, gguf: bool):
+def hf_model(ref, gguf: bool, config=None):
+    """config: a transformers config to load the GGUF tensors into, where its GGUF loader
+    reads too little of the metadata (it takes no expert sizes from an MoE file)."""
     from transformers import AutoModelForCausalLM
 
     kw = {"gguf_file": "model.gguf"} if gguf else {}
+    if config is not None:
+        kw["config"] = config
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32, **kw)
     model.generation_config.eos_token_id = None
     return model
@@ -72,7 +76,7 @@ def hf_reference(model, prompt: list[int], n: int):
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
-def check_against_reference(path, ref, gguf: bool, seed: int) -> ModelRunner:
+def check_against_reference(path, ref, gguf: bool, seed: int, config=None) -> ModelRunner:
     runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32))
     rng = random.Random(seed)
     V = len(tokenizer())
@@ -83,7 +87,7 @@ def check_against_reference(path, ref, gguf: bool, seed: int) -> ModelRunner:
     params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=1, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params, seed=i, arrival_time=0.0) for i, p in enumerate(prompts)]
     drive(runner, reqs, max_new, chunk=rng.choice([7, 16]))
-    model = hf_model(ref, gguf)
+    model = hf_model(ref, gguf, config)
     for r, prompt in zip(reqs, prompts):
         want, logits = hf_reference(model, prompt, max_new)
         assert r.output_token_ids == want, f"prompt of {len(prompt)} tokens (seed {seed})"

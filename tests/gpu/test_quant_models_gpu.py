@@ -1,9 +1,10 @@
 """On a CUDA GPU: quantized tiny checkpoints (AWQ, GPTQ act-order, compressed-tensors, GGUF
-Q4_K_M) through the GPU runner. fp32: greedy tokens equal transformers on the same GPU on the
-independent reference (tests/quant_checkpoints.py), logprobs within 1e-3; fp16 (the SM70
-default): decode steps replayed as CUDA graphs give the eager runner's tokens, and the first
-token's logprobs stay within 5e-2 of the fp32 reference. --max-gpu-memory shrinks the KV pool
-to the budget. Skipped without CUDA."""
+Q4_K_M; AWQ Qwen3-MoE experts and a GGUF qwen3moe file) through the GPU runner. fp32: greedy
+tokens equal transformers on the same GPU on the independent reference
+(tests/quant_checkpoints.py), logprobs within 1e-3; fp16 (the SM70 default): decode steps
+replayed as CUDA graphs give the eager runner's tokens, and the first token's logprobs stay
+within 5e-2 of the fp32 reference. --max-gpu-memory shrinks the KV pool to the budget.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -30,13 +31,32 @@ CASES = {
     "gptq-8b-qwen2": lambda: (qc.gptq_checkpoint("qwen2", 8, 128, True, True), None),
     "ct-w4a16-qwen2": lambda: (qc.ct_checkpoint("qwen2", 4, 32), None),
     "gguf-q4_k_m-llama": lambda: (qc.gguf_checkpoint("llama", qc.q4_k_m_types, "Q4_K_M"), True),
+    # MoE: AWQ experts (decode on the fused int4 expert kernels) and a GGUF qwen3moe K-quant mix
+    "awq-g32-qwen3moe": lambda: (qc.awq_checkpoint("qwen3_moe", 32), None),
+    "gguf-kmix-qwen3moe": lambda: (
+        qc.gguf_checkpoint("qwen3_moe-gguf", _qwen3_k_mix, "qwen3moe-Kmix"),
+        "qwen3_moe-gguf",
+    ),
 }
+
+
+def _qwen3_k_mix(gname: str) -> str:
+    from tests.engine.test_gguf_moe import qwen3_k_mix
+
+    return qwen3_k_mix(gname)
 
 
 def _paths(case: str):
     made, gguf = CASES[case]()
     if gguf:
-        return made / "model.gguf", made, {"gguf_file": "model.gguf"}
+        kw = {"gguf_file": "model.gguf"}
+        if isinstance(gguf, str):
+            # an MoE file: transformers' GGUF loader reads no expert sizes, so it loads the
+            # tensors into the float checkpoint's config (tests/engine/test_gguf_moe.py)
+            from transformers import AutoConfig
+
+            kw["config"] = AutoConfig.from_pretrained(qc.float_checkpoint(gguf))
+        return made / "model.gguf", made, kw
     return made[0], made[1], {}
 
 

@@ -129,7 +129,7 @@ def experts_method(
         same = (
             isinstance(m, GroupQuantMethod)
             and isinstance(first, GroupQuantMethod)
-            and m.variant == first.variant
+            and m.family == first.family
         )
         if not same:
             raise QuantFormatError(
@@ -139,7 +139,8 @@ def experts_method(
             )
     from voltserve.services.executor.quant.experts import GroupQuantExperts
 
-    return GroupQuantExperts(first, prefix)
+    variant = "/".join(dict.fromkeys(m.variant for m in methods.values()))
+    return GroupQuantExperts(first, prefix, variant)
 
 
 class FusedExperts(nn.Module):

@@ -1,8 +1,10 @@
-"""Group-quantized MoE experts (AWQ, GPTQ, compressed-tensors int4/int8): the experts' side of
-the quantization seam (models/moe.py `ExpertsMethod`).
+"""Group-quantized MoE experts (AWQ, GPTQ, compressed-tensors int4/int8, GGUF block types): the
+experts' side of the quantization seam (models/moe.py `ExpertsMethod`).
 
 Checkpoints store each expert's projections as separate quantized linears
-(model.layers.N.mlp.experts.E.gate_proj.qweight / .scales / .qzeros ...). Each one is unpacked
+(model.layers.N.mlp.experts.E.gate_proj.qweight / .scales / .qzeros ...; a GGUF file's stacked
+expert tensors reach here split per expert, services/executor/gguf_source.py, and may give
+gate/up and down different ggml types). Each one is unpacked
 by the format's `GroupQuantMethod.unpack` into codes / scales / offsets (the linear path's
 ShardCodes), gate and up are merged along N as for a dense gate_up_proj, every expert is packed
 once with kernels/quant_pack.pack_group_quant, and the packed tensors are stacked per layer:
@@ -16,9 +18,10 @@ rounded once to the run dtype) and runs the float experts path. On CPU it dequan
 experts that received a token (syncs with the host). On CUDA nothing syncs, so a CUDA graph can
 hold the step: with fewer (token, slot) pairs than experts (decode), one dequantized expert per
 pair and batched matmuls (`apply_pairs`); otherwise every expert of the layer once, then the
-float expert kernels (ops.moe_experts). No fused int4 expert kernel yet: this is the
-correctness path, not the fast one (it writes the dequantized weights, where a fused kernel
-would read only the int4 codes).
+float expert kernels (ops.moe_experts). Decode batches of at most 8 tokens run the fused
+kernels of kernels/moe_quant_decode.py instead (the routed experts' codes read and dequantized
+in registers), when the dispatch runs the fp16 experts' kernels (impl["moe_experts"] == "cuda")
+and the experts are not act-order; the dequantizing paths stay for prefill and for the rest.
 """
 
 from __future__ import annotations
@@ -42,17 +45,22 @@ class GroupQuantExperts(ExpertsMethod):
     """Stacked group-quantized experts; `linear` is the method the config gives each expert
     projection (its tensor names and its format's unpack)."""
 
-    def __init__(self, linear: GroupQuantMethod, prefix: str) -> None:
+    def __init__(self, linear: GroupQuantMethod, prefix: str, variant: str | None = None) -> None:
         self.linear, self.prefix = linear, prefix
+        # every variant of the layer's expert projections (one family: GroupQuantMethod.family)
+        self.variant = variant or linear.variant
 
     def describe(self) -> str:
-        return f"{self.linear.variant} experts"
+        return f"{self.variant} experts"
 
     def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.device = torch.empty(0).device  # the model is built under torch.device(...)
         layer.staged = {}  # (param, expert, part) -> {tensor name: tensor}
         layer.quant_weights = {}  # "w13" / "w2" -> per-expert GroupQuantWeight views
+        # (w13, w2) as flat [E * N, K] weights for the fused decode kernels, made on first use;
+        # () where they do not serve the layer (act-order)
+        layer.flat_weights = None
 
     def _leaf(self, layer: FusedExperts, param: str, part: int | None) -> str:
         return next(leaf for leaf, pp in layer.names.items() if pp == (param, part))
@@ -76,7 +84,7 @@ class GroupQuantExperts(ExpertsMethod):
     def load(self, layer: FusedExperts, name: str, shard: tuple, t: torch.Tensor) -> None:
         e, part = shard
         if name not in self.linear.required and name not in self.linear.optional:
-            raise KeyError(f"{self.linear.variant} experts have no tensor {name!r}")
+            raise KeyError(f"{self.variant} experts have no tensor {name!r}")
         layer.staged.setdefault((e, part), {})[name] = t
 
     def process_after_loading(self, layer: FusedExperts) -> None:
@@ -106,13 +114,13 @@ class GroupQuantExperts(ExpertsMethod):
                         )
                     )
                 except ValueError as err:
-                    raise ValueError(f"{names[0]}: {self.linear.variant}: {err}") from err
+                    raise ValueError(f"{names[0]}: {self.variant}: {err}") from err
                 w0 = packed[0]
                 if (packed[-1].bits, packed[-1].group_size) != (w0.bits, w0.group_size) or (
                     (packed[-1].perm is None) != (w0.perm is None)
                 ):
                     raise ValueError(
-                        f"{names[0]}: {self.linear.variant}: bits, group size or act-order "
+                        f"{names[0]}: {self.variant}: bits, group size or act-order "
                         f"differ from expert 0's (the experts of a layer are stored stacked)"
                     )
             self._stack(layer, param, packed)
@@ -179,8 +187,13 @@ class GroupQuantExperts(ExpertsMethod):
         from voltserve.kernels.moe_experts import moe_experts_ref
 
         if x.is_cuda:
-            # No host sync (graph-capturable). Fewer (token, expert) pairs than experts (decode):
-            # dequantize each pair's expert; else every expert once, then the float kernels.
+            # No host sync (graph-capturable). Decode batches the fused kernels take (behind the
+            # fp16 experts' switch, ops.impl["moe_experts"]) read the routed experts' codes;
+            # else, fewer (token, expert) pairs than experts: dequantize each pair's expert;
+            # else every expert once, then the float kernels.
+            fused = self._fused(layer, ops, x, topk_ids)
+            if fused is not None:
+                return fused(x, *layer.flat_weights, topk_weights, topk_ids)
             if topk_ids.numel() < layer.num_experts:
                 return self.apply_pairs(layer, x, topk_weights, topk_ids)
             w13, w2 = self.dense_all(layer, "w13"), self.dense_all(layer, "w2")
@@ -194,6 +207,30 @@ class GroupQuantExperts(ExpertsMethod):
         w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in ids])
         w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in ids])
         return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
+
+    def _fused(self, layer: FusedExperts, ops, x: torch.Tensor, topk_ids: torch.Tensor):
+        """kernels/moe_quant_decode's launcher when it serves this step, else None."""
+        from voltserve.kernels import moe_quant_decode as mq
+
+        if ops is None or ops.impl.get("moe_experts") != "cuda" or x.shape[0] > mq.MAX_TOKENS:
+            return None
+        if layer.flat_weights is None:
+            w13, w2 = (layer.quant_weights[p][0] for p in ("w13", "w2"))
+            if w13.perm is not None or w2.perm is not None:
+                layer.flat_weights = ()  # act-order: a permutation per expert, not served
+            else:
+                layer.flat_weights = tuple(
+                    mq.flat_experts(
+                        getattr(layer, f"{p}_qweight"),
+                        getattr(layer, f"{p}_scales"),
+                        getattr(layer, f"{p}_offsets"),
+                        w,
+                    )
+                    for p, w in (("w13", w13), ("w2", w2))
+                )
+        if not layer.flat_weights or not mq.supports(x, *layer.flat_weights, topk_ids.shape[1]):
+            return None
+        return mq.moe_quant_decode
 
     def apply_pairs(
         self,

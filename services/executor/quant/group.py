@@ -110,11 +110,20 @@ class GroupQuantMethod(LinearMethod):
     """Integer codes with a scale and offset per group: AWQ, GPTQ, compressed-tensors, GGUF."""
 
     def __init__(
-        self, variant: str, required: list[str], optional: list[str], unpack: Unpack
+        self,
+        variant: str,
+        required: list[str],
+        optional: list[str],
+        unpack: Unpack,
+        family: str | None = None,
     ) -> None:
         self.variant = variant  # e.g. "AWQ GEMM 4-bit g128", for logs and errors
         self.required, self.optional = required, optional
         self.unpack = unpack
+        # Methods of one family read the same tensor names and share one unpack that handles
+        # each of their shards (GGUF: the ggml type is looked up per tensor), so the stacked
+        # experts of a layer may mix their variants (Q4_K gate/up beside Q6_K down).
+        self.family = family or variant
 
     def describe(self) -> str:
         return self.variant
