@@ -5,6 +5,7 @@ along N (q/k/v, gate/up) and packed once for the group-quantized kernels
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from voltserve.services.executor.tp.sharding import Cut, TensorSplit, TPSplitErr
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
     from voltserve.services.executor.models.layers import Linear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -257,6 +260,13 @@ class GroupQuantMethod(LinearMethod):
         if isinstance(parts[0], torch.Tensor):
             # a row-parallel act-order shard the kernels' groups cannot hold (narrow_inputs)
             layer.dense = parts[0]
+            logger.warning(
+                "%s: %s: this tensor-parallel rank's act-order input columns do not fill whole "
+                "groups of 16 or more; its shard is kept as %s float weights (exact)",
+                layer.prefixes[0],
+                self.variant,
+                self.dtype,
+            )
             return
         m = merge_shards(parts, layer.prefixes)
         try:

@@ -150,5 +150,11 @@ def start_group(
     check_devices(device, size)
     port = free_port()
     procs = RankProcesses(config, size, port, compile_only)
-    group = TPGroup.init(0, size, port, rank_device(device, 0))
+    try:
+        group = TPGroup.init(0, size, port, rank_device(device, 0))
+    except BaseException:
+        # The ranks would wait for rank 0 forever (and the exit would wait for them).
+        procs.stopping = True
+        procs.stop(timeout=1.0)
+        raise
     return group, procs, port
