@@ -26,35 +26,25 @@ from tests.checkpoints import checkpoint, tokenizer
 CPU = torch.device("cpu")
 
 
-def tp_gguf_types(gname: str) -> str:
-    """Column-parallel linears (whole rows) in Q4_K, one k shard F16 (a q/k/v mixing float and
-    quantized shards), the row-parallel o_proj / down_proj in 32-element blocks (their
-    128-column shards hold whole Q8_0 / Q4_0 blocks), the lm_head Q6_K."""
-    if gname == "output.weight":
-        return "Q6_K"
-    if gname == "blk.1.attn_k.weight":
-        return "F16"
-    if gname.endswith(("attn_output.weight", "ffn_down.weight")):
-        return "Q8_0" if gname.startswith("blk.0.") else "Q4_0"
-    return "Q4_K"
-
-
-# case -> (checkpoint, transformers reference folder, gguf file name or None)
+# case -> (checkpoint, transformers reference folder, gguf file name or None). The same
+# checkpoints as the single-GPU quantization and MoE tests (their writers cache them).
 CASES = {
-    "awq-g32-llama": lambda: (*qc.awq_checkpoint("llama", 32), None),
+    "awq-g128-llama": lambda: (*qc.awq_checkpoint("llama", 128), None),
     # act-order: each row-parallel rank's columns belong to any groups
     "gptq-4b-act-qwen2": lambda: (
         *qc.gptq_checkpoint("qwen2", 4, 64, desc_act=True, sym=True),
         None,
     ),
     "gptq-4b-noact-asym-qwen3": lambda: (
-        *qc.gptq_checkpoint("qwen3", 4, 32, desc_act=False, sym=False),
+        *qc.gptq_checkpoint("qwen3", 4, 128, desc_act=False, sym=False, v1=False),
         None,
     ),
     # 8-bit zero points packed along the outputs; per-channel scales on a row-parallel rank
     "ct-w8a16-channel-asym-qwen2": lambda: (*qc.ct_checkpoint("qwen2", 8, None, sym=False), None),
-    "gguf-mix-llama": lambda: (
-        (d := qc.gguf_checkpoint("llama", tp_gguf_types, "tpmix")) / "model.gguf",
+    # Q4_K / Q6_K rows and whole 256-element blocks per row-parallel rank, a Q5_0 up beside a
+    # Q4_K gate, an F16 k beside quantized q / v, a Q6_K lm_head split by vocabulary rows
+    "gguf-q4_k_m-qwen3": lambda: (
+        (d := qc.gguf_checkpoint("qwen3", qc.q4_k_m_types, "Q4_K_M")) / "model.gguf",
         d,
         "model.gguf",
     ),
@@ -141,9 +131,9 @@ def _check_sharded(name: str, model) -> None:
 
 
 def test_gguf_block_cut_by_a_row_parallel_shard_is_refused_by_name():
-    """Q4_K blocks hold 256 inputs; o_proj has 256 inputs, 128 per rank at TP=2: the engine
-    refuses at load naming the tensor, and the other rank is stopped (no stray exit)."""
-    d = qc.gguf_checkpoint("llama", lambda _n: "Q4_K", "Q4_K")
+    """Q4_K blocks hold 256 inputs; llama's o_proj has 256 inputs, 128 per rank at TP=2: the
+    engine refuses at load naming the tensor, and the other rank is stopped (no stray exit)."""
+    d = qc.gguf_checkpoint("llama", qc.q4_k_m_types, "Q4_K_M")
     with pytest.raises(ModelLoadError, match=r"o_proj\.weight.*slice \[0, 128\).*block"):
         engine(d / "model.gguf", 2)
 
@@ -178,11 +168,11 @@ def test_per_channel_and_whole_group_shards_load_on_every_rank():
         assert torch.equal(torch.cat([dequantize(p.qweight) for p in parts], 1), whole), name
 
 
-# ---- TP=2 against TP=1 and transformers (after the refusals: one process group at a time, and
-# the module-scoped engines hold theirs until the module ends) ----------------------------
+# ---- TP=2 against TP=1 and transformers (one test per case: each pair of engines is torn down
+# after it, as a process holds one process group at a time) -----------------------------------
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(params=sorted(CASES))
 def engines(request):
     name = request.param
     path, _, _ = case(name)
