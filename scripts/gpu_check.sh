@@ -267,6 +267,8 @@ for stage in $STAGES; do
       # batch 64/256 step time (~8 min; the first run writes the checkpoint).
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
       run tp_tests $PY -m pytest -q --timeout 900 tests/gpu/test_tp_gpu.py -p no:cacheprovider
+      # quantized (AWQ, GPTQ act-order, GGUF Q4_K_M) and MoE checkpoints: TP=2 tracks TP=1 in fp16
+      run tp_quant_tests $PY -m pytest -q --timeout 900 tests/gpu/test_tp_quant_gpu.py -p no:cacheprovider
       run bench_tp $PY load_tests/bench_tp.py --model-dir /tmp/voltserve-llama3-8b --gpus "${TP_GPUS:-0,1}" --out "$OUT/bench_tp.json"
       ;;
     tp-serving)

@@ -36,6 +36,7 @@ from voltserve.services.executor.quant.base import (
 )
 from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.quant.group import GroupQuantMethod, ShardCodes
+from voltserve.services.executor.tp.sharding import Cut, TensorSplit
 from voltserve.shared.gguf_files import MOE_ARCHITECTURES, GGUFError, gguf_files, hf_config
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,16 @@ class GGUFQuantConfig(QuantConfig):
             codes, scales, offsets = unpack_blocks(kind, raw, k)
             return ShardCodes(codes, scales, offsets, bt.bits, bt.group)
 
-        return GroupQuantMethod(variant, ["weight"], [], unpack, family="GGUF")
+        return GroupQuantMethod(variant, ["weight"], [], unpack, family="GGUF", splits=self.split)
+
+    def split(self, name: str, prefix: str) -> TensorSplit | None:
+        """Tensor parallelism: a block-quantized [N, K] weight is N rows of whole blocks, so a
+        column-parallel rank takes whole rows and a row-parallel one whole blocks of each row
+        (a cut inside a block is refused, naming the tensor)."""
+        if name != "weight":
+            return None
+        bt = BLOCK_TYPES[self.types[prefix][0]]
+        return TensorSplit(out_dim=0, in_dim=1, in_pack=bt.block, in_nbytes=bt.nbytes)
 
 
 class _DequantizedMethod(UnquantizedMethod):
@@ -157,6 +167,14 @@ class _DequantizedMethod(UnquantizedMethod):
 
     def __init__(self, kinds: dict[str, str]) -> None:
         self.kinds = kinds
+
+    def local_tensor(self, layer, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut):
+        if name == "weight" and tensor.dtype == torch.uint8:
+            prefix = layer.prefixes[list(layer.shard_offsets).index(shard)]
+            bt = BLOCK_TYPES[self.kinds[prefix]]
+            split = TensorSplit(out_dim=0, in_dim=1, in_pack=bt.block, in_nbytes=bt.nbytes)
+            return split.narrow(tensor, cut, f"{prefix}.weight")
+        return super().local_tensor(layer, name, shard, tensor, cut)
 
     def load(self, layer, name: str, shard: Shard, tensor: torch.Tensor) -> None:
         if name == "weight" and tensor.dtype == torch.uint8:

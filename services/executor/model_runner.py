@@ -36,8 +36,6 @@ from voltserve.services.executor.loader import (
     resolve_dtype,
 )
 from voltserve.services.executor.models.layers import AttentionMetadata
-from voltserve.services.executor.quant.base import UNQUANTIZED
-from voltserve.services.executor.quant.detect import quant_config
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow
@@ -72,8 +70,9 @@ def resolve_device(spec: str) -> torch.device:
 
 def check_tp_model(config: EngineConfig) -> None:
     """Refuse, before any rank starts, a model that --tensor-parallel-size cannot split: heads,
-    KV heads or MLP width not divisible, or quantized weights (their methods do not narrow
-    packed tensors yet)."""
+    KV heads, MLP or expert widths not divisible. A quantized linear whose shard would cut a
+    packed word, a quantization group or a GGUF block is refused by its method's shard rule
+    while loading (naming the tensor and the sizes)."""
     size = config.tensor_parallel_size
     if config.speculative_config is not None:
         # The draft model and the verify step run on rank 0 alone; the other ranks would need
@@ -84,24 +83,12 @@ def check_tp_model(config: EngineConfig) -> None:
             f"(method {method!r}); use one of them"
         )
     if is_gguf(config.model):
-        raise TPSplitError(
-            f"--tensor-parallel-size {size} is not supported yet for GGUF checkpoints; "
-            "use --tensor-parallel-size 1"
-        )
-    hf = read_hf_config(config.model)
-    quant = quant_config(hf, config.quantization)
-    if quant is not UNQUANTIZED:
-        raise TPSplitError(
-            f"--tensor-parallel-size {size} is not supported yet for {quant.describe()} "
-            "checkpoints; use --tensor-parallel-size 1"
-        )
-    arch = parse_arch(hf)
-    if arch.num_experts:
-        raise TPSplitError(
-            f"--tensor-parallel-size {size} is not supported yet for mixture-of-experts models "
-            f"({arch.architecture}: the experts are not sharded); use --tensor-parallel-size 1"
-        )
-    TPLayout.build(arch, 0, size)
+        from voltserve.services.executor.gguf_source import GGUFSource
+
+        hf = GGUFSource(config.model).config
+    else:
+        hf = read_hf_config(config.model)
+    TPLayout.build(parse_arch(hf), 0, size)
 
 
 def _token_slice(r: Request, start: int, n: int) -> list[int]:
@@ -250,8 +237,16 @@ class ModelRunner:
             self.step_sync = StepSync(self.tp)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        with startup.phase("loading weights", self.startup_times):
-            loaded = load_model(config.model, self.dtype, self.device, config.quantization, self.tp)
+        try:
+            with startup.phase("loading weights", self.startup_times):
+                loaded = load_model(
+                    config.model, self.dtype, self.device, config.quantization, self.tp
+                )
+        except Exception:
+            # A checkpoint this rank cannot load (a shard that cuts a quantization group...):
+            # the other ranks fail the same way; stop them before the watchdog sees them exit.
+            self._abort_group()
+            raise
         self.model = loaded.model
         self.arch = loaded.arch
         # Speculation with a draft model or an EAGLE head: loaded beside the target, before KV
@@ -845,6 +840,16 @@ class ModelRunner:
                 max_query_len=mql,
             )
             self.model(d[0], d[1], meta, self.kv_caches, d[6])
+
+    def _abort_group(self) -> None:
+        """Rank 0, during start-up: end the other ranks without a stop broadcast (they are
+        not serving steps yet)."""
+        procs, self.tp_procs = self.tp_procs, None
+        if procs is not None:
+            procs.stopping = True
+            procs.stop(timeout=5.0)
+        if self.tp is not None:
+            self.tp.destroy()
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to exit and wait for them (idempotent)."""

@@ -206,12 +206,16 @@ def test_routing_ties_follow_torch_topk() -> None:
     assert torch.allclose(w[0], torch.full((3,), 1 / 3))
 
 
-def test_moe_model_refused_under_tensor_parallelism() -> None:
-    """Experts are not sharded yet: -tp 2 of an MoE checkpoint is refused by name, no rank."""
+def test_moe_expert_width_not_divisible_refused_under_tensor_parallelism(tmp_path) -> None:
+    """Each expert's intermediate dim is split across the ranks (tests/engine/
+    test_tp_quant_moe.py runs the families at -tp 2): a width the size does not divide is
+    refused by name before any rank starts."""
     from voltserve.services.executor.tp.sharding import TPSplitError
 
-    cfg = EngineConfig(
-        model=str(checkpoint("qwen3_moe")), device="cpu", dtype="float32", tensor_parallel_size=2
-    )
-    with pytest.raises(TPSplitError, match="mixture-of-experts"):
-        LLMEngine(cfg)
+    d = copy_checkpoint("qwen3_moe", tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 31
+    (d / "config.json").write_text(json.dumps(cfg))
+    ec = EngineConfig(model=str(d), device="cpu", dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(TPSplitError, match="moe_intermediate_size = 31 cannot be split evenly"):
+        LLMEngine(ec)

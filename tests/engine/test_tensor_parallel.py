@@ -172,16 +172,6 @@ def test_tp_not_dividing_heads_refused():
         engine("llama", 3)
 
 
-def test_tp_of_a_quantized_checkpoint_refused_before_any_rank_starts():
-    """Quantized methods do not narrow their packed tensors yet: a clear refusal, no rank."""
-    from tests.quant_checkpoints import awq_checkpoint
-
-    path, _ = awq_checkpoint("llama", 32)
-    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=2)
-    with pytest.raises(TPSplitError, match="(?i)not supported yet for .*awq"):
-        LLMEngine(cfg)
-
-
 def test_tp_with_speculative_decoding_refused_before_any_rank_starts():
     """The draft and verify steps run on rank 0 alone: the combination is refused by name."""
     with pytest.raises(TPSplitError, match="--speculative-config with --tensor-parallel-size 2"):

@@ -19,9 +19,9 @@ from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, Unq
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.sharding import (
     ColumnParallel,
+    Cut,
     Parallel,
     RowParallel,
-    TPSplitError,
     narrow,
 )
 
@@ -81,8 +81,9 @@ class Linear(nn.Module):
     Tensor parallelism: with `parallel` a ColumnParallel, the linear holds only its rank's slice
     of each output shard (shard_sizes stay the logical sizes, checked against the checkpoint);
     with a RowParallel, only its slice of the input columns, and forward sums the ranks' partial
-    products with one all-reduce before adding the bias. The method creates and packs the local
-    shard only; the GEMV and fused paths run on its shapes."""
+    products with one all-reduce (rank 0 holds the bias, the others zeros). The method narrows
+    each checkpoint tensor (`local_tensor`: whole packed words and quantization groups for the
+    integer formats), creates and packs the local shard only; its kernels run on its shapes."""
 
     def __init__(
         self,
@@ -113,37 +114,25 @@ class Linear(nn.Module):
         # Without checkpoint names the linear is a plain float one (loaded by its module path).
         quant = quant or UNQUANTIZED
         self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
-        if parallel is not None and not isinstance(self.method, UnquantizedMethod):
-            # Packed codes and scale groups need the method's own narrowing (tp/sharding.py
-            # `narrow` with its packing and group size); until a method provides it, refuse.
-            raise TPSplitError(
-                f"--tensor-parallel-size > 1 is not supported yet for {self.method.describe()} "
-                f"weights (linear {', '.join(self.prefixes) or '?'})"
-            )
         self.method.create_weights(self, bias, dtype)
 
-    def local_slice(self, param_name: str, shard: str | int | None, tensor: torch.Tensor):
-        """The part of one float checkpoint tensor (of logical shape) that this rank holds."""
+    def cut(self, shard: str | int | None) -> Cut | None:
+        """This rank's part of one shard (None: the whole linear lives here)."""
         p = self.parallel
         if p is None:
-            return tensor
+            return None
         if isinstance(p, ColumnParallel):
             start, length = p.slices[shard]
-            full = self.logical_shard_sizes[shard]
-            if tensor.shape[0] != full:
-                raise ValueError(
-                    f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
-                    f"{full} rows"
-                )
-            return narrow(tensor, 0, start, length, param_name)
-        if param_name == "bias":  # added once, after the all-reduce
+            return Cut(True, start, length, self.logical_shard_sizes[shard], p.group.rank == 0)
+        return Cut(False, p.start, p.length, self.logical_in_features, p.group.rank == 0)
+
+    def local_slice(self, param_name: str, shard: str | int | None, tensor: torch.Tensor):
+        """The part of one checkpoint tensor (of logical shape) that this rank holds: the
+        method's shard rule (packed formats narrow on whole packed words and groups)."""
+        cut = self.cut(shard)
+        if cut is None:
             return tensor
-        if tensor.dim() != 2 or tensor.shape[1] != self.logical_in_features:
-            raise ValueError(
-                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
-                f"{self.logical_in_features} input columns"
-            )
-        return narrow(tensor, 1, p.start, p.length, param_name)
+        return self.method.local_tensor(self, param_name, shard, tensor, cut)
 
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
         """Hand one checkpoint tensor of one shard (this rank's part of it) to the method; it
@@ -153,11 +142,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:
         """Without ops (tests, tools): plain torch. The model passes its ops, so decode-sized
         inputs run the GEMV kernel on CUDA (captured in the decode graphs)."""
-        if isinstance(self.parallel, RowParallel):
-            # The float weight (the only method allowed here): bias once, after the sum.
-            y = self.parallel.group.all_reduce(linear(x, self.weight, None, ops))
-            return y if self.bias is None else y.add_(self.bias)
-        return self.method.apply(self, x, ops)
+        y = self.method.apply(self, x, ops)
+        p = self.parallel
+        if isinstance(p, RowParallel) and p.reduce:
+            # The partial products (rank 0's with the bias) summed: one all-reduce.
+            y = p.group.all_reduce(y)
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):

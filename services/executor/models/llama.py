@@ -275,10 +275,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, dtype, quant, f"{prefix}.self_attn", tp, lay)
         # Same call either way: MLP and SparseMoE both map [T, H] -> [T, H] given ops. Their
         # linears are named as in the checkpoint (Mixtral's MoE block is block_sparse_moe).
-        # MoE models are refused under tensor parallelism (check_tp_model): experts unsharded.
         if arch.is_moe_layer(index):
             block = "block_sparse_moe" if arch.moe_family == "mixtral" else "mlp"
-            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.{block}")
+            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.{block}", tp, lay)
         else:
             self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)

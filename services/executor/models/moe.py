@@ -18,6 +18,12 @@ and w2 [E, H, I] and runs `ops.moe_experts`; quant/experts.py `GroupQuantExperts
 compressed-tensors) stacks each expert's packed codes/scales/offsets per layer and lists the
 per-expert tensor names the format has (`checkpoint_params`). The model and the loader stay
 the same.
+
+Tensor parallelism (vLLM's layout): every expert's intermediate dim is split across the ranks
+(gate/up rows column-parallel, down columns row-parallel, each method narrowing its own
+tensors through `FusedExperts.cut`), the shared expert's the same, the routers replicated;
+the block sums its experts' weighted partial products and the shared expert's and reduces
+them with one all-reduce.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from voltserve.services.executor.quant.base import (
     QuantConfig,
     QuantFormatError,
     UnquantizedMethod,
+    float_local_tensor,
 )
+from voltserve.services.executor.tp.group import TPGroup
+from voltserve.services.executor.tp.layout import TPLayout
+from voltserve.services.executor.tp.sharding import ColumnParallel, Cut, RowParallel
 
 # Per family: the checkpoint leaf name of each expert projection -> (our parameter, part):
 # part 0 = gate rows of w13, 1 = up rows of w13, None = w2.
@@ -92,6 +102,10 @@ class UnquantizedExperts(ExpertsMethod):
         self, layer: FusedExperts, name: str, shard: tuple[int, int | None], t: torch.Tensor
     ) -> None:
         e, part = shard
+        cut = layer.cut(part)
+        if cut is not None:
+            # this rank's gate/up rows, or its down columns, of the expert's intermediate dim
+            t = float_local_tensor("weight", t, cut)
         target = getattr(layer, name).data[e]
         if part is not None:
             target = target.narrow(0, part * layer.inter, layer.inter)
@@ -156,12 +170,26 @@ class FusedExperts(nn.Module):
         dtype: torch.dtype,
         names: str = "qwen",
         method: ExpertsMethod | None = None,
+        tp: RowParallel | None = None,
     ) -> None:
+        """tp: this rank's columns [start, start + length) of every expert's intermediate dim
+        (gate/up rows column-parallel, down columns row-parallel); `inter` is the whole one.
+        The partial sums are reduced by the MoE block, once."""
         super().__init__()
-        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.num_experts, self.hidden = num_experts, hidden
+        self.inter_full, self.tp = inter, tp
+        self.inter = inter if tp is None else tp.length
         self.names = EXPERT_NAMES[names]
         self.method = method or UnquantizedExperts()
         self.method.create_weights(self, dtype)
+
+    def cut(self, part: int | None) -> Cut | None:
+        """This rank's part of one expert projection: gate/up (part 0/1) are column-parallel
+        over the intermediate dim, down (None) row-parallel."""
+        if self.tp is None:
+            return None
+        p = self.tp
+        return Cut(part is not None, p.start, p.length, self.inter_full, p.group.rank == 0)
 
     def checkpoint_params(self) -> dict[str, tuple[str, tuple[int, int | None]]]:
         """What the loader asks: the method's checkpoint names for this layer."""
@@ -199,8 +227,12 @@ class SharedExpert(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: RowParallel | None = None,
     ) -> None:
+        """tp: this rank's slice of the intermediate dim (as a dense MLP's), its down_proj
+        left unreduced: the MoE block reduces the experts and the shared expert together."""
         super().__init__()
+        part = None if tp is None else (tp.start, tp.length)
         self.gate_up_proj = Linear(
             hidden,
             {0: inter, 1: inter},
@@ -208,8 +240,11 @@ class SharedExpert(nn.Module):
             dtype,
             quant,
             [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            None if tp is None else ColumnParallel(tp.group, {0: part, 1: part}),
         )
-        self.down_proj = Linear(inter, {None: hidden}, False, dtype, quant, [f"{prefix}.down_proj"])
+        self.down_proj = Linear(
+            inter, {None: hidden}, False, dtype, quant, [f"{prefix}.down_proj"], tp
+        )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(x, self.gate_up_proj, ops), ops)
@@ -234,7 +269,11 @@ class SparseMoE(nn.Module):
         names: str = "qwen",
         quant: QuantConfig | None = None,
         prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> None:
+        """tp / lay: this rank's group and its slices of the experts' and the shared expert's
+        intermediate dims (TPLayout); the router and the shared expert's gate are replicated."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts {num_experts}")
@@ -245,10 +284,19 @@ class SparseMoE(nn.Module):
         # The router and the shared expert's gate stay float whatever the config says: every
         # quantizer keeps them so (they are tiny and routing is sensitive to them).
         self.gate = Linear(hidden, {None: num_experts}, False, dtype, None, [f"{prefix}.gate"])
+        self.tp = tp
+        # One all-reduce per block, after the weighted sum of the experts' (and the shared
+        # expert's) partial products: each rank holds a slice of every expert's intermediate.
+        row = None if tp is None else RowParallel(tp, lay.moe_inter_start, lay.moe_inter_size)
+        shared_row = (
+            None
+            if tp is None or not shared_inter
+            else RowParallel(tp, lay.shared_inter_start, lay.shared_inter_size, reduce=False)
+        )
         method = experts_method(quant, f"{prefix}.experts", names, num_experts)
-        self.experts = FusedExperts(num_experts, hidden, inter, dtype, names, method)
+        self.experts = FusedExperts(num_experts, hidden, inter, dtype, names, method, row)
         self.shared_expert = (
-            SharedExpert(hidden, shared_inter, dtype, quant, f"{prefix}.shared_expert")
+            SharedExpert(hidden, shared_inter, dtype, quant, f"{prefix}.shared_expert", shared_row)
             if shared_inter
             else None
         )
@@ -260,7 +308,13 @@ class SparseMoE(nn.Module):
 
     @classmethod
     def from_arch(
-        cls, arch, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = ""
+        cls,
+        arch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup | None = None,
+        lay: TPLayout | None = None,
     ) -> SparseMoE:
         """The MoE block of a ModelArch (models/llama.py) with num_experts > 0."""
         mixtral = arch.moe_family == "mixtral"
@@ -276,6 +330,8 @@ class SparseMoE(nn.Module):
             names=arch.moe_family,
             quant=quant,
             prefix=prefix,
+            tp=tp,
+            lay=lay,
         )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
@@ -285,7 +341,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(ops, x)
             out = out + torch.sigmoid(self.shared_expert_gate(x, ops)) * shared
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 __all__ = [

@@ -23,8 +23,18 @@ from voltserve.services.executor.quant.group import (
     check_shape,
     unpack_int32,
 )
+from voltserve.services.executor.tp.sharding import TensorSplit
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+# Tensor parallelism: the outputs are packed 8 per int32 (interleaved within the word only), so
+# a column-parallel rank takes whole words; a row-parallel one its rows of qweight, the scales
+# and zeros whole (cut to its groups after unpacking: group.unpack_local).
+_SPLITS = {
+    "qweight": TensorSplit(out_dim=1, out_pack=8, in_dim=0),
+    "qzeros": TensorSplit(out_dim=1, out_pack=8),
+    "scales": TensorSplit(out_dim=1),
+}
 
 
 def _deinterleave(nibbles: torch.Tensor) -> torch.Tensor:
@@ -62,7 +72,9 @@ class AWQConfig(QuantConfig):
     def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
         if prefixes == ["lm_head"] or any(s in p for p in prefixes for s in self.skip):
             return UnquantizedMethod()
-        return GroupQuantMethod(self.variant, ["qweight", "qzeros", "scales"], [], self._unpack)
+        return GroupQuantMethod(
+            self.variant, ["qweight", "qzeros", "scales"], [], self._unpack, splits=_SPLITS.get
+        )
 
     def _unpack(self, t: dict[str, torch.Tensor], prefix: str, n: int, k: int) -> ShardCodes:
         g, v = self.group_size, self.variant

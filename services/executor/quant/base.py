@@ -23,6 +23,7 @@ from torch import nn
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
     from voltserve.services.executor.models.layers import Linear
+    from voltserve.services.executor.tp.sharding import Cut
 
 Shard = str | int | None
 
@@ -44,6 +45,15 @@ class LinearMethod:
     def checkpoint_tensors(self, layer: Linear) -> tuple[list[str], list[str]]:
         """(required, optional) tensor names per shard, e.g. (["qweight", "scales"], ["g_idx"])."""
         raise NotImplementedError
+
+    def local_tensor(
+        self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut
+    ) -> torch.Tensor:
+        """Tensor parallelism: the part of one checkpoint tensor (of its logical shape) that
+        this rank holds. Here a float [N, K] weight and an [N] bias: rows of a column-parallel
+        cut, columns of a row-parallel one; a row-parallel bias on rank 0 only (zeros on the
+        others: the all-reduce adds it once). A packed format narrows in its own units."""
+        return float_local_tensor(name, tensor, cut)
 
     def load(self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor) -> None:
         raise NotImplementedError
@@ -76,6 +86,26 @@ class LinearMethod:
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def float_local_tensor(name: str, tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
+    from voltserve.services.executor.tp.sharding import narrow
+
+    if cut.out:
+        if tensor.shape[0] != cut.full:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+                f"{cut.full} rows"
+            )
+        return narrow(tensor, 0, cut.start, cut.length, name)
+    if name == "bias":
+        return tensor if cut.rank0 else torch.zeros_like(tensor)
+    if tensor.dim() != 2 or tensor.shape[1] != cut.full:
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+            f"{cut.full} input columns"
+        )
+    return narrow(tensor, 1, cut.start, cut.length, name)
 
 
 def copy_into_bias(layer: Linear, shard: Shard, tensor: torch.Tensor) -> None:

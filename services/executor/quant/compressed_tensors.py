@@ -27,6 +27,7 @@ from voltserve.services.executor.quant.group import (
     check_shape,
     unpack_int32,
 )
+from voltserve.services.executor.tp.sharding import TensorSplit
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -98,7 +99,20 @@ class CompressedTensorsConfig(QuantConfig):
         def unpack(t: dict[str, torch.Tensor], prefix: str, n: int, k: int) -> ShardCodes:
             return _unpack(t, prefix, n, k, bits, group, sym, variant)
 
-        return GroupQuantMethod(variant, required, ["weight_shape", "weight_g_idx"], unpack)
+        pack = 32 // bits
+        # Tensor parallelism: codes packed along the inputs (whole words per row-parallel
+        # rank), asymmetric zero points along the outputs (whole words per column-parallel
+        # rank); a row-parallel rank keeps every group's scale until group.unpack_local.
+        splits = {
+            "weight_packed": TensorSplit(out_dim=0, in_dim=1, in_pack=pack),
+            "weight_scale": TensorSplit(out_dim=0),
+            "weight_zero_point": TensorSplit(out_dim=0, out_pack=pack),
+            "weight_shape": TensorSplit(out_dim=None, shape_of=True),
+            "weight_g_idx": TensorSplit(out_dim=None),
+        }
+        return GroupQuantMethod(
+            variant, required, ["weight_shape", "weight_g_idx"], unpack, splits=splits.get
+        )
 
 
 def _unpack(t, prefix: str, n: int, k: int, bits: int, group: int, sym: bool, v: str):

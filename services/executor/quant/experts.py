@@ -22,6 +22,10 @@ float expert kernels (ops.moe_experts). Decode batches of at most 8 tokens run t
 kernels of kernels/moe_quant_decode.py instead (the routed experts' codes read and dequantized
 in registers), when the dispatch runs the fp16 experts' kernels (impl["moe_experts"] == "cuda")
 and the experts are not act-order; the dequantizing paths stay for prefill and for the rest.
+
+Tensor parallelism: each expert projection narrows by its format's shard rule (gate/up along
+the outputs, down along the inputs: FusedExperts.cut) and unpacks as a dense linear's shard
+does (group.unpack_local), so each rank stacks its slice of every expert.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize, pack_group_quant
 from voltserve.services.executor.models.moe import ExpertsMethod, FusedExperts
-from voltserve.services.executor.quant.group import GroupQuantMethod, merge_shards
+from voltserve.services.executor.quant.group import GroupQuantMethod, merge_shards, unpack_local
+from voltserve.services.executor.tp.sharding import TPSplitError
 
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
@@ -85,7 +90,16 @@ class GroupQuantExperts(ExpertsMethod):
         e, part = shard
         if name not in self.linear.required and name not in self.linear.optional:
             raise KeyError(f"{self.variant} experts have no tensor {name!r}")
+        cut = layer.cut(part)
+        if cut is not None:
+            # the format's shard rule, as for a dense gate_up (column) / down (row) linear
+            prefix = self._name(layer, e, part)
+            t = self.linear.split(name, prefix).narrow(t, cut, f"{prefix}.{name}")
         layer.staged.setdefault((e, part), {})[name] = t
+
+    def _name(self, layer: FusedExperts, e: int, part: int | None) -> str:
+        param = "w2" if part is None else "w13"
+        return f"{self.prefix}.{e}.{self._leaf(layer, param, part)}"
 
     def process_after_loading(self, layer: FusedExperts) -> None:
         E, H, inter, dev = layer.num_experts, layer.hidden, layer.inter, self.device
@@ -98,7 +112,18 @@ class GroupQuantExperts(ExpertsMethod):
                     name = f"{self.prefix}.{e}.{self._leaf(layer, param, part)}"
                     staged = {k: v.to(dev) for k, v in layer.staged.pop((e, part), {}).items()}
                     rows, k = shapes[param]
-                    codes.append(self.linear.unpack(staged, name, rows, k))
+                    sc = unpack_local(
+                        self.linear, staged, name, rows, k, layer.cut(part), self.dtype
+                    )
+                    if isinstance(sc, torch.Tensor):
+                        cut = layer.cut(part)
+                        raise TPSplitError(
+                            f"{name}: {self.linear.variant} act-order groups of the "
+                            f"tensor-parallel input slice [{cut.start}, {cut.start + cut.length})"
+                            f" of K={cut.full} are not multiples of 16 columns, which the "
+                            "stacked experts need; use a smaller --tensor-parallel-size"
+                        )
+                    codes.append(sc)
                     names.append(name)
                 m = merge_shards(codes, names)
                 try:

@@ -28,6 +28,7 @@ from voltserve.services.executor.quant.group import (
     check_shape,
     unpack_int32,
 )
+from voltserve.services.executor.tp.sharding import TensorSplit
 
 
 class GPTQConfig(QuantConfig):
@@ -85,7 +86,20 @@ class GPTQConfig(QuantConfig):
         def unpack(t: dict[str, torch.Tensor], prefix: str, n: int, k: int) -> ShardCodes:
             return self._unpack(t, prefix, n, k, bits, group, variant)
 
-        return GroupQuantMethod(variant, ["qweight", "qzeros", "scales"], ["g_idx"], unpack)
+        pack = 32 // bits
+        # Tensor parallelism: qweight is packed along the inputs (whole words of `pack` rows
+        # per row-parallel rank), qzeros along the outputs (whole words per column-parallel
+        # rank); scales, zeros and g_idx stay whole for a row-parallel rank, which keeps the
+        # groups (act-order: any groups) of its own input rows (group.unpack_local).
+        splits = {
+            "qweight": TensorSplit(out_dim=1, in_dim=0, in_pack=pack),
+            "qzeros": TensorSplit(out_dim=1, out_pack=pack),
+            "scales": TensorSplit(out_dim=1),
+            "g_idx": TensorSplit(out_dim=None),
+        }
+        return GroupQuantMethod(
+            variant, ["qweight", "qzeros", "scales"], ["g_idx"], unpack, splits=splits.get
+        )
 
     def _unpack(self, t, prefix: str, n: int, k: int, bits: int, group: int, v: str) -> ShardCodes:
         g = k if group <= 0 else group

@@ -5,18 +5,27 @@ along N (q/k/v, gate/up) and packed once for the group-quantized kernels
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from voltserve.kernels import quant_linear as qk
-from voltserve.kernels.quant_pack import pack_group_quant
-from voltserve.services.executor.quant.base import LinearMethod, Shard, copy_into_bias
+from voltserve.kernels.quant_pack import MIN_GROUP, pack_group_quant
+from voltserve.services.executor.quant.base import (
+    LinearMethod,
+    Shard,
+    copy_into_bias,
+    float_local_tensor,
+)
+from voltserve.services.executor.tp.sharding import Cut, TensorSplit, TPSplitError
 
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
     from voltserve.services.executor.models.layers import Linear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,8 +115,80 @@ def merge_shards(parts: list[ShardCodes], names: list[str]) -> ShardCodes:
     )
 
 
+def narrow_inputs(
+    sc: ShardCodes, start: int, length: int, name: str, dtype: torch.dtype
+) -> ShardCodes | torch.Tensor:
+    """A row-parallel rank's input columns [start, start + length) of a whole linear's codes,
+    on whole quantization groups. With act-order (perm) the rank's columns belong to any
+    groups: sorted by group they are served quantized when every group's share is a multiple of
+    a group size the kernels take (a power of two >= 16), else as the float weight [N, length]
+    in the run dtype (dequantized by quant_pack.dequantize's rule: the same values the whole
+    linear's kernels use)."""
+    K, g = sc.codes.shape[1], sc.group_size
+    end = start + length
+    if sc.perm is None:
+        if g >= K:  # per-channel: one scale per row serves every column
+            return replace(sc, codes=sc.codes[:, start:end], group_size=length)
+        if start % g or length % g:
+            raise TPSplitError(
+                f"{name}: the tensor-parallel input slice [{start}, {end}) of K={K} cuts a "
+                f"quantization group of {g} columns ({K // g} groups cannot be split evenly); "
+                "use a smaller --tensor-parallel-size"
+            )
+        a, b = start // g, end // g
+        return replace(
+            sc, codes=sc.codes[:, start:end], scales=sc.scales[:, a:b], offsets=sc.offsets[:, a:b]
+        )
+    inv = torch.argsort(sc.perm)  # original column -> its position in group order
+    pos = inv[start:end].sort().values
+    groups = pos // g
+    local_perm = sc.perm[pos] - start
+    codes = sc.codes[:, pos]
+    counts = torch.bincount(groups)
+    counts = counts[counts > 0]
+    gp = g
+    while gp >= MIN_GROUP and bool((counts % gp).any()):
+        gp //= 2
+    if gp >= MIN_GROUP:
+        chunk = groups[::gp]
+        return ShardCodes(
+            codes.contiguous(), sc.scales[:, chunk], sc.offsets[:, chunk], sc.bits, gp, local_perm
+        )
+    s, o = sc.scales[:, groups].to(dtype).float(), sc.offsets[:, groups].to(dtype).float()
+    w = (codes.float() * s + o).to(dtype)
+    out = torch.empty_like(w)
+    out[:, local_perm] = w
+    return out
+
+
+def unpack_local(
+    method: GroupQuantMethod,
+    staged: dict[str, torch.Tensor],
+    prefix: str,
+    rows: int,
+    in_features: int,
+    cut: Cut | None,
+    dtype: torch.dtype,
+) -> ShardCodes | torch.Tensor:
+    """One shard's ShardCodes from its staged tensors (this rank's part of them). A
+    column-parallel shard was narrowed along N at load and unpacks as is; a row-parallel one
+    holds its own columns of the codes and every group's scales / zeros / g_idx (small): the
+    codes are widened back to the whole K with zeros, unpacked, and narrowed to the rank's
+    columns (narrow_inputs), so each format's unpack and act-order rule stay as they are."""
+    if cut is None or cut.out:
+        return method.unpack(staged, prefix, rows, in_features)
+    wide = {k: method.split(k, prefix).widen(v, cut) for k, v in staged.items()}
+    sc = method.unpack(wide, prefix, rows, cut.full)
+    return narrow_inputs(sc, cut.start, cut.length, f"{prefix}.{method.required[0]}", dtype)
+
+
 class GroupQuantMethod(LinearMethod):
-    """Integer codes with a scale and offset per group: AWQ, GPTQ, compressed-tensors, GGUF."""
+    """Integer codes with a scale and offset per group: AWQ, GPTQ, compressed-tensors, GGUF.
+
+    Tensor parallelism: `splits(tensor name, shard prefix)` is the format's shard rule
+    (tp/sharding.py TensorSplit): how each checkpoint tensor narrows along the outputs
+    (column-parallel: whole packed words) and along the inputs (row-parallel: the codes only;
+    scales, zeros and g_idx stay whole until `unpack_local` cuts whole groups)."""
 
     def __init__(
         self,
@@ -115,7 +196,9 @@ class GroupQuantMethod(LinearMethod):
         required: list[str],
         optional: list[str],
         unpack: Unpack,
+        *,
         family: str | None = None,
+        splits: Callable[[str, str], TensorSplit] | None = None,
     ) -> None:
         self.variant = variant  # e.g. "AWQ GEMM 4-bit g128", for logs and errors
         self.required, self.optional = required, optional
@@ -124,6 +207,26 @@ class GroupQuantMethod(LinearMethod):
         # each of their shards (GGUF: the ggml type is looked up per tensor), so the stacked
         # experts of a layer may mix their variants (Q4_K gate/up beside Q6_K down).
         self.family = family or variant
+        self._splits = splits
+
+    def split(self, name: str, prefix: str) -> TensorSplit:
+        if self._splits is None:
+            raise TPSplitError(
+                f"{prefix}.{name}: {self.variant} has no tensor-parallel shard rule; use "
+                "--tensor-parallel-size 1"
+            )
+        split = self._splits(name, prefix)
+        if split is None:
+            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
+        return split
+
+    def local_tensor(
+        self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut
+    ) -> torch.Tensor:
+        if name == "bias":
+            return float_local_tensor(name, tensor, cut)
+        prefix = layer.prefixes[list(layer.shard_offsets).index(shard)]
+        return self.split(name, prefix).narrow(tensor, cut, f"{prefix}.{name}")
 
     def describe(self) -> str:
         return self.variant
@@ -134,6 +237,7 @@ class GroupQuantMethod(LinearMethod):
         self.device = torch.empty(0).device  # the model is built under torch.device(...)
         layer.staged = {shard: {} for shard in layer.shard_offsets}
         layer.qweight = None
+        layer.dense = None  # set instead of qweight by a row-parallel act-order fallback
 
     def checkpoint_tensors(self, layer: Linear) -> tuple[list[str], list[str]]:
         return self.required + (["bias"] if layer.bias is not None else []), list(self.optional)
@@ -152,8 +256,24 @@ class GroupQuantMethod(LinearMethod):
         for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
             # unpacked on the run device: a GPU does it in a fraction of the CPU's time
             staged = {k: v.to(dev) for k, v in layer.staged[shard].items()}
-            parts.append(self.unpack(staged, prefix, rows, layer.in_features))
+            parts.append(
+                unpack_local(
+                    self, staged, prefix, rows, layer.in_features, layer.cut(shard), self.dtype
+                )
+            )
             layer.staged[shard] = {}
+        del layer.staged
+        if isinstance(parts[0], torch.Tensor):
+            # a row-parallel act-order shard the kernels' groups cannot hold (narrow_inputs)
+            layer.dense = parts[0]
+            logger.warning(
+                "%s: %s: this tensor-parallel rank's act-order input columns do not fill whole "
+                "groups of 16 or more; its shard is kept as %s float weights (exact)",
+                layer.prefixes[0],
+                self.variant,
+                self.dtype,
+            )
+            return
         m = merge_shards(parts, layer.prefixes)
         try:
             layer.qweight = pack_group_quant(
@@ -167,9 +287,15 @@ class GroupQuantMethod(LinearMethod):
             )
         except ValueError as e:
             raise ValueError(f"{layer.prefixes[0]}: {self.variant}: {e}") from e
-        del layer.staged
+
+    def dense_weight(self, layer: Linear) -> torch.Tensor | None:
+        return layer.dense
 
     def apply(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch | None = None):
+        if layer.dense is not None:
+            from voltserve.services.executor.models.layers import linear
+
+            return linear(x, layer.dense, layer.bias, ops)
         if x.dim() != 2:
             shape = x.shape
             y = qk.quant_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.bias, ops)
@@ -177,10 +303,14 @@ class GroupQuantMethod(LinearMethod):
         return qk.quant_linear(x, layer.qweight, layer.bias, ops)
 
     def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
+        if layer.dense is not None:
+            return ops.silu_and_mul(self.apply(layer, x, ops))
         # decode rows on CUDA: one fused dequantize-GEMV launch with silu_and_mul in its epilogue
         return qk.quant_gate_up_silu(x, layer.qweight, layer.bias, ops)
 
     def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
+        if layer.dense is not None:
+            return False
         # quant_qkv_rope picks the fused GEMV for decode rows on CUDA (no host sync, so graphs
         # hold it), else runs quant_linear then rotary_and_cache, as the unfused path does
         return x.dim() == 2 and ops is not None
@@ -200,7 +330,7 @@ def reserve_quant_scratch(model, ops) -> None:
     sizes = [
         m.method.weight_numel(m)
         for m in model.modules()
-        if isinstance(m, Linear) and isinstance(m.method, GroupQuantMethod)
+        if isinstance(m, Linear) and isinstance(m.method, GroupQuantMethod) and m.dense is None
     ]
     if sizes:
         qk.reserve_scratch(ops, max(sizes))

@@ -129,7 +129,14 @@ def worker_main(
 
     setup_logging(f"executor-tp{rank}", os.environ.get("VOLTSERVE_LOG_LEVEL", "info"), False)
     threading.Thread(target=_parent_watchdog, args=(parent,), daemon=True).start()
-    runner = ModelRunner(replace(config), compile_only, tp_rank=rank, tp_port=port)
+    try:
+        runner = ModelRunner(replace(config), compile_only, tp_rank=rank, tp_port=port)
+    except Exception:
+        # A load error here is rank 0's too (each rank narrows the same way): give rank 0
+        # the time to report it and stop the group, rather than a bare "rank exited".
+        logger.exception("tensor-parallel rank %d failed to start", rank)
+        time.sleep(2.0)
+        raise
     if not compile_only:
         runner.worker_loop()
     runner.tp.destroy()
@@ -143,5 +150,11 @@ def start_group(
     check_devices(device, size)
     port = free_port()
     procs = RankProcesses(config, size, port, compile_only)
-    group = TPGroup.init(0, size, port, rank_device(device, 0))
+    try:
+        group = TPGroup.init(0, size, port, rank_device(device, 0))
+    except BaseException:
+        # The ranks would wait for rank 0 forever (and the exit would wait for them).
+        procs.stopping = True
+        procs.stop(timeout=1.0)
+        raise
     return group, procs, port

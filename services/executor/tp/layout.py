@@ -1,5 +1,5 @@
-"""Which heads, KV heads, MLP columns and vocabulary rows one rank holds (Megatron-style), and the
-checks that refuse a tensor-parallel size the model cannot be split by."""
+"""Which heads, KV heads, MLP columns (each expert's too) and vocabulary rows one rank holds
+(Megatron-style), and the checks that refuse a tensor-parallel size the model cannot be split by."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ class TPLayout:
     inter_size: int
     vocab_start: int
     vocab_per_rank: int  # the padded vocabulary's share: vocab_per_rank * size >= vocab
+    # MoE: this rank's columns of every expert's intermediate dim, and of the shared expert's
+    moe_inter_start: int = 0
+    moe_inter_size: int = 0
+    shared_inter_start: int = 0
+    shared_inter_size: int = 0
 
     @staticmethod
     def build(arch, rank: int = 0, size: int = 1) -> TPLayout:
@@ -45,4 +50,14 @@ class TPLayout:
             k0, k = rank * kv // size, 1
         i0, i = split_range(arch.intermediate_size, rank, size, "intermediate_size")
         vp = -(-arch.vocab_size // size)
-        return TPLayout(rank, size, h, h0, k, k0, i0, i, rank * vp, vp)
+        m0 = m = s0 = sh = 0
+        if arch.num_experts:
+            m0, m = split_range(arch.moe_intermediate_size, rank, size, "moe_intermediate_size")
+        if arch.shared_expert_intermediate_size:
+            s0, sh = split_range(
+                arch.shared_expert_intermediate_size,
+                rank,
+                size,
+                "shared_expert_intermediate_size",
+            )
+        return TPLayout(rank, size, h, h0, k, k0, i0, i, rank * vp, vp, m0, m, s0, sh)

@@ -46,14 +46,80 @@ class ColumnParallel:
 @dataclass(frozen=True)
 class RowParallel:
     """This rank holds input columns [start, start + length); the partial products are summed
-    by one all-reduce, then the (whole, unsplit) bias is added."""
+    by one all-reduce (rank 0 alone adds the bias before it). reduce=False leaves the sum to
+    the caller (an MoE block sums its experts and shared expert first, then reduces once)."""
 
     group: TPGroup
     start: int
     length: int
+    reduce: bool = True
 
 
 Parallel = ColumnParallel | RowParallel
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One rank's part of one linear shard: output rows [start, start + length) of `full`
+    (column-parallel, out=True) or input columns of `full` (row-parallel, out=False)."""
+
+    out: bool
+    start: int
+    length: int
+    full: int
+    rank0: bool  # a row-parallel bias lives on rank 0 only (added once before the reduce)
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How one checkpoint tensor of a quantized linear narrows under a Cut. out_dim / in_dim:
+    the tensor's dimension along the linear's outputs / inputs (None: the tensor is whole on
+    every rank along it). pack logical values are stored in nbytes elements along that dim
+    (8 int4 per int32: pack 8, nbytes 1; a group's scale row: pack g; a GGUF block of 256
+    values in 144 bytes: pack 256, nbytes 144)."""
+
+    out_dim: int | None
+    out_pack: int = 1
+    in_dim: int | None = None
+    in_pack: int = 1
+    in_nbytes: int = 1
+    shape_of: bool = False  # a [2] tensor holding the linear's (N, K) (compressed-tensors)
+
+    def narrow(self, tensor: torch.Tensor, cut: Cut, name: str) -> torch.Tensor:
+        if self.shape_of:
+            # the unpacker checks it against the shard it unpacks: a column-parallel rank's
+            # rows, a row-parallel rank's whole K (it unpacks the widened codes)
+            if int(tensor[0 if cut.out else 1]) != cut.full:
+                raise ValueError(
+                    f"{name}: {tensor.tolist()}, model expects {cut.full} "
+                    f"{'rows' if cut.out else 'input columns'}"
+                )
+            if not cut.out:
+                return tensor
+            out = tensor.clone()
+            out[0] = cut.length
+            return out
+        if cut.out:
+            if self.out_dim is None:
+                return tensor
+            return narrow(tensor, self.out_dim, cut.start, cut.length, name, self.out_pack)
+        if self.in_dim is None:
+            return tensor
+        return narrow(
+            tensor, self.in_dim, cut.start, cut.length, name, self.in_pack, nbytes=self.in_nbytes
+        )
+
+    def widen(self, tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
+        """The inverse of a row-parallel narrow: the full input width, zeros outside the cut
+        (the unpackers check and unpack logical shapes; the zeros are cut away after)."""
+        if cut.out or self.in_dim is None:
+            return tensor
+        d, per = self.in_dim, self.in_nbytes
+        shape = list(tensor.shape)
+        shape[d] = cut.full // self.in_pack * per
+        out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+        out.narrow(d, cut.start // self.in_pack * per, tensor.shape[d]).copy_(tensor)
+        return out
 
 
 def narrow(
@@ -64,18 +130,21 @@ def narrow(
     name: str,
     pack: int = 1,
     unit: int = 1,
+    nbytes: int = 1,
 ) -> torch.Tensor:
-    """tensor's logical slice [start, start + length) along dim. pack: logical values per stored
-    element along dim (a packed int4 dimension: 8); unit: a block that must stay whole (a
-    quantization group). Rows past the tensor's end come back as zeros (vocabulary padding)."""
+    """tensor's logical slice [start, start + length) along dim. pack: logical values per
+    `nbytes` stored elements along dim (a packed int4 dimension: 8 per 1; a GGUF block: 32
+    values in 18 bytes); unit: a block that must stay whole (a quantization group). Rows past
+    the tensor's end come back as zeros (vocabulary padding)."""
     step = math.lcm(pack, unit)
     if start % step or length % step:
+        what = "a packed int" if nbytes == 1 else "a quantization block"
         raise TPSplitError(
             f"tensor {name!r}: the tensor-parallel slice [{start}, {start + length}) of dim {dim} "
-            f"cuts {'a packed int' if start % pack or length % pack else 'a quantization group'} "
+            f"cuts {what if start % pack or length % pack else 'a quantization group'} "
             f"(packing {pack}, group {unit}); use a smaller --tensor-parallel-size"
         )
-    s, n = start // pack, length // pack
+    s, n = start // pack * nbytes, length // pack * nbytes
     have = tensor.shape[dim]
     if s + n <= have:
         return tensor.narrow(dim, s, n)
