@@ -54,7 +54,7 @@ PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_PAR) --timeout 900 --durations=25
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_PAR) --timeout 900 --durations=60
 
 # While working: the same in parallel without the slow tests (the kernel compile check and the
 # longest simulator and service runs). Not what CI runs: `make test` runs everything.

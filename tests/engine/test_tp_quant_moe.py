@@ -54,7 +54,23 @@ CASES = {
     "mixtral": lambda: (checkpoint("mixtral"), checkpoint("mixtral"), None),
     # group-quantized experts, each one's intermediate dim split
     "awq-g32-qwen3_moe": lambda: (*qc.awq_checkpoint("qwen3_moe", 32), None),
+    # GGUF stacked experts cut per expert on whole Q8_0 blocks (the tiny K-quant file's 256-wide
+    # blocks span a whole row-parallel input: refused, as the block-cut test shows)
+    "gguf-q8_0-qwen3_moe": lambda: (
+        (d := qc.gguf_checkpoint("qwen3_moe-gguf", _q8_0, "qwen3moe-Q8_0")) / "model.gguf",
+        d,
+        "model.gguf",
+    ),
 }
+
+
+def _q8_0(_gguf_name: str) -> str:
+    return "Q8_0"
+
+
+# transformers' GGUF loader builds MoE configs from its defaults, not the file's expert sizes
+# (tests/engine/test_gguf_moe.py): it loads these files into the float checkpoint's config.
+HF_CONFIG = {"gguf-q8_0-qwen3_moe": lambda: qc.float_checkpoint("qwen3_moe-gguf")}
 
 
 @functools.cache
@@ -78,7 +94,8 @@ def engine(path, tp: int) -> LLMEngine:
 
 def reference(name: str, prompt: list[int], n: int) -> list[int]:
     _, ref, gguf = case(name)
-    model = _hf_model(str(ref), gguf)
+    config = HF_CONFIG[name]() if name in HF_CONFIG else None
+    model = _hf_model(str(ref), gguf, None if config is None else str(config))
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -94,10 +111,12 @@ def reference(name: str, prompt: list[int], n: int) -> list[int]:
 
 
 @functools.cache
-def _hf_model(ref: str, gguf: str | None):
-    from transformers import AutoModelForCausalLM
+def _hf_model(ref: str, gguf: str | None, config: str | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = {} if gguf is None else {"gguf_file": gguf}
+    if config is not None:
+        kw["config"] = AutoConfig.from_pretrained(config)
     return AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32, **kw).eval()
 
 
