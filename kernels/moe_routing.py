@@ -29,13 +29,10 @@ def moe_topk_ref(
     renormalize: bool,
     weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int32): softmax in fp32, the top k with equal
-    probabilities in index order (the kernel's rule; torch.topk leaves the order of ties open,
-    and fp16 router logits tie often), optional renormalisation, and the weights rounded through
-    `weights_dtype` when given."""
+    """(weights [T, k] fp32, expert ids [T, k] int32): softmax in fp32, torch.topk, optional
+    renormalisation, and the weights rounded through `weights_dtype` when given."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    ranked = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = ranked.values[:, :top_k], ranked.indices[:, :top_k]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if weights_dtype is not None and weights_dtype != torch.float32:
