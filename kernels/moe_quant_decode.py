@@ -30,12 +30,9 @@ import functools
 from dataclasses import replace
 
 import torch
-from numba import cuda, uint32
-from voltserve.kernels.activation import _silu_mul
+from numba import cuda
 from voltserve.kernels.compile_cache import cached_factory
-from voltserve.kernels.gemv import _warp_sum
-from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
-from voltserve.kernels.quant_common import bits_f32, fold, ld_w4
+from voltserve.kernels.numba_common import SIM, current_stream, dev, launch
 from voltserve.kernels.quant_gemv import (
     GATE_UP,
     PLAIN,
@@ -43,14 +40,12 @@ from voltserve.kernels.quant_gemv import (
     WORDS_PER_CHUNK,
     _aligned,
     _aligned_rows,
-    _ldw_guard,
-    _ldx_guard,
     dot_step,
     is_split,
+    source_scope,
     tile_for,
 )
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
-from voltserve.kernels.vec_io import ld8
 
 MAX_TOKENS = 8
 # Warps per block. The simulator's shuffle is exact only within a one-warp block.
@@ -138,20 +133,7 @@ def _source(kind: str, R: int, U: int, bits: int, split: bool) -> str:
 
 
 def _build(kind: str, R: int, U: int, bits: int, split: bool):
-    scope = {
-        "cuda": cuda,
-        "float32": float32,
-        "uint32": uint32,
-        "ld8": ld8,
-        "ld_w4": ld_w4,
-        "_ldw_guard": _ldw_guard,
-        "_ldx_guard": _ldx_guard,
-        "bits_f32": bits_f32,
-        "fold": fold,
-        "_warp_sum": _warp_sum,
-        "_silu_mul": _silu_mul,
-        "round_like": round_like,
-    }
+    scope = source_scope()
     name = f"<moe quant decode {kind} R={R} U={U} bits={bits} split={split}>"
     exec(compile(_source(kind, R, U, bits, split), name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])

@@ -300,8 +300,9 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     return "\n".join(L) + "\n"
 
 
-def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
-    scope = {
+def source_scope() -> dict:
+    """The names the generated dequantizing kernels call (these and moe_quant_decode's)."""
+    return {
         "cuda": cuda,
         "float32": float32,
         "uint32": uint32,
@@ -316,6 +317,10 @@ def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
         "round_like": round_like,
         "_rot1": _rot1,
     }
+
+
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
+    scope = source_scope()
     name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split}>"
     exec(compile(_source(M, R, U, bits, split, kind), name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])

@@ -203,6 +203,38 @@ def engine_single(engine, rid: str, prompt: list[int], output_len: int) -> dict[
     }
 
 
+def run_single(engine, prompts, args, result: dict) -> bool:
+    """The engine's single-request decode runs into result["engine"] (with the roofline
+    fraction and the comparison to transformers when it ran); False, with the error recorded,
+    when they failed."""
+    try:
+        runs = []
+        for i, prompt in enumerate(prompts):
+            r = engine_single(engine, f"single-{i}", prompt, args.output_len)
+            r["warmup"] = i < args.warmup
+            runs.append(r)
+        first_tokens = runs[args.warmup].pop("tokens")
+        for r in runs:
+            r.pop("tokens", None)
+        single = {"runs": runs, **_summarise(runs)}
+        if single["ms_per_token"]:
+            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
+        result["engine"] = single
+        hf = result.get("transformers")
+        if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
+            result["speedup_vs_transformers"] = single["decode_tok_s"] / hf["decode_tok_s"]
+            # Greedy on the same weights and prompt: how long the two agree (fp16 near-ties can
+            # split them eventually; an early split points at a numerics bug).
+            result["greedy_agreement_tokens"] = agree_prefix(
+                first_tokens, hf.pop("first_measured_tokens")
+            )
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
+        return False
+    return True
+
+
 def batched_max_tokens(batch: int, args: argparse.Namespace, budget: int) -> int:
     """Output budget of each batched request: tokens produced while the rest of the batch is still
     prefilling (one per step at most; a step prefills at least budget - batch tokens), plus the
@@ -456,31 +488,8 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
         return
     result["engine_init_s"] = init_s
     result["engine_config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    try:
-        logger.info("engine single-request decode (%d runs)", n_engine)
-        runs = []
-        for i, prompt in enumerate(prompts):
-            r = engine_single(engine, f"single-{i}", prompt, args.output_len)
-            r["warmup"] = i < args.warmup
-            runs.append(r)
-        first_tokens = runs[args.warmup].pop("tokens")
-        for r in runs:
-            r.pop("tokens", None)
-        single = {"runs": runs, **_summarise(runs)}
-        if single["ms_per_token"]:
-            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
-        result["engine"] = single
-        hf = result.get("transformers")
-        if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
-            result["speedup_vs_transformers"] = single["decode_tok_s"] / hf["decode_tok_s"]
-            # Greedy on the same weights and prompt: how long the two agree (fp16 near-ties can
-            # split them eventually; an early split points at a numerics bug).
-            result["greedy_agreement_tokens"] = agree_prefix(
-                first_tokens, hf.pop("first_measured_tokens")
-            )
-    except Exception as e:
-        traceback.print_exc()
-        result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
+    logger.info("engine single-request decode (%d runs)", n_engine)
+    if not run_single(engine, prompts, args, result):
         return
 
     def floor_at(batch: int, mean_context: float) -> float:

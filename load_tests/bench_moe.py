@@ -41,12 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load_tests.bench_decode import (  # noqa: E402
     _summarise,
     _TimingStreamer,
-    agree_prefix,
     batched_max_tokens,
     engine_batched,
-    engine_single,
     make_engine,
     random_prompt,
+    run_single,
 )
 from load_tests.common import (  # noqa: E402
     dtype_name,
@@ -340,28 +339,7 @@ def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok,
     from voltserve.kernels.moe_experts import wmma_enabled
 
     result["grouped_gemm"] = "wmma" if wmma_enabled() else "simt"
-    try:
-        runs = []
-        for i, prompt in enumerate(prompts):
-            r = engine_single(engine, f"single-{i}", prompt, args.output_len)
-            r["warmup"] = i < args.warmup
-            runs.append(r)
-        first_tokens = runs[args.warmup].pop("tokens")
-        for r in runs:
-            r.pop("tokens", None)
-        single = {"runs": runs, **_summarise(runs)}
-        if single["ms_per_token"]:
-            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
-        result["engine"] = single
-        hf = result.get("transformers")
-        if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
-            result["speedup_vs_transformers"] = single["decode_tok_s"] / hf["decode_tok_s"]
-            result["greedy_agreement_tokens"] = agree_prefix(
-                first_tokens, hf.pop("first_measured_tokens")
-            )
-    except Exception as e:
-        traceback.print_exc()
-        result["errors"]["engine"] = f"single request: {type(e).__name__}: {e}"
+    if not run_single(engine, prompts, args, result):
         return
     rng = np.random.default_rng(args.seed + 1)
     batched = []

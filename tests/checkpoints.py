@@ -126,6 +126,24 @@ def copy_checkpoint(arch: str, dest: Path) -> Path:
     return dest
 
 
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of a loaded transformers model after prompt (eos ignored, as ignore_eos)."""
+    import torch
+
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_greedy(path, prompt: list[int], n: int, device: str = "cpu", dtype=None):
     """transformers greedy: the n tokens and the raw logits [n, V] (fp32) of each step."""
     import torch

@@ -19,7 +19,7 @@ from voltserve.services.executor.tp.sharding import TPSplitError
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import TINY, _root, tokenizer
+from tests.checkpoints import TINY, _root, greedy_tokens, tokenizer
 
 VOCAB = 385  # one more row than the tokenizer: not divisible by the two ranks
 
@@ -67,18 +67,7 @@ def hf_model(arch: str):
 
 def hf_greedy(arch: str, prompt: list[int], n: int) -> list[int]:
     model = hf_model(arch)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(model, prompt, n)
 
 
 def engine(arch: str, tp: int, **kw) -> LLMEngine:

@@ -21,7 +21,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests import quant_checkpoints as qc
-from tests.checkpoints import checkpoint, tokenizer
+from tests.checkpoints import checkpoint, greedy_tokens, tokenizer
 
 CPU = torch.device("cpu")
 
@@ -96,18 +96,7 @@ def reference(name: str, prompt: list[int], n: int) -> list[int]:
     _, ref, gguf = case(name)
     config = HF_CONFIG[name]() if name in HF_CONFIG else None
     model = _hf_model(str(ref), gguf, None if config is None else str(config))
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(model, prompt, n)
 
 
 @functools.cache

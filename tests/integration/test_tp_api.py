@@ -18,6 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.checkpoints import greedy_tokens
+
 from .conftest import Valkey, free_port, start_stack
 from .test_faults import client, reference, routes_on, stream_completion
 
@@ -46,18 +48,7 @@ def hf_tokens(model: Path, prompt: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = m.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(m, prompt, n)
 
 
 async def test_serve_tensor_parallel_2_matches_transformers(tiny_model, tmp_path):
