@@ -82,20 +82,6 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
     return (4, 1) if m == 4 else (2, 2)
 
 
-@cuda.jit(device=True, inline="always")
-def _ldw_guard(qw, row, col, W):
-    if col < W:
-        return ld_w4(qw, (row, col))
-    return ZERO_W4
-
-
-@cuda.jit(device=True, inline="always")
-def _ldx_guard(x, row, col, K):
-    if col < K:
-        return ld8(x, (row, col))
-    return ZERO8
-
-
 def dot_step(
     ind: str,
     M: int,
@@ -123,7 +109,8 @@ def dot_step(
     for r in range(R):
         for j in range(U):
             if guarded:
-                out.append(f"{ind}q{r}_{j} = _ldw_guard(qw, rw{r}, c{j}, W)")
+                # Guards written out, not inlined helpers: see quant_common.bits_f32.
+                out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j})) if c{j} < W else ZERO_W4")
             else:
                 out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
     for r in range(R):
@@ -160,7 +147,8 @@ def dot_step(
             for m in range(M):
                 xm = xrows[m]
                 if guarded:
-                    out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                    out.append(f"{ind}xc = {col}")
+                    out.append(f"{ind}xv = ld8(x, ({xm}, xc)) if xc < K else ZERO8")
                 else:
                     out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
                 for e in range(8):
@@ -308,8 +296,8 @@ def source_scope() -> dict:
         "uint32": uint32,
         "ld8": ld8,
         "ld_w4": ld_w4,
-        "_ldw_guard": _ldw_guard,
-        "_ldx_guard": _ldx_guard,
+        "ZERO_W4": ZERO_W4,
+        "ZERO8": ZERO8,
         "bits_f32": bits_f32,
         "fold": fold,
         "_warp_sum": _warp_sum,
