@@ -120,17 +120,19 @@ def dot_step(
             if split:
                 out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
                 out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
+    # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
+    # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
+    # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
     for j in range(U):
         for r in range(R):
-            out.append(f"{ind}S{r}, O{r} = fold(s{r}_{j}, o{r}_{j}, {1 << bits})")
-            if split:
-                out.append(f"{ind}T{r}, Q{r} = fold(t{r}_{j}, p{r}_{j}, {1 << bits})")
-            if weight is not None:
-                out.append(f"{ind}S{r} = S{r} * {weight}")
-                out.append(f"{ind}O{r} = O{r} * {weight}")
-                if split:
-                    out.append(f"{ind}T{r} = T{r} * {weight}")
-                    out.append(f"{ind}Q{r} = Q{r} * {weight}")
+            halves = [("S", "O", "s", "o")] + ([("T", "Q", "t", "p")] if split else [])
+            for sc, of, sv, ov in halves:
+                S, O_ = f"{sc}{r}_{j}", f"{of}{r}_{j}"
+                dst = f"{S}u, {O_}u" if weight is not None else f"{S}, {O_}"
+                out.append(f"{ind}{dst} = fold({sv}{r}_{j}, {ov}{r}_{j}, {1 << bits})")
+                if weight is not None:
+                    out.append(f"{ind}{S} = {S}u * {weight}")
+                    out.append(f"{ind}{O_} = {O_}u * {weight}")
         # 8 inputs per x load: one word of int4 codes, two words of int8.
         n_x = WORDS_PER_CHUNK * P // 8
         for t in range(n_x):
@@ -143,17 +145,18 @@ def dot_step(
                 sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
                 for r in range(R):
                     f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
-                    out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+                    out.append(f"{ind}wv{j}_{t}_{r}_{e} = {f} * {sc}{r}_{j} + {of}{r}_{j}")
+            if guarded:
+                out.append(f"{ind}xc{j}_{t} = {col}")
             for m in range(M):
-                xm = xrows[m]
+                xm, xv = xrows[m], f"xv{j}_{t}_{m}"
                 if guarded:
-                    out.append(f"{ind}xc = {col}")
-                    out.append(f"{ind}xv = ld8(x, ({xm}, xc)) if xc < K else ZERO8")
+                    out.append(f"{ind}{xv} = ld8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO8")
                 else:
-                    out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                    out.append(f"{ind}{xv} = ld8(x, ({xm}, {col}))")
                 for e in range(8):
                     for r in range(R):
-                        out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
+                        out.append(f"{ind}a{m}_{r} += {xv}[{e}] * wv{j}_{t}_{r}_{e}")
     return out
 
 
