@@ -65,6 +65,7 @@ if SIMULATOR:
 else:
     from llvmlite import ir
     from numba import types
+    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -163,9 +164,37 @@ else:
     half_lo = intrinsic(_half_of(0))
     half_hi = intrinsic(_half_of(16))
 
-    @cuda.jit(device=True, inline=True)
-    def shfl_xor(value, lane_mask):
-        return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+    def shfl_bfly_ir(builder, value, lane_mask: int):
+        """IR of cuda.shfl_xor_sync(FULL_MASK, value, lane_mask) for an i32 or float value, as
+        numba lowers it: one llvm.nvvm.shfl.sync.i32 in butterfly mode (3), clamp 0x1F."""
+        i32 = ir.IntType(32)
+        is_float = isinstance(value.type, ir.FloatType)
+        a = builder.bitcast(value, i32) if is_float else value
+        fnty = ir.FunctionType(ir.LiteralStructType((i32, ir.IntType(1))), (i32,) * 5)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.nvvm.shfl.sync.i32")
+        b = lane_mask if isinstance(lane_mask, ir.Value) else ir.Constant(i32, lane_mask)
+        mask, mode, clamp = (ir.Constant(i32, c) for c in (FULL_MASK, 3, 0x1F))
+        d = builder.extract_value(builder.call(fn, (mask, mode, a, b, clamp)), 0)
+        return builder.bitcast(d, ir.FloatType()) if is_float else d
+
+    @intrinsic
+    def shfl_xor(typingctx, value, lane_mask):
+        """cuda.shfl_xor_sync(FULL_MASK, value, lane_mask) for 32-bit floats and ints. An
+        intrinsic rather than an inlined device function: the generated decode kernels shuffle
+        ~200 times, and numba re-runs its liveness analysis over the whole caller for every
+        call it inlines (kernels/CONTRIBUTING: compile time)."""
+        if value not in (types.float32, types.int32, types.uint32):
+            return None
+        if not isinstance(lane_mask, types.Integer):
+            return None
+        sig = value(value, lane_mask)
+
+        def codegen(context, builder, signature, args):
+            a, b = args
+            b = builder.trunc(b, ir.IntType(32)) if b.type.width > 32 else b
+            return shfl_bfly_ir(builder, a, b)
+
+        return sig, codegen
 
 
 def as_numba(t):

@@ -58,7 +58,6 @@ from numba import cuda  # noqa: E402
 from voltserve.kernels.activation import _silu_mul  # noqa: E402
 from voltserve.kernels.compile_cache import cached_factory  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
-    FULL_MASK,
     SIM,
     current_stream,
     dev,
@@ -89,17 +88,26 @@ if SIM:
         return v
 
 else:
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    from voltserve.kernels.attention_common import shfl_bfly_ir
 
-    @cuda.jit(device=True, inline="always")
-    def _warp_sum(v):
-        # Written out (no loop) so the caller's loop over accumulators unrolls and they stay
-        # in registers.
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
-        return v
+    @intrinsic
+    def _warp_sum(typingctx, v):
+        """v += shfl_xor(v, 16), ... 8, 4, 2, 1 (every lane ends with the warp's sum), emitted
+        as numba lowers those five statements. An intrinsic, not an inlined device function:
+        numba re-runs its liveness analysis over the whole caller for every call it inlines,
+        and the generated GEMVs reduce up to 32 accumulators each."""
+        if v != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            (x,) = args
+            for off in (16, 8, 4, 2, 1):
+                x = builder.fadd(x, shfl_bfly_ir(builder, x, off))
+            return x
+
+        return types.float32(v), codegen
 
 
 PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"  # kernel kinds (see _source)
@@ -295,7 +303,7 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         # Same PTX instructions with NVVM inlining the helpers (checked for M = 1, 2, 4, 8),
         # and a fifth of the compile time. The paired kinds allocate registers differently
         # that way, so they keep numba's inliner until a GPU run compares them.
-        for helper in ("_ld8_guard", "dot8", "_warp_sum"):
+        for helper in ("_ld8_guard", "dot8"):
             scope[helper] = nvvm_inlined(scope[helper])
     name = f"<gemv {kind} M={M} R={R} U={U}>"
     code = compile(_source(M, R, U, kind), name, "exec")

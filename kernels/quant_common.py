@@ -18,7 +18,7 @@ In the CUDA simulator both are plain Python on ints.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 from voltserve.kernels.numba_common import SIM
 
 # Bit of the fp32 mantissa where a code's lowest bit goes: codes fill the top `bits` bits.
@@ -108,9 +108,26 @@ else:
 
         return sig, codegen
 
-    @cuda.jit(device=True, inline="always")
-    def bits_f32(t):
-        return cuda.libdevice.int_as_float(int32(t))
+    @intrinsic
+    def bits_f32(typingctx, t):
+        """The low 32 bits of integer t read as a float32 (a bitcast, what libdevice's
+        int_as_float does). An intrinsic rather than an inlined device function: a generated
+        kernel calls it once per weight, and numba re-runs its liveness analysis over the whole
+        caller for every call it inlines (minutes of front end for one kernel)."""
+        if not isinstance(t, types.Integer):
+            return None
+        sig = types.float32(t)
+
+        def codegen(context, builder, signature, args):
+            (v,) = args
+            i32 = ir.IntType(32)
+            if v.type.width > 32:
+                v = builder.trunc(v, i32)
+            elif v.type.width < 32:
+                v = builder.zext(v, i32) if not signature.args[0].signed else builder.sext(v, i32)
+            return builder.bitcast(v, ir.FloatType())
+
+        return sig, codegen
 
 
 ZERO_W4 = (uint32(0), uint32(0), uint32(0), uint32(0))
@@ -127,11 +144,33 @@ def code_f_expr(u: str, p: int, bits: int) -> str:
     return f"bits_f32(({moved} & {mask:#x}) | {ONE_BITS:#x})"
 
 
-@cuda.jit(device=True, inline="always")
-def fold(s, o, scale_mul):
-    """(S, O) with c * s + o == f * S + O for f = 1 + c / scale_mul (scale_mul = 2**bits)."""
-    S = float32(s) * float32(scale_mul)
-    return S, float32(o) - S
+if SIM:
+
+    @cuda.jit(device=True)
+    def fold(s, o, scale_mul):
+        """(S, O) with c * s + o == f * S + O for f = 1 + c / scale_mul (scale_mul = 2**bits)."""
+        S = float32(s) * float32(scale_mul)
+        return S, float32(o) - S
+
+else:
+
+    @intrinsic
+    def fold(typingctx, s, o, scale_mul):
+        """(S, O) = (float32(s) * float32(scale_mul), float32(o) - S), emitted as numba lowers
+        those statements (an intrinsic for the reason bits_f32 is one)."""
+        if not all(isinstance(t, (types.Float, types.Integer)) for t in (s, o, scale_mul)):
+            return None
+        sig = types.UniTuple(types.float32, 2)(s, o, scale_mul)
+
+        def codegen(context, builder, signature, args):
+            f32 = [
+                context.cast(builder, v, t, types.float32)
+                for v, t in zip(args, signature.args, strict=True)
+            ]
+            S = builder.fmul(f32[0], f32[2])
+            return context.make_tuple(builder, signature.return_type, (S, builder.fsub(f32[1], S)))
+
+        return sig, codegen
 
 
 def code_bit(e: int, bits: int) -> int:

@@ -82,20 +82,6 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
     return (4, 1) if m == 4 else (2, 2)
 
 
-@cuda.jit(device=True, inline="always")
-def _ldw_guard(qw, row, col, W):
-    if col < W:
-        return ld_w4(qw, (row, col))
-    return ZERO_W4
-
-
-@cuda.jit(device=True, inline="always")
-def _ldx_guard(x, row, col, K):
-    if col < K:
-        return ld8(x, (row, col))
-    return ZERO8
-
-
 def dot_step(
     ind: str,
     M: int,
@@ -123,7 +109,8 @@ def dot_step(
     for r in range(R):
         for j in range(U):
             if guarded:
-                out.append(f"{ind}q{r}_{j} = _ldw_guard(qw, rw{r}, c{j}, W)")
+                # Guards written out, not inlined helpers: see quant_common.bits_f32.
+                out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j})) if c{j} < W else ZERO_W4")
             else:
                 out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
     for r in range(R):
@@ -133,17 +120,19 @@ def dot_step(
             if split:
                 out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
                 out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
+    # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
+    # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
+    # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
     for j in range(U):
         for r in range(R):
-            out.append(f"{ind}S{r}, O{r} = fold(s{r}_{j}, o{r}_{j}, {1 << bits})")
-            if split:
-                out.append(f"{ind}T{r}, Q{r} = fold(t{r}_{j}, p{r}_{j}, {1 << bits})")
-            if weight is not None:
-                out.append(f"{ind}S{r} = S{r} * {weight}")
-                out.append(f"{ind}O{r} = O{r} * {weight}")
-                if split:
-                    out.append(f"{ind}T{r} = T{r} * {weight}")
-                    out.append(f"{ind}Q{r} = Q{r} * {weight}")
+            halves = [("S", "O", "s", "o")] + ([("T", "Q", "t", "p")] if split else [])
+            for sc, of, sv, ov in halves:
+                S, O_ = f"{sc}{r}_{j}", f"{of}{r}_{j}"
+                dst = f"{S}u, {O_}u" if weight is not None else f"{S}, {O_}"
+                out.append(f"{ind}{dst} = fold({sv}{r}_{j}, {ov}{r}_{j}, {1 << bits})")
+                if weight is not None:
+                    out.append(f"{ind}{S} = {S}u * {weight}")
+                    out.append(f"{ind}{O_} = {O_}u * {weight}")
         # 8 inputs per x load: one word of int4 codes, two words of int8.
         n_x = WORDS_PER_CHUNK * P // 8
         for t in range(n_x):
@@ -156,16 +145,18 @@ def dot_step(
                 sc, of = ("T", "Q") if split and word >= 2 else ("S", "O")
                 for r in range(R):
                     f = code_f_expr(f"q{r}_{j}[{word}]", p, bits)
-                    out.append(f"{ind}wv{r}_{e} = {f} * {sc}{r} + {of}{r}")
+                    out.append(f"{ind}wv{j}_{t}_{r}_{e} = {f} * {sc}{r}_{j} + {of}{r}_{j}")
+            if guarded:
+                out.append(f"{ind}xc{j}_{t} = {col}")
             for m in range(M):
-                xm = xrows[m]
+                xm, xv = xrows[m], f"xv{j}_{t}_{m}"
                 if guarded:
-                    out.append(f"{ind}xv = _ldx_guard(x, {xm}, {col}, K)")
+                    out.append(f"{ind}{xv} = ld8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO8")
                 else:
-                    out.append(f"{ind}xv = ld8(x, ({xm}, {col}))")
+                    out.append(f"{ind}{xv} = ld8(x, ({xm}, {col}))")
                 for e in range(8):
                     for r in range(R):
-                        out.append(f"{ind}a{m}_{r} += xv[{e}] * wv{r}_{e}")
+                        out.append(f"{ind}a{m}_{r} += {xv}[{e}] * wv{j}_{t}_{r}_{e}")
     return out
 
 
@@ -308,8 +299,8 @@ def source_scope() -> dict:
         "uint32": uint32,
         "ld8": ld8,
         "ld_w4": ld_w4,
-        "_ldw_guard": _ldw_guard,
-        "_ldx_guard": _ldx_guard,
+        "ZERO_W4": ZERO_W4,
+        "ZERO8": ZERO8,
         "bits_f32": bits_f32,
         "fold": fold,
         "_warp_sum": _warp_sum,
