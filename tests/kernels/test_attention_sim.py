@@ -136,8 +136,8 @@ DECODE_CASES = [
 ]
 
 
-# The online core (per-warp softmax) on the direct and in-kernel-merge cases: the simulator
-# takes ~40 s for each; the GPU tests run every case. The double-buffered block core on the
+# The online core (per-warp softmax) on the direct and in-kernel-merge cases (the simulator
+# takes seconds for each; the GPU tests run every case). The double-buffered block core on the
 # cases with a padding row and with partial and empty partitions.
 @pytest.mark.parametrize(
     "head_dim,num_heads,num_kv_heads,seq_lens,core",
