@@ -130,7 +130,7 @@ def reference(q, k, v, tables, seq_lens, qsl, scale):
 # head offset is checked (every core), one where it is not.
 DECODE_CASES = [
     (32, 2, 2, [16, 17]),  # MHA, a full KV block and a 1-token tail, one partition (direct path)
-    (64, 4, 2, [50, 5]),  # 2 heads per KV head, 2 partitions with a partial last one (full+tail)
+    (64, 2, 1, [50, 5]),  # 2 heads per KV head, 2 partitions with a partial last one (full+tail)
     (32, 4, 1, [33, 0]),  # 4 heads per KV head, a padding row (seq_len 0), a 1-token partition
     (32, 4, 2, [48]),  # 2 partitions, plus an empty one from a larger bound
 ]
