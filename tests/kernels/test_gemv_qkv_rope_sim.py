@@ -53,7 +53,9 @@ def run_kernel(x, w, bias, positions, cache, k_cache, v_cache, slots, n_q, n_kv)
     [(torch.float32, 1, 264, False), (torch.float16, 2, 24, True)],
 )
 def test_qkv_rope_kernel_matches_reference(dtype, M, K, with_bias):
-    n_q, n_kv, D = 2, 1, 16
+    # One simulated warp per rotary pair: head_dim 8 keeps them to 16 (q, k and v heads, each
+    # with 4 pairs)
+    n_q, n_kv, D = 2, 1, 8
     x, w, bias, positions, cache, k_cache, v_cache, slots = make(
         dtype, M, K, n_q, n_kv, D, with_bias
     )

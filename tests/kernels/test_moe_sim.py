@@ -55,7 +55,9 @@ def _close(out, ref):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_gate_up_kernel(rng, dtype):
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    T, E, k, H, inter = 2, 5, 2, 264, 8  # H: no full 1024-step, a tail of 2 chunks (one partial)
+    # H: no full 1024-step, a tail of 2 chunks (one partial); inter: one simulated warp per
+    # column of each pair, two columns (the second one's gate and up rows offset by j)
+    T, E, k, H, inter = 2, 5, 2, 264, 2
     x = torch.randn(T, H, generator=gen).to(dtype)
     w13, _ = _weights(gen, E, H, inter, dtype)
     _, ids = _routing(gen, T, E, k, skip=4)

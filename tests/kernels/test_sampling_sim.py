@@ -145,7 +145,7 @@ def test_reference_keep_set_follows_vllm_order():
 def test_kernel_follows_vllm_order_with_combined_filters():
     """A few rows, each drawn with several seeds: ids equal the reference's, lie in the vLLM-order
     kept set, and the draws include tokens the old intersection would have picked differently."""
-    rows, seeds_per_row, V = 3, 4, 64
+    rows, seeds_per_row, V = 3, 2, 64  # each simulated row costs ~2 s (two bisections)
     base = torch.randn(rows, V) * (torch.rand(rows, 1) * 0.6 + 0.3)  # flat: many tokens matter
     filters = torch.tensor(
         [[30, 0.3, 0.0], [0, 0.5, 0.3], [20, 0.6, 0.2], [12, 0.35, 0.0], [0, 0.45, 0.25]]
