@@ -375,6 +375,7 @@ def test_bench_spec_smoke(tmp_path):
     assert common.weight_bytes(cfg, common.torch.float16)["total_bytes"] == 2 * 1_235_814_400
     out = tmp_path / "spec.json"
     args = ["load_tests/bench_spec.py", "--preset", "tiny", "--device", "cpu"]
+    args += ["--model-dir", str(tmp_path / "model")]  # else a temporary folder left behind
     args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "2"]
     args += ["--oracle-ks", "2", "--corrupt", "0", "--batch-sizes", "1,2"]
     args += ["--draft-preset", "tiny", "--draft-dir", str(tmp_path / "draft"), "--out", str(out)]
