@@ -10,6 +10,7 @@ by the scripts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -31,7 +32,8 @@ def _run(args: list[str]) -> None:
     """`python load_tests/NAME.py ARGS...` in this process: the script's main(ARGS)."""
     script, argv = Path(args[0]), args[1:]
     module = importlib.import_module(f"load_tests.{script.stem}")
-    rc = module.main(argv)
+    with contextlib.chdir(ROOT):  # where `python load_tests/...` runs (and its servers)
+        rc = module.main(argv)
     assert rc in (0, None), f"{script} returned {rc}"
 
 

@@ -8,6 +8,7 @@ transformers again); the services it starts are processes of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -62,7 +63,8 @@ def test_gateway_stream_bench_smoke(rng, tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
-    bench_gateway_stream.main(argv)
+    with contextlib.chdir(ROOT):  # where `python load_tests/...` runs (and its services)
+        bench_gateway_stream.main(argv)
     m = json.loads(out.read_text())["metrics"]
     assert KEYS <= set(m), KEYS - set(m)
     assert m["bad"] == [], m["bad"]
