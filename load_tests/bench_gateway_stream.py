@@ -57,13 +57,10 @@ def ensure_model(path: Path, vocab_size: int) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         build = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
         try:
-            subprocess.run(
-                [sys.executable, "-m", "voltserve.cli", "make-demo-model", str(build / "m")]
-                + ["--vocab-size", str(vocab_size)],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
+            # `voltserve make-demo-model` in this process (it imports transformers anyway).
+            from voltserve.services.executor.demo_model import main as make_demo_model
+
+            make_demo_model([str(build / "m"), "--vocab-size", str(vocab_size)])
             try:
                 os.rename(build / "m", path)
             except OSError:  # another run put its copy there first: use that one

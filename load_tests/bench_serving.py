@@ -400,7 +400,7 @@ def launched_server(
                 raise RuntimeError(
                     f"voltserve serve not healthy after {timeout:.0f} s; log tail:\n{_tail(log_path)}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.1)
         logger.info("server ready at %s", base)
         yield base
     finally:

@@ -1,12 +1,20 @@
 """CI smoke of the benchmark scripts on the CPU: each runs end to end at a tiny size and writes
 its JSON with the keys the GPU run is read by. Timings are not checked (a CPU box says nothing
-about them); token counts and completions are, since they are exact."""
+about them); token counts and completions are, since they are exact.
+
+Each script runs in this process, through its main(argv) (what `python load_tests/X.py ARGS`
+calls): a subprocess would import torch and transformers again, seconds of every test on a
+2-core CI box. The servers the scripts launch (`voltserve serve`) are still processes of their
+own. The demo model and the random checkpoint are written once per test process and only read
+by the scripts."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,16 +25,33 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from load_tests import bench_serving, common  # noqa: E402
+from tests import checkpoints  # noqa: E402
 
-PY = sys.executable
+
+def _run(args: list[str]) -> None:
+    """`python load_tests/NAME.py ARGS...` in this process: the script's main(ARGS)."""
+    script, argv = Path(args[0]), args[1:]
+    module = importlib.import_module(f"load_tests.{script.stem}")
+    with contextlib.chdir(ROOT):  # where `python load_tests/...` runs (and its servers)
+        rc = module.main(argv)
+    assert rc in (0, None), f"{script} returned {rc}"
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    r = subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (
-        f"{args[0]} failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    )
-    return r
+@functools.cache
+def _demo_model() -> Path:
+    """`voltserve make-demo-model DIR`, once per test process (the scripts only read it)."""
+    from voltserve.services.executor.demo_model import main as make_demo_model
+
+    path = checkpoints._root() / "bench-demo"
+    make_demo_model([str(path)])
+    return path
+
+
+@functools.cache
+def _tiny_checkpoint() -> Path:
+    """A random-weight `tiny` preset checkpoint (fp32), once per test process."""
+    path = checkpoints._root() / "bench-tiny"
+    return common.write_random_checkpoint(path, "tiny", "cpu", common.torch.float32)
 
 
 def test_weight_bytes_match_llama3_8b_parameter_count():
@@ -112,6 +137,9 @@ def test_bench_decode_cpu_smoke(tmp_path):
             "3",
             "--decode-warmup",
             "1",
+            # A 1 MiB copy measures a bandwidth as well as the CPU default of 64 MiB does.
+            "--bandwidth-bytes",
+            str(1 << 20),
             "--out",
             str(out),
         ]
@@ -140,8 +168,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
 
 @pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
-    model = tmp_path / "model"
-    common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)
+    model = _tiny_checkpoint()
     out = tmp_path / "engine.json"
     _run(
         [
@@ -184,8 +211,7 @@ def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
 )
 @pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_bench_serving_launch_cpu_smoke(tmp_path):
-    model = tmp_path / "demo"
-    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    model = _demo_model()
     out = tmp_path / "serving.json"
     _run(
         [
@@ -214,7 +240,6 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
             "--log-level",
             "debug",
         ],
-        timeout=400,
     )
     d = json.loads(out.read_text())
     assert d["errors"] == {}
@@ -252,8 +277,7 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
     """--compare-structured: plain and with a json_schema response_format against one server,
     each run on prompts of its own (the second would otherwise hit the prefix cache); the
     constrained requests run their full length too."""
-    model = tmp_path / "demo"
-    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    model = _demo_model()
     out = tmp_path / "structured.json"
     _run(
         [
@@ -278,7 +302,6 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
             "--device",
             "cpu",
         ],
-        timeout=400,
     )
     d = json.loads(out.read_text())
     assert d["errors"] == {}
@@ -294,8 +317,7 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
 
 @pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
 def test_profile_serving_steps_cpu_smoke(tmp_path):
-    model = tmp_path / "model"
-    common.write_random_checkpoint(model, "tiny", "cpu", common.torch.float32)
+    model = _tiny_checkpoint()
     out = tmp_path / "profile.json"
     _run(
         [
@@ -332,14 +354,12 @@ def test_profile_serving_steps_cpu_smoke(tmp_path):
 def test_bench_startup_cpu_smoke(tmp_path):
     # One cold start of a demo model on the CPU: ready, and its phases read back from the log
     # (the CPU has no kernels to compile or graphs to capture).
-    model = tmp_path / "demo"
-    _run(["-m", "voltserve.cli", "make-demo-model", str(model)])
+    model = _demo_model()
     out = tmp_path / "startup.json"
     _run(
         ["load_tests/bench_startup.py", "--model-dir", str(model), "--runs", "cold"]
         + ["--timeout", "300", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
         + ["--", "--device", "cpu", "--num-kv-blocks", "64"],
-        timeout=400,
     )
     d = json.loads(out.read_text())
     (run,) = d["runs"]
@@ -357,10 +377,12 @@ def test_bench_spec_smoke(tmp_path):
     assert common.weight_bytes(cfg, common.torch.float16)["total_bytes"] == 2 * 1_235_814_400
     out = tmp_path / "spec.json"
     args = ["load_tests/bench_spec.py", "--preset", "tiny", "--device", "cpu"]
+    args += ["--model-dir", str(tmp_path / "model")]  # else a temporary folder left behind
     args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "2"]
     args += ["--oracle-ks", "2", "--corrupt", "0", "--batch-sizes", "1,2"]
     args += ["--draft-preset", "tiny", "--draft-dir", str(tmp_path / "draft"), "--out", str(out)]
-    _run(args, timeout=600)
+    args += ["--eagle-dir", str(tmp_path / "eagle")]
+    _run(args)
     r = json.loads(out.read_text())
     for key in ("spec_off", "ngram_batch1", "cost_curve", "forced_acceptance_batch1"):
         assert r[key], key
