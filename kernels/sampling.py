@@ -24,6 +24,8 @@ import torch
 M32 = 0xFFFFFFFF
 C1, C2 = 0x85EBCA6B, 0xC2B2AE35
 GOLDEN = 0x9E3779B9
+# The largest fp32 below 1.0: the top uniform (see seeded_uniform_ref).
+U_MAX = 1.0 - 2.0**-24
 
 
 def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -65,12 +67,16 @@ def row_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] fp32 uniforms in (0, 1): u = ((h >> 8) + 0.5) / 2^24, h = fmix32(row ^ fmix32(v + GOLDEN))."""
+    """[B, vocab] fp32 uniforms in (0, 1): u = ((h >> 8) + 0.5) / 2^24, h = fmix32(row ^ fmix32(v + GOLDEN)),
+    with the top code clamped to U_MAX. (h >> 8) + 0.5 needs 25 bits at h >> 8 = 2^24 - 1, so in
+    fp32 it rounds to 2^24 and u to 1.0, whose Gumbel noise -log(-log(u)) is +inf: that token
+    would win over every finite one, and a masked (-inf) token would become NaN and win argmax
+    (one draw in 2^24 per vocabulary entry: seen as a grammar-masked token sampled)."""
     rows = row_hash(seeds.to("cpu"), positions.to("cpu"))
     cols = fmix32((torch.arange(vocab, dtype=torch.int64) + GOLDEN) & M32)
     h = fmix32(rows[:, None] ^ cols[None, :])
     u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return u.to(seeds.device)
+    return u.clamp(max=U_MAX).to(seeds.device)
 
 
 def apply_penalties_ref(
@@ -192,6 +198,7 @@ _C1 = np.uint64(C1)
 _C2 = np.uint64(C2)
 _GOLD = np.uint64(GOLDEN)
 _S8 = np.uint64(8)
+_U_MAX = np.float32(U_MAX)
 _S13 = np.uint64(13)
 _S16 = np.uint64(16)
 _KEY_END = 4294967296  # one past the largest key
@@ -218,7 +225,7 @@ def _row_hash(seed, position):
 @cuda.jit(device=True)
 def _gumbel(row, i):
     h = _fmix32(row ^ _fmix32((uint64(i) + _GOLD) & _M32))
-    u = (float32(h >> _S8) + float32(0.5)) * float32(1.0 / 16777216.0)
+    u = min((float32(h >> _S8) + float32(0.5)) * float32(1.0 / 16777216.0), _U_MAX)
     return float32(-float32(math.log(float32(-float32(math.log(u))))))
 
 

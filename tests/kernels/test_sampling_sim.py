@@ -270,3 +270,26 @@ def test_seeded_noise_matches_reference_hash():
         torch.randint(0, 2**40, (n,), dtype=torch.int64),
     )
     assert sample_sim(*args).tolist() == sampling.sample_ref(*args).tolist()
+
+
+def test_top_uniform_code_is_below_one_and_masked_tokens_never_win():
+    """The draw that once sampled a grammar-masked token: seed 285599134 at output position 155
+    hashes vocabulary entry 318 to the top code (h >> 8 = 2^24 - 1), whose uniform rounded to
+    1.0 in fp32 (Gumbel +inf: -inf + inf = NaN won argmax). The uniform stays below 1.0, and with
+    318 masked, reference and kernel draw one of the allowed tokens."""
+    V, tok = 384, 318
+    seeds, positions = torch.tensor([285599134]), torch.tensor([155])
+    u = sampling.seeded_uniform_ref(seeds, positions, V)
+    assert float(u[0, tok]) == sampling.U_MAX < 1.0
+    assert float(u.max()) < 1.0 and torch.isfinite(-torch.log(-torch.log(u))).all()
+    logits = torch.full((1, V), float("-inf"))
+    allowed = [4, 200, 201, 204, 223]
+    logits[0, allowed] = torch.tensor([-1.16, 0.76, 0.65, 0.23, 2.80])
+    one = torch.ones(1)
+    args = (logits, one, torch.zeros(1, dtype=torch.int32), one, torch.zeros(1), seeds, positions)
+    ref = sampling.sample_ref(*args)
+    assert int(ref[0]) in allowed
+    assert sample_sim(*args).tolist() == ref.tolist()
+    # Unmasked, the top-code token gets the largest finite noise, not an unconditional win.
+    flat = torch.zeros(1, V)
+    assert int(sampling.sample_ref(flat, *args[1:])[0]) == tok
