@@ -10,9 +10,7 @@ by the scripts."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import importlib.util
 import json
 import sys
@@ -26,15 +24,12 @@ sys.path.insert(0, str(ROOT))
 
 from load_tests import bench_serving, common  # noqa: E402
 from tests import checkpoints  # noqa: E402
+from tests.load.scripts import run_main  # noqa: E402
 
 
 def _run(args: list[str]) -> None:
-    """`python load_tests/NAME.py ARGS...` in this process: the script's main(ARGS)."""
-    script, argv = Path(args[0]), args[1:]
-    module = importlib.import_module(f"load_tests.{script.stem}")
-    with contextlib.chdir(ROOT):  # where `python load_tests/...` runs (and its servers)
-        rc = module.main(argv)
-    assert rc in (0, None), f"{script} returned {rc}"
+    """`python load_tests/NAME.py ARGS...` in this process (tests/load/scripts.py)."""
+    run_main(Path(args[0]).stem, args[1:])
 
 
 @functools.cache
@@ -103,7 +98,7 @@ def test_datasets_stay_in_vocab_and_share_prefix(seed):
     assert not {tuple(w.token_ids[:12]) for w in warm} & {tuple(p.token_ids[:12]) for p in prompts}
 
 
-@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # a benchmark end to end: scheduled first
 def test_bench_decode_cpu_smoke(tmp_path):
     out = tmp_path / "decode.json"
     _run(
@@ -166,7 +161,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
     assert d["env"]["torch"] and "git_commit" in d["env"]
 
 
-@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # a benchmark end to end: scheduled first
 def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     model = _tiny_checkpoint()
     out = tmp_path / "engine.json"
@@ -209,7 +204,7 @@ def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     importlib.util.find_spec("voltserve.services.launcher") is None,
     reason="`voltserve serve` (voltserve.services.launcher) is not in this tree yet",
 )
-@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # a benchmark end to end: scheduled first
 def test_bench_serving_launch_cpu_smoke(tmp_path):
     model = _demo_model()
     out = tmp_path / "serving.json"
@@ -269,7 +264,7 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     assert (tmp_path / "serving_server.log").exists()
 
 
-@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # a benchmark end to end: scheduled first
 @pytest.mark.skipif(
     importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
 )
@@ -315,7 +310,7 @@ def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
     assert cost["output_throughput_ratio"] > 0 and cost["median_itl_ms_diff"] is not None
 
 
-@pytest.mark.slow  # a benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # a benchmark end to end: scheduled first
 def test_profile_serving_steps_cpu_smoke(tmp_path):
     model = _tiny_checkpoint()
     out = tmp_path / "profile.json"

@@ -8,17 +8,12 @@ transformers again); the services it starts are processes of their own."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from load_tests import bench_gateway_stream  # noqa: E402
+from tests.load.scripts import run_main
 
 KEYS = {
     "clients",
@@ -38,7 +33,7 @@ KEYS = {
 }
 
 
-@pytest.mark.slow  # the benchmark end to end in subprocesses: scheduled first
+@pytest.mark.slow  # the benchmark end to end: scheduled first
 def test_gateway_stream_bench_smoke(rng, tmp_path: Path) -> None:
     clients, output_len = rng.randint(6, 12), rng.randint(8, 24)
     api = rng.choice(["completions", "chat"])
@@ -63,8 +58,7 @@ def test_gateway_stream_bench_smoke(rng, tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
-    with contextlib.chdir(ROOT):  # where `python load_tests/...` runs (and its services)
-        bench_gateway_stream.main(argv)
+    run_main("bench_gateway_stream", argv)
     m = json.loads(out.read_text())["metrics"]
     assert KEYS <= set(m), KEYS - set(m)
     assert m["bad"] == [], m["bad"]
