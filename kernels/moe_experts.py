@@ -10,10 +10,12 @@ stores them, the activation as silu_and_mul rounds it; the down projection, the 
 and the sum over the k slots are fp32, rounded once to the storage dtype at the end.
 
 On CUDA (`moe_experts_cuda`): T <= 8 tokens run the fused decode kernels (moe_decode.py: only
-each token's k experts are read), more run the grouped GEMMs (moe_grouped.py, SIMT; or
-moe_wmma.py on tensor cores for fp16 with VOLTSERVE_MOE_WMMA=1). Neither syncs
-with the host, so both sit inside the decode CUDA graphs. What they cannot take (bf16, rows not
-16-byte aligned, H or I not a multiple of 8) runs the reference, which syncs.
+each token's k experts are read), more run the grouped GEMMs: on tensor cores for fp16
+(moe_wmma.py; 2.0x / 2.2x faster than the CUDA-core kernels at batch 64 / 256 on the
+Qwen3-30B-A3B shape, BENCHMARKS.md), on CUDA cores otherwise (moe_grouped.py: fp32, or fp16
+with VOLTSERVE_MOE_WMMA=0). Neither syncs with the host, so both sit inside the decode CUDA
+graphs. What they cannot take (bf16, rows not 16-byte aligned, H or I not a multiple of 8) runs
+the reference, which syncs.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ def moe_experts_ref(
 # CUDA
 
 moe_experts_cuda_dtypes = (torch.float16, torch.float32)
-WMMA_ENV = "VOLTSERVE_MOE_WMMA"  # 1: the grouped GEMMs on tensor cores (moe_wmma.py), fp16
+WMMA_ENV = "VOLTSERVE_MOE_WMMA"  # 0: fp16 grouped GEMMs on CUDA cores (moe_grouped.py)
 
 
 def wmma_enabled() -> bool:
     """Read at each call (cheap), so the decode graphs bake in what was set at capture."""
-    return os.environ.get(WMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(WMMA_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 DECODE_MAX_TOKENS = 8  # up to this many tokens: the fused decode kernels

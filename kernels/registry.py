@@ -289,10 +289,10 @@ KERNELS += [
     ),
 ]
 
-# moe_wmma.py (opt-in: VOLTSERVE_MOE_WMMA=1): the grouped expert GEMMs on tensor cores through
-# vs_moe_tile16x64 (linked wmma_ptx.cu), fp16. gate_up: x_sorted and w13 flattened, expert_start,
-# tile_first, tile_expert, h_sorted [P + 16, I], hidden; down: h_sorted and w2 flattened, order,
-# the same three, topk_weights flat, y_pairs [P, H] fp32, intermediate.
+# moe_wmma.py (the fp16 default; VOLTSERVE_MOE_WMMA=0 leaves it): the grouped expert GEMMs on
+# tensor cores through vs_moe_tile16x64 (linked wmma_ptx.cu), fp16. gate_up: x_sorted and w13
+# flattened, expert_start, tile_first, tile_expert, h_sorted [P + 16, I], hidden; down: h_sorted
+# and w2 flattened, order, the same three, topk_weights flat, y_pairs [P, H] fp32, intermediate.
 KERNELS += [
     KernelSpec(
         "moe_wmma",
