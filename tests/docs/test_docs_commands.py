@@ -73,6 +73,7 @@ GPU_SCRIPTS = {
     "load_tests/bench_kernels_elementwise.py",
     "load_tests/bench_prefill_attention.py",
     "load_tests/profile_decode_step.py",
+    "load_tests/profile_kernels.py",
 }
 PYTEST_VALUE_OPTS = {"-k", "-m", "-p", "-n", "-o", "-c", "--timeout", "--maxfail", "--tb",
                      "--durations", "--rootdir", "--junitxml", "--basetemp"}  # fmt: skip
