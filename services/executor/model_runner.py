@@ -235,8 +235,14 @@ class ModelRunner:
             else:
                 self.tp = TPGroup.init(tp_rank, tp_size, tp_port, self.device)
             self.step_sync = StepSync(self.tp)
+        # What the card holds outside this process's torch allocator before it loads anything
+        # (other processes, this one's CUDA context): --max-gpu-memory budgets only what this
+        # process adds to it, so neighbours on a shared card do not eat the budget.
+        self._non_torch_at_start = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            free, total = torch.cuda.mem_get_info()
+            self._non_torch_at_start = total - free - torch.cuda.memory_reserved()
         try:
             with startup.phase("loading weights", self.startup_times):
                 loaded = load_model(
@@ -479,6 +485,7 @@ class ModelRunner:
         card = total
         if self.config.max_gpu_memory is not None:
             total = min(total, self.config.max_gpu_memory)
+            non_torch = max(0, non_torch - self._non_torch_at_start)
         budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
         logger.info(
             "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
