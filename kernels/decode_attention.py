@@ -89,7 +89,10 @@ def decode_config(
     partition_size: int | None = None,
     num_threads: int = 128,
     online: bool = False,
+    max_group: int = MAX_HEADS_PER_BLOCK,
 ) -> DecodeConfig:
+    """max_group: at most this many query heads per thread block (the rest of a KV head's
+    heads go to further blocks: `split`)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim % 8 or not 8 <= head_dim <= 256:
@@ -97,7 +100,8 @@ def decode_config(
     if num_threads % 32 or not 32 <= num_threads <= 1024:
         raise ValueError(f"num_threads {num_threads} must be a multiple of 32 in [32, 1024]")
     ratio = num_heads // num_kv_heads
-    group = max(g for g in range(1, min(ratio, MAX_HEADS_PER_BLOCK) + 1) if ratio % g == 0)
+    cap = max(1, min(ratio, MAX_HEADS_PER_BLOCK, max_group))
+    group = max(g for g in range(1, cap + 1) if ratio % g == 0)
     partition = partition_size or DEFAULT_PARTITION
     if partition % BLOCK_SIZE:
         raise ValueError(f"partition_size {partition} must be a multiple of {BLOCK_SIZE}")
@@ -812,12 +816,68 @@ def default_partition(
     num_sms: int,
     max_partitions: int | None = None,
     num_threads: int = 128,
+    max_group: int = MAX_HEADS_PER_BLOCK,
 ) -> int:
     """The partition the launcher takes for this shape, batch and bound (choose_partition with
     the head grouping decode_config gives)."""
-    group = decode_config(H, kvh, D, None, num_threads).group
+    group = decode_config(H, kvh, D, None, num_threads, max_group=max_group).group
     split = H // kvh // group
     return choose_partition(B, kvh * split, max_seq_len, num_sms, max_partitions, group)
+
+
+def launch_config(
+    H: int,
+    kvh: int,
+    D: int,
+    B: int,
+    max_seq_len: int,
+    num_sms: int,
+    max_partitions: int | None = None,
+    num_threads: int = 128,
+    partition_size: int | None = None,
+    online: bool | None = None,
+) -> tuple[DecodeConfig, int]:
+    """(config, partitions) of a launch: the partition from default_partition unless given,
+    the online core for latency-bound grids unless `online` says (see _narrow_online for head
+    groups too wide for it). Depends only on bounds fixed at capture."""
+    part = partition_size
+    if part is None:
+        part = default_partition(H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads)
+    cfg = decode_config(H, kvh, D, part, num_threads)
+    n_part = num_partitions(max_seq_len, cfg.partition)
+    if online is None:
+        online = latency_bound(B * kvh * cfg.split * n_part, num_sms)
+        online = online and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
+        if not online and cfg.group * D > ONLINE_MAX_GROUP_DIMS:
+            cfg, n_part, online = _narrow_online(
+                H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads,
+                partition_size, cfg, n_part,
+            )  # fmt: skip
+    return dataclasses.replace(cfg, online=online), n_part
+
+
+def latency_bound(blocks: int, num_sms: int) -> bool:
+    """A grid this small runs one latency-bound wave: the online core's case."""
+    return blocks <= ONLINE_MAX_BLOCKS_PER_SM * num_sms
+
+
+def _narrow_online(H, kvh, D, B, max_seq_len, sms, cap, num_threads, fixed_partition, cfg, n_part):
+    """(cfg, partitions, online) for a small grid whose head group is too wide for the online
+    core's registers (8 query heads of 128 dims per KV head: Qwen3-30B-A3B, Llama-3-70B): the
+    group is split over more blocks that the online core takes, each reading its KV head again.
+    At these grid sizes the step is a chain of dependent loads, not a byte stream: on an H200
+    the block core took 45 us a layer for one Qwen3-30B-A3B sequence of ~150 tokens, the online
+    core ~13 us for a Llama-3-8B one of ~560. Falls back to (cfg, n_part, False) when the
+    narrower grid would not be latency-bound."""
+    g = ONLINE_MAX_GROUP_DIMS // D
+    part = fixed_partition
+    if part is None:
+        part = default_partition(H, kvh, D, B, max_seq_len, sms, cap, num_threads, max_group=g)
+    narrow = decode_config(H, kvh, D, part, num_threads, max_group=g)
+    n = num_partitions(max_seq_len, narrow.partition)
+    if narrow.group * D <= ONLINE_MAX_GROUP_DIMS and latency_bound(B * kvh * narrow.split * n, sms):
+        return narrow, n, True
+    return cfg, n_part, False
 
 
 @functools.cache
@@ -893,19 +953,12 @@ def paged_decode_attention_cuda(
         raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
-    if partition_size is None:
-        cap = None if workspace is None else workspace[2].shape[2]
-        partition_size = default_partition(
-            H, kvh, D, B, max_seq_len, _num_sms(q.device.index or 0), cap, num_threads
-        )
-    cfg = decode_config(H, kvh, D, partition_size, num_threads)
-    n_part = num_partitions(max_seq_len, cfg.partition)
-    if online is None:
-        blocks = B * kvh * cfg.split * n_part
-        online = (
-            blocks <= ONLINE_MAX_BLOCKS_PER_SM * _num_sms(q.device.index or 0)
-            and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
-        )
+    cap = None if workspace is None else workspace[2].shape[2]
+    cfg, n_part = launch_config(
+        H, kvh, D, B, max_seq_len, _num_sms(q.device.index or 0), cap, num_threads,
+        partition_size, online,
+    )  # fmt: skip
+    online = cfg.online
     if double_buffer is None:
         double_buffer = os.environ.get("VOLTSERVE_DECODE_DOUBLE_BUFFER", "0") == "1"
     cfg = dataclasses.replace(cfg, online=online, double_buffer=double_buffer and not online)

@@ -215,11 +215,12 @@ def test_decode_cuda_graph_replay_with_new_seq_lens():
         check(out, ref)
 
 
-@pytest.mark.parametrize("core", sorted(CORES))
+@pytest.mark.parametrize("core", [*sorted(CORES), "default"])
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 4), (128, 8)])
 def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
     """Small batches with short partitions (the batch-1 decode shape): the group's last block
-    merges the partitions in the same kernel. Captured in a graph with the default workspace and
+    merges the partitions in the same kernel. core "default": the launcher's choice (for 8
+    heads of 128 dims, the online core on the group split over two blocks). Captured in a graph with the default workspace and
     replayed with new lengths: every replay must merge again (the arrival counters reset), and
     the counters must be zero after each replay."""
     from voltserve.kernels.decode_attention import _COUNTERS, paged_decode_attention_cuda
@@ -235,8 +236,9 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
 
     def step():
         paged_decode_attention_cuda(
-            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64, **CORES[core]
-        )
+            q, k, v, tables, sl, scale, out, max_seq_len=max_len, partition_size=64,
+            **CORES.get(core, {}),
+        )  # fmt: skip
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -70,13 +70,15 @@ def run_decode(
     online=False,
     workspace=None,
     double_buffer=False,
+    max_group=8,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
     per-warp online-softmax core instead of the block-wide phases. double_buffer: the block
-    core with two KV blocks' loads in flight per warp."""
+    core with two KV blocks' loads in flight per warp. max_group: query heads per block (a KV
+    head's heads split over blocks below its group)."""
     B, H, D = q.shape
-    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online)
+    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online, max_group=max_group)
     cfg = dataclasses.replace(cfg, double_buffer=double_buffer)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
@@ -143,7 +145,10 @@ DECODE_CASES = [
     "head_dim,num_heads,num_kv_heads,seq_lens,core",
     [(*c, "block") for c in DECODE_CASES]
     + [(*c, "online") for c in (DECODE_CASES[0], DECODE_CASES[3])]
-    + [(*c, "dbuf") for c in DECODE_CASES[2:]],
+    + [(*c, "dbuf") for c in DECODE_CASES[2:]]
+    # 4 query heads of one KV head split over two blocks of 2 (the launcher's narrowed online
+    # grid for 8-head groups): each block must take its own heads of q and out.
+    + [(32, 4, 1, [40], "online-split")],
 )
 def test_decode_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_lens, core):
     rng = np.random.default_rng(seed)
@@ -165,8 +170,9 @@ def test_decode_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_l
         scale,
         max_seq_len,
         merge,
-        online=core == "online",
+        online=core.startswith("online"),
         double_buffer=core == "dbuf",
+        max_group=2 if core == "online-split" else 8,
     )
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     for b, s in enumerate(seq_lens):
@@ -276,3 +282,26 @@ def test_choose_partition():
     # The launcher's own grouping (32 query heads on 8 KV heads: 4 per block).
     assert default_partition(32, 8, 128, 64, 1024, sms) == 1024
     assert default_partition(32, 8, 128, 1, 784, sms) == 64
+
+
+def test_launch_config_narrows_wide_groups_for_the_online_core():
+    from voltserve.kernels.decode_attention import launch_config
+
+    sms = 132
+    # Llama-3-8B (4 query heads per KV head), batch 1: the online core, one block per KV head.
+    cfg, n = launch_config(32, 8, 128, 1, 784, sms)
+    assert (cfg.online, cfg.group, cfg.split, cfg.partition, n) == (True, 4, 1, 64, 13)
+    # Qwen3-30B-A3B (8 per KV head of 128 dims: too wide for the online core's registers),
+    # batch 1: the group split in two so the online core takes it.
+    cfg, n = launch_config(32, 4, 128, 1, 592, sms)
+    assert (cfg.online, cfg.group, cfg.split) == (True, 4, 2)
+    assert 4 * cfg.split * n <= 2 * sms
+    # ... but a full grid (batch 64, 1K) keeps the block core and its 8-head blocks.
+    cfg, _ = launch_config(32, 4, 128, 64, 1024, sms)
+    assert (cfg.online, cfg.group, cfg.split) == (False, 8, 1)
+    # 8 heads of 64 dims fit the online core unsplit.
+    cfg, _ = launch_config(16, 2, 64, 1, 592, sms)
+    assert (cfg.online, cfg.group, cfg.split) == (True, 8, 1)
+    # An explicit choice is kept.
+    cfg, _ = launch_config(32, 4, 128, 1, 592, sms, online=False)
+    assert (cfg.online, cfg.group) == (False, 8)
