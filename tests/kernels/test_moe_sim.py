@@ -84,9 +84,20 @@ def test_decode_gate_up_full_step(rng):
     _close(h, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("inter", [16, 1032])  # 1032 (k=2): one full 8-chunk step and a tail
-def test_decode_down_kernel(rng, dtype, inter):
+@pytest.mark.parametrize(
+    "dtype,inter,warps",
+    [
+        (torch.float32, 16, 1),
+        (torch.float16, 16, 1),
+        (torch.float32, 1032, 1),  # 1032 (k=2): one full 8-chunk step and a tail
+        (torch.float16, 1032, 1),
+        # Two warps split a row pair's chunks (the GPU runs 4): 2064 (k=2) is one full step
+        # of the block and a tail that only the first warp has chunks of.
+        (torch.float16, 2064, 2),
+    ],
+)
+def test_decode_down_kernel(rng, dtype, inter, warps, monkeypatch):
+    monkeypatch.setattr(moe_decode, "WARPS", warps)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     T, E, k, H = 2, 4, 2, 4  # two row pairs
     h = torch.randn(T * k, inter, generator=gen).to(dtype)
@@ -94,7 +105,7 @@ def test_decode_down_kernel(rng, dtype, inter):
     wts, ids = _routing(gen, T, E, k, all_to=1)
     out = torch.full((T, H), float("nan"), dtype=dtype)
     args = (h.numpy(), w2.numpy(), ids.numpy(), wts.numpy(), out.numpy())
-    launch(moe_decode.moe_decode_down_kernel, moe_decode.down_grid(T, H), 32, args)
+    launch(moe_decode.moe_decode_down_kernel, moe_decode.down_grid(T, H), 32 * warps, args)
     want = torch.zeros(T, H)
     for t in range(T):
         for s in range(k):
