@@ -59,7 +59,7 @@ from voltserve.kernels.attention_common import (
     torch_stream,
 )
 from voltserve.kernels.compile_cache import cached, cached_factory
-from voltserve.kernels.numba_common import SIM
+from voltserve.kernels.numba_common import SIM, named_kernel
 
 BLOCK_SIZE = 16  # tokens per KV block (fixed by the block manager)
 DEFAULT_PARTITION = 512
@@ -663,7 +663,9 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
     if max_registers == -1:
         max_registers = MAX_REGISTERS if mode != "direct" and not cfg.online else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
-    return cuda.jit(fastmath=False, **opts)(namespace["kernel"])
+    label = f"decode_attention_{mode}{core.replace(' ', '_')}_d{cfg.head_dim}_g{cfg.group}"
+    label += f"x{cfg.split}_p{cfg.partition}"
+    return cuda.jit(fastmath=False, **opts)(named_kernel(namespace["kernel"], __name__, label))
 
 
 REDUCE_THREADS = 128  # also the largest block size decode_reduce_kernel may be launched with

@@ -63,6 +63,7 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     dev,
     float32,
     launch,
+    named_kernel,
     nvvm_inlined,
     round_like,
 )
@@ -308,7 +309,7 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
     name = f"<gemv {kind} M={M} R={R} U={U}>"
     code = compile(_source(M, R, U, kind), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source
-    return cuda.jit(scope["kernel"])
+    return cuda.jit(named_kernel(scope["kernel"], __name__, f"gemv_{kind}_m{M}_r{R}_u{U}"))
 
 
 _KERNELS: dict[tuple[int, str], object] = {}  # (variant M, kind)

@@ -196,6 +196,15 @@ def current_stream() -> Any:
     return stream
 
 
+def named_kernel(fn: Any, module: str, name: str) -> Any:
+    """A kernel function from generated source, named for profiles: exec'd functions belong to
+    no module, so numba mangles every one of them as `<dynamic>::kernel` and a profile cannot
+    tell a GEMV from an attention kernel. Names only: the generated code is the same."""
+    fn.__module__ = module
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
 def nvvm_inlined(fn: Any) -> Any:
     """The device function `fn` (declared `inline="always"`) recompiled to be inlined by NVVM
     (`forceinline`) instead of by numba's IR inliner. Numba re-runs its liveness analysis over
