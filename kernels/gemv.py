@@ -64,7 +64,6 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     float32,
     launch,
     named_kernel,
-    nvvm_inlined,
     round_like,
 )
 from voltserve.kernels.rotary import _rot1  # noqa: E402
@@ -125,14 +124,6 @@ def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
     if kind != PLAIN:
         return (2, 4)
     return (1, 8) if m <= 2 else (2, 4)
-
-
-@cuda.jit(device=True, inline="always")
-def _ld8_guard(arr, row, col, K):
-    """arr[row, col:col+8], or zeros when the chunk lies past K (K is a multiple of 8)."""
-    if col < K:
-        return ld8(arr, (row, col))
-    return ZERO8
 
 
 def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
@@ -198,24 +189,31 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
 
     def body(indent: str, guarded: bool) -> list[str]:
-        out = [f"{indent}c{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
+        g = "t" if guarded else ""  # the tail's temporaries: names of their own too
+        out = [f"{indent}c{g}{j} = k0 + lc + {j * WARP_ELEMS}" for j in range(U)]
         # Every weight load of the step before the first use: R * U * 16 bytes in flight.
         for r in range(R):
             for j in range(U):
                 if guarded:
-                    out.append(f"{indent}w{r}_{j} = _ld8_guard(w, rw{r}, c{j}, K)")
+                    # Guards written out, not an inlined helper (see vec_io.dot8).
+                    out.append(
+                        f"{indent}w{g}{r}_{j} = ld8(w, (rw{r}, c{g}{j})) if c{g}{j} < K else ZERO8"
+                    )
                 else:
-                    out.append(f"{indent}w{r}_{j} = ld8(w, (rw{r}, c{j}))")
+                    out.append(f"{indent}w{g}{r}_{j} = ld8(w, (rw{r}, c{g}{j}))")
         # Then x chunk by chunk (L1/L2 hits), each used for all R rows.
         for j in range(U):
             for m in range(M):
                 xm = f"xm{m}" if m else "0"
+                # A name per (chunk, row): numba rebuilds SSA form over the whole kernel for
+                # every name assigned more than once (compile time only; the PTX is the same).
+                xv = f"xv{g}{j}_{m}"
                 if guarded:
-                    out.append(f"{indent}xv = _ld8_guard(x, {xm}, c{j}, K)")
+                    out.append(f"{indent}{xv} = ld8(x, ({xm}, c{g}{j})) if c{g}{j} < K else ZERO8")
                 else:
-                    out.append(f"{indent}xv = ld8(x, ({xm}, c{j}))")
+                    out.append(f"{indent}{xv} = ld8(x, ({xm}, c{g}{j}))")
                 for r in range(R):
-                    out.append(f"{indent}a{m}_{r} = dot8(a{m}_{r}, xv, w{r}_{j})")
+                    out.append(f"{indent}a{m}_{r} = dot8(a{m}_{r}, {xv}, w{g}{r}_{j})")
         return out
 
     L.append(f"    while k0 + {step} <= K:")
@@ -293,19 +291,13 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         "cuda": cuda,
         "float32": float32,
         "ld8": ld8,
-        "_ld8_guard": _ld8_guard,
+        "ZERO8": ZERO8,
         "dot8": dot8,
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
         "_rot1": _rot1,
     }
-    if kind == PLAIN:
-        # Same PTX instructions with NVVM inlining the helpers (checked for M = 1, 2, 4, 8),
-        # and a fifth of the compile time. The paired kinds allocate registers differently
-        # that way, so they keep numba's inliner until a GPU run compares them.
-        for helper in ("_ld8_guard", "dot8"):
-            scope[helper] = nvvm_inlined(scope[helper])
     name = f"<gemv {kind} M={M} R={R} U={U}>"
     code = compile(_source(M, R, U, kind), name, "exec")
     exec(code, scope)  # noqa: S102 - our own generated source, see _source

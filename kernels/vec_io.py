@@ -152,20 +152,43 @@ else:
 ZERO8 = (float32(0.0),) * VEC  # an 8-element chunk of zeros (guarded loads past the end)
 
 
-@cuda.jit(device=True, inline="always")
-def dot8(acc, a, b):
-    """acc + a . b for two 8-element chunks (fp32)."""
-    return (
-        acc
-        + a[0] * b[0]
-        + a[1] * b[1]
-        + a[2] * b[2]
-        + a[3] * b[3]
-        + a[4] * b[4]
-        + a[5] * b[5]
-        + a[6] * b[6]
-        + a[7] * b[7]
-    )
+if SIM:
+
+    def dot8(acc, a, b):
+        """acc + a . b for two 8-element chunks (fp32)."""
+        return (
+            acc
+            + a[0] * b[0]
+            + a[1] * b[1]
+            + a[2] * b[2]
+            + a[3] * b[3]
+            + a[4] * b[4]
+            + a[5] * b[5]
+            + a[6] * b[6]
+            + a[7] * b[7]
+        )
+
+else:
+
+    @intrinsic
+    def dot8(typingctx, acc, a, b):
+        """acc + a . b for two 8-element chunks (fp32): ((acc + a0 b0) + a1 b1) + ..., the
+        multiplies and adds numba emits for that expression (NVVM contracts each pair to an
+        FMA). An intrinsic, not an inlined device function: numba re-runs its liveness analysis
+        over the whole caller for every call it inlines, and a generated GEMV step makes dozens
+        of these calls (the PTX is the same either way, scripts/ptx_diff.py)."""
+        vec = types.UniTuple(types.float32, VEC)
+        if acc != types.float32 or a != vec or b != vec:
+            return None
+
+        def codegen(context, builder, signature, args):
+            x, av, bv = args
+            for j in range(VEC):
+                prod = builder.fmul(builder.extract_value(av, j), builder.extract_value(bv, j))
+                x = builder.fadd(x, prod)
+            return x
+
+        return types.float32(acc, a, b), codegen
 
 
 # Guarded scalar versions for rows that are not vectorisable (width not a multiple of 8, or an
