@@ -20,7 +20,7 @@ x_k per chunk and applies s and o once per chunk (two FFMAs per row and input). 
 word is read as a float proportional to the code (quant_common.code_d_expr: one AND for most
 codes, no shift, no OR), each x element is scaled to its code's bit position once per chunk
 (shared by the R rows), and there is no dequantising FFMA: in the PTX of the M = 1 int4 kernel
-~3.1 instructions a weight instead of ~5.3 (~4.3 after ptxas merges AND + OR into LOP3). Same
+~3.0 instructions a weight instead of ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same
 products (exact), sums regrouped per chunk: the result differs from the default form by fp32
 rounding only.
 
