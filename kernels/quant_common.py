@@ -12,6 +12,18 @@ costs at most two bits of fp32 precision (|f * S| <= 2 * |S|), far below the fp1
 reference's dequantized weight. `fold(s, o, bits)` makes (S, O); `code_f(u, p, bits)` is f for the
 code at bit p of word u.
 
+Factored form (quant_gemv's VOLTSERVE_QGEMV_FACTORED): a chunk's codes share one (s, o), so
+sum_k x_k w_k = s * sum_k x_k c_k + o * sum_k x_k, and a code needs only to become a float
+proportional to c. The masked word itself does that: with the code at bits q..q+bits-1 and all
+other bits zero (q + bits <= 24), its fp32 reading is c * 2**(q - 149) exactly (exponent fields 0
+and 1 share the ulp 2**-149, so the integer below 2**24 is read linearly, no implicit 1 and so no
+cancellation). `code_d_expr` gives that float for a code in place: one AND for codes within bits
+0..23, one shift for the top code, a shift and an AND for the code at bits 24..27. The products
+would be subnormal, so the x element meeting the code at bit q is scaled by 2**(D_SCALE - q)
+(exact: a power of two, |x'| < 2**125 for fp16 x) and each product is x * c * 2**(D_SCALE - 149);
+`fold_dot` gives the chunk's scale s * 2**(149 - D_SCALE). The FFMAs must keep subnormal operands
+(no flush to zero: the kernels are built without fastmath).
+
 In the CUDA simulator both are plain Python on ints.
 """
 
@@ -24,6 +36,11 @@ from voltserve.kernels.numba_common import SIM
 # Bit of the fp32 mantissa where a code's lowest bit goes: codes fill the top `bits` bits.
 MANT_POS = {4: 19, 8: 15}
 ONE_BITS = 0x3F800000
+# Factored form: an x element meeting a code at bit q (<= 20) is scaled by 2**(D_SCALE - q) and
+# its product with the code is x * c * 2**(D_SCALE - 149). For fp16 x every product is then
+# exact when 24 <= D_SCALE <= 111: x is a multiple of 2**-24 (products multiples of 2**-149, the
+# smallest subnormal, with 15 significant bits) and |x| < 2**16 keeps x' below 2**128.
+D_SCALE = 109
 
 if SIM:
 
@@ -173,9 +190,66 @@ else:
         return sig, codegen
 
 
+def code_d_expr(u: str, p: int, bits: int) -> tuple[str, int]:
+    """(source of the masked code at bit p of word `u` as a float, q): the float is
+    c * 2**(q - 149) exactly (factored form, see the module doc)."""
+    mask = (1 << bits) - 1
+    if p + bits == 32:
+        return f"bits_f32({u} >> {p})", 0  # the top code: the shift clears the rest
+    if p + bits <= 24:
+        return f"bits_f32({u} & {mask << p:#x})", p
+    return f"bits_f32(({u} >> 8) & {mask << (p - 8):#x})", p - 8
+
+
+def x_scale(q: int) -> float:
+    """The power of two an x element meeting a code at bit q is scaled by (factored form)."""
+    return 2.0 ** (D_SCALE - q)
+
+
+if SIM:
+
+    @cuda.jit(device=True)
+    def fold_dot(s, o, scale_mul):
+        """(s * scale_mul, o) as float32: the factored chunk's scale and offset."""
+        return float32(s) * float32(scale_mul), float32(o)
+
+else:
+
+    @intrinsic
+    def fold_dot(typingctx, s, o, scale_mul):
+        """(float32(s) * float32(scale_mul), float32(o)) (an intrinsic as fold is)."""
+        if not all(isinstance(t, (types.Float, types.Integer)) for t in (s, o, scale_mul)):
+            return None
+        sig = types.UniTuple(types.float32, 2)(s, o, scale_mul)
+
+        def codegen(context, builder, signature, args):
+            f32 = [
+                context.cast(builder, v, t, types.float32)
+                for v, t in zip(args, signature.args, strict=True)
+            ]
+            return context.make_tuple(
+                builder, signature.return_type, (builder.fmul(f32[0], f32[2]), f32[1])
+            )
+
+        return sig, codegen
+
+
 def code_bit(e: int, bits: int) -> int:
     """Bit position of code e of a word in the pair-interleaved order (quant_pack.py)."""
     return 16 * (e & 1) + bits * (e >> 1)
 
 
-__all__ = ["ld_w4", "st_h8", "bits_f32", "code_f_expr", "fold", "code_bit", "ZERO_W4", "MANT_POS"]
+__all__ = [
+    "ld_w4",
+    "st_h8",
+    "bits_f32",
+    "code_f_expr",
+    "code_d_expr",
+    "fold",
+    "fold_dot",
+    "x_scale",
+    "code_bit",
+    "ZERO_W4",
+    "MANT_POS",
+    "D_SCALE",
+]

@@ -14,6 +14,16 @@ per weight. It follows gemv.py's structure:
   warp's R rows;
 - lane partial sums are reduced with warp shuffles; lane i writes output i with one rounding.
 
+Factored form (VOLTSERVE_QGEMV_FACTORED=1, off by default until a GPU run decides; fp16 x and
+M <= 2 only, `factored_for`): a chunk's codes share one (s, o), so the step sums x_k * c_k and
+x_k per chunk and applies s and o once per chunk (two FFMAs per row and input). The masked code
+word is read as a float proportional to the code (quant_common.code_d_expr: one AND for most
+codes, no shift, no OR), each x element is scaled to its code's bit position once per chunk
+(shared by the R rows), and there is no dequantising FFMA: in the PTX of the M = 1 int4 kernel
+~3.0 instructions a weight instead of ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same
+products (exact), sums regrouped per chunk: the result differs from the default form by fp32
+rounding only.
+
 Groups: a 16-byte chunk of codes starts at a multiple of 32 (int4) / 16 (int8) inputs, so for
 group sizes >= 32 (int4) / >= 16 (int8) it lies in one group: one (scale, offset) per chunk per
 row. int4 with group 16 (GGUF K-quant sub-blocks) is the SPLIT variant: words 0-1 and 2-3 of a
@@ -35,12 +45,25 @@ built on first use), so accumulators and in-flight words stay in registers.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
-from voltserve.kernels.quant_common import ZERO_W4, bits_f32, code_bit, code_f_expr, fold, ld_w4
+from voltserve.kernels.quant_common import (
+    D_SCALE,
+    ZERO_W4,
+    bits_f32,
+    code_bit,
+    code_d_expr,
+    code_f_expr,
+    fold,
+    fold_dot,
+    ld_w4,
+    x_scale,
+)
 from voltserve.kernels.quant_pack import GroupQuantWeight
 from voltserve.kernels.rotary import _rot1
 from voltserve.kernels.vec_io import ZERO8, ld8
@@ -92,12 +115,14 @@ def dot_step(
     xrows: list[str],
     weight: str | None = None,
     guarded: bool = True,
+    factored: bool = False,
 ) -> list[str]:
     """Source of one warp step (U chunks per lane of R weight rows rw0..rw{R-1}, code words from
     word w0) accumulated into a{m}_{r} against x rows xrows[m]: every load of the step issued
     before the first multiply, codes dequantised in registers with the group's folded (S, O).
     weight: a variable scaling every weight of the step (MoE routing weights folded into S and
-    O, kernels/moe_quant_decode.py). Also the per-expert steps of the int4 MoE kernels."""
+    O, kernels/moe_quant_decode.py). Also the per-expert steps of the int4 MoE kernels.
+    factored: the group's scale and offset applied once per chunk (`_factored_chunk`)."""
     P = 32 // bits
     out = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
     # Group of each chunk (and of its second half for SPLIT), clamped for guarded chunks.
@@ -123,6 +148,12 @@ def dot_step(
     # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
     # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
     # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
+    if factored:
+        if weight is not None:
+            raise ValueError("the factored step has no routing weight (MoE keeps the other)")
+        for j in range(U):
+            out += _factored_chunk(ind, j, M, R, bits, split, xrows, guarded)
+        return out
     for j in range(U):
         for r in range(R):
             halves = [("S", "O", "s", "o")] + ([("T", "Q", "t", "p")] if split else [])
@@ -160,7 +191,76 @@ def dot_step(
     return out
 
 
-def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
+def _factored_chunk(
+    ind: str,
+    j: int,
+    M: int,
+    R: int,
+    bits: int,
+    split: bool,
+    xrows: list[str],
+    guarded: bool,
+) -> list[str]:
+    """Chunk j of a factored step: the chunk's codes share one group (one per half for SPLIT),
+    so sum_k x_k (c_k s + o) = s * sum_k x_k c_k + o * sum_k x_k. Each code becomes a float
+    proportional to it in place (quant_common.code_d_expr: one integer op for most codes),
+    each x element is scaled once per chunk to meet its code's bit position (one FMUL, shared
+    by the R rows) and summed (one FADD, shared), and the products accumulate in fp32 per
+    (row, input, half); the chunk ends with two FFMAs per (row, input, half) into a{m}_{r}."""
+    P = 32 // bits
+    n_x = WORDS_PER_CHUNK * P // 8
+    halves = 2 if split else 1
+    half_of = (lambda word: word >> 1) if split else (lambda word: 0)
+    out = []
+    started = set()  # chunk accumulators already assigned (the first product initialises)
+
+    def acc(name: str, value: str) -> str:
+        op = "+=" if name in started else "="
+        started.add(name)
+        return f"{ind}{name} {op} {value}"
+
+    for t in range(n_x):
+        col = f"(c{j} + {t * 8 // P}) * {P}"
+        # The M x loads first: a guarded load is a branch, and codes decoded before one and used
+        # after it were decoded again per input in the PTX (M = 2: twice the integer ops).
+        if guarded:
+            out.append(f"{ind}xc{j}_{t} = {col}")
+        for m in range(M):
+            xm, xv = xrows[m], f"xv{j}_{t}_{m}"
+            if guarded:
+                out.append(f"{ind}{xv} = ld8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO8")
+            else:
+                out.append(f"{ind}{xv} = ld8(x, ({xm}, {col}))")
+        qs = []
+        for e in range(8):
+            word = t * 8 // P + e // P
+            expr, q = code_d_expr(f"q{{r}}_{j}[{word}]", code_bit(e % P, bits), bits)
+            qs.append(q)
+            for r in range(R):
+                out.append(f"{ind}dv{j}_{t}_{r}_{e} = {expr.format(r=r)}")
+        for m in range(M):
+            xv = f"xv{j}_{t}_{m}"
+            for e in range(8):
+                h = half_of(t * 8 // P + e // P)
+                out.append(f"{ind}xs{j}_{t}_{m}_{e} = {xv}[{e}] * float32({x_scale(qs[e])!r})")
+                out.append(acc(f"sx{j}_{h}_{m}", f"{xv}[{e}]"))
+                for r in range(R):
+                    out.append(acc(f"dd{j}_{h}_{m}_{r}", f"xs{j}_{t}_{m}_{e} * dv{j}_{t}_{r}_{e}"))
+    for r in range(R):
+        for h in range(halves):
+            sv, ov = ("t", "p") if h else ("s", "o")
+            S, O_ = f"F{h}_{r}_{j}", f"G{h}_{r}_{j}"
+            scale = 2.0 ** (149 - D_SCALE)
+            out.append(f"{ind}{S}, {O_} = fold_dot({sv}{r}_{j}, {ov}{r}_{j}, {scale!r})")
+            for m in range(M):
+                out.append(f"{ind}a{m}_{r} += dd{j}_{h}_{m}_{r} * {S}")
+                out.append(f"{ind}a{m}_{r} += sx{j}_{h}_{m} * {O_}")
+    return out
+
+
+def _source(
+    M: int, R: int, U: int, bits: int, split: bool, kind: str, factored: bool = False
+) -> str:
     """One kernel, written out statement by statement (see gemv._source for why)."""
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
@@ -213,7 +313,7 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str) -> str:
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
     L.append("    while w0 < W:")
     xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
-    L += dot_step("        ", M, R, U, bits, split, xrows)
+    L += dot_step("        ", M, R, U, bits, split, xrows, factored=factored)
     L.append(f"        w0 += {step}")
     if gate_up:
         # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
@@ -303,6 +403,7 @@ def source_scope() -> dict:
         "ZERO8": ZERO8,
         "bits_f32": bits_f32,
         "fold": fold,
+        "fold_dot": fold_dot,
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
@@ -310,19 +411,23 @@ def source_scope() -> dict:
     }
 
 
-def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str):
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, factored: bool):
     scope = source_scope()
-    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split}>"
-    exec(compile(_source(M, R, U, bits, split, kind), name, "exec"), scope)  # noqa: S102
+    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split} f={factored}>"
+    src = _source(M, R, U, bits, split, kind, factored)
+    exec(compile(src, name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])
 
 
 _KERNELS: dict[tuple, object] = {}
 
 
-def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None):
+def qgemv_kernel(
+    m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None, factored: bool = False
+):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
-    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R)."""
+    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R).
+    factored: the factored dot product (`factored_for`; fp16 x only)."""
     v = variant_for(m)
     R, U = tile if tile is not None else tile_for(v, bits, kind)
     if kind == GATE_UP and R % 2:
@@ -331,11 +436,28 @@ def qgemv_kernel(m: int, bits: int, split: bool = False, kind: str = PLAIN, tile
         raise ValueError("the qkv_rope kernel owns one rotary pair per warp: R must be 2")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
-    key = (v, R, U, bits, split, kind)
+    key = (v, R, U, bits, split, kind, factored)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = _build(v, R, U, bits, split, kind)
+        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, factored)
     return k
+
+
+FACTORED_ENV = "VOLTSERVE_QGEMV_FACTORED"  # 1: the factored dot product, until a GPU run decides
+FACTORED_MAX_M = 2  # beyond, its per-chunk x work (3 ops per x element and input) costs more
+
+
+def factored_for(m: int, dtype: torch.dtype, force: bool | None = None) -> bool:
+    """Whether the M = m launch takes the factored dot product (dot_step's `factored`): only for
+    fp16 x (its x scaling needs |x| < 2**16, quant_common.D_SCALE) and M <= FACTORED_MAX_M (at
+    4 and 8 inputs with R = 4 and 2 rows a warp the x work per weight outweighs the integer ops
+    it saves). force None: FACTORED_ENV decides (read at each call: host side only)."""
+    if dtype != torch.float16:
+        return False
+    if force is not None:
+        return bool(force)
+    on = os.environ.get(FACTORED_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return on and variant_for(m) <= FACTORED_MAX_M
 
 
 def is_split(w: GroupQuantWeight) -> bool:
@@ -358,6 +480,7 @@ qgemv_int8_m1 = qgemv_kernel(1, 8)
 qgemv_gate_up_int4_m1 = qgemv_kernel(1, 4, kind=GATE_UP)
 qgemv_gate_up_int4_m8 = qgemv_kernel(8, 4, kind=GATE_UP)
 qgemv_qkv_rope_int4_m1 = qgemv_kernel(1, 4, kind=QKV_ROPE)
+qgemv_int4_m1_factored = qgemv_kernel(1, 4, factored=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,9 +528,12 @@ def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
     )
 
 
-def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=()):
+def launch_qgemv(
+    x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=(), factored=None
+):
     """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
-    extra: qkv_rope's arguments after group_shift, already converted."""
+    extra: qkv_rope's arguments after group_shift, already converted. factored: None follows
+    FACTORED_ENV (`factored_for`); True / False force it (benchmarks; fp16 x only)."""
     M, rows = x.shape[0], w.out_features
     if out is None:
         cols = rows // 2 if kind == GATE_UP else rows
@@ -415,7 +541,7 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
     has_bias = bias is not None
     b = bias if has_bias else w.scales.view(-1)  # any 1-D array of the dtype; unread
     launch(
-        qgemv_kernel(M, w.bits, is_split(w), kind, tile),
+        qgemv_kernel(M, w.bits, is_split(w), kind, tile, factored_for(M, x.dtype, factored)),
         grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile),
         THREADS,
         (
@@ -434,19 +560,22 @@ def launch_qgemv(x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None
     return out
 
 
-def quant_gemv_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None) -> torch.Tensor:
+def quant_gemv_cuda(
+    x, w: GroupQuantWeight, bias=None, out=None, tile=None, factored=None
+) -> torch.Tensor:
     """quant_linear_ref's meaning for x of 1..8 rows (already permuted by the caller); what
-    `supports` rejects goes to the reference. No host sync: graph-capturable."""
+    `supports` rejects goes to the reference. No host sync: graph-capturable. factored: see
+    launch_qgemv."""
     x = _aligned_rows(x)
     if not supports(x, w):
         from voltserve.kernels.quant_pack import dequantize
 
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
         return y if out is None else out.copy_(y)
-    return launch_qgemv(x, w, bias, out, PLAIN, tile)
+    return launch_qgemv(x, w, bias, out, PLAIN, tile, factored=factored)
 
 
-def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None):
+def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None, factored=None):
     """silu_and_mul(x @ dequantize(w)^T (+ bias)) for a merged gate_up weight [2I, K] and x of
     1..8 rows (already permuted); one launch."""
     x = _aligned_rows(x)
@@ -456,7 +585,7 @@ def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=No
 
         y = silu_and_mul_ref(torch.nn.functional.linear(x, dequantize(w, x.dtype), bias))
         return y if out is None else out.copy_(y)
-    return launch_qgemv(x, w, bias, out, GATE_UP, tile)
+    return launch_qgemv(x, w, bias, out, GATE_UP, tile, factored=factored)
 
 
 def quant_qkv_rope_ref(

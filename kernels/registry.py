@@ -330,6 +330,8 @@ KERNELS += [
         "qgemv_int8_m1",
         "qgemv_gate_up_int4_m1",
         "qgemv_gate_up_int4_m8",
+        # The factored dot product (VOLTSERVE_QGEMV_FACTORED=1, fp16 x only).
+        "qgemv_int4_m1_factored",
     )
 ]
 

@@ -17,6 +17,9 @@ call streams from HBM), timed with events, median of 7.
 
     python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
         [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at rows 1..8)
+        [--factored]   (also the factored GEMV, VOLTSERVE_QGEMV_FACTORED's form, forced at
+                        rows 1..8 whatever the switch says: impl *_factored_gemv and
+                        *_factored_gate_up; with --tiles its tile sweep at 1 row)
 """
 
 # Every lambda below is timed (called) before its loop variables change:
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--formats", default="int4_g128,int8_g32")
     ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at 1 row")
     ap.add_argument(
+        "--factored",
+        action="store_true",
+        help="also time the factored GEMV (forced on) at rows <= 8 next to the default one",
+    )
+    ap.add_argument(
         "--no-tc",
         action="store_true",
         help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC=0: not at all)",
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
     from voltserve.kernels.dispatch import KernelDispatch
     from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
-    from voltserve.kernels.quant_gemv import quant_gemv_cuda
+    from voltserve.kernels.quant_gemv import quant_gemv_cuda, quant_gemv_gate_up_cuda
     from voltserve.kernels.quant_linear import (
         quant_gate_up_silu,
         quant_linear,
@@ -178,6 +186,40 @@ def main(argv: list[str] | None = None) -> None:
                                     time_us=t * 1e6,
                                     of_floor=floor / t,
                                 )
+                            if args.factored:
+                                t = timed(
+                                    lambda w: quant_gemv_cuda(x, w, None, out, factored=True), ws
+                                )
+                                record(
+                                    **base,
+                                    impl=f"{name}_factored_gemv",
+                                    time_us=t * 1e6,
+                                    of_floor=floor / t,
+                                )
+                                if op == "gate_up":
+                                    t = timed(
+                                        lambda w: quant_gemv_gate_up_cuda(x, w, factored=True), ws
+                                    )
+                                    record(
+                                        **base,
+                                        impl=f"{name}_factored_gate_up",
+                                        time_us=t * 1e6,
+                                        of_floor=floor / t,
+                                    )
+                            if args.factored and args.tiles and rows == 1:
+                                for tile in ((2, 2), (4, 1), (4, 2), (8, 1)):
+                                    t = timed(
+                                        lambda w, tile=tile: quant_gemv_cuda(
+                                            x, w, None, out, tile=tile, factored=True
+                                        ),
+                                        ws,
+                                    )
+                                    record(
+                                        **base,
+                                        impl=f"{name}_factored_R{tile[0]}U{tile[1]}",
+                                        time_us=t * 1e6,
+                                        of_floor=floor / t,
+                                    )
                             if args.tiles and rows == 1:
                                 for tile in (
                                     (1, 2),
@@ -300,6 +342,20 @@ def summarise(results, rows_list, bw, gen, ops) -> dict:
         floor = LLAMA_LAYERS * qbytes + LLAMA_VOCAB * 4096 * 2 / bw * 1e6
         out["batch1_int4_floor_us"] = floor
         out["batch1_int4_of_floor"] = floor / s["int4_g128"]
+        # The same step with the factored GEMV (--factored): gate_up fused, the rest plain.
+        ts = [
+            best(results, "llama", op, 1, "int4_g128_factored_" + impl)
+            for op, impl in (
+                ("qkv", "gemv"),
+                ("o", "gemv"),
+                ("gate_up", "gate_up"),
+                ("down", "gemv"),
+            )
+        ]
+        if all(t is not None for t in ts):
+            f_step = LLAMA_LAYERS * sum(ts) + out["lm_head_us"][1]
+            out["batch1_factored_linears_us"] = f_step
+            out["batch1_factored_of_floor"] = floor / f_step
     print("summary:", out, flush=True)
     return out
 

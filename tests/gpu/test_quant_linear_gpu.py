@@ -254,3 +254,28 @@ def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
     assert (y.float() - ref).abs().max().item() <= tol
     assert (kc.float() - kr).abs().max().item() <= tol
     assert (vc.float() - vr).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize(
+    "K,N,bits,g",
+    [(4096, 6144, 4, 128), (14336, 4096, 4, 128), (4096, 4096, 4, 16), (4096, 4096, 8, 32)],
+)
+def test_factored_gemv(K, N, bits, g, rows, monkeypatch):
+    """The factored GEMV (VOLTSERVE_QGEMV_FACTORED): forced at every row count against the
+    reference, and through quant_linear, quant_gate_up_silu and quant_qkv_rope with the switch
+    on (1-2 rows): its subnormal code floats need FFMAs that keep subnormal operands."""
+    from voltserve.kernels.quant_gemv import FACTORED_ENV, factored_for, quant_gemv_cuda
+
+    w = weight(K, N, bits, g)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
+    out = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.float16)
+    quant_gemv_cuda(x, w, None, out, factored=True)
+    torch.cuda.synchronize()
+    check(out, x, w, None)
+    monkeypatch.setenv(FACTORED_ENV, "1")
+    assert factored_for(rows, torch.float16) == (rows <= 2)
+    run_linear(K, N, rows, bits=bits, g=g, bias=True)
+    if (K, N, bits) == (4096, 6144, 4) and rows <= 2:
+        test_gate_up_silu(4096, 28672, rows)
+        test_qkv_rope_fused(4096, 32, 8, True, rows)

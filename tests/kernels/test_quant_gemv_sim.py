@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,16 +30,16 @@ def make(gen, N, K, bits, g, dtype):
     return pack_group_quant(codes, s, o, bits, g, dtype)
 
 
-def run(x, w, bias, kind=quant_gemv.PLAIN):
+def run(x, w, bias, kind=quant_gemv.PLAIN, factored=False, out_dtype=None):
     M = x.shape[0]
     cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
-    out = torch.full((M, cols), float("nan"), dtype=x.dtype)
+    out = torch.full((M, cols), float("nan"), dtype=out_dtype or x.dtype)
     R, _ = quant_gemv.tile_for(quant_gemv.variant_for(M), w.bits, kind)
     warps = -(-cols // (R // 2)) if kind == quant_gemv.GATE_UP else -(-cols // R)
     b = bias if bias is not None else w.scales[:, 0].contiguous()
     # One warp per block: the simulator's shuffle is exact only within a one-warp block.
     launch(
-        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind),
+        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, factored=factored),
         warps,
         32,
         (
@@ -102,6 +103,88 @@ def test_qgemv_gate_up(M, inter, bits, g, dtype):
     y = F.linear(x.float(), dequantize(w, torch.float32), None if bias is None else bias.float())
     ref = silu_and_mul_ref(y.to(dtype).float()).to(dtype)
     torch.testing.assert_close(out.float(), ref.float(), **tol(dtype))
+
+
+# The factored dot product (VOLTSERVE_QGEMV_FACTORED, fp16 x): int4 groups 32 (one full step of
+# the M = 1 kernel, 2048 inputs, and a partial one) and 16 (SPLIT), int8, 2 and 3 inputs, bias.
+FACTORED_CASES = [
+    (1, 5, 4, 32, 2048 + 128, True),
+    (1, 3, 4, 16, 128, False),
+    (2, 3, 8, 16, 64, True),
+    (2, 4, 4, 128, 256, False),
+    (3, 3, 4, 64, 64, True),  # the M = 4 kernel (R = 4, U = 1), row 3 clamped to row 2
+]
+
+
+@pytest.mark.parametrize("M,N,bits,g,K,with_bias", FACTORED_CASES)
+def test_qgemv_factored_matches_dequantized_linear(M, N, bits, g, K, with_bias):
+    gen = torch.Generator().manual_seed(SEED + 3 * M + K)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    w = make(gen, N, K, bits, g, torch.float16)
+    # x over fp16's range (its scaling must neither overflow nor leave products subnormal);
+    # with M >= 2, row 1 only of fp16 subnormals (2**-24 .. 2**-15), whose sums nothing hides.
+    x = torch.randn(M, K, generator=gen) * torch.exp2(torch.randint(-20, 12, (M, K), generator=gen))
+    if M > 1:
+        x[1] = torch.randint(-(2**9), 2**9, (K,), generator=gen) * 2.0**-24
+    x = x.to(torch.float16)
+    bias = torch.randn(N, generator=gen).to(torch.float16) if with_bias else None
+    wd = dequantize(w, torch.float32).double()
+    ref = F.linear(x.double(), wd, None if bias is None else bias.double())
+    # fp32 out (the simulator stores what it is given): the sum before fp16 rounding, within
+    # fp32's error relative to sum |x w| + |bias| (what the regrouped sums can lose).
+    out = run(x, w, bias, factored=True, out_dtype=torch.float32)
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    mag = F.linear(x.double().abs(), wd.abs(), None if bias is None else bias.double().abs())
+    err = (out.double() - ref).abs()
+    assert (err <= 3e-5 * mag).all(), f"worst {(err / mag).max():.3g} of sum |x w|"
+    out16 = run(x, w, bias, factored=True)
+    torch.testing.assert_close(out16.float(), ref.float().to(torch.float16).float(), **tol(x.dtype))
+
+
+@pytest.mark.parametrize("kind", [quant_gemv.GATE_UP, quant_gemv.QKV_ROPE])
+def test_qgemv_factored_kinds(kind):
+    """gate_up and qkv_rope share the step: the factored one gives what the other does."""
+    gen = torch.Generator().manual_seed(SEED + 5)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    K, N = 128, 8
+    w = make(gen, N, K, 4, 32, torch.float16)
+    x = torch.randn(1, K, generator=gen).to(torch.float16)
+    if kind == quant_gemv.GATE_UP:
+        outs = [run(x, w, None, kind, f, torch.float32) for f in (False, True)]
+    else:
+        outs = []
+        for f in (False, True):
+            out = torch.full((1, N), float("nan"))
+            cache = torch.zeros(1, 1, 1, 2)
+            launch(
+                quant_gemv.qgemv_kernel(1, 4, False, kind, factored=f),
+                N // 2,
+                32,
+                (x.numpy(), w.qweight.numpy(), w.scales.numpy(), w.offsets.numpy())
+                + (w.scales.view(-1).numpy(), out.numpy(), False, w.group_shift)
+                + (np.zeros(1, np.int64), np.ones((1, 2), np.float32), cache.numpy())
+                + (cache.numpy(), np.full(1, -1, np.int64), 2, 0),
+            )
+            outs.append(out)
+    assert not torch.isnan(outs[1]).any(), "kernel left poisoned (NaN) outputs"
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_factored_switch(monkeypatch):
+    f16, f32 = torch.float16, torch.float32
+    monkeypatch.delenv(quant_gemv.FACTORED_ENV, raising=False)
+    assert not quant_gemv.factored_for(1, f16)  # off by default
+    monkeypatch.setenv(quant_gemv.FACTORED_ENV, "1")
+    assert quant_gemv.factored_for(1, f16) and quant_gemv.factored_for(2, f16)
+    assert not quant_gemv.factored_for(3, f16) and not quant_gemv.factored_for(1, f32)
+    assert quant_gemv.factored_for(8, f16, force=True) and not quant_gemv.factored_for(
+        1, f16, False
+    )
+    assert not quant_gemv.factored_for(1, f32, force=True)  # fp32 x: its range needs the other
+    src = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, factored=True)
+    assert "fold_dot(" in src and "fold(" not in src
+    with pytest.raises(ValueError, match="routing weight"):
+        quant_gemv.dot_step("", 1, 2, 1, 4, False, ["0"], weight="ws", factored=True)
 
 
 def test_host_side_rules():
