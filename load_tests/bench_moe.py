@@ -25,9 +25,9 @@ figures of one run on one card. `--int4-modules experts` (default) quantizes the
 (attention stays fp16, modules_to_not_convert); `all` the attention projections too. The router,
 norms, embedding and lm_head stay fp16 either way. The int4 floor counts the bytes of the
 engine's packed form (kernels/quant_pack.py: 8 codes per int32 word, a scale and an offset in the
-run dtype per group, the zero point folded into the offset), checked against the loaded layers'
-buffers: an expert of Qwen3-30B-A3B is 3 x 2048 x 768 x (1/2 + 4/128) bytes, 0.27 of its fp16
-bytes. With fp16 attention and lm_head, the floor itself allows 1.41x fp16 at 8 layers and 1.78x
+run dtype per group, the zero point folded into the offset), the experts' part checked against
+the loaded layers' buffers: an expert of Qwen3-30B-A3B is 3 x 2048 x 768 x (1/2 + 4/128) bytes,
+0.27 of its fp16 bytes. With fp16 attention and lm_head, the floor itself allows 1.41x fp16 at 8 layers and 1.78x
 at 48 (`int4.floor_speedup_vs_fp16`, `int4.floor.full_model_speedup_vs_fp16`); with `all`, 1.77x
 and 2.91x.
 
@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         random_prompt(rng, args.prompt_len, cfg.vocab_size) for _ in range(args.warmup + args.runs)
     ]
     compare_prompt = prompts[args.warmup]
+    quant_dir = None
     try:
         hf_model = None
         if (
@@ -393,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         _run_engine(
             args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg, fp16_bytes
         )
-        quant_dir = None
         if args.quantization == "awq":
             quant_dir = Path(
                 args.quant_dir or f"{model_dir}-awq-g{args.group_size}-{args.int4_modules}"
