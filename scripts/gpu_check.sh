@@ -234,7 +234,8 @@ for stage in $STAGES; do
       # 32 on 32 of the prompts; MOE_SERVING=0 skips). moe: both; under a 10-minute limit, one
       # call each. moe-bench on an H200 with a cold kernel cache, estimated (not yet timed):
       # bench_moe ~3.5 min (checkpoint write ~0.5, transformers ~0.3, fp16 engine ~1.5, int4
-      # write + engine ~1), bench_moe_quant ~0.7, the WMMA run ~1, serving ~2: ~7 min.
+      # write + engine ~1.2), bench_moe_quant ~0.7, the WMMA run ~1, serving ~2 (transformers
+      # ~0.7, server start ~1, the burst ~0.4): ~7-8 min; MOE_WMMA=0 saves ~1.
       if [ "$stage" != moe-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
         run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
