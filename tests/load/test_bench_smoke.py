@@ -5,8 +5,8 @@ about them); token counts and completions are, since they are exact.
 Each script runs in this process, through its main(argv) (what `python load_tests/X.py ARGS`
 calls): a subprocess would import torch and transformers again, seconds of every test on a
 2-core CI box. The servers the scripts launch (`voltserve serve`) are still processes of their
-own. The demo model and the random checkpoint are written once per test process and only read
-by the scripts."""
+own. The demo model and the random checkpoints (dense, and bench_moe's MoE one) are written once
+per test process and only read by the scripts."""
 
 from __future__ import annotations
 
