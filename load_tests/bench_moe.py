@@ -192,6 +192,22 @@ def loaded_expert_bytes(engine) -> float | None:
     return per.pop() if per else None
 
 
+def fused_int4_decode_layers(engine, k: int) -> str:
+    """ "served/total": how many MoE layers' batch-1 steps the fused int4 kernels
+    (kernels/moe_quant_decode.py) take, read after the engine ran (each layer makes their flat
+    weights on first use); the rest dequantize (services/executor/quant/experts.py)."""
+    from voltserve.kernels import moe_quant_decode as mq
+
+    layers = [m for m in engine.runner.model.modules() if hasattr(m, "w13_qweight")]
+    served = 0
+    for m in layers:
+        fw = getattr(m, "flat_weights", None)
+        if fw:
+            x = torch.empty(1, m.hidden, dtype=fw[0].dtype, device=fw[0].device)
+            served += bool(mq.supports(x, *fw, k))
+    return f"{served}/{len(layers)}"
+
+
 def distinct_experts(E: int, k: int, B: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** B)
 
@@ -499,7 +515,12 @@ def _run_engine(
                 f"the loaded experts hold {loaded} bytes each, the floor counts "
                 f"{int4['expert_bytes']}"
             )
-    if not run_single(engine, prompts, args, result):
+    ok = run_single(engine, prompts, args, result)
+    if int4 is not None:
+        result["fused_int4_decode_layers"] = fused_int4_decode_layers(
+            engine, cfg.num_experts_per_tok
+        )
+    if not ok:
         return
     rng = np.random.default_rng(args.seed + 1)
     batched = []

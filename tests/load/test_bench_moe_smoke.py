@@ -70,4 +70,5 @@ def test_bench_moe_runs_end_to_end_on_cpu(tmp_path):
     )
     assert q["floor_speedup_vs_fp16"] > 1 and q["floor"]["full_model_speedup_vs_fp16"] > 1
     assert q["engine"]["decode_tok_s"] > 0 and q["speedup_vs_fp16"] > 0
+    assert q["fused_int4_decode_layers"] == "0/2"  # CUDA kernels: the CPU dequantizes
     assert q["batched"][0]["batch_size"] == 4 and set(q["batched_speedup_vs_fp16"]) == {"4"}
