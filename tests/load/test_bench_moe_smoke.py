@@ -34,12 +34,15 @@ def test_floor_bytes_at_qwen3_30b_a3b():
     q = bench_moe.int4_bytes_read(cfg, torch.float16, 48, 8, 128, "experts")
     assert q["expert_bytes"] == 3 * 2048 * 768 * (1 / 2 + 4 / 128)
     assert q["total"] == b["total"] - 48 * 8 * (b["expert_bytes"] - q["expert_bytes"])
-    assert 1.77 < b["total"] / q["total"] < 1.78  # the docstring's full-model floor ratio
+    assert 1.77 < b["total"] / q["total"] < 1.78  # the docstring's floor ratios: 48 layers
+    c8 = bench_moe.make_config(8, torch.float16)
+    b8 = bench_moe.bytes_read(c8, torch.float16, 8, 8)["total"]
+    q8 = bench_moe.int4_bytes_read(c8, torch.float16, 8, 8, 128, "experts")["total"]
+    assert 1.40 < b8 / q8 < 1.42  # and 8 layers
     a = bench_moe.int4_bytes_read(cfg, torch.float16, 48, 8, 128, "all")
     attn = 2048 * (4096 + 2 * 512) + 4096 * 2048
-    assert q["attention_per_layer"] - a["attention_per_layer"] == 2 * attn - attn * (
-        1 / 2 + 4 / 128
-    )
+    int4_attn = attn * (1 / 2 + 4 / 128)  # --int4-modules all: attention packed too
+    assert q["attention_per_layer"] - a["attention_per_layer"] == 2 * attn - int4_attn
 
 
 def test_bench_moe_runs_end_to_end_on_cpu(tmp_path):
@@ -64,10 +67,8 @@ def test_bench_moe_runs_end_to_end_on_cpu(tmp_path):
     assert q["checkpoint"]["skip"] == ["self_attn"] and not q["checkpoint"]["reused"]
     assert not Path(q["checkpoint_dir"]).exists()  # written next to the temporary fp16 one
     assert q["loaded_expert_bytes"] == q["floor"]["bytes_per_token"]["expert_bytes"]
-    assert (
-        q["floor"]["bytes_per_token"]["attention_per_layer"]
-        == (res["floor"]["bytes_per_token"]["attention_per_layer"])
-    )
+    fp16_attn = res["floor"]["bytes_per_token"]["attention_per_layer"]
+    assert q["floor"]["bytes_per_token"]["attention_per_layer"] == fp16_attn
     assert q["floor_speedup_vs_fp16"] > 1 and q["floor"]["full_model_speedup_vs_fp16"] > 1
     assert q["engine"]["decode_tok_s"] > 0 and q["speedup_vs_fp16"] > 0
     assert q["fused_int4_decode_layers"] == "0/2"  # CUDA kernels: the CPU dequantizes
