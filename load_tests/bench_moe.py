@@ -478,7 +478,7 @@ def _run_int4(args, result, model_dir, quant_dir, device, dtype, prompts, bw_Bps
         sub["speedup_vs_fp16"] = e4["decode_tok_s"] / e16["decode_tok_s"]
         hf = result.get("transformers", {})
         if hf.get("decode_tok_s"):
-            sub["speedup_vs_transformers"] = e4["decode_tok_s"] / hf["decode_tok_s"]
+            sub["speedup_vs_transformers_fp16"] = e4["decode_tok_s"] / hf["decode_tok_s"]
     fp16_batched = {r["batch_size"]: r for r in result.get("batched", [])}
     sub["batched_speedup_vs_fp16"] = {
         str(r["batch_size"]): r["output_tok_s"] / fp16_batched[r["batch_size"]]["output_tok_s"]
