@@ -219,16 +219,16 @@ def test_bench_serving_moe_transformers_baseline_cpu_smoke(tmp_path):
     `voltserve serve` on the folder, as for a dense one: test_bench_serving_launch_cpu_smoke.)"""
     out = tmp_path / "moe.json"
     args = ["load_tests/bench_serving.py", "--engine-only", "--transformers-baseline"]
-    args += ["--model-dir", str(_tiny_moe_checkpoint()), "--num-prompts", "4", "--input-len", "8"]
-    args += ["--output-len", "3", "--num-warmup", "1", "--hf-batch-size", "2", "--no-plots"]
+    args += ["--model-dir", str(_tiny_moe_checkpoint()), "--num-prompts", "2", "--input-len", "8"]
+    args += ["--output-len", "3", "--num-warmup", "0", "--hf-batch-size", "2", "--no-plots"]
     _run([*args, "--out", str(out), "--serve-args=--device cpu"])
     d = json.loads(out.read_text())
     assert d["errors"] == {}
     assert d["dataset"]["vocab_size"] == bench_moe.TINY["vocab_size"]
     t = d["transformers"]
-    assert t["batch_size"] == 2 and t["num_prompts"] == 4 and t["total_output_tokens"] == 12
+    assert t["batch_size"] == 2 and t["num_prompts"] == 2 and t["total_output_tokens"] == 6
     e = d["engine"]
-    assert e["completed"] == 4 and e["total_output_tokens"] == 12
+    assert e["completed"] == 2 and e["total_output_tokens"] == 6
     assert set(d["speedup_vs_transformers"]) == {"engine"}
 
 
