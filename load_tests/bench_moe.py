@@ -17,7 +17,23 @@ Floors (the copy bandwidth of the same run, measured with a device-to-device cop
 transformers runs first on the model it was just built with (its default experts implementation
 is recorded), then the engine loads the checkpoint written from it.
 
+int4 experts (`--quantization awq`): after the fp16 runs, the same checkpoint is quantized into
+AutoAWQ's GEMM format, int4 with group `--group-size` (default 128; load_tests/
+make_awq_checkpoint.py: round-to-nearest min/max per group), and the engine runs it the same way
+(batch 1, then the batch sizes), in the same process, so `int4.speedup_vs_fp16` compares two
+figures of one run on one card. `--int4-modules experts` (default) quantizes the experts only
+(attention stays fp16, modules_to_not_convert); `all` the attention projections too. The router,
+norms, embedding and lm_head stay fp16 either way. The int4 floor counts the bytes of the
+engine's packed form (kernels/quant_pack.py: 8 codes per int32 word, a scale and an offset in the
+run dtype per group, the zero point folded into the offset), the experts' part checked against
+the loaded layers' buffers: an expert of Qwen3-30B-A3B is 3 x 2048 x 768 x (1/2 + 4/128) bytes,
+0.27 of its fp16 bytes. With fp16 attention and lm_head, the floor itself allows 1.41x fp16 at 8 layers and 1.78x
+at 48 (`int4.floor_speedup_vs_fp16`, `int4.floor.full_model_speedup_vs_fp16`); with `all`, 1.77x
+and 2.91x.
+
     python load_tests/bench_moe.py --layers 8 --batch-sizes 64,256 --out results/bench_moe.json
+    python load_tests/bench_moe.py --layers 8 --quantization awq --model-dir /tmp/moe \
+        --out results/bench_moe_int4.json
 """
 
 from __future__ import annotations
@@ -129,6 +145,69 @@ def bytes_read(cfg, dtype: torch.dtype, layers: int, experts_per_layer: float) -
     }
 
 
+INT4_SKIP = {"experts": ("self_attn",), "all": ()}  # --int4-modules -> modules kept fp16
+
+
+def int4_bytes_read(
+    cfg, dtype: torch.dtype, layers: int, experts_per_layer: float, group: int, modules: str
+) -> dict[str, float]:
+    """bytes_read for the int4 g`group` checkpoint as the engine holds it (kernels/quant_pack.py:
+    per weight [N, K] the codes, N x K/8 int32 words, and a scale and an offset per group in the
+    run dtype). modules: "experts" (attention fp16) or "all" (attention int4 too)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+
+    def packed(n: int, k: int) -> int:
+        if k % group:
+            raise ValueError(f"group size {group} does not divide K={k}")
+        return n * (-(-k // 8)) * 4 + 2 * n * (k // group) * size
+
+    fp = bytes_read(cfg, dtype, layers, experts_per_layer)
+    H, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = fp["attention_per_layer"]
+    if modules == "all":
+        attn = packed(q + 2 * kv, H) + packed(H, q) + (2 * hd + 2 * H) * size
+    expert = packed(2 * inter, H) + packed(H, inter)
+    per_layer = attn + fp["router_per_layer"] + experts_per_layer * expert
+    return {
+        **fp,
+        "attention_per_layer": attn,
+        "expert_bytes": expert,
+        "expert_bytes_fp16_fraction": expert / fp["expert_bytes"],
+        "total": layers * per_layer + fp["lm_head_and_norm"],
+    }
+
+
+def loaded_expert_bytes(engine) -> float | None:
+    """Bytes of one expert's packed tensors (codes, scales, offsets of w13 and w2) as the
+    engine's MoE layers hold them; None when no layer holds group-quantized experts."""
+    per = set()
+    for m in engine.runner.model.modules():
+        if hasattr(m, "w13_qweight"):
+            fields = [f"{p}_{f}" for p in ("w13", "w2") for f in ("qweight", "scales", "offsets")]
+            total = sum(getattr(m, f).numel() * getattr(m, f).element_size() for f in fields)
+            per.add(total / m.num_experts)
+    if len(per) > 1:
+        raise ValueError(f"the MoE layers' experts differ in size: {sorted(per)}")
+    return per.pop() if per else None
+
+
+def fused_int4_decode_layers(engine, k: int) -> str:
+    """ "served/total": how many MoE layers' batch-1 steps the fused int4 kernels
+    (kernels/moe_quant_decode.py) take, read after the engine ran (each layer makes their flat
+    weights on first use); the rest dequantize (services/executor/quant/experts.py)."""
+    from voltserve.kernels import moe_quant_decode as mq
+
+    layers = [m for m in engine.runner.model.modules() if hasattr(m, "w13_qweight")]
+    served = 0
+    for m in layers:
+        fw = getattr(m, "flat_weights", None)
+        if fw:
+            x = torch.empty(1, m.hidden, dtype=fw[0].dtype, device=fw[0].device)
+            served += bool(mq.supports(x, *fw, k))
+    return f"{served}/{len(layers)}"
+
+
 def distinct_experts(E: int, k: int, B: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** B)
 
@@ -235,6 +314,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--bandwidth-bytes", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        choices=["none", "awq"],
+        default="none",
+        help="awq: then the same model with int4 experts (AWQ GEMM), in the same run",
+    )
+    p.add_argument("--group-size", type=int, default=128, help="int4 group (--quantization)")
+    p.add_argument("--int4-modules", choices=sorted(INT4_SKIP), default="experts")
+    p.add_argument(
+        "--quant-dir", help="int4 checkpoint folder (default: next to the model's, kept with it)"
+    )
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -286,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         random_prompt(rng, args.prompt_len, cfg.vocab_size) for _ in range(args.warmup + args.runs)
     ]
     compare_prompt = prompts[args.warmup]
+    quant_dir = None
     try:
         hf_model = None
         if (
@@ -315,16 +406,93 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg)
+        fp16_bytes = lambda e: bytes_read(cfg, dtype, args.layers, e)  # noqa: E731
+        _run_engine(
+            args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg, fp16_bytes
+        )
+        if args.quantization == "awq":
+            quant_dir = Path(
+                args.quant_dir or f"{model_dir}-awq-g{args.group_size}-{args.int4_modules}"
+            )
+            gc.collect()  # the fp16 engine's memory, before the int4 engine sizes its KV cache
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                result["cuda_allocated_before_int4_bytes"] = torch.cuda.memory_allocated()
+            _run_int4(
+                args, result, model_dir, quant_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg
+            )
     finally:
         if tmp and not args.keep_model:
             shutil.rmtree(tmp, ignore_errors=True)
+            if quant_dir is not None and not args.quant_dir:
+                shutil.rmtree(quant_dir, ignore_errors=True)
     write_json(args.out, result)
     _print(result)
-    return 1 if "engine" in result["errors"] else 0
+    return (
+        1
+        if {"engine", "int4_engine", "int4_checkpoint", "int4_floor"} & set(result["errors"])
+        else 0
+    )
 
 
-def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg) -> None:
+def _run_int4(args, result, model_dir, quant_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg):
+    """The int4 checkpoint of model_dir (written, or reused when its marker matches and the
+    fp16 one was not rewritten in this run) through the engine into result["int4"], with its
+    floor and the ratios to the fp16 figures of this run."""
+    from load_tests.make_awq_checkpoint import convert
+
+    g, modules = args.group_size, args.int4_modules
+    b1 = int4_bytes_read(cfg, dtype, args.layers, cfg.num_experts_per_tok, g, modules)
+    full = int4_bytes_read(cfg, dtype, FULL_LAYERS, cfg.num_experts_per_tok, g, modules)
+    fp = result["floor"]
+    sub: dict[str, Any] = {
+        "format": f"AWQ GEMM int4 g{g}",
+        "modules": modules,
+        "checkpoint_dir": str(quant_dir),
+        "floor": {
+            "bytes_per_token": b1,
+            "ms_per_token": b1["total"] / bw_Bps * 1e3,
+            "tok_s": bw_Bps / b1["total"],
+            "full_model_bytes_per_token": full["total"],
+            "full_model_tok_s": bw_Bps / full["total"],
+            "full_model_speedup_vs_fp16": fp["full_model_bytes_per_token"] / full["total"],
+        },
+        "floor_speedup_vs_fp16": fp["bytes_per_token"]["total"] / b1["total"],
+        "errors": {},
+    }
+    result["int4"] = sub
+    try:
+        if "checkpoint_write_s" in result:  # the fp16 weights changed: quantize them again
+            (quant_dir / "voltserve_awq.json").unlink(missing_ok=True)
+        sub["checkpoint"] = convert(model_dir, quant_dir, g, device, INT4_SKIP[modules])
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"]["int4_checkpoint"] = f"{type(e).__name__}: {e}"
+        del sub["errors"]
+        return
+    int4_bytes = lambda e: int4_bytes_read(cfg, dtype, args.layers, e, g, modules)  # noqa: E731
+    _run_engine(args, sub, quant_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg, int4_bytes, b1)
+    result["errors"].update({f"int4_{k}": v for k, v in sub.pop("errors").items()})
+    e16, e4 = result.get("engine", {}), sub.get("engine", {})
+    if e16.get("decode_tok_s") and e4.get("decode_tok_s"):
+        sub["speedup_vs_fp16"] = e4["decode_tok_s"] / e16["decode_tok_s"]
+        hf = result.get("transformers", {})
+        if hf.get("decode_tok_s"):
+            sub["speedup_vs_transformers_fp16"] = e4["decode_tok_s"] / hf["decode_tok_s"]
+    fp16_batched = {r["batch_size"]: r for r in result.get("batched", [])}
+    sub["batched_speedup_vs_fp16"] = {
+        str(r["batch_size"]): r["output_tok_s"] / fp16_batched[r["batch_size"]]["output_tok_s"]
+        for r in sub.get("batched", [])
+        if r["batch_size"] in fp16_batched
+    }
+
+
+def _run_engine(
+    args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok, cfg, weight_bytes, int4=None
+) -> None:
+    """The engine on model_dir: batch 1 (run_single), then each batch size, into `result`
+    (the run's dict, or its "int4" part); weight_bytes(experts per layer) counts a step's
+    weight bytes. int4: the int4 batch-1 bytes, checked against the loaded experts."""
     try:
         engine, init_s, ecfg = make_engine(model_dir, device, dtype, args)
     except Exception as e:
@@ -339,7 +507,20 @@ def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok,
     from voltserve.kernels.moe_experts import wmma_enabled
 
     result["grouped_gemm"] = "wmma" if wmma_enabled() else "simt"
-    if not run_single(engine, prompts, args, result):
+    if int4 is not None:
+        loaded = loaded_expert_bytes(engine)
+        result["loaded_expert_bytes"] = loaded
+        if loaded != int4["expert_bytes"]:
+            result["errors"]["floor"] = (
+                f"the loaded experts hold {loaded} bytes each, the floor counts "
+                f"{int4['expert_bytes']}"
+            )
+    ok = run_single(engine, prompts, args, result)
+    if int4 is not None:
+        result["fused_int4_decode_layers"] = fused_int4_decode_layers(
+            engine, cfg.num_experts_per_tok
+        )
+    if not ok:
         return
     rng = np.random.default_rng(args.seed + 1)
     batched = []
@@ -362,12 +543,7 @@ def _run_engine(args, result, model_dir, device, dtype, prompts, bw_Bps, kv_tok,
             continue
         if r["steps_not_full_batch"]:
             result["errors"][f"batch_{b}"] = f"{r['steps_not_full_batch']} steps not full"
-        wb = bytes_read(
-            cfg,
-            dtype,
-            args.layers,
-            distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b),
-        )
+        wb = weight_bytes(distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b))
         floor_ms = (wb["total"] + b * r["mean_context"] * kv_tok) / bw_Bps * 1e3
         r.update(
             batch_size=b,
@@ -399,6 +575,22 @@ def _print(result: dict[str, Any]) -> None:
             f"  batch {r['batch_size']}: {r['step_ms']:.2f} ms/step, {r['output_tok_s']:.0f} tok/s, "
             f"{r['roofline_fraction']:.2f} of floor ({r['floor_ms']:.2f} ms)"
         )
+    q = result.get("int4")
+    if q:
+        e4 = q.get("engine", {})
+        print(
+            f"int4 {q['modules']} ({q['format']}): floor {q['floor']['tok_s']:.0f} tok/s "
+            f"({q['floor_speedup_vs_fp16']:.2f}x the fp16 floor); engine "
+            f"{e4.get('decode_tok_s') or 0:.1f} tok/s ({e4.get('roofline_fraction') or 0:.2f} of "
+            f"floor), {q.get('speedup_vs_fp16') or 0:.2f}x fp16"
+        )
+        for r in q.get("batched", []):
+            ratio = q["batched_speedup_vs_fp16"].get(str(r["batch_size"])) or 0
+            print(
+                f"  batch {r['batch_size']}: {r['step_ms']:.2f} ms/step, "
+                f"{r['output_tok_s']:.0f} tok/s, {r['roofline_fraction']:.2f} of floor, "
+                f"{ratio:.2f}x fp16"
+            )
     if result["errors"]:
         print("errors:", result["errors"])
 

@@ -5,6 +5,13 @@ aware search: the weights are random); packing follows AutoAWQ's layout: qweight
 and qzeros int32 [K/g, N/8] with 8 nibbles per word in the order 0,2,4,6,1,3,5,7, scales fp16
 [K/g, N]. The lm_head and embeddings stay fp16.
 
+MoE checkpoints (Qwen3-MoE, Mixtral-style per-expert tensors): every expert's projections
+(model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj) are linears of these names and are
+quantized like a dense MLP's; the router (mlp.gate) is not one of them and stays float, and is
+listed in modules_to_not_convert as AutoAWQ lists it. `--skip NAME,...` keeps more modules
+float (a substring of the tensor name, the rule of modules_to_not_convert): `--skip self_attn`
+quantizes the experts (and dense MLPs) only.
+
     python load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b \
         --out /tmp/voltserve-llama3-8b-awq --group 128
 """
@@ -51,26 +58,27 @@ def quantize(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--src", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--group", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
-    src, out = Path(args.src), Path(args.out)
+def convert(
+    src: Path, out: Path, group: int = 128, device: str = "cpu", skip: tuple[str, ...] = ()
+) -> dict:
+    """Write the AWQ g`group` checkpoint of the float folder `src` into `out` (reused when its
+    marker says it already holds exactly that); returns the marker with the write time."""
+    want = {"src": str(src), "group": group}
+    if skip:
+        want["skip"] = list(skip)
     marker = out / "voltserve_awq.json"
-    if marker.is_file() and json.loads(marker.read_text()) == {
-        "src": str(src),
-        "group": args.group,
-    }:
-        print(f"{out}: already holds the AWQ g{args.group} checkpoint of {src}")
-        return
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        print(f"{out}: already holds the AWQ g{group} checkpoint of {src}")
+        return {**want, "reused": True}
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
             shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    # An MoE router (mlp.gate) is not among LINEARS and stays float; AutoAWQ lists it in
+    # modules_to_not_convert. Names matching any entry stay float, as a loader reads the list.
+    not_convert = (["mlp.gate"] if "moe" in cfg.get("model_type", "") else []) + list(skip)
     weight_map: dict[str, str] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors: dict[str, torch.Tensor] = {}
@@ -78,8 +86,13 @@ def main() -> None:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 t = st.get_tensor(name)
                 parts = name.rsplit(".", 2)
-                if len(parts) == 3 and parts[1] in LINEARS and parts[2] == "weight":
-                    for k, v in quantize(t.to(args.device), args.group).items():
+                if (
+                    len(parts) == 3
+                    and parts[1] in LINEARS
+                    and parts[2] == "weight"
+                    and not any(s in name for s in not_convert)
+                ):
+                    for k, v in quantize(t.to(device), group).items():
                         tensors[f"{parts[0]}.{parts[1]}.{k}"] = v
                 else:
                     tensors[name] = t
@@ -90,19 +103,33 @@ def main() -> None:
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
         )
-    cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "awq",
         "bits": 4,
-        "group_size": args.group,
+        "group_size": group,
         "zero_point": True,
         "version": "gemm",
-        "modules_to_not_convert": None,
+        "modules_to_not_convert": not_convert or None,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    (out / "voltserve_preset.json").unlink(missing_ok=True)
-    marker.write_text(json.dumps({"src": str(src), "group": args.group}))
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    for stale in out.glob("voltserve_*.json"):  # the float folder's markers (preset, bench)
+        stale.unlink()
+    marker.write_text(json.dumps(want))
+    write_s = time.perf_counter() - t0
+    print(f"wrote {out} in {write_s:.1f} s")
+    return {**want, "reused": False, "write_s": write_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--skip", default="", help="modules kept float (name substrings, comma list)")
+    args = p.parse_args(argv)
+    skip = tuple(x for x in args.skip.split(",") if x)
+    convert(Path(args.src), Path(args.out), args.group, args.device, skip)
 
 
 if __name__ == "__main__":

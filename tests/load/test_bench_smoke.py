@@ -5,8 +5,8 @@ about them); token counts and completions are, since they are exact.
 Each script runs in this process, through its main(argv) (what `python load_tests/X.py ARGS`
 calls): a subprocess would import torch and transformers again, seconds of every test on a
 2-core CI box. The servers the scripts launch (`voltserve serve`) are still processes of their
-own. The demo model and the random checkpoint are written once per test process and only read
-by the scripts."""
+own. The demo model and the random checkpoints (dense, and bench_moe's MoE one) are written once
+per test process and only read by the scripts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from load_tests import bench_serving, common  # noqa: E402
+from load_tests import bench_moe, bench_serving, common  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.load.scripts import run_main  # noqa: E402
 
@@ -47,6 +47,18 @@ def _tiny_checkpoint() -> Path:
     """A random-weight `tiny` preset checkpoint (fp32), once per test process."""
     path = checkpoints._root() / "bench-tiny"
     return common.write_random_checkpoint(path, "tiny", "cpu", common.torch.float32)
+
+
+@functools.cache
+def _tiny_moe_checkpoint() -> Path:
+    """bench_moe's checkpoint at its tiny shape (2 layers of 8 experts, fp32), once per test
+    process: the folder gpu_check's MoE serving run launches, at the Qwen3-30B-A3B shape."""
+    path = checkpoints._root() / "bench-moe-tiny"
+    if not bench_moe.checkpoint_matches(path, 2, 0, "tiny"):
+        cfg = bench_moe.make_config(2, common.torch.float32, "tiny")
+        model = bench_moe.build_hf_model(cfg, "cpu", common.torch.float32, 0)
+        bench_moe.write_checkpoint(model, cfg, path, 0, "tiny")
+    return path
 
 
 def test_weight_bytes_match_llama3_8b_parameter_count():
@@ -198,6 +210,26 @@ def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     assert e["engine"]["stats"]["prefix_cache_hits"] > 0
     assert "http" not in d
     assert Path(d["plots"][0]).exists()
+
+
+@pytest.mark.slow  # a benchmark end to end: scheduled first
+def test_bench_serving_moe_transformers_baseline_cpu_smoke(tmp_path):
+    """The serving benchmark on an MoE checkpoint folder (bench_moe's): transformers at batch N
+    on it and the engine on the same prompts, with the ratio. (The HTTP phase launches
+    `voltserve serve` on the folder, as for a dense one: test_bench_serving_launch_cpu_smoke.)"""
+    out = tmp_path / "moe.json"
+    args = ["load_tests/bench_serving.py", "--engine-only", "--transformers-baseline"]
+    args += ["--model-dir", str(_tiny_moe_checkpoint()), "--num-prompts", "2", "--input-len", "8"]
+    args += ["--output-len", "3", "--num-warmup", "0", "--hf-batch-size", "2", "--no-plots"]
+    _run([*args, "--out", str(out), "--serve-args=--device cpu"])
+    d = json.loads(out.read_text())
+    assert d["errors"] == {}
+    assert d["dataset"]["vocab_size"] == bench_moe.TINY["vocab_size"]
+    t = d["transformers"]
+    assert t["batch_size"] == 2 and t["num_prompts"] == 2 and t["total_output_tokens"] == 6
+    e = d["engine"]
+    assert e["completed"] == 2 and e["total_output_tokens"] == 6
+    assert set(d["speedup_vs_transformers"]) == {"engine"}
 
 
 @pytest.mark.skipif(
