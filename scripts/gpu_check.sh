@@ -229,14 +229,15 @@ for stage in $STAGES; do
       # the 48 layers, default 8: batch 1 against the bytes-read floor and transformers on the
       # same weights, batch 64 and 256; then, in the same run, the model with AWQ int4 g128
       # experts written from it (MOE_INT4=0 skips): its floor from the int4 bytes read and the
-      # ratios to the fp16 figures), the expert kernels alone (bench_moe_quant), again with the
-      # grouped GEMMs on tensor cores (VOLTSERVE_MOE_WMMA=1, no transformers), and the serving
+      # ratios to the fp16 figures), the expert kernels alone (bench_moe_quant), with MOE_WMMA=1
+      # again with the grouped GEMMs on CUDA cores (VOLTSERVE_MOE_WMMA=0, the anchor of the
+      # tensor-core default; no transformers), and the serving
       # benchmark on the fp16 folder (1024 in / 256 out, 256 requests; transformers at batch
       # 32 on 32 of the prompts; MOE_SERVING=0 skips). moe: both; under a 10-minute limit, one
       # call each. moe-bench on an H200 with a cold kernel cache, estimated (not yet timed):
       # bench_moe ~3.5 min (checkpoint write ~0.5, transformers ~0.3, fp16 engine ~1.5, int4
-      # write + engine ~1.2), bench_moe_quant ~0.7, the WMMA run ~1, serving ~2 (transformers
-      # ~0.7, server start ~1, the burst ~0.4): ~7-8 min; MOE_WMMA=0 saves ~1.
+      # write + engine ~1.2), bench_moe_quant ~0.7, serving ~2 (transformers ~0.7, server
+      # start ~1, the burst ~0.4): ~6-7 min; MOE_WMMA=1 adds ~1.
       if [ "$stage" != moe-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
         run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
@@ -250,7 +251,7 @@ for stage in $STAGES; do
         run bench_moe $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" $([ "${MOE_INT4:-1}" = 0 ] || echo --quantization awq --group-size 128) --out "$OUT/bench_moe.json"
         # one layer's experts at decode: fp16 kernels vs the fused int4 g128 / int8 g32 ones
         run bench_moe_quant $PY load_tests/bench_moe_quant.py --out "$OUT/bench_moe_quant.json"
-        [ "${MOE_WMMA:-1}" = 0 ] || run bench_moe_wmma env VOLTSERVE_MOE_WMMA=1 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_wmma.json"
+        [ "${MOE_WMMA:-0}" = 0 ] || run bench_moe_simt env VOLTSERVE_MOE_WMMA=0 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_simt.json"
         [ "${MOE_SERVING:-1}" = 0 ] || run serving_moe $PY load_tests/bench_serving.py --launch "$MOE_DIR" --num-prompts 256 --input-len 1024 --output-len 256 --transformers-baseline --hf-batch-size 32 --hf-max-prompts 32 --out "$OUT/serving_moe.json" -- --log-level "${SERVING_LOG:-debug}"
       fi
       ;;
