@@ -128,3 +128,13 @@ def test_host_side_rules():
         mq.moe_qkernel("plain", 4)
     with pytest.raises(ValueError, match="SPLIT"):
         mq.moe_qkernel(GATE_UP, 8, split=True)
+
+
+def test_fused_kernels_take_batches_while_they_read_fewer_bytes() -> None:
+    from voltserve.kernels.moe_quant_decode import fused_pays
+
+    assert fused_pays(1, 8, 128) and fused_pays(8, 2, 8)  # decode sizes: always
+    assert fused_pays(128, 8, 128) and not fused_pays(129, 8, 128)  # Qwen3-30B-A3B: T*k <= 8E
+    assert fused_pays(32, 2, 8) and not fused_pays(33, 2, 8)  # Mixtral
+    assert not fused_pays(0, 8, 128)
+    assert not fused_pays(9000, 8, 1 << 20)  # the grid's pair limit

@@ -172,10 +172,16 @@ class GroupQuantExperts(ExpertsMethod):
         return out
 
     def dense_all(
-        self, layer: FusedExperts, param: str, experts: torch.Tensor | None = None
+        self,
+        layer: FusedExperts,
+        param: str,
+        experts: torch.Tensor | None = None,
+        kernel: bool = False,
     ) -> torch.Tensor:
         """The float weights [E', N, K] (checkpoint input order) of `experts` (int64 ids, may
-        repeat; None: all E) from the stacked tensors in one dequantize, with no host sync."""
+        repeat; None: all E) from the stacked tensors in one dequantize, with no host sync.
+        kernel: on CUDA, kernels/quant_dequant's one-pass kernel where it takes the weight (the
+        torch reference's fp32 temporaries took ~15 ms a layer for Qwen3-30B-A3B's experts)."""
         ws = layer.quant_weights[param]
         w0 = ws[0]
         N, K = w0.out_features, w0.in_features
@@ -195,7 +201,7 @@ class GroupQuantExperts(ExpertsMethod):
             offsets=flat("offsets"),
             perm=None,
         )
-        deq = dequantize(whole).view(E, N, K)
+        deq = _dequantize(whole, kernel).view(E, N, K)
         if w0.perm is None:
             return deq
         perm = pick(getattr(layer, f"{param}_perm"))  # [E', K]
@@ -221,7 +227,9 @@ class GroupQuantExperts(ExpertsMethod):
                 return fused(x, *layer.flat_weights, topk_weights, topk_ids)
             if topk_ids.numel() < layer.num_experts:
                 return self.apply_pairs(layer, x, topk_weights, topk_ids)
-            w13, w2 = self.dense_all(layer, "w13"), self.dense_all(layer, "w2")
+            kernel = ops.impl.get("moe_experts") == "cuda"
+            w13 = self.dense_all(layer, "w13", kernel=kernel)
+            w2 = self.dense_all(layer, "w2", kernel=kernel)
             return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
@@ -237,7 +245,9 @@ class GroupQuantExperts(ExpertsMethod):
         """kernels/moe_quant_decode's launcher when it serves this step, else None."""
         from voltserve.kernels import moe_quant_decode as mq
 
-        if ops is None or ops.impl.get("moe_experts") != "cuda" or x.shape[0] > mq.MAX_TOKENS:
+        if ops is None or ops.impl.get("moe_experts") != "cuda":
+            return None
+        if not mq.fused_pays(x.shape[0], topk_ids.shape[1], layer.num_experts):
             return None
         if layer.flat_weights is None:
             w13, w2 = (layer.quant_weights[p][0] for p in ("w13", "w2"))
@@ -283,3 +293,33 @@ class GroupQuantExperts(ExpertsMethod):
 
 
 __all__ = ["GroupQuantExperts"]
+
+
+def _dequantize(w: GroupQuantWeight, kernel: bool) -> torch.Tensor:
+    """dequantize(w), through kernels/quant_dequant on CUDA when `kernel` and it takes w (the
+    same values: it is tested against dequantize)."""
+    if kernel and w.qweight.is_cuda:
+        from voltserve.kernels import quant_dequant
+
+        out = torch.empty((w.out_features, w.in_features), dtype=w.dtype, device=w.qweight.device)
+        # In slabs of rows: a launch's grid has one row of blocks per weight row, and the
+        # stacked experts (E * 2I rows) pass the grid's 65535 limit.
+        slabs = []
+        for r0 in range(0, w.out_features, _SLAB_ROWS):
+            r1 = min(w.out_features, r0 + _SLAB_ROWS)
+            part = replace(
+                w,
+                out_features=r1 - r0,
+                qweight=w.qweight[r0:r1],
+                scales=w.scales[r0:r1],
+                offsets=w.offsets[r0:r1],
+            )
+            slabs.append((part, out[r0:r1]))
+        if all(quant_dequant.supports(part, o) for part, o in slabs):
+            for part, o in slabs:
+                quant_dequant.dequantize_into(part, o)
+            return out
+    return dequantize(w)
+
+
+_SLAB_ROWS = 32768
