@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.request import ScheduledRequest
 from voltserve.services.executor.spec.graphs import (
@@ -284,3 +285,51 @@ def test_spec_graphs_switch(monkeypatch) -> None:
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "1")
     assert runner.spec_graph_sizes(4) == [1, 2, 4]
     assert LLMEngine(_cfg(None)).runner.spec_graph_sizes(4) == []
+
+
+def _proposals(eng: LLMEngine) -> list[tuple[str, int, list[int]]]:
+    """(request id, output length, proposal) of every proposal the engine's proposer makes."""
+    calls: list[tuple[str, int, list[int]]] = []
+    orig = eng.proposer.propose
+
+    def propose(reqs):
+        props = orig(reqs)
+        calls.extend((r.request_id, r.num_output_tokens, list(p)) for r, p in zip(reqs, props))
+        return props
+
+    eng.proposer.propose = propose
+    return calls
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_draft_step_graphs_write_the_eager_kv(method, head, seed) -> None:
+    """The proposer's single-token steps through the emulated graphs write the draft's KV cache
+    as the eager steps do (same runner set-up, the draft graphs left out), token for token: a
+    wrong position, slot, block table or chained input shows there even where the tiny model's
+    argmax does not move. Compared when both runs made the same proposals (the runs' matmul
+    shapes differ, so a near-tie may part one, and its KV with it)."""
+    spec = _spec(method, head)
+    if method == "draft_model":
+        spec["model"] = str(checkpoint("qwen3"))  # another model: proposals that vary
+    prompts = _prompts(seed, 3)
+    params = _greedy(12)
+    (eng, _), (ref, _) = _graph_engine(spec), _graph_engine(spec)
+    ref.runner.draft_graphs = None
+    ref.proposer.runner = ref.runner
+    a, b = _proposals(eng), _proposals(ref)
+    got, want = eng.generate(prompts, params), ref.generate(prompts, params)
+    assert eng.runner.spec_graph_counts["draft_graph"] > 0
+    assert ref.runner.spec_graph_counts["draft_graph"] == 0
+    assert sum(len(p) for _, _, p in a) > 0
+    assert got == want
+    # A near-tie parts one proposal (the next catch-up rewrites the draft's KV of the known
+    # tokens, so the ones after it agree again); a wrong step parts many.
+    assert len(a) == len(b)
+    parted = sum(x != y for x, y in zip(a, b))
+    assert parted <= len(a) // 4, f"{parted} of {len(a)} proposals differ"
+    if parted:
+        return  # the parted proposals' KV differs
+    n = eng.runner.num_kv_blocks  # the scratch block past them differs (padding rows)
+    for (k1, v1), (k2, v2) in zip(eng.runner.draft_kv_caches, ref.runner.draft_kv_caches):
+        torch.testing.assert_close(k1[:n], k2[:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1[:n], v2[:n], atol=1e-4, rtol=1e-4)
