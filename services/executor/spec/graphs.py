@@ -150,6 +150,7 @@ class _GraphSet:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_replays = 0
+        self.replays_by_size: dict[int, int] = {}
         if capture and sizes:
             self._capture_all()
 
@@ -168,6 +169,11 @@ class _GraphSet:
             self.graphs[bs] = g
         torch.cuda.synchronize()
         logger.info("captured %s for batch sizes %s", self.what, self.sizes)
+
+    def _replay(self, bs: int) -> None:
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        self.replays_by_size[bs] = self.replays_by_size.get(bs, 0) + 1
 
     def can_run(self, num_seqs: int) -> bool:
         return padded_size(self.sizes, num_seqs) is not None
@@ -225,7 +231,8 @@ class VerifyGraphRunner(_GraphSet):
         pos = d["pos"][:R]
         meta = AttentionMetadata(
             slot_mapping=d["slots"][:R],
-            block_tables=d["tables"][:bs].repeat_interleave(self.q, dim=0),
+            # Each sequence's table row repeated for its q rows (expand: no host sync).
+            block_tables=d["tables"][:bs, None].expand(bs, self.q, self.width).reshape(R, -1),
             seq_lens=(pos + 1).to(torch.int32),
             query_start_loc=self.query_start_loc[: R + 1],
             is_decode=True,
@@ -299,8 +306,7 @@ class VerifyGraphRunner(_GraphSet):
         stage order, in the model's dtype; the hidden states of all bs * q rows or None)."""
         B, bs, R = self._last
         self.st.upload(self.st.end_of("tables", bs))
-        self.graphs[bs].replay()
-        self.num_replays += 1
+        self._replay(bs)
         out = self.outputs[bs]
         logits = out[0] if R == bs * self.q else out[0].index_select(0, self.st.dev["rows"][:R])
         return logits, (out[1] if self.with_hidden else None)
@@ -418,6 +424,5 @@ class StepGraphs(_GraphSet):
             self.st.dev["ids"][:B].copy_(ids[:B])
         if features is not None:
             self.features[:B].copy_(features[:B])
-        self.graphs[bs].replay()
-        self.num_replays += 1
+        self._replay(bs)
         return tuple(o[:B] for o in self.outputs[bs])
