@@ -6,7 +6,8 @@ slots, block tables, sequence lengths, query starts, logits rows), copied to the
 transfer, run through the model, sampled, and the sampled ids come back in one transfer.
 Decode-only steps that a CUDA graph covers skip the flat batch: they are written straight into the
 graph's pinned staging buffer (already in the graph's dtypes and padded layout), so the step is one
-host-to-device copy, one graph replay, the sampler and one copy back.
+host-to-device copy, one graph replay, the sampler and one copy back. Verify steps (speculation)
+that a verify graph covers do the same through spec/graphs.py.
 """
 
 from __future__ import annotations
@@ -279,9 +280,10 @@ class ModelRunner:
             with startup.phase("loading the EAGLE head", self.startup_times):
                 self.draft = load_eagle_head(spec["model"], self.arch, self.dtype, self.device)
         # The hidden-state seam: a proposer that reads the target's last hidden states (EAGLE)
-        # sets keep_hidden_states; each eager forward then leaves (request, first position,
-        # rows) in _hidden_out for take_hidden_states(). Decode-only steps then run eagerly too
-        # (the decode graphs return logits only).
+        # sets keep_hidden_states; each eager forward, and each verify graph replay, then
+        # leaves (request, first position, rows) in _hidden_out for take_hidden_states().
+        # Decode-only steps then replay the verify graphs (the decode graphs return logits
+        # only), or run eagerly without them.
         self.keep_hidden_states = False
         self._hidden_out: list[tuple[Request, int, torch.Tensor]] = []
         self._staged: tuple[list[Request], list[int], np.ndarray] = ([], [], np.zeros(1))
