@@ -335,3 +335,27 @@ def test_draft_step_graphs_write_the_eager_kv(method, head, seed) -> None:
     for (k1, v1), (k2, v2) in zip(eng.runner.draft_kv_caches, ref.runner.draft_kv_caches):
         torch.testing.assert_close(k1[:n], k2[:n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v1[:n], v2[:n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_start_up_trace_runs_the_spec_graph_forwards(method, head) -> None:
+    """The start-up compile phase's trace (kernel_warmup) builds speculation's graphs on
+    one-block caches and runs each size's forward: the verify graphs' and the proposer's step
+    graphs' (with k + 1 rows per sequence and the EAGLE head's features)."""
+    from voltserve.services.executor import kernel_warmup
+    from voltserve.services.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(_cfg(_spec(method, head)))
+    seen = []
+    orig = runner.build_spec_graphs
+
+    def build(*a, **kw):
+        v, d = orig(*a, **kw)
+        seen.append((v, d))
+        return v, d
+
+    runner.build_spec_graphs = build
+    kernel_warmup._trace_spec_graphs(runner, 4)
+    ((v, d),) = seen
+    assert v.sizes == d.sizes == [1, 2, 4] and v.q == 4
+    assert v.with_hidden == (method == "eagle") and (d.features is not None) == v.with_hidden

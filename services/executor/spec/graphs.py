@@ -18,6 +18,11 @@ rows). So the graph runs the decode graphs' ops (DECODE_GRAPH_OPS) and no new ke
 graph, the row seq_lens are positions + 1 and the per-row block tables are the per-sequence ones
 repeated q times; the host stages one table row per sequence.
 
+Outputs: one logits buffer and one hidden-state buffer of the largest size's rows, which every
+size's graph copies its outputs into (per-size outputs, as the decode graphs keep, would hold
+sum(sizes) * (k + 1) rows of logits: 5.4 GB for Llama-3-8B's vocabulary at 256 sequences and
+k = 4; the copy costs one pass over the rows' logits).
+
 Static buffers: one device byte buffer [input_ids i64 | positions i64 | slot_mapping i64 |
 logits rows i64 | block tables i32, one row per sequence], with a pinned host twin; a step
 writes the twin and moves it with one copy of the bytes the padded graph reads. The logits rows
@@ -224,6 +229,7 @@ class VerifyGraphRunner(_GraphSet):
         self.st.dev["slots"].fill_(-1)
         self.query_start_loc = torch.arange(N + 1, dtype=torch.int32, device=device)
         self._last = (0, 0, 0)  # (B, padded size, real rows) of the last stage()
+        self._out: list[torch.Tensor] | None = None  # logits and hidden states, all rows
         self._init_graphs(list(sizes), capture)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
@@ -239,7 +245,13 @@ class VerifyGraphRunner(_GraphSet):
         )
         h = self.model.hidden_states(d["ids"][:R], pos, meta, self.kv_caches)
         logits = self.model.compute_logits(h, None, fp32_logits=False)
-        return (logits, h) if self.with_hidden else (logits,)
+        if self._out is None:
+            # Outputs shared by every size (the largest, warmed up first, allocates them
+            # outside the capture): per-size outputs would keep sum(sizes) * q logits rows.
+            N = self.st.dev["ids"].shape[0]
+            keep = (logits, h) if self.with_hidden else (logits,)
+            self._out = [torch.empty(N, *t.shape[1:], dtype=t.dtype, device=t.device) for t in keep]
+        return tuple(o[:R].copy_(t) for o, t in zip(self._out, (logits, h)))
 
     def stage(
         self,
