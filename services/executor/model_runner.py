@@ -459,6 +459,7 @@ class ModelRunner:
         static buffers only (the start-up trace runs their forwards)."""
         sc = SpeculativeConfig.from_dict(self.config.speculative_config)
         q = sc.num_speculative_tokens + 1
+        pool = getattr(getattr(self, "graphs", None), "pool", None)
         sizes = self.spec_graph_sizes(decode_sizes[-1])
         sizes = [s for s in sizes if s in decode_sizes]
         eagle = sc.method == "eagle"
@@ -472,6 +473,7 @@ class ModelRunner:
             sizes,
             with_hidden=eagle,
             capture=capture,
+            pool=pool,
         )
         if self.draft is None or q <= 2:
             return verify, None
@@ -499,6 +501,7 @@ class ModelRunner:
             feature,
             what="EAGLE head CUDA graphs" if eagle else "draft model CUDA graphs",
             capture=capture,
+            pool=pool,
         )
         return verify, draft
 

@@ -150,8 +150,12 @@ class _GraphSet:
 
     what = "graphs"
 
-    def _init_graphs(self, sizes: list[int], capture: bool) -> None:
+    def _init_graphs(self, sizes: list[int], capture: bool, pool=None) -> None:
+        """pool: a CUDA graph memory pool to capture into (the decode graphs'): one replay runs
+        at a time on the one stream, and no graph's output is another's scratch memory (outputs
+        stay referenced, or were allocated before capture), so the graphs may share it."""
         self.sizes = sizes
+        self.pool = pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_replays = 0
@@ -164,7 +168,7 @@ class _GraphSet:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for bs in startup.progress(list(reversed(self.sizes)), f"capturing {self.what}"):
             self._forward(bs)  # eager warm-up: cuBLAS workspaces, attention counters
             torch.cuda.synchronize()
@@ -206,6 +210,7 @@ class VerifyGraphRunner(_GraphSet):
         sizes: list[int],
         with_hidden: bool = False,
         capture: bool = True,
+        pool=None,
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.width, self.block_size, self.q = width, block_size, q
@@ -230,7 +235,7 @@ class VerifyGraphRunner(_GraphSet):
         self.query_start_loc = torch.arange(N + 1, dtype=torch.int32, device=device)
         self._last = (0, 0, 0)  # (B, padded size, real rows) of the last stage()
         self._out: list[torch.Tensor] | None = None  # logits and hidden states, all rows
-        self._init_graphs(list(sizes), capture)
+        self._init_graphs(list(sizes), capture, pool)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         d, R = self.st.dev, bs * self.q
@@ -371,6 +376,7 @@ class StepGraphs(_GraphSet):
         feature: tuple[int, torch.dtype] | None = None,
         what: str = "draft CUDA graphs",
         capture: bool = True,
+        pool=None,
     ) -> None:
         """forward(ids, features or None, positions, meta, kv_caches) -> (logits or None,
         features or None); feature: (hidden size, dtype) of the feature input (EAGLE)."""
@@ -396,7 +402,7 @@ class StepGraphs(_GraphSet):
         if feature is not None:
             self.features = torch.zeros(n, feature[0], dtype=feature[1], device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self._init_graphs(list(sizes), capture)
+        self._init_graphs(list(sizes), capture, pool)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         d = self.st.dev
