@@ -434,14 +434,15 @@ class ModelRunner:
     def spec_graph_sizes(self, graph_batch: int) -> list[int]:
         """The verify graphs' batch sizes: the decode graphs' (graph_batch and
         --cuda-graph-sizes) whose size * (k + 1) rows are at most the largest decode graph's
-        rows (size 1 always), so that the verify graphs, captured into the decode graphs' pool,
-        raise neither its peak nor the activations beyond what the decode graphs and KV sizing
-        already hold (at Llama-3-8B's vocabulary, 256 sizes' worth of 5-row logits would add
-        GBs); also within the step's token budget (a step never schedules more) and what the
-        decode attention can take. A verify step of more sequences runs eagerly: speculation
-        pays at small batches, and at large ones the step is compute-bound, where a graph
-        saves little. [] when speculation's steps run eagerly (no speculation,
-        VOLTSERVE_SPEC_GRAPHS=0)."""
+        rows, or at most 8 * (k + 1) (a batch of up to 8 sequences always has one: its rows'
+        activations are small). Beyond 8 sequences the verify graphs, captured into the decode
+        graphs' pool, thus raise neither its peak nor the memory beyond what the decode graphs
+        already hold (all of the decode ladder at k + 1 rows each would: at Llama-3-8B's
+        vocabulary and 256 sequences, GBs of activations past the KV sizing). Also within the
+        step's token budget (a step never schedules more) and what the decode attention can
+        take. A verify step of more sequences runs eagerly: speculation pays at small batches,
+        and at large ones the step is compute-bound, where a graph saves little. [] when
+        speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0)."""
         spec = self.config.speculative_config
         if spec is None or not spec_graphs_enabled() or graph_batch < 1:
             return []
@@ -449,7 +450,7 @@ class ModelRunner:
 
         q = SpeculativeConfig.from_dict(spec).num_speculative_tokens + 1
         sizes = graph_batch_sizes(graph_batch, self.config.cuda_graph_sizes)
-        limit = min(max(sizes[-1], q), self.config.max_num_batched_tokens)
+        limit = min(max(sizes[-1], 8 * q), self.config.max_num_batched_tokens)
         return verify_batch_sizes(
             sizes, q, lambda rows: rows <= limit and self._fallback_gather_bytes(rows) <= 2 * 2**30
         )

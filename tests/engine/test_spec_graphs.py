@@ -170,9 +170,9 @@ def _cfg(spec, **kw) -> EngineConfig:
 
 
 def _graph_engine(spec, max_batch: int = 16, **kw):
-    """An engine whose runner replays emulated decode and draft-step graphs of sizes 1, 2, 4,
-    8, 16 (max_batch 16) and verify graphs of the sizes whose rows fit in 16 (1, 2, 4 at
-    k = 3); the batch sizes each verify / draft replay ran at."""
+    """An engine whose runner replays emulated decode, verify and draft-step graphs of sizes 1,
+    2, 4, 8, 16 (max_batch 16; verify: 1, 2, 4, 8 at k = 3); the batch sizes each verify /
+    draft replay ran at."""
     cfg = _cfg(spec, **kw)
     runner = _emulated_graph_runner(cfg, max_batch)
     if runner.draft is not None:
@@ -269,9 +269,8 @@ def test_eager_fallback_counted(seed) -> None:
     want = LLMEngine(_cfg(None)).generate(prompts, _greedy(12))
     want = [w[:m] for w, m in zip(want, lens)]
     ids = [f"generate-1-{i}" for i in range(3)]
-    # Verify sizes 1, 2 (rows up to the largest decode graph's 8, at k = 2): batches of 3,
-    # then 2 and 1 as requests finish.
-    eng, sizes = _graph_engine({"method": "ngram", "num_speculative_tokens": 2}, max_batch=8)
+    # Verify sizes 1, 2: batches of 3, then 2 and 1 as requests finish.
+    eng, sizes = _graph_engine({"method": "ngram", "num_speculative_tokens": 2}, max_batch=2)
     eng.proposer = OracleProposer(2, dict(zip(ids, want)), 0.0, VOCAB, seed)
     assert eng.generate(prompts, params) == want
     counts = eng.runner.spec_graph_counts
@@ -288,9 +287,10 @@ def test_spec_graph_sizes(monkeypatch) -> None:
     runner = LLMEngine(_cfg(spec)).runner
     assert runner.spec_graph_sizes(16) == []
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "1")
-    # Rows (3 per sequence) up to the largest decode graph's (16), size 1 always.
-    assert runner.spec_graph_sizes(16) == [1, 2, 4]
-    assert runner.spec_graph_sizes(1) == [1]
+    # Rows (3 per sequence) up to the largest decode graph's, or up to 8 sequences' rows.
+    assert runner.spec_graph_sizes(16) == [1, 2, 4, 8]
+    assert runner.spec_graph_sizes(2) == [1, 2]
+    assert runner.spec_graph_sizes(256)[-1] == 80  # 80 * 3 <= 256 < 88 * 3
     assert LLMEngine(_cfg(None)).runner.spec_graph_sizes(16) == []
 
 
@@ -362,5 +362,5 @@ def test_start_up_trace_runs_the_spec_graph_forwards(method, head) -> None:
     runner.build_spec_graphs = build
     kernel_warmup._trace_spec_graphs(runner, 16)
     ((v, d),) = seen
-    assert v.sizes == [1, 2, 4] and d.sizes == [1, 2, 4, 8, 16] and v.q == 4
+    assert v.sizes == [1, 2, 4, 8] and d.sizes == [1, 2, 4, 8, 16] and v.q == 4
     assert v.with_hidden == (method == "eagle") and (d.features is not None) == v.with_hidden
