@@ -9,7 +9,8 @@ the largest decode graph's, or B <= 8 (ModelRunner.spec_graph_sizes says why; a 
 requests replays the graph of the next captured size), with a fixed row
 layout: row j of sequence b is flat row b * q + j. Rows past a request's 1 + m, and every row of
 the padding sequences B..padded-1, are padding rows (token 0, position 0, slot -1: no KV write,
-the capturable fallback writes the scratch block; they compute finite garbage nobody reads).
+the capturable fallback writes the scratch block; they read the first block of their
+sequence's table, block 0 for a padding sequence, and compute finite garbage nobody reads).
 
 Attention: each row is attended as a decode row of its own (query at position p over the keys
 0..p of its sequence, seq_len p + 1), with its sequence's block table: the rows' KV is written
@@ -21,8 +22,8 @@ repeated q times; the host stages one table row per sequence.
 
 Outputs: one logits buffer and one hidden-state buffer of the largest size's rows, which every
 size's graph copies its outputs into (per-size outputs, as the decode graphs keep, would hold
-sum(sizes) * (k + 1) rows of logits: 5.4 GB for Llama-3-8B's vocabulary at 256 sequences and
-k = 4; the copy costs one pass over the rows' logits).
+sum(sizes) * (k + 1) rows of logits, 10 MiB per 40 rows at Llama-3-8B's vocabulary; the copy
+costs one pass over the rows' logits).
 
 Static buffers: one device byte buffer [input_ids i64 | positions i64 | slot_mapping i64 |
 logits rows i64 | block tables i32, one row per sequence], with a pinned host twin; a step
@@ -39,9 +40,9 @@ EAGLE, its output features) copied on the device into the next step's inputs, so
 steps read nothing back until the last: one copy of all their tokens.
 
 What runs eagerly (the runner counts it, `ModelRunner.spec_graph_counts`): a verify step with a
-prefill chunk in it, with more than k proposals for a request (a proposer swapped in with a
-larger k), or with more requests than the largest captured size; a draft step of more requests
-than that; every catch-up forward; everything under --enforce-eager, on CPU, and with
+prefill chunk in it, or with more requests than the largest captured verify size (or, never
+with the engine's own proposers, more than k proposals for a request); the draft steps of more
+requests than the largest decode size; every catch-up forward; everything under --enforce-eager, on CPU, and with
 VOLTSERVE_SPEC_GRAPHS=0 (the decode graphs stay on).
 """
 
