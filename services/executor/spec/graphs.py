@@ -22,7 +22,7 @@ repeated q times; the host stages one table row per sequence.
 
 Outputs: one logits buffer and one hidden-state buffer of the largest size's rows, which every
 size's graph copies its outputs into (per-size outputs, as the decode graphs keep, would hold
-sum(sizes) * (k + 1) rows of logits, 10 MiB per 40 rows at Llama-3-8B's vocabulary; the copy
+sum(sizes) * (k + 1) rows of logits, about 10 MB per 40 rows at Llama-3-8B's vocabulary; the copy
 costs one pass over the rows' logits).
 
 Static buffers: one device byte buffer [input_ids i64 | positions i64 | slot_mapping i64 |
