@@ -364,3 +364,23 @@ def test_start_up_trace_runs_the_spec_graph_forwards(method, head) -> None:
     ((v, d),) = seen
     assert v.sizes == [1, 2, 4, 8] and d.sizes == [1, 2, 4, 8, 16] and v.q == 4
     assert v.with_hidden == (method == "eagle") and (d.features is not None) == v.with_hidden
+
+
+def test_emulated_verify_graph_seeded_sampling_and_logprobs(seed) -> None:
+    """Seeded sampling, logprobs requested (the sampler's full path), through the emulated
+    verify graphs: every verify row sampled at its own output position from the gathered
+    logits, so the tokens equal speculation off's."""
+    prompts = _prompts(seed, 3)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=seed, logprobs=1, ignore_eos=True)
+    base = LLMEngine(_cfg(None))
+    ids = [f"generate-1-{i}" for i in range(3)]
+    want = base.generate(prompts, params)
+    eng, _ = _graph_engine({"method": "ngram", "num_speculative_tokens": 3})
+    cont = {rid: w[: 5 if i == 0 else None] for i, (rid, w) in enumerate(zip(ids, want))}
+    eng.proposer = OracleProposer(3, cont, 0.3, VOCAB, seed)
+    got = eng.generate(prompts, params)
+    keys = [str(i) for i in range(3)]
+    reqs = {i: (p, params) for i, p in zip(keys, prompts)}
+    assert_streams_match(dict(zip(keys, got)), dict(zip(keys, want)), reqs, checkpoint("llama"))
+    assert eng.runner.spec_graph_counts["verify_graph"] > 0
+    assert eng.stats().spec_decode_num_accepted_tokens > 0
