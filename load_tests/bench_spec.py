@@ -14,10 +14,17 @@ not depend on it:
   steps).
 A draft model (`--draft-preset`, default Llama-3.2-1B's shape with the target's vocabulary) runs
 batch 1 with its measured acceptance and step time, and so does an EAGLE-1 head of the target's
-shape (`--eagle-k`; random weights, written once into --eagle-dir).
+shape (`--eagle-k`; random weights, written once into --eagle-dir; default: a folder under the
+temporary directory named by the target folder and the seed, so runs on different targets never
+share one; it is written to a side folder and renamed into place, so concurrent runs never read
+a half-written head).
 n-gram (`--ngram-k`) runs on a copy-heavy prompt (a phrase repeated to --prompt-len): its
 acceptance is whatever the random model's output repeats of it, reported as measured.
-Verify steps run eagerly (no CUDA graph for them yet); plain decode steps replay graphs.
+Verify steps replay CUDA graphs captured for the server's k (spec/graphs.py), so each k of the
+cost curve and of the forced-acceptance runs gets an engine of its own (k fixed per server);
+every speculative figure reports how many verify steps (and draft-step runs) replayed graphs and
+how many ran eagerly (`graphs`, and `verify_in_graphs`: every verify step in a graph).
+Without --model-dir the checkpoint goes to a temporary folder, removed at the end.
 
     python load_tests/bench_spec.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b \
         --out results/spec_llama3-8b.json
@@ -28,7 +35,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import logging
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -130,10 +140,33 @@ def spec_counters(engine) -> tuple[int, int, int]:
     )
 
 
+def graph_counts(engine) -> dict[str, int]:
+    """The runner's counts of speculative steps in graphs and eager (spec/graphs.py)."""
+    return dict(getattr(engine.runner, "spec_graph_counts", {}))
+
+
+def graph_report(engine, before: dict[str, int]) -> dict[str, Any]:
+    """Since `before`: verify steps (with proposals) replayed as graphs and run eagerly, and the
+    same for runs of the proposer's single-token steps; the captured verify sizes and rows."""
+    now = graph_counts(engine)
+    diff = {k: v - before.get(k, 0) for k, v in now.items()}
+    vg = getattr(engine.runner, "verify_graphs", None)
+    return {
+        "graphs": {
+            **diff,
+            "verify_sizes": vg.sizes if vg is not None else [],
+            "verify_rows_per_seq": vg.q if vg is not None else None,
+        },
+        "verify_in_graphs": diff.get("verify_graph", 0) > 0 and diff.get("verify_eager", 0) == 0,
+    }
+
+
 def with_proposer(engine, proposer, device, prompts, output_len, tag) -> dict[str, Any]:
     engine.proposer = proposer
     d0, t0, a0 = spec_counters(engine)
+    g0 = graph_counts(engine)
     r = run(engine, device, prompts, output_len, tag)
+    r.update(graph_report(engine, g0))
     d1, t1, a1 = spec_counters(engine)
     drafts, draft_toks, acc = d1 - d0, t1 - t0, a1 - a0
     r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"] = drafts, draft_toks, acc
@@ -166,14 +199,21 @@ def write_random_eagle_head(d: Path, target_dir: Path, seed: int) -> Path:
     cfg = {k: t[k] for k in keys if t.get(k) is not None}
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
     cfg["torch_dtype"] = "float16"
-    have = d / "config.json"
-    if (
-        have.is_file()
-        and json.loads(have.read_text()) == cfg
-        and (d / "head.safetensors").is_file()
-    ):
+
+    def matches(folder: Path) -> bool:
+        have = folder / "config.json"
+        return (
+            have.is_file()
+            and json.loads(have.read_text()) == cfg
+            and (folder / "head.safetensors").is_file()
+        )
+
+    if matches(d):
         return d
-    d.mkdir(parents=True, exist_ok=True)
+    # Written into a side folder, then renamed into place: a concurrent run sees either no
+    # head or a whole one.
+    d.parent.mkdir(parents=True, exist_ok=True)
+    side = Path(tempfile.mkdtemp(prefix=f".{d.name}-", dir=d.parent))
     H, inter = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -195,9 +235,23 @@ def write_random_eagle_head(d: Path, target_dir: Path, seed: int) -> Path:
         p + "mlp.down_proj.weight": w(H, inter),
         p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.float16),
     }
-    save_file(tensors, str(d / "head.safetensors"))
-    have.write_text(json.dumps(cfg))
+    save_file(tensors, str(side / "head.safetensors"))
+    (side / "config.json").write_text(json.dumps(cfg))
+    if d.exists():
+        shutil.rmtree(d, ignore_errors=True)  # a stale head of another shape
+    try:
+        os.rename(side, d)
+    except OSError:
+        shutil.rmtree(side, ignore_errors=True)  # another run renamed its head first
+        if not matches(d):
+            raise
     return d
+
+
+def default_eagle_dir(preset: str, model_dir: Path, seed: int) -> Path:
+    """A head folder per (target folder, seed): two runs on different targets never share it."""
+    key = hashlib.sha1(f"{model_dir.resolve()}|{seed}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"voltserve-eagle-{preset}-{key}"
 
 
 def parse_args(argv):
@@ -220,7 +274,12 @@ def parse_args(argv):
     p.add_argument("--draft-dir", default="/tmp/voltserve-llama3.2-1b")
     p.add_argument("--draft-k", type=int, default=4)
     p.add_argument("--eagle-k", type=int, default=3, help="EAGLE head run (0: none)")
-    p.add_argument("--eagle-dir", default=None, help="default: /tmp/voltserve-eagle-PRESET")
+    p.add_argument(
+        "--eagle-dir",
+        default=None,
+        help="default: beside a temporary checkpoint, else TMPDIR/voltserve-eagle-PRESET-KEY "
+        "(KEY: a hash of the target folder and the seed)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results file")
@@ -233,16 +292,27 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    from voltserve.services.executor.spec.ngram import NgramProposer
-    from voltserve.services.executor.spec.oracle import OracleProposer
-
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)
+    tmp_root = None
+    if args.model_dir is None:
+        tmp_root = Path(tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-"))
+    try:
+        return _main(args, tmp_root)
+    finally:
+        if tmp_root is not None:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def _main(args, tmp_root: Path | None) -> int:
+    from voltserve.services.executor.spec.ngram import NgramProposer
+    from voltserve.services.executor.spec.oracle import OracleProposer
+
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     vocab = make_hf_config(args.preset, dtype).vocab_size
-    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-"))
+    model_dir = Path(args.model_dir) if tmp_root is None else tmp_root / "model"
     if not checkpoint_matches(model_dir, args.preset):
         logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
         write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
@@ -260,7 +330,9 @@ def main(argv=None) -> int:
         "dtype": dtype_name(dtype),
         "env": env_info(device),
         "args": vars(args),
-        "notes": "verify steps run eagerly; plain decode steps replay CUDA graphs",
+        "notes": "verify steps replay CUDA graphs captured for each engine's k (one engine per "
+        "k of the cost curve and forced runs); plain decode steps replay CUDA graphs; "
+        "'graphs' counts the speculative steps in graphs and eager",
     }
 
     # 1. Speculation off, as a server runs it (graphs, pipelined decode): the anchor, and the
@@ -301,9 +373,18 @@ def main(argv=None) -> int:
     ng["speedup"] = ng["decode_tok_s"] / base_tok_s if base_tok_s else None
     result["ngram_batch1"] = ng
 
+    release(eng)
+    eng = None
+
+    # The oracle runs: one engine per k (the verify graphs are captured for the server's k).
     cost: dict[str, Any] = {}
-    for B in args.batch_sizes:
-        for k in args.cost_ks:
+    forced: dict[str, Any] = {}
+    for k in sorted(set(args.cost_ks) | set(args.oracle_ks)):
+        eng = make_engine(
+            model_dir, device, dtype, args, {"method": "ngram", "num_speculative_tokens": k}
+        )
+        run(eng, device, [copy_prompt], 8, "warm")
+        for B in args.batch_sizes if k in args.cost_ks else ():
             tag = f"cost{B}k{k}"
             cont = {f"{tag}-{i}": t for i, t in enumerate(recorded[B])}
             r = with_proposer(
@@ -318,11 +399,7 @@ def main(argv=None) -> int:
             step = r["median_step_ms"]
             r["verify_over_decode_step"] = step / base_step[B] if step and base_step[B] else None
             cost[f"B{B}_k{k}"] = r
-    result["cost_curve"] = cost
-
-    forced: dict[str, Any] = {}
-    for k in args.oracle_ks:
-        for p in args.corrupt:
+        for p in args.corrupt if k in args.oracle_ks else ():
             tag = f"forced{k}p{p}"
             cont = {f"{tag}-0": recorded[1][0]}
             r = with_proposer(
@@ -339,9 +416,10 @@ def main(argv=None) -> int:
             mal = r["mean_acceptance_length"]
             r["ideal_speedup"] = mal / ratio if mal and ratio else None
             forced[f"k{k}_p{p}"] = r
+        release(eng)
+        eng = None
+    result["cost_curve"] = cost
     result["forced_acceptance_batch1"] = forced
-    release(eng)
-    eng = None
 
     # 3. A draft model of the same vocabulary (random weights: acceptance near zero, so the
     # figure to read is the step cost with the draft's k forwards in it, next to the oracle's).
@@ -358,6 +436,7 @@ def main(argv=None) -> int:
         eng = make_engine(model_dir, device, dtype, args, spec)
         run(eng, device, [copy_prompt], 8, "warm")
         dm = with_proposer(eng, eng.proposer, device, [copy_prompt], args.output_len, "draft")
+        dm["draft_steps_in_graphs"] = dm["graphs"].get("draft_graph", 0) > 0
         dm.pop("tokens")
         dm["speedup"] = dm["decode_tok_s"] / base_tok_s if base_tok_s else None
         dm["draft_preset"] = args.draft_preset
@@ -367,12 +446,18 @@ def main(argv=None) -> int:
     # 4. An EAGLE head of the target's shape (random weights: the step cost with the head's
     # catch-up and k - 1 steps in it, acceptance as measured).
     if args.eagle_k > 0:
-        eagle_dir = Path(args.eagle_dir or f"/tmp/voltserve-eagle-{args.preset}")
+        if args.eagle_dir:
+            eagle_dir = Path(args.eagle_dir)
+        elif tmp_root is not None:
+            eagle_dir = tmp_root / "eagle"
+        else:
+            eagle_dir = default_eagle_dir(args.preset, model_dir, args.seed)
         write_random_eagle_head(eagle_dir, model_dir, args.seed + 2)
         spec = {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": args.eagle_k}
         eng = make_engine(model_dir, device, dtype, args, spec)
         run(eng, device, [copy_prompt], 8, "warm")
         ea = with_proposer(eng, eng.proposer, device, [copy_prompt], args.output_len, "eagle")
+        ea["draft_steps_in_graphs"] = ea["graphs"].get("draft_graph", 0) > 0
         ea.pop("tokens")
         ea["speedup"] = ea["decode_tok_s"] / base_tok_s if base_tok_s else None
         result["eagle_batch1"] = ea
@@ -382,21 +467,26 @@ def main(argv=None) -> int:
     print(f"spec off batch 1: {base_tok_s and round(base_tok_s, 1)} tok/s")
     print(
         f"n-gram k={args.ngram_k}: {ng['decode_tok_s'] and round(ng['decode_tok_s'], 1)} tok/s, "
-        f"acceptance {ng['acceptance_rate']}"
+        f"acceptance {ng['acceptance_rate']}, verify in graphs {ng['verify_in_graphs']}"
     )
     for name, r in cost.items():
-        print(f"cost {name}: step {r['median_step_ms']} ms, x{r['verify_over_decode_step']}")
+        print(
+            f"cost {name}: step {r['median_step_ms']} ms, x{r['verify_over_decode_step']}, "
+            f"verify in graphs {r['verify_in_graphs']}"
+        )
     if "draft_model_batch1" in result:
         dm = result["draft_model_batch1"]
         print(
             f"draft model k={args.draft_k}: {dm['decode_tok_s']} tok/s, step "
-            f"{dm['median_step_ms']} ms, acceptance {dm['acceptance_rate']}"
+            f"{dm['median_step_ms']} ms, acceptance {dm['acceptance_rate']}, verify in graphs "
+            f"{dm['verify_in_graphs']}, draft steps in graphs {dm['draft_steps_in_graphs']}"
         )
     if "eagle_batch1" in result:
         ea = result["eagle_batch1"]
         print(
             f"eagle k={args.eagle_k}: {ea['decode_tok_s']} tok/s, step "
-            f"{ea['median_step_ms']} ms, acceptance {ea['acceptance_rate']}"
+            f"{ea['median_step_ms']} ms, acceptance {ea['acceptance_rate']}, verify in graphs "
+            f"{ea['verify_in_graphs']}, head steps in graphs {ea['draft_steps_in_graphs']}"
         )
     for name, r in forced.items():
         print(

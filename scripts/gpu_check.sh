@@ -185,9 +185,11 @@ for stage in $STAGES; do
       # Speculative decoding: greedy spec == spec off == transformers on the GPU (tiny
       # checkpoints), the verify attention (q = 2..8 rows per sequence) against the reference,
       # constrained requests' verify rows masked on the device (skipped without xgrammar), an
-      # EAGLE head (proposals vs the torch reference, output vs spec off), then the Llama-3-8B
-      # benchmark (cost curve, forced acceptance, n-gram, draft model, EAGLE head; spec off
-      # anchor).
+      # EAGLE head (proposals vs the torch reference, output vs spec off), the verify and draft
+      # steps as CUDA graphs (== spec eager == spec off, padded batches, eager fallback), then
+      # the Llama-3-8B benchmark (cost curve and forced acceptance with an engine per k,
+      # n-gram, draft model, EAGLE head, each saying whether its verify steps ran in graphs;
+      # spec off anchor).
       run spec_tests $PY -m pytest -q --timeout 900 tests/gpu/test_spec_gpu.py -p no:cacheprovider
       run bench_spec $PY load_tests/bench_spec.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --out "$OUT/spec_llama3-8b.json"
       ;;

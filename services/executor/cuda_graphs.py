@@ -132,7 +132,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        # Kept: speculation's graphs (spec/graphs.py) are captured into the same pool.
+        self.pool = pool = torch.cuda.graph_pool_handle()
         for bs in startup.progress(list(reversed(self.sizes)), "capturing CUDA graphs"):
             # Warm up eagerly first: cuBLAS picks its kernels and workspaces, the decode attention
             # sizes its merge counters (numba compiled everything in the start-up compile phase).

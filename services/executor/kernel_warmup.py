@@ -52,6 +52,7 @@ def trace(runner: ModelRunner, graph_batch: int | None) -> list[tuple]:
         del tmp
         if graph_batch is not None:
             _trace_decode_graphs(runner, graph_batch)
+            _trace_spec_graphs(runner, graph_batch)
         _trace_sampler(runner)
     torch.cuda.synchronize()
     return launches
@@ -71,6 +72,23 @@ def _trace_decode_graphs(runner: ModelRunner, graph_batch: int) -> None:
     g = CudaGraphRunner(probe, graph_batch, runner.config.cuda_graph_sizes, capture=False)
     for bs in g.sizes:
         chunked_argmax(g._forward(bs))
+
+
+def _trace_spec_graphs(runner: ModelRunner, graph_batch: int) -> None:
+    """The forwards of speculation's graphs (spec/graphs.py), on their own static buffers and
+    one-block caches, as for the decode graphs."""
+    if not runner.spec_graph_sizes(graph_batch):
+        return
+    from voltserve.services.executor.cuda_graphs import graph_batch_sizes
+
+    sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
+    draft_kv = runner._alloc_kv_caches(1, arch=runner.draft.arch) if runner.draft else []
+    verify, draft = runner.build_spec_graphs(
+        sizes, runner._alloc_kv_caches(1), draft_kv, capture=False
+    )
+    for g in (verify, draft):
+        for bs in g.sizes if g is not None else ():
+            g._forward(bs)
 
 
 def _trace_sampler(runner: ModelRunner) -> None:

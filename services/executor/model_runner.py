@@ -6,7 +6,8 @@ slots, block tables, sequence lengths, query starts, logits rows), copied to the
 transfer, run through the model, sampled, and the sampled ids come back in one transfer.
 Decode-only steps that a CUDA graph covers skip the flat batch: they are written straight into the
 graph's pinned staging buffer (already in the graph's dtypes and padded layout), so the step is one
-host-to-device copy, one graph replay, the sampler and one copy back.
+host-to-device copy, one graph replay, the sampler and one copy back. Verify steps (speculation)
+that a verify graph covers do the same through spec/graphs.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.draft_model import load_draft
 from voltserve.services.executor.spec.eagle_head import load_eagle_head
+from voltserve.services.executor.spec.graphs import (
+    StepGraphs,
+    VerifyGraphRunner,
+    spec_graphs_enabled,
+    verify_batch_sizes,
+    verify_row_counts,
+)
 from voltserve.services.executor.tp import launch as tp_launch
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
@@ -100,6 +108,13 @@ def _token_slice(r: Request, start: int, n: int) -> list[int]:
         o = start - len(p)
         return r.output_token_ids[o : o + n]
     return p[start:] + r.output_token_ids[: start + n - len(p)]
+
+
+def verify_sample_rows(r: Request, spec, eos: tuple[int, ...]) -> list[SampleRow]:
+    """A verify row group's sampling rows: the target's token after the last known token and
+    after each proposed one (spec/acceptance.py)."""
+    out_pos = len(r.output_token_ids)
+    return [SampleRow(r, out_pos + j, eos, tuple(spec[:j])) for j in range(len(spec) + 1)]
 
 
 def _row_tokens(r: Request, start: int, n: int, spec) -> list[int]:
@@ -271,9 +286,10 @@ class ModelRunner:
             with startup.phase("loading the EAGLE head", self.startup_times):
                 self.draft = load_eagle_head(spec["model"], self.arch, self.dtype, self.device)
         # The hidden-state seam: a proposer that reads the target's last hidden states (EAGLE)
-        # sets keep_hidden_states; each eager forward then leaves (request, first position,
-        # rows) in _hidden_out for take_hidden_states(). Decode-only steps then run eagerly too
-        # (the decode graphs return logits only).
+        # sets keep_hidden_states; each eager forward, and each verify graph replay, then
+        # leaves (request, first position, rows) in _hidden_out for take_hidden_states().
+        # Decode-only steps then replay the verify graphs (the decode graphs return logits
+        # only), or run eagerly without them.
         self.keep_hidden_states = False
         self._hidden_out: list[tuple[Request, int, torch.Tensor]] = []
         self._staged: tuple[list[Request], list[int], np.ndarray] = ([], [], np.zeros(1))
@@ -332,6 +348,13 @@ class ModelRunner:
         self.graphs = None
         self.pipeline: DecodePipeline | None = None
         self.compiled_in_capture: list[str] = []
+        # Speculation's graphs (spec/graphs.py): the verify step and the proposer's
+        # single-token steps; how many steps ran in graphs and how many eagerly.
+        self.verify_graphs: VerifyGraphRunner | None = None
+        self.draft_graphs: StepGraphs | None = None
+        self.spec_graph_counts = dict.fromkeys(
+            ("verify_graph", "verify_eager", "draft_graph", "draft_eager"), 0
+        )
         if use_graphs:
             from voltserve.services.executor.cuda_graphs import CudaGraphRunner
 
@@ -347,6 +370,12 @@ class ModelRunner:
                     len(self.compiled_in_capture),
                     self.compiled_in_capture,
                 )
+            if spec is not None and self.spec_graph_sizes(graph_batch):
+                with startup.phase("capturing speculative CUDA graphs", self.startup_times) as ph:
+                    self.verify_graphs, self.draft_graphs = self.build_spec_graphs(
+                        self.graphs.sizes, self.kv_caches, self.draft_kv_caches
+                    )
+                    ph.detail = f"verify sizes {self.verify_graphs.sizes}"
             if self.tp is not None:
                 self.graphs.before_replay = self._send_graph_step if tp_rank == 0 else None
             elif pipeline_enabled() and config.speculative_config is None:
@@ -394,14 +423,97 @@ class ModelRunner:
             self.ops.capturable() and self.ops.capturable(getattr(self.model, "graph_ops", ()))
         ):
             return f"some decode ops cannot be captured ({self.ops.impl})"
-        if self.ops.impl["paged_decode_attention"] == "torch-capturable":
-            # The torch fallback gathers the whole block table width of every row in fp32.
-            a = self.arch
-            need = graph_batch * self.max_blocks_per_seq * self.block_size * self.num_kv_heads
-            need *= a.head_dim * 4 * 2
-            if need > 2 * 2**30:
-                return f"the torch decode-attention fallback would gather {need / 2**30:.1f} GiB"
+        need = self._fallback_gather_bytes(graph_batch)
+        if need > 2 * 2**30:
+            return f"the torch decode-attention fallback would gather {need / 2**30:.1f} GiB"
         return None
+
+    def _fallback_gather_bytes(self, rows: int) -> int:
+        """What the torch decode-attention fallback gathers for a graph of `rows` rows (the
+        whole block table width of every row in fp32); 0 with the numba kernel."""
+        if self.ops.impl["paged_decode_attention"] != "torch-capturable":
+            return 0
+        a = self.arch
+        need = rows * self.max_blocks_per_seq * self.block_size * self.num_kv_heads
+        return need * a.head_dim * 4 * 2
+
+    def spec_graph_sizes(self, graph_batch: int) -> list[int]:
+        """The verify graphs' batch sizes: the decode graphs' (graph_batch and
+        --cuda-graph-sizes) whose size * (k + 1) rows are at most the largest decode graph's
+        rows, or at most 8 * (k + 1) (a batch of up to 8 sequences always has one: its rows'
+        activations are small). Beyond 8 sequences the verify graphs, captured into the decode
+        graphs' pool, thus raise neither its peak nor the memory beyond what the decode graphs
+        already hold (all of the decode ladder at k + 1 rows each would: at Llama-3-8B's
+        vocabulary and 256 sequences, GBs of activations past the KV sizing). Also within the
+        step's token budget (a step never schedules more) and what the decode attention can
+        take. A verify step of more sequences runs eagerly: speculation pays at small batches,
+        and at large ones the step is compute-bound, where a graph saves little. [] when
+        speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0)."""
+        spec = self.config.speculative_config
+        if spec is None or not spec_graphs_enabled() or graph_batch < 1:
+            return []
+        from voltserve.services.executor.cuda_graphs import graph_batch_sizes
+
+        q = SpeculativeConfig.from_dict(spec).num_speculative_tokens + 1
+        sizes = graph_batch_sizes(graph_batch, self.config.cuda_graph_sizes)
+        limit = min(max(sizes[-1], 8 * q), self.config.max_num_batched_tokens)
+        return verify_batch_sizes(
+            sizes, q, lambda rows: rows <= limit and self._fallback_gather_bytes(rows) <= 2 * 2**30
+        )
+
+    def build_spec_graphs(
+        self, decode_sizes: list[int], kv_caches, draft_kv_caches, capture: bool = True
+    ) -> tuple[VerifyGraphRunner, StepGraphs | None]:
+        """The verify graphs (spec_graph_sizes) and, for a draft model or an EAGLE head with
+        k > 1, the graphs of its single-token steps (the decode sizes); capture=False: the
+        static buffers only (the start-up trace runs their forwards)."""
+        sc = SpeculativeConfig.from_dict(self.config.speculative_config)
+        q = sc.num_speculative_tokens + 1
+        pool = getattr(getattr(self, "graphs", None), "pool", None)
+        sizes = self.spec_graph_sizes(decode_sizes[-1])
+        sizes = [s for s in sizes if s in decode_sizes]
+        eagle = sc.method == "eagle"
+        verify = VerifyGraphRunner(
+            self.model,
+            kv_caches,
+            self.device,
+            self.max_blocks_per_seq,
+            self.block_size,
+            q,
+            sizes,
+            with_hidden=eagle,
+            capture=capture,
+            pool=pool,
+        )
+        if self.draft is None or q <= 2:
+            return verify, None
+        target, head = self.model, self.draft.model
+        if eagle:
+
+            def fwd(ids, feats, pos, meta, kv):
+                h = head(target.model.embed_tokens(ids), feats, pos, meta, kv)
+                return target.compute_logits(h, None, fp32_logits=False), h
+
+            feature = (self.arch.hidden_size, self.dtype)
+        else:
+
+            def fwd(ids, feats, pos, meta, kv):
+                return head(ids, pos, meta, kv, None, fp32_logits=False), None
+
+            feature = None
+        draft = StepGraphs(
+            fwd,
+            draft_kv_caches,
+            self.device,
+            self.max_blocks_per_seq,
+            self.block_size,
+            list(decode_sizes),
+            feature,
+            what="EAGLE head CUDA graphs" if eagle else "draft model CUDA graphs",
+            capture=capture,
+            pool=pool,
+        )
+        return verify, draft
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
@@ -585,12 +697,9 @@ class ModelRunner:
                 rows.append(SampleRow(r, out_pos, eos))
                 logit_rows.append(end - 1)
                 continue
-            # Verify rows: the target's token after the last known token and after each
-            # proposed one (spec/acceptance.py).
             m = len(sp)
-            for j in range(m + 1):
-                rows.append(SampleRow(r, out_pos + j, eos, tuple(sp[:j])))
-                logit_rows.append(end - 1 - m + j)
+            rows += verify_sample_rows(r, sp, eos)
+            logit_rows += range(end - 1 - m, end)
         self._prompt_rows = self._prompt_logprob_rows(reqs, start_list, n_list, qsl)
         self._staged = (reqs, start_list, qsl)
         for _, _, first_row, count in self._prompt_rows:
@@ -746,6 +855,10 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         if not plan.scheduled:
             return []
+        if self.keep_hidden_states or any(s.spec_token_ids for s in plan.scheduled):
+            out = self._execute_verify(plan)
+            if out is not None:
+                return out
         if (
             self.graphs is not None
             and self.graphs.can_run(len(plan.scheduled))
@@ -785,6 +898,41 @@ class ModelRunner:
             # A step of prefill chunks only: write their KV, sample nothing.
             self._forward(batch, batch.logits_indices[:0])
             return []
+        return self.sampler(logits, rows)
+
+    def _execute_verify(self, plan: StepPlan) -> list[SampledToken] | None:
+        """A step with proposals to verify (or, for EAGLE, any decode-only step: the verify
+        graph also returns the hidden states) as a verify graph replay; None when no verify
+        graph covers it (it then runs eagerly, counted when it has proposals)."""
+        vg = self.verify_graphs
+        sched = plan.scheduled
+        counts = verify_row_counts(sched, vg.q) if vg is not None else None
+        if counts is None or not vg.can_run(len(sched)):
+            if any(s.spec_token_ids for s in sched):
+                self.spec_graph_counts["verify_eager"] += 1
+            return None
+        reqs = [s.request for s in sched]
+        specs = [s.spec_token_ids for s in sched]
+        starts = [r.num_computed_tokens for r in reqs]
+        rows_idx, blocks = self._tables.sync(reqs)
+        vg.stage(
+            [r.last_token_id for r in reqs],
+            specs,
+            starts,
+            self._tables.table[rows_idx],
+            blocks,
+        )
+        self._prompt_rows = []
+        logits, h = vg.replay_staged()
+        if any(specs):
+            self.spec_graph_counts["verify_graph"] += 1
+        if self.keep_hidden_states:
+            q = vg.q
+            for b, r in enumerate(reqs):
+                # Views of the graph's output: the proposer takes them before the next step.
+                self._hidden_out.append((r, starts[b], h[b * q : b * q + counts[b]]))
+        eos = tuple(self.eos_token_ids)
+        rows = [row for r, sp in zip(reqs, specs) for row in verify_sample_rows(r, sp, eos)]
         return self.sampler(logits, rows)
 
     def _forward(self, batch: DeviceBatch, logits_indices: torch.Tensor) -> torch.Tensor:

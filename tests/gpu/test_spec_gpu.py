@@ -1,7 +1,9 @@
 """On a CUDA GPU: speculative decoding's greedy output equals greedy without speculation and
 transformers' greedy output (fp32, every tiny checkpoint), with an n-gram proposer and with an
 oracle drafter (a perfect one and a corrupted one); the verify step's prefill attention over
-k+1 query rows per sequence equals the reference at real shapes. Skipped without CUDA."""
+k+1 query rows per sequence equals the reference at real shapes; the verify step and the
+proposers' single-token steps replayed as CUDA graphs (spec/graphs.py) give what the eager
+steps give. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -24,15 +26,18 @@ pytestmark = [
 ]
 
 
-def _engine(arch: str, dtype: str, spec: dict | None) -> LLMEngine:
+def _engine(
+    arch: str, dtype: str, spec: dict | None, eager: bool = False, graph_batch: int = 16
+) -> LLMEngine:
     cfg = EngineConfig(
         model=str(checkpoint(arch)),
         dtype=dtype,
         device="cuda",
         num_kv_blocks=256,
         max_model_len=256,
-        max_graph_batch_size=16,
+        max_graph_batch_size=graph_batch,
         speculative_config=spec,
+        enforce_eager=eager,
     )
     return LLMEngine(cfg)
 
@@ -233,3 +238,118 @@ def test_eagle_on_gpu(dtype: str, tmp_path) -> None:
         print("fp16 agreement lengths", agree)
         assert all(len(g) == 32 for g in got)
         assert sum(agree) >= len(want) * 8
+
+
+def _graph_spec(method: str, head) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4}
+    if method == "draft_model":
+        # The target as its own draft (fp32): a right draft step has every proposal accepted.
+        return {
+            "method": "draft_model",
+            "model": str(checkpoint("llama")),
+            "num_speculative_tokens": 4,
+        }
+    return {"method": "eagle", "model": str(head), "num_speculative_tokens": 4}
+
+
+def _generate(eng: LLMEngine, method: str, prompts, params, want, seed: int):
+    if method == "ngram":
+        # An oracle (30% of its tokens wrong) makes every step verify; request 0's continuation
+        # ends early, so its rows come short before full ones.
+        ids = [f"generate-{eng._generate_calls + 1}-{i}" for i in range(len(prompts))]
+        cont = {rid: w[: 10 if i == 0 else None] for i, (rid, w) in enumerate(zip(ids, want))}
+        eng.proposer = OracleProposer(4, cont, 0.3, eng.vocab_size, seed)
+    return eng.generate(prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_spec_graphs_equal_spec_eager_and_spec_off(method: str, tmp_path) -> None:
+    """fp32 greedy, decode graphs up to 40 (verify graphs of 5 rows per sequence: sizes 1, 2,
+    4, 8), batches of 1, 5 (padded to 8), 8 (unpadded) and 12 (more than the largest verify
+    size: eager until requests finish): speculation with CUDA graphs equals speculation under
+    --enforce-eager and speculation off; the verify steps (and, for a draft model or an EAGLE
+    head, the runs of its single-token steps) replayed graphs, at the padded sizes too, and only
+    the batch of 12 fell back; the self-draft has every proposal accepted and the EAGLE head's
+    proposals equal the plain-torch reference (up to near-ties)."""
+    from tests.engine.test_spec_eagle import _check_against_reference, spy, write_head
+    from tests.engine.token_match import assert_streams_match
+
+    seed = int(os.environ.get("VOLTSERVE_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"VOLTSERVE_TEST_SEED={seed}")
+    rng = random.Random(seed)
+    head = write_head(tmp_path / "head", 7) if method == "eagle" else None
+    V = len(tokenizer())
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = _graph_spec(method, head)
+    base = _engine("llama", "float32", None, graph_batch=40)
+    eager = _engine("llama", "float32", spec, eager=True, graph_batch=40)
+    graph = _engine("llama", "float32", spec, graph_batch=40)
+    assert eager.runner.verify_graphs is None and eager.runner.draft_graphs is None
+    vg = graph.runner.verify_graphs
+    assert vg is not None and vg.sizes == [1, 2, 4, 8] and vg.q == 5
+    dg = graph.runner.draft_graphs
+    assert (dg is not None) == (method != "ngram")
+    calls = spy(graph) if method == "eagle" else None
+    counts = graph.runner.spec_graph_counts
+    for n in (1, 5, 8, 12):
+        prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 20))] * 2 for _ in range(n)]
+        want = base.generate(prompts, params)
+        ids = [str(i) for i in range(n)]
+        reqs = {i: (p, params) for i, p in zip(ids, prompts)}
+        for eng in (eager, graph):
+            got = _generate(eng, method, prompts, params, want, seed)
+            assert_streams_match(
+                dict(zip(ids, got)), dict(zip(ids, want)), reqs, checkpoint("llama")
+            )
+            assert eng.check_all_free()
+        if n == 8:
+            assert counts["verify_graph"] > 0 and counts["verify_eager"] == 0, counts
+            assert {1, 8} <= set(vg.replays_by_size), vg.replays_by_size
+    print("spec graph counts", counts, "verify replays", vg.replays_by_size)
+    assert counts["verify_eager"] > 0, counts  # the batch of 12
+    assert eager.runner.spec_graph_counts["verify_graph"] == 0
+    st = graph.stats()
+    assert st.spec_decode_num_drafts > 0
+    if dg is not None:
+        # Draft steps: decode sizes up to 40, so the batch of 12 replays the size-16 graph.
+        assert counts["draft_graph"] > 0 and counts["draft_eager"] == 0, counts
+        assert {1, 8, 16} <= set(dg.replays_by_size), dg.replays_by_size
+    if method == "draft_model":
+        assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
+    if method == "eagle":
+        _check_against_reference(head, calls[:60])
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_spec_graphs_fp16(method: str, tmp_path) -> None:
+    """fp16 (the numba decode-attention kernel over the verify rows, the V100 path): the graph
+    path ran for batch 1 and a padded batch of 5, and its output agrees with speculation eager
+    (prefill attention over the verify rows) up to fp16 near-ties, as the other fp16 tests
+    assert (a long common prefix, every request complete)."""
+    from tests.engine.test_spec_eagle import write_head
+
+    rng = random.Random(9)
+    head = write_head(tmp_path / "head", 7) if method == "eagle" else None
+    V = len(tokenizer())
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = _graph_spec(method, head)
+    eager = _engine("llama", "float16", spec, eager=True, graph_batch=40)
+    graph = _engine("llama", "float16", spec, graph_batch=40)
+    base = _engine("llama", "float16", None, graph_batch=40)
+    for n in (1, 5):
+        prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 20))] * 2 for _ in range(n)]
+        want = base.generate(prompts, params)
+        a = _generate(eager, method, prompts, params, want, 9)
+        b = _generate(graph, method, prompts, params, want, 9)
+        agree = [
+            next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), len(w)) for g, w in zip(b, a)
+        ]
+        print("fp16 agreement lengths", agree)
+        assert all(len(g) == 24 for g in b)
+        assert sum(agree) >= n * 8
+    counts = graph.runner.spec_graph_counts
+    assert counts["verify_graph"] > 0 and counts["verify_eager"] == 0, counts
+    assert {1, 8} <= set(graph.runner.verify_graphs.replays_by_size)
+    if method == "eagle":
+        assert counts["draft_graph"] > 0

@@ -397,24 +397,37 @@ def test_bench_startup_cpu_smoke(tmp_path):
     assert run["cache_entries"] == 0  # nothing compiled on the CPU
 
 
-def test_bench_spec_smoke(tmp_path):
+def test_bench_spec_smoke(tmp_path, monkeypatch):
     """bench_spec end to end at a tiny size: every section written; a perfect oracle (p = 0,
-    fp32 on the CPU) has every proposal accepted; the draft preset is Llama-3.2-1B's shape."""
+    fp32 on the CPU) has every proposal accepted, at a k above the n-gram engine's (an engine
+    per k); the draft preset is Llama-3.2-1B's shape; each speculative figure says whether its
+    verify steps ran in graphs (none on the CPU); the temporary checkpoint and the EAGLE head
+    beside it are removed at the end."""
+    import tempfile
+
+    bench_spec = importlib.import_module("load_tests.bench_spec")
     cfg = common.make_hf_config("llama3.2-1b")
     assert common.weight_bytes(cfg, common.torch.float16)["total_bytes"] == 2 * 1_235_814_400
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert bench_spec.default_eagle_dir("tiny", a, 0) != bench_spec.default_eagle_dir("tiny", b, 0)
+    assert bench_spec.default_eagle_dir("tiny", a, 0) != bench_spec.default_eagle_dir("tiny", a, 1)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     out = tmp_path / "spec.json"
     args = ["load_tests/bench_spec.py", "--preset", "tiny", "--device", "cpu"]
-    args += ["--model-dir", str(tmp_path / "model")]  # else a temporary folder left behind
-    args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "2"]
+    args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "4"]
     args += ["--oracle-ks", "2", "--corrupt", "0", "--batch-sizes", "1,2"]
     args += ["--draft-preset", "tiny", "--draft-dir", str(tmp_path / "draft"), "--out", str(out)]
-    args += ["--eagle-dir", str(tmp_path / "eagle")]
     _run(args)
+    assert list(tmp.iterdir()) == []
     r = json.loads(out.read_text())
     for key in ("spec_off", "ngram_batch1", "cost_curve", "forced_acceptance_batch1"):
         assert r[key], key
-    assert set(r["cost_curve"]) == {"B1_k2", "B2_k2"}
+    assert set(r["cost_curve"]) == {"B1_k4", "B2_k4"}
     forced = r["forced_acceptance_batch1"]["k2_p0.0"]
     assert forced["num_drafts"] > 0 and forced["acceptance_rate"] == 1.0
-    assert r["cost_curve"]["B2_k2"]["acceptance_rate"] == 1.0
+    assert r["cost_curve"]["B2_k4"]["acceptance_rate"] == 1.0
     assert r["draft_model_batch1"]["num_drafts"] > 0
+    for fig in (forced, r["cost_curve"]["B2_k4"], r["ngram_batch1"], r["eagle_batch1"]):
+        assert fig["verify_in_graphs"] is False and fig["graphs"]["verify_graph"] == 0

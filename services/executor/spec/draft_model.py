@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
+from voltserve.services.executor.spec.graphs import count
 from voltserve.services.executor.spec.proposer import Proposer
 from voltserve.shared import startup
 
@@ -117,8 +118,16 @@ class DraftModelProposer(Proposer):
         drafts = [[t] for t in last]
         for _, r, _, _ in rows:
             r.spec_state = (r.num_preemptions, r.num_tokens)
-        # k - 1 single-token steps over the requests that still want more.
-        for j in range(1, max(k for *_, k in rows)):
+        # k - 1 single-token steps over the requests that still want more: as graph replays
+        # when the runner captured them for this many requests (spec/graphs.py), else eagerly.
+        g = getattr(self.runner, "draft_graphs", None)
+        kmax = max(k for *_, k in rows)
+        if kmax > 1 and g is not None and g.can_run(len(rows)):
+            self._graph_steps(g, rows, reqs, drafts, kmax)
+            kmax = 1
+        elif kmax > 1:
+            count(self.runner, "draft_eager")
+        for j in range(1, kmax):
             live = [b for b, (*_, k) in enumerate(rows) if k > j]
             if not live:
                 break
@@ -139,6 +148,23 @@ class DraftModelProposer(Proposer):
         for (i, _, _, _), d in zip(rows, drafts):
             out[i] = d
         return out
+
+    def _graph_steps(self, g, rows, reqs: list[Request], drafts: list[list[int]], kmax: int):
+        """Steps 1..kmax-1 as replays of the draft's step graphs: each step's input ids are the
+        previous step's argmax, on the device; one copy back of all their tokens at the end."""
+        ks = [k for *_, k in rows]
+        blocks = [r.block_ids for r in reqs]
+        ids: list[int] | torch.Tensor = [d[-1] for d in drafts]
+        outs = []
+        for j in range(1, kmax):
+            pos = [r.num_tokens + j - 1 for r in reqs]
+            (ids,) = g.run(pos, blocks, [k > j for k in ks], ids)
+            outs.append(ids.clone())
+        for j, toks in enumerate(torch.stack(outs).tolist(), start=1):
+            for b, t in enumerate(toks):
+                if ks[b] > j:
+                    drafts[b].append(t)
+        count(self.runner, "draft_graph")
 
     def _tables(self, reqs: list[Request]) -> torch.Tensor:
         return block_tables(reqs)

@@ -32,6 +32,7 @@ import torch
 from voltserve.services.executor.request import Request, RequestStatus
 from voltserve.services.executor.spec.draft_model import block_tables, draft_metadata
 from voltserve.services.executor.spec.eagle_head import LoadedHead
+from voltserve.services.executor.spec.graphs import count
 from voltserve.services.executor.spec.proposer import Proposer
 
 
@@ -145,8 +146,16 @@ class EagleProposer(Proposer):
         h = h[torch.tensor(qsl[1 : nprop + 1], device=h.device) - 1]
         ks = [wanted[r.request_id][1] for r in reqs[:nprop]]
         drafts = [[t] for t in self._argmax(h)]
-        # k - 1 single-row steps: the head's own output is the next feature.
-        for j in range(1, max(ks)):
+        # k - 1 single-row steps: the head's own output is the next feature. As graph replays
+        # when the runner captured them for this many requests (spec/graphs.py), else eagerly.
+        g = getattr(self.runner, "draft_graphs", None)
+        kmax = max(ks)
+        if kmax > 1 and g is not None and g.can_run(nprop):
+            self._graph_steps(g, reqs[:nprop], ks, drafts, h)
+            kmax = 1
+        elif kmax > 1:
+            count(self.runner, "draft_eager")
+        for j in range(1, kmax):
             live = [b for b in range(nprop) if ks[b] > j]
             p = [reqs[b].num_computed_tokens + j - 1 for b in live]
             idx = torch.tensor(live, device=h.device)
@@ -165,6 +174,24 @@ class EagleProposer(Proposer):
         for r, d in zip(reqs, drafts):
             out[wanted[r.request_id][0]] = d
         return out
+
+    def _graph_steps(self, g, reqs: list[Request], ks: list[int], drafts, h: torch.Tensor):
+        """Steps 1..max(ks)-1 as replays of the head's step graphs: each step's input token and
+        feature are the previous step's argmax and output, on the device; one copy back of all
+        their tokens at the end."""
+        blocks = [r.block_ids for r in reqs]
+        ids: list[int] | torch.Tensor = [d[-1] for d in drafts]
+        feats = h
+        outs = []
+        for j in range(1, max(ks)):
+            pos = [r.num_computed_tokens + j - 1 for r in reqs]
+            ids, feats = g.run(pos, blocks, [k > j for k in ks], ids, feats)
+            outs.append(ids.clone())
+        for j, toks in enumerate(torch.stack(outs).tolist(), start=1):
+            for b, t in enumerate(toks):
+                if ks[b] > j:
+                    drafts[b].append(t)
+        count(self.runner, "draft_graph")
 
     def _argmax(self, h: torch.Tensor) -> list[int]:
         return self.target.compute_logits(h).argmax(dim=-1).tolist()
