@@ -14,7 +14,8 @@ by row count: `config_for`) and walks K in steps of BK = 64. Per step:
      (16-byte copies, fp16), and its 16-byte chunks of code words (int4: 32 codes of one weight
      row; int8: 16) dequantised with the group's folded (S, O) (quant_common.py) into the B tile
      as fp16 [n][k] (16-byte stores). B is dequantised once per block for all its warps; when
-     the block has more threads than code chunks (int4 in 8 or 16 warps), the first threads do;
+     the block has more threads than code chunks (int4 in 8 or 16 warps, int8 in 16), 2 or 4
+     threads share a chunk, each dequantising its part;
   2. barrier; the loads of the NEXT step are issued into registers (so their latency overlaps
      this step's tensor-core work: the weight stream stays in flight; SM70 has no cp.async);
   3. each warp runs its WM x WN fragments over the step's k-slices;
@@ -82,12 +83,13 @@ class TileConfig:
         return 16 * self.wgn * self.wn
 
 
-# Row tiles by row count (`config_for`), with ptxas's registers a thread for sm_70 (int4; int8
-# within a few): 16 rows 4 warps (80), 32 rows 8 warps of one fragment each (82), 64 rows 8
-# warps of 2 x 1 fragments (122), beyond 64 rows 128-row tiles of 16 warps (122; 512 threads may
-# use 128 at most): each dequantised weight tile feeds 128 rows, so at 256 rows every weight is
-# dequantised twice, not four times as with 64-row tiles. K steps of 64: a step of 128 doubles
-# each thread's chunks in flight and costs 45 to 90 registers (254 for 64 rows in 4 warps).
+# Row tiles by row count (`config_for`), with ptxas's registers a thread for sm_70 (the
+# registered instances): 16 rows 4 warps (int4 80), 32 rows 8 warps of one fragment each (int8
+# 79), 64 rows 8 warps of 2 x 1 fragments (int4 123), beyond 64 rows 128-row tiles of 16 warps
+# (123; 512 threads may use 128 at most): each dequantised weight tile feeds 128 rows, so at 256
+# rows every weight is dequantised twice, not four times as with 64-row tiles. K steps of 64: a
+# step of 128 doubles each thread's chunks in flight and costs 45 to 90 registers (254 for 64
+# rows in 4 warps).
 CONFIGS = {
     16: TileConfig(1, 4, 1, 1, 64),
     32: TileConfig(2, 4, 1, 1, 64),
@@ -125,9 +127,12 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
     CODES = 4 * P  # codes per 16-byte chunk of code words
     B_CPR = BK // CODES  # code chunks per weight row per step
     NB = BN * B_CPR  # code chunks per step
-    B_CH = max(1, NB // THREADS)  # code chunks per thread (the first NB threads when NB < THREADS)
-    B_ALL = NB >= THREADS
-    assert (NB % THREADS == 0 if B_ALL else THREADS % NB == 0) and B_CH <= 4
+    # Fewer chunks than threads (int4 in 8 or 16 warps): B_SPLIT adjacent threads share one
+    # chunk (the same 16-byte load, one transaction), each dequantising a 1 / B_SPLIT part.
+    B_SPLIT = max(1, THREADS // NB)
+    B_CH = max(1, NB // THREADS)  # code chunks (or parts) per thread
+    PART = CODES // B_SPLIT  # codes a thread dequantises per chunk
+    assert NB * B_SPLIT == THREADS * B_CH and B_CH <= 4 and B_SPLIT <= 4 // (bits // 4)
     SCALE_MUL = float32(1 << bits)
     z = uint32(0)
     f0 = float32(0.0)
@@ -181,23 +186,25 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
             store_x(a_s, tid + 7 * THREADS, xa[7])
 
     @cuda.jit(device=True, inline="always")
-    def load_b(qw, scales, offsets, n0, k0, K, gshift, c):
-        """Code chunk c of the BN x BK weight tile at (n0, k0): 4 words, and the (scale, offset)
-        of its first and second halves (int4 group 16: two groups; otherwise the same one).
-        Rows past N re-read row N - 1; a chunk past K (the K tail) re-reads the last chunk of
-        the row (the products skip the tail)."""
+    def load_b(qw, scales, offsets, n0, k0, K, gshift, c, p):
+        """Code chunk c of the BN x BK weight tile at (n0, k0), for part p of it (`B_SPLIT`): 4
+        words, and the (scale, offset) of the part's first and second halves (int4 group 16 and
+        a whole chunk: two groups; otherwise the same one). Rows past N re-read row N - 1; a
+        chunk past K (the K tail) re-reads the last chunk of the row (the products skip the
+        tail)."""
         N = qw.shape[0]
         G = scales.shape[1]
         r = c // B_CPR
         row = min(n0 + r, N - 1)
         kk = min(k0 + (c - r * B_CPR) * CODES, K - CODES)
         q = ld_w4(qw, (row, kk // P))
-        ga = min(kk >> gshift, G - 1)
+        kp = kk + p * PART
+        ga = min(kp >> gshift, G - 1)
         s0 = float32(scales[row, ga])
         o0 = float32(offsets[row, ga])
         s1 = s0
         o1 = o0
-        if bits == 4 and gshift < 5:
+        if bits == 4 and B_SPLIT == 1 and gshift < 5:
             gb = min((kk + 16) >> gshift, G - 1)
             s1 = float32(scales[row, gb])
             o1 = float32(offsets[row, gb])
@@ -205,14 +212,13 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
 
     @cuda.jit(device=True, inline="always")
     def load_b_all(qw, scales, offsets, n0, k0, K, gshift, tid):
-        b0 = ZB
-        if B_ALL or tid < NB:
-            b0 = load_b(qw, scales, offsets, n0, k0, K, gshift, tid)
+        c = tid // B_SPLIT
+        p = tid - c * B_SPLIT
         return (
-            b0,
-            load_b(qw, scales, offsets, n0, k0, K, gshift, tid + THREADS) if B_CH > 1 else ZB,
-            load_b(qw, scales, offsets, n0, k0, K, gshift, tid + 2 * THREADS) if B_CH > 2 else ZB,
-            load_b(qw, scales, offsets, n0, k0, K, gshift, tid + 3 * THREADS) if B_CH > 3 else ZB,
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c, p),
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + THREADS, 0) if B_CH > 1 else ZB,
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + 2 * THREADS, 0) if B_CH > 2 else ZB,
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + 3 * THREADS, 0) if B_CH > 3 else ZB,
         )
 
     @cuda.jit(device=True, inline="always")
@@ -242,13 +248,25 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
         st_h8(b_s, dst, (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]))
 
     @cuda.jit(device=True, inline="always")
-    def store_b(b_s, c, st):
-        """Code chunk c (`load_b`'s registers) dequantised into the B tile, fp16 [n][k]."""
+    def store_b(b_s, c, p, st):
+        """Part p of code chunk c (`load_b`'s registers) dequantised into the B tile, fp16
+        [n][k]."""
         q, s0, o0, s1, o1 = st
         r = c // B_CPR
-        dst = r * LDB + (c - r * B_CPR) * CODES
+        dst = r * LDB + (c - r * B_CPR) * CODES + p * PART
         S0, O0 = fold(s0, o0, SCALE_MUL)
-        if bits == 4:
+        if B_SPLIT == 4:  # int4: word p, 8 codes
+            u = q[0] if p == 0 else (q[1] if p == 1 else (q[2] if p == 2 else q[3]))
+            store_word8(b_s, dst, u, S0, O0)
+        elif B_SPLIT == 2:  # words 2p, 2p + 1: int4 16 codes, int8 8
+            u0 = q[2] if p else q[0]
+            u1 = q[3] if p else q[1]
+            if bits == 4:
+                store_word8(b_s, dst, u0, S0, O0)
+                store_word8(b_s, dst + 8, u1, S0, O0)
+            else:
+                store_words4(b_s, dst, u0, u1, S0, O0)
+        elif bits == 4:
             S1, O1 = fold(s1, o1, SCALE_MUL)
             store_word8(b_s, dst, q[0], S0, O0)
             store_word8(b_s, dst + 8, q[1], S0, O0)
@@ -260,14 +278,14 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
 
     @cuda.jit(device=True, inline="always")
     def store_b_all(b_s, tid, bq):
-        if B_ALL or tid < NB:
-            store_b(b_s, tid, bq[0])
+        c = tid // B_SPLIT
+        store_b(b_s, c, tid - c * B_SPLIT, bq[0])
         if B_CH > 1:
-            store_b(b_s, tid + THREADS, bq[1])
+            store_b(b_s, c + THREADS, 0, bq[1])
         if B_CH > 2:
-            store_b(b_s, tid + 2 * THREADS, bq[2])
+            store_b(b_s, c + 2 * THREADS, 0, bq[2])
         if B_CH > 3:
-            store_b(b_s, tid + 3 * THREADS, bq[3])
+            store_b(b_s, c + 3 * THREADS, 0, bq[3])
 
     @cuda.jit(device=True, inline="always")
     def write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, i, j, c):

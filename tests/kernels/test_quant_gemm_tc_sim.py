@@ -68,10 +68,11 @@ CASES = [
     (17, 64, 128, 4, 64, False, 2, None),  # 32-row tile, split-K
     (40, 70, 128, 8, 32, True, 1, None),  # partial 64-row tile, int8
     (9, 64, 192, 8, 16, False, 3, None),  # three pipelined steps, one a split
-    (64, 64, 128, 4, 128, True, 1, None),  # full 64-row tile; half the threads dequantise
-    (77, 64, 128, 4, 32, True, 1, None),  # 128-row tile: a quarter of the threads dequantise
-    (130, 64, 64, 8, 64, False, 1, None),  # two 128-row tiles, the second with 2 rows
-    (9, 70, 192, 4, 16, True, 2, BK128_W11),  # K tail: the second split is the tail alone
+    (64, 64, 128, 4, 128, True, 1, None),  # full 64-row tile: 2 threads a code chunk
+    (33, 70, 128, 4, 16, False, 1, None),  # 2 threads a chunk, one group 16 each
+    (77, 64, 128, 4, 16, True, 1, None),  # 128-row tile: 4 threads a code chunk, 8 codes each
+    (130, 64, 64, 8, 64, False, 1, None),  # two 128-row tiles (the second 2 rows), int8 split
+    (9, 70, 192, 4, 32, True, 2, BK128_W11),  # K tail: the second split is the tail alone
     (33, 64, 64, 8, 32, False, 1, BK128_W22),  # one half-filled step, 2 x 2 fragments
 ]
 
