@@ -351,9 +351,7 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
                 xa = load_x_all(x, T, K, m0, (s + 1) * BK, tid)
                 bq = load_b_all(qw, scales, offsets, n0, (s + 1) * BK, K, gshift, tid)
             # 3. tensor cores: the warp's WM x WN fragments over the step's k-slices, up to K
-            # (the K tail: a half-filled last step). A bound not known at compile time also
-            # keeps the loop rolled: unrolled, ptxas hoists every slice's fragment loads and
-            # the 2 x 2 tile needs 168 registers.
+            # (the K tail: a half-filled last step).
             for kk in range(0, min(BK, K - s * BK), 16):
                 fa0 = load_a_frag(a_s, a_off + kk, LDA)
                 fa1 = load_a_frag(a_s, a_off + 16 * LDA + kk, LDA) if WM > 1 else fa0
