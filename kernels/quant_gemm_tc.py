@@ -1,21 +1,28 @@
 """Group-quantized GEMM on Volta tensor cores for batched decode (about 9 to 256 rows):
 y[T, N] = x[T, K] @ dequantize(w)^T (+ bias), reference `quant_linear_ref` (quant_linear.py).
 
-numba.cuda orchestrates; the warp-matrix products are wmma_ptx.cu's `vs_qgemm_step_*` (inline
-PTX wmma m16n16k16, f16 in, f32 accumulate), linked and handed shared/local array pointers via
-cffi's `from_buffer`, the route prefill_attention_tc.py uses.
+numba.cuda throughout; the warp-matrix products are wmma_inline.py's intrinsics (the PTX wmma
+m16n16k16 instructions, f16 in, f32 accumulate, emitted inline), so each warp's accumulator
+fragments stay in registers for the whole K loop and are stored once, in the epilogue. (Up to
+97ae6d1 the products were wmma_ptx.cu's `vs_qgemm_step_*`, one linked C call a K step: the
+accumulators went through a per-thread local array on every step, and the call's ABI made the
+caller's live registers and the callee's add up, 174 registers for the 64-row tile.)
 
-A thread block (4 warps) owns a BM x BN = (16|32|64) x 64 output tile and walks K in steps of
-BK = 64. Per step:
+A thread block of 4, 8 or 16 warps owns a BM x BN = (16|32|64|128) x 64 output tile (`CONFIGS`,
+by row count: `config_for`) and walks K in steps of BK = 64. Per step:
   1. each thread stores the step's words it holds in registers: x chunks into the A tile
-     (16-byte copies, fp16), and one 16-byte chunk of code words (int4: 32 codes of one weight
-     row; int8: two chunks of 16) dequantised with the group's folded (S, O) (quant_common.py)
-     into the B tile as fp16 [n][k] (16-byte stores);
+     (16-byte copies, fp16), and its 16-byte chunks of code words (int4: 32 codes of one weight
+     row; int8: 16) dequantised with the group's folded (S, O) (quant_common.py) into the B tile
+     as fp16 [n][k] (16-byte stores). B is dequantised once per block for all its warps; when
+     the block has more threads than code chunks (int4 in 8 or 16 warps, int8 in 16), 2 or 4
+     threads share a chunk, each dequantising its part;
   2. barrier; the loads of the NEXT step are issued into registers (so their latency overlaps
-     this step's tensor-core work: the weight stream stays in flight);
-  3. each warp runs its WM x WN fragments over the BK / 16 k-slices (one C++ call; the
-     accumulators live in a per-thread array between calls, as in prefill_attention_tc);
+     this step's tensor-core work: the weight stream stays in flight; SM70 has no cp.async);
+  3. each warp runs its WM x WN fragments over the step's k-slices;
   4. barrier.
+The 128-row tile serves 65..256 rows: every dequantised weight tile feeds 128 rows, so at 256
+rows each weight is dequantised twice per call, not four times. BK (a TileConfig field) may be
+128; a K that is not a multiple of it ends in a half-filled step, whose products stop at K.
 Split-K: when the (N / BN) x (T / BM) tiles are too few to fill the GPU (decode-sized T, narrow
 N), grid.z = S blocks each take a slice of K and write fp32 partials [S, T, N]; a small kernel
 sums them, adds the bias and rounds once. Otherwise the epilogue writes y (+ bias) directly,
@@ -23,8 +30,8 @@ through a 16 x 16 f32 staging tile per warp. Rows past T and columns past N are 
 clamped (re-read) inputs and never written.
 
 Requirements (`supports`): fp16, K a multiple of 64, x contiguous (flat 16-byte chunks).
-The CUDA simulator cannot run linked C++: under NUMBA_ENABLE_CUDASIM the two wmma functions
-are replaced by Python stand-ins (see below) so the simulator tests run the numba side, and
+The CUDA simulator cannot run PTX: under NUMBA_ENABLE_CUDASIM the wmma intrinsics are Python
+stand-ins (wmma_inline.py) so the simulator tests run everything around the products, and
 `supports_weight` is False, so quant_linear never routes here there.
 """
 
@@ -34,31 +41,38 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 from numba.core.types import float16
+from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
 from voltserve.kernels.numba_common import SIM, current_stream, dev, launch
-from voltserve.kernels.prefill_attention_tc import WMMA_CU
 from voltserve.kernels.quant_common import bits_f32, fold, ld_w4, st_h8
 from voltserve.kernels.quant_pack import GroupQuantWeight
+from voltserve.kernels.wmma_inline import ZERO_C, load_b_col, mma, store_c
+from voltserve.kernels.wmma_inline import load_a as load_a_frag
 
-CUDA_SOURCES: tuple[str, ...] = (WMMA_CU,)
-BK = 64  # must equal VS_QGEMM_BK in wmma_ptx.cu
 BN = 64
-WARPS = 4
-THREADS = 32 * WARPS
-LDA = BK + 8  # padded leading dims (elements): rows start in different banks
-LDB = BK + 8
+PAD = 8  # tile rows padded by 8 elements: rows start in different banks
 LDS = 20  # staging tile leading dim (f32), a multiple of 4
 MAX_SPLIT = 8
+K_ALIGN = 64  # `supports`: K a multiple of this (a step of 128 may end in a half-filled tail)
 _ALIGN = None if SIM else 128  # shared tiles: wmma wants 32-byte aligned tile starts
 
 
 @dataclass(frozen=True)
 class TileConfig:
     wgm: int  # warps along M
-    wgn: int  # warps along N (wgm * wgn == WARPS)
+    wgn: int  # warps along N
     wm: int  # fragments per warp along M
     wn: int  # fragments per warp along N
+    bk: int  # K step, a multiple of 16
+
+    @property
+    def warps(self) -> int:
+        return self.wgm * self.wgn
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     @property
     def bm(self) -> int:
@@ -69,77 +83,27 @@ class TileConfig:
         return 16 * self.wgn * self.wn
 
 
-CONFIGS = {16: TileConfig(1, 4, 1, 1), 32: TileConfig(1, 4, 2, 1), 64: TileConfig(2, 2, 2, 2)}
+# Row tiles by row count (`config_for`), with ptxas's registers a thread for sm_70 (the
+# registered instances): 16 rows 4 warps (int4 80), 32 rows 8 warps of one fragment each (int8
+# 79), 64 rows 8 warps of 2 x 1 fragments (int4 123), beyond 64 rows 128-row tiles of 16 warps
+# (123; 512 threads may use 128 at most): each dequantised weight tile feeds 128 rows, so at 256
+# rows every weight is dequantised twice, not four times as with 64-row tiles. K steps of 64: a
+# step of 128 doubles each thread's chunks in flight and costs 45 to 90 registers (254 for 64
+# rows in 4 warps).
+CONFIGS = {
+    16: TileConfig(1, 4, 1, 1, 64),
+    32: TileConfig(2, 4, 1, 1, 64),
+    64: TileConfig(2, 4, 2, 1, 64),
+    128: TileConfig(4, 4, 2, 1, 64),
+}
 
 
 def config_for(rows: int) -> TileConfig:
-    """The smallest BM that covers `rows` (64 beyond: several row tiles)."""
-    for bm in (16, 32):
+    """The smallest BM that covers `rows` (128 beyond: several row tiles)."""
+    for bm in (16, 32, 64):
         if rows <= bm:
             return CONFIGS[bm]
-    return CONFIGS[64]
-
-
-if not SIM:
-    import cffi
-    from numba import types
-    from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
-
-    ffi = cffi.FFI()
-    _P16 = types.CPointer(types.float16)
-    _P32 = types.CPointer(types.float32)
-    _I32 = types.int32
-
-    def _declare(name: str, *args):
-        return cuda.declare_device(name, types.int32(*args), link=[WMMA_CU], abi="c")
-
-    # (acc, a, a_off, lda, b, b_off, ldb)
-    _STEP = {
-        (wm, wn): _declare(f"vs_qgemm_step_w{wm}{wn}", _P32, _P16, _I32, _I32, _P16, _I32, _I32)
-        for wm, wn in ((2, 2), (2, 1), (1, 1))
-    }
-    # (acc, f, stage, st_off, ld)
-    qgemm_store_frag = _declare("vs_qgemm_store_frag", _P32, _I32, _P32, _I32, _I32)
-else:
-    # The simulator cannot run the linked wmma functions. These stand-ins compute the same
-    # products with one fixed (made-up) fragment layout, lane l holding row l >> 1 and columns
-    # (l & 1) * 8 .. + 8 of each 16 x 16 tile; the real layout is opaque to the kernel, which
-    # only moves fragments between the two functions. So the simulator tests check everything
-    # the numba side does (tile fills, dequantisation, pipelining, split-K, epilogue).
-    import numpy as np
-    from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
-
-    class _NoFfi:
-        @staticmethod
-        def from_buffer(a):
-            return a
-
-    ffi = _NoFfi()
-
-    def _sim_step(wm: int, wn: int):
-        def step(acc, a, a_off, lda, b, b_off, ldb):
-            lane = cuda.threadIdx.x & 31
-            r, c0 = lane >> 1, (lane & 1) * 8
-            for i in range(wm):
-                ra = a_off + (i * 16 + r) * lda
-                av = np.asarray(a[ra : ra + BK], dtype=np.float32)
-                for j in range(wn):
-                    for e in range(8):
-                        rb = b_off + (j * 16 + c0 + e) * ldb
-                        bv = np.asarray(b[rb : rb + BK], dtype=np.float32)
-                        acc[(i * wn + j) * 8 + e] += np.float32(np.dot(av, bv))
-            return 0
-
-        return step
-
-    _STEP = {(wm, wn): _sim_step(wm, wn) for wm, wn in ((2, 2), (2, 1), (1, 1))}
-
-    def qgemm_store_frag(acc, f, stage, st_off, ld):
-        lane = cuda.threadIdx.x & 31
-        r, c0 = lane >> 1, (lane & 1) * 8
-        for e in range(8):
-            stage[st_off + r * ld + c0 + e] = acc[f * 8 + e]
-        return 0
+    return CONFIGS[128]
 
 
 @functools.cache
@@ -149,35 +113,116 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
     part flat fp32 [S * T * N] (split-K partials; unused when gridDim.z == 1), has_bias,
     group_shift, T, steps per split."""
     WGN, WM, WN = cfg.wgn, cfg.wm, cfg.wn
-    BM = cfg.bm
-    assert cfg.bn == BN and cfg.wgm * WGN == WARPS
-    NFRAG = WM * WN
+    BM, BK = cfg.bm, cfg.bk
+    WARPS, THREADS = cfg.warps, cfg.threads
+    assert cfg.bn == BN and BK % 16 == 0 and 1 <= WM <= 2 and 1 <= WN <= 2
+    LDA = LDB = BK + PAD
     A_SIZE = BM * LDA  # shared array sizes must be compile-time constants
     B_SIZE = BN * LDB
     ST_SIZE = WARPS * 16 * LDS
-    NACC = NFRAG * 8
-    A_CH = BM * (BK // 8) // THREADS  # 16-byte x chunks per thread per step
-    assert A_CH * THREADS == BM * BK // 8 and 1 <= A_CH <= 4
-    P = 32 // bits
+    A_CPR = BK // 8  # 16-byte x chunks (8 fp16) per tile row
+    A_CH = BM * A_CPR // THREADS  # x chunks per thread per step
+    assert A_CH * THREADS == BM * A_CPR and 1 <= A_CH <= 8
+    P = 32 // bits  # codes per int32 word
+    CODES = 4 * P  # codes per 16-byte chunk of code words
+    B_CPR = BK // CODES  # code chunks per weight row per step
+    NB = BN * B_CPR  # code chunks per step
+    # Fewer chunks than threads (int4 in 8 or 16 warps): B_SPLIT adjacent threads share one
+    # chunk (the same 16-byte load, one transaction), each dequantising a 1 / B_SPLIT part.
+    B_SPLIT = max(1, THREADS // NB)
+    B_CH = max(1, NB // THREADS)  # code chunks (or parts) per thread
+    PART = CODES // B_SPLIT  # codes a thread dequantises per chunk
+    assert NB * B_SPLIT == THREADS * B_CH and B_CH <= 4 and B_SPLIT <= 4 // (bits // 4)
     SCALE_MUL = float32(1 << bits)
-    step_fn = _STEP[(WM, WN)]
-    store_fn = qgemm_store_frag
     z = uint32(0)
+    f0 = float32(0.0)
     ZW = (z, z, z, z)
+    ZB = (ZW, f0, f0, f0, f0)  # a code chunk in flight: words, (scale, offset) of both halves
 
     @cuda.jit(device=True, inline="always")
-    def load_a(x, T, K, m0, k0, i):
-        """x chunk i (of the BM x BK tile at (m0, k0)); rows past T re-read row T - 1."""
-        r = i >> 3
+    def load_x(x, T, K, m0, k0, c):
+        """x chunk c of the BM x BK tile at (m0, k0); rows past T re-read row T - 1, columns
+        past K (the K tail of the last step, which the products skip) re-read the row's last
+        chunk."""
+        r = c // A_CPR
+        k = min(k0 + (c - r * A_CPR) * 8, K - 8)
         m = min(m0 + r, T - 1)
-        return ld_u32x4(x, m * K + k0 + (i & 7) * 8)
+        return ld_u32x4(x, m * K + k)
 
     @cuda.jit(device=True, inline="always")
-    def store_a(a_s, i, u):
-        st_u32x4(a_s, (i >> 3) * LDA + (i & 7) * 8, u[0], u[1], u[2], u[3])
+    def load_x_all(x, T, K, m0, k0, tid):
+        return (
+            load_x(x, T, K, m0, k0, tid),
+            load_x(x, T, K, m0, k0, tid + THREADS) if A_CH > 1 else ZW,
+            load_x(x, T, K, m0, k0, tid + 2 * THREADS) if A_CH > 2 else ZW,
+            load_x(x, T, K, m0, k0, tid + 3 * THREADS) if A_CH > 3 else ZW,
+            load_x(x, T, K, m0, k0, tid + 4 * THREADS) if A_CH > 4 else ZW,
+            load_x(x, T, K, m0, k0, tid + 5 * THREADS) if A_CH > 5 else ZW,
+            load_x(x, T, K, m0, k0, tid + 6 * THREADS) if A_CH > 6 else ZW,
+            load_x(x, T, K, m0, k0, tid + 7 * THREADS) if A_CH > 7 else ZW,
+        )
 
     @cuda.jit(device=True, inline="always")
-    def deq8(u, p0, p1, p2, p3, S, Of):
+    def store_x(a_s, c, u):
+        r = c // A_CPR
+        st_u32x4(a_s, r * LDA + (c - r * A_CPR) * 8, u[0], u[1], u[2], u[3])
+
+    @cuda.jit(device=True, inline="always")
+    def store_x_all(a_s, tid, xa):
+        store_x(a_s, tid, xa[0])
+        if A_CH > 1:
+            store_x(a_s, tid + THREADS, xa[1])
+        if A_CH > 2:
+            store_x(a_s, tid + 2 * THREADS, xa[2])
+        if A_CH > 3:
+            store_x(a_s, tid + 3 * THREADS, xa[3])
+        if A_CH > 4:
+            store_x(a_s, tid + 4 * THREADS, xa[4])
+        if A_CH > 5:
+            store_x(a_s, tid + 5 * THREADS, xa[5])
+        if A_CH > 6:
+            store_x(a_s, tid + 6 * THREADS, xa[6])
+        if A_CH > 7:
+            store_x(a_s, tid + 7 * THREADS, xa[7])
+
+    @cuda.jit(device=True, inline="always")
+    def load_b(qw, scales, offsets, n0, k0, K, gshift, c, p):
+        """Code chunk c of the BN x BK weight tile at (n0, k0), for part p of it (`B_SPLIT`): 4
+        words, and the (scale, offset) of the part's first and second halves (int4 group 16 and
+        a whole chunk: two groups; otherwise the same one). Rows past N re-read row N - 1; a
+        chunk past K (the K tail) re-reads the last chunk of the row (the products skip the
+        tail)."""
+        N = qw.shape[0]
+        G = scales.shape[1]
+        r = c // B_CPR
+        row = min(n0 + r, N - 1)
+        kk = min(k0 + (c - r * B_CPR) * CODES, K - CODES)
+        q = ld_w4(qw, (row, kk // P))
+        kp = kk + p * PART
+        ga = min(kp >> gshift, G - 1)
+        s0 = float32(scales[row, ga])
+        o0 = float32(offsets[row, ga])
+        s1 = s0
+        o1 = o0
+        if bits == 4 and B_SPLIT == 1 and gshift < 5:
+            gb = min((kk + 16) >> gshift, G - 1)
+            s1 = float32(scales[row, gb])
+            o1 = float32(offsets[row, gb])
+        return (q, s0, o0, s1, o1)
+
+    @cuda.jit(device=True, inline="always")
+    def load_b_all(qw, scales, offsets, n0, k0, K, gshift, tid):
+        c = tid // B_SPLIT
+        p = tid - c * B_SPLIT
+        return (
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c, p),
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + THREADS, 0) if B_CH > 1 else ZB,
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + 2 * THREADS, 0) if B_CH > 2 else ZB,
+            load_b(qw, scales, offsets, n0, k0, K, gshift, c + 3 * THREADS, 0) if B_CH > 3 else ZB,
+        )
+
+    @cuda.jit(device=True, inline="always")
+    def deq4(u, p0, p1, p2, p3, S, Of):
         """Four codes of word u at bits p0..p3 (constants after inlining) -> 4 fp32 weights."""
         m = (1 << bits) - 1
         pos = 23 - bits
@@ -191,171 +236,148 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
     @cuda.jit(device=True, inline="always")
     def store_word8(b_s, dst, u, S, Of):
         """One int4 word (8 codes, pair-interleaved) -> 8 fp16 weights at b_s[dst]."""
-        a = deq8(u, 0, 16, 4, 20, S, Of)  # codes 0, 1, 2, 3
-        b = deq8(u, 8, 24, 12, 28, S, Of)  # codes 4, 5, 6, 7
+        a = deq4(u, 0, 16, 4, 20, S, Of)  # codes 0, 1, 2, 3
+        b = deq4(u, 8, 24, 12, 28, S, Of)  # codes 4, 5, 6, 7
         st_h8(b_s, dst, (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]))
 
     @cuda.jit(device=True, inline="always")
     def store_words4(b_s, dst, u0, u1, S, Of):
         """Two int8 words (4 codes each) -> 8 fp16 weights at b_s[dst]."""
-        a = deq8(u0, 0, 16, 8, 24, S, Of)
-        b = deq8(u1, 0, 16, 8, 24, S, Of)
+        a = deq4(u0, 0, 16, 8, 24, S, Of)
+        b = deq4(u1, 0, 16, 8, 24, S, Of)
         st_h8(b_s, dst, (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]))
+
+    @cuda.jit(device=True, inline="always")
+    def store_b(b_s, c, p, st):
+        """Part p of code chunk c (`load_b`'s registers) dequantised into the B tile, fp16
+        [n][k]."""
+        q, s0, o0, s1, o1 = st
+        r = c // B_CPR
+        dst = r * LDB + (c - r * B_CPR) * CODES + p * PART
+        S0, O0 = fold(s0, o0, SCALE_MUL)
+        if B_SPLIT == 4:  # int4: word p, 8 codes
+            u = q[0] if p == 0 else (q[1] if p == 1 else (q[2] if p == 2 else q[3]))
+            store_word8(b_s, dst, u, S0, O0)
+        elif B_SPLIT == 2:  # words 2p, 2p + 1: int4 16 codes, int8 8
+            u0 = q[2] if p else q[0]
+            u1 = q[3] if p else q[1]
+            if bits == 4:
+                store_word8(b_s, dst, u0, S0, O0)
+                store_word8(b_s, dst + 8, u1, S0, O0)
+            else:
+                store_words4(b_s, dst, u0, u1, S0, O0)
+        elif bits == 4:
+            S1, O1 = fold(s1, o1, SCALE_MUL)
+            store_word8(b_s, dst, q[0], S0, O0)
+            store_word8(b_s, dst + 8, q[1], S0, O0)
+            store_word8(b_s, dst + 16, q[2], S1, O1)
+            store_word8(b_s, dst + 24, q[3], S1, O1)
+        else:
+            store_words4(b_s, dst, q[0], q[1], S0, O0)
+            store_words4(b_s, dst + 8, q[2], q[3], S0, O0)
+
+    @cuda.jit(device=True, inline="always")
+    def store_b_all(b_s, tid, bq):
+        c = tid // B_SPLIT
+        store_b(b_s, c, tid - c * B_SPLIT, bq[0])
+        if B_CH > 1:
+            store_b(b_s, c + THREADS, 0, bq[1])
+        if B_CH > 2:
+            store_b(b_s, c + 2 * THREADS, 0, bq[2])
+        if B_CH > 3:
+            store_b(b_s, c + 3 * THREADS, 0, bq[3])
+
+    @cuda.jit(device=True, inline="always")
+    def write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, i, j, c):
+        """Fragment (i, j) of the warp: staged as 16 x 16 f32, then its rows < T and columns
+        < N into the split-K partials (gridDim.z > 1) or out (+ bias)."""
+        st = warp * 16 * LDS
+        store_c(st_s, st, c, LDS)
+        # Block-wide barriers (every thread runs the epilogue): syncwarp would do, but the
+        # simulator has none; the epilogue runs once per tile.
+        cuda.syncthreads()
+        lane = cuda.threadIdx.x & 31
+        r = lane >> 1
+        c0 = (lane & 1) * 8
+        m = m0 + (wm_ * WM + i) * 16 + r
+        nb = n0 + (wn_ * WN + j) * 16 + c0
+        if m < T:
+            for e in range(8):
+                n = nb + e
+                if n < N:
+                    v = st_s[st + r * LDS + c0 + e]
+                    if cuda.gridDim.z > 1:
+                        part[(cuda.blockIdx.z * T + m) * N + n] = v
+                    else:
+                        if has_bias:
+                            v += float32(bias[n])
+                        out[m, n] = v
+        cuda.syncthreads()
 
     def kernel(x, qw, scales, offsets, bias, out, part, has_bias, gshift, T, steps):
         tid = cuda.threadIdx.x
         warp = tid >> 5
-        lane = tid & 31
         n0 = cuda.blockIdx.x * BN
         m0 = cuda.blockIdx.y * BM
         N = qw.shape[0]
-        G = scales.shape[1]
         K = x.shape[0] // T
         s0 = cuda.blockIdx.z * steps
-        s1 = min(s0 + steps, K // BK)
+        s1 = min(s0 + steps, (K + BK - 1) // BK)
 
         a_s = cuda.shared.array(A_SIZE, float16, alignment=_ALIGN)
         b_s = cuda.shared.array(B_SIZE, float16, alignment=_ALIGN)
         st_s = cuda.shared.array(ST_SIZE, float32, alignment=_ALIGN)
-        acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0.0)
-        a_ptr = ffi.from_buffer(a_s)
-        b_ptr = ffi.from_buffer(b_s)
-        st_ptr = ffi.from_buffer(st_s)
-        acc_ptr = ffi.from_buffer(acc)
+        wm_ = warp // WGN
+        wn_ = warp - wm_ * WGN
+        a_off = wm_ * 16 * WM * LDA  # this warp's first A row, first B (weight) row
+        b_off = wn_ * 16 * WN * LDB
+        # The warp's accumulators (fragment (i, j) = c_ij), in registers for the whole K loop.
+        c00 = c01 = c10 = c11 = ZERO_C
 
-        # This thread's B work: int4: row tid >> 1, codes (tid & 1) * 32 .. + 32 of the step
-        # (one 16-byte chunk); int8: rows tid >> 2 and 32 + (tid >> 2), codes (tid & 3) * 16.
-        if bits == 4:
-            bn_a = tid >> 1
-            bk_a = (tid & 1) * 32
-        else:
-            bn_a = tid >> 2
-            bk_a = (tid & 3) * 16
-        bn_b = bn_a + 32
-        rw_a = min(n0 + bn_a, N - 1)
-        rw_b = min(n0 + bn_b, N - 1)
-
-        # Registers of the step in flight: x chunks, code words, scales/offsets.
-        xa0 = xa1 = xa2 = xa3 = ZW
-        qa = qb = ZW
-        sa = oa = sb = ob = sc = oc = float32(0.0)
+        # Registers of the step in flight: x chunks, code chunks with their scales/offsets.
+        xa = (ZW, ZW, ZW, ZW, ZW, ZW, ZW, ZW)
+        bq = (ZB, ZB, ZB, ZB)
         if s0 < s1:
-            k0 = s0 * BK
-            xa0 = load_a(x, T, K, m0, k0, tid)
-            if A_CH > 1:
-                xa1 = load_a(x, T, K, m0, k0, tid + THREADS)
-            if A_CH > 2:
-                xa2 = load_a(x, T, K, m0, k0, tid + 2 * THREADS)
-            if A_CH > 3:
-                xa3 = load_a(x, T, K, m0, k0, tid + 3 * THREADS)
-            kk = k0 + bk_a
-            qa = ld_w4(qw, (rw_a, kk // P))
-            ga = min(kk >> gshift, G - 1)
-            sa = float32(scales[rw_a, ga])
-            oa = float32(offsets[rw_a, ga])
-            if bits == 4:  # the chunk's second half may be the next group (group 16)
-                gb = min((kk + 16) >> gshift, G - 1)
-                sb = float32(scales[rw_a, gb])
-                ob = float32(offsets[rw_a, gb])
-            else:
-                qb = ld_w4(qw, (rw_b, kk // P))
-                sc = float32(scales[rw_b, ga])
-                oc = float32(offsets[rw_b, ga])
+            xa = load_x_all(x, T, K, m0, s0 * BK, tid)
+            bq = load_b_all(qw, scales, offsets, n0, s0 * BK, K, gshift, tid)
 
         for s in range(s0, s1):
-            # 1. this step's registers into the tiles
-            store_a(a_s, tid, xa0)
-            if A_CH > 1:
-                store_a(a_s, tid + THREADS, xa1)
-            if A_CH > 2:
-                store_a(a_s, tid + 2 * THREADS, xa2)
-            if A_CH > 3:
-                store_a(a_s, tid + 3 * THREADS, xa3)
-            SA, OA = fold(sa, oa, SCALE_MUL)
-            if bits == 4:
-                SB, OB = fold(sb, ob, SCALE_MUL)
-                dst = bn_a * LDB + bk_a
-                store_word8(b_s, dst, qa[0], SA, OA)
-                store_word8(b_s, dst + 8, qa[1], SA, OA)
-                store_word8(b_s, dst + 16, qa[2], SB, OB)
-                store_word8(b_s, dst + 24, qa[3], SB, OB)
-            else:
-                SC, OC = fold(sc, oc, SCALE_MUL)
-                dst = bn_a * LDB + bk_a
-                store_words4(b_s, dst, qa[0], qa[1], SA, OA)
-                store_words4(b_s, dst + 8, qa[2], qa[3], SA, OA)
-                dst = bn_b * LDB + bk_a
-                store_words4(b_s, dst, qb[0], qb[1], SC, OC)
-                store_words4(b_s, dst + 8, qb[2], qb[3], SC, OC)
+            # 1. this step's registers into the tiles (B dequantised once for all warps)
+            store_x_all(a_s, tid, xa)
+            store_b_all(b_s, tid, bq)
             cuda.syncthreads()
             # 2. the next step's loads, in flight during this step's products
             if s + 1 < s1:
-                k0 = (s + 1) * BK
-                xa0 = load_a(x, T, K, m0, k0, tid)
-                if A_CH > 1:
-                    xa1 = load_a(x, T, K, m0, k0, tid + THREADS)
-                if A_CH > 2:
-                    xa2 = load_a(x, T, K, m0, k0, tid + 2 * THREADS)
-                if A_CH > 3:
-                    xa3 = load_a(x, T, K, m0, k0, tid + 3 * THREADS)
-                kk = k0 + bk_a
-                qa = ld_w4(qw, (rw_a, kk // P))
-                ga = min(kk >> gshift, G - 1)
-                sa = float32(scales[rw_a, ga])
-                oa = float32(offsets[rw_a, ga])
-                if bits == 4:
-                    gb = min((kk + 16) >> gshift, G - 1)
-                    sb = float32(scales[rw_a, gb])
-                    ob = float32(offsets[rw_a, gb])
-                else:
-                    qb = ld_w4(qw, (rw_b, kk // P))
-                    sc = float32(scales[rw_b, ga])
-                    oc = float32(offsets[rw_b, ga])
-            # 3. tensor cores
-            wm_ = warp // WGN
-            wn_ = warp - wm_ * WGN
-            step_fn(
-                acc_ptr,
-                a_ptr,
-                int32(wm_ * 16 * WM * LDA),
-                LDA,
-                b_ptr,
-                int32(wn_ * 16 * WN * LDB),
-                LDB,
-            )
+                xa = load_x_all(x, T, K, m0, (s + 1) * BK, tid)
+                bq = load_b_all(qw, scales, offsets, n0, (s + 1) * BK, K, gshift, tid)
+            # 3. tensor cores: the warp's WM x WN fragments over the step's k-slices, up to K
+            # (the K tail: a half-filled last step).
+            for kk in range(0, min(BK, K - s * BK), 16):
+                fa0 = load_a_frag(a_s, a_off + kk, LDA)
+                fa1 = load_a_frag(a_s, a_off + 16 * LDA + kk, LDA) if WM > 1 else fa0
+                fb = load_b_col(b_s, b_off + kk, LDB)
+                c00 = mma(c00, fa0, fb)
+                if WM > 1:
+                    c10 = mma(c10, fa1, fb)
+                if WN > 1:
+                    fb = load_b_col(b_s, b_off + 16 * LDB + kk, LDB)
+                    c01 = mma(c01, fa0, fb)
+                    if WM > 1:
+                        c11 = mma(c11, fa1, fb)
             cuda.syncthreads()  # 4. every warp is done with the tiles
 
         # Epilogue: fragment by fragment through this warp's staging tile.
-        wm_ = warp // WGN
-        wn_ = warp - wm_ * WGN
-        r = lane >> 1
-        c0 = (lane & 1) * 8
-        split = cuda.gridDim.z > 1
-        for f in range(NFRAG):
-            i = f // WN
-            j = f - i * WN
-            store_fn(acc_ptr, int32(f), st_ptr, int32(warp * 16 * LDS), LDS)
-            # Block-wide barriers (every thread runs this loop): syncwarp would do, but the
-            # simulator has none; the epilogue runs once per tile.
-            cuda.syncthreads()
-            m = m0 + (wm_ * WM + i) * 16 + r
-            nb = n0 + (wn_ * WN + j) * 16 + c0
-            if m < T:
-                for e in range(8):
-                    n = nb + e
-                    if n < N:
-                        v = st_s[warp * 16 * LDS + r * LDS + c0 + e]
-                        if split:
-                            part[(cuda.blockIdx.z * T + m) * N + n] = v
-                        else:
-                            if has_bias:
-                                v += float32(bias[n])
-                            out[m, n] = v
-            cuda.syncthreads()
+        write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 0, c00)
+        if WN > 1:
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 1, c01)
+        if WM > 1:
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 0, c10)
+        if WM > 1 and WN > 1:
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 1, c11)
 
-    return cuda.jit(fastmath=False)(kernel)
+    # 512 threads a block leave 128 registers a thread (65536 an SM): more fails the launch.
+    opts = {"max_registers": 65536 // THREADS} if THREADS > 256 and not SIM else {}
+    return cuda.jit(fastmath=False, **opts)(kernel)
 
 
 @cuda.jit
@@ -379,6 +401,8 @@ def qgemm_reduce_kernel(part, bias, out, has_bias, splits):
 qgemm_int4_m16 = qgemm_kernel(CONFIGS[16], 4)
 qgemm_int4_m64 = qgemm_kernel(CONFIGS[64], 4)
 qgemm_int8_m32 = qgemm_kernel(CONFIGS[32], 8)
+qgemm_int4_m128 = qgemm_kernel(CONFIGS[128], 4)
+qgemm_int8_m128 = qgemm_kernel(CONFIGS[128], 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +420,7 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
         and w.qweight.is_cuda
         and dtype == torch.float16
         and w.scales.dtype == torch.float16
-        and w.in_features % BK == 0
+        and w.in_features % K_ALIGN == 0
         and w.qweight.is_contiguous()
         and w.qweight.data_ptr() % 16 == 0
         and w.scales.is_contiguous()
@@ -404,11 +428,13 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
     )
 
 
-def split_for(tiles: int, k_steps: int, sms: int) -> int:
-    """Split-K factor: enough blocks for two per SM, each keeping at least 4 K steps."""
-    if tiles >= 2 * sms:
+def split_for(tiles: int, k_steps: int, sms: int, warps: int = 4) -> int:
+    """Split-K factor: enough blocks for about 8 warps per SM (two blocks of 4 warps, one of 8 or
+    16), each keeping at least 4 K steps; none when the tiles alone fill 7/8 of that."""
+    target = sms * max(1, 8 // warps)
+    if 8 * tiles >= 7 * target:
         return 1
-    want = -(-2 * sms // tiles)
+    want = -(-target // tiles)
     return max(1, min(want, MAX_SPLIT, k_steps // 4))
 
 
@@ -418,9 +444,11 @@ def quant_gemm_tc_cuda(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     split: int | None = None,
+    cfg: TileConfig | None = None,
 ) -> torch.Tensor:
     """quant_linear_ref's meaning with tensor cores, x [T, K] fp16 (already permuted by the
-    caller). split: the split-K factor (None: `split_for`). No host sync: graph-capturable (the
+    caller). split: the split-K factor (None: `split_for`); cfg: the tile config (None:
+    `config_for(T)`; others for tests and tuning). No host sync: graph-capturable (the
     split-K partials are allocated from torch's caching allocator on the current stream)."""
     if not supports_weight(w, x.dtype):
         raise ValueError("quant_gemm_tc_cuda: weight not supported (see supports_weight)")
@@ -433,13 +461,13 @@ def quant_gemm_tc_cuda(
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view at an odd offset: the 16-byte chunk loads need alignment
         x = x.clone()
-    cfg = config_for(T)
+    cfg = cfg or config_for(T)
     tiles_n, tiles_m = -(-N // BN), -(-T // cfg.bm)
-    k_steps = K // BK
+    k_steps = -(-K // cfg.bk)
     S = (
         split
         if split is not None
-        else split_for(tiles_n * tiles_m, k_steps, _sm_count(x.device.index or 0))
+        else split_for(tiles_n * tiles_m, k_steps, _sm_count(x.device.index or 0), cfg.warps)
     )
     steps = -(-k_steps // S)
     S = -(-k_steps // steps)  # no empty slices
@@ -450,7 +478,7 @@ def quant_gemm_tc_cuda(
     launch(
         qgemm_kernel(cfg, w.bits),
         (tiles_n, tiles_m, S),
-        THREADS,
+        cfg.threads,
         (
             dev(x.view(-1)),
             dev(w.qweight),

@@ -18,7 +18,7 @@ count picks the kernel (`quant_path`):
   byte once, fp32 accumulation; the gate_up variant applies silu_and_mul in its epilogue, the
   qkv_rope variant rotary and the KV-cache write (as the fp16 gemv kinds do).
 - 8 < T <= TC_MAX_ROWS (batched decode): the dequantize-in-shared-memory GEMM on Volta tensor
-  cores (quant_gemm_tc.py, wmma m16n16k16 through wmma_ptx.cu), fp16 only.
+  cores (quant_gemm_tc.py, wmma m16n16k16 inline through wmma_inline.py), fp16 only.
 - larger T (prefill), fp32 runs, or VOLTSERVE_QUANT_TC=0: the layer dequantized into one reused
   scratch buffer (quant_dequant.py), then cuBLAS.
 

@@ -366,8 +366,9 @@ KERNELS += [
     KernelSpec("quant_dequant", "dequant_int8_kernel", (_DEQUANT_SIG.format(t="float16"),)),
 ]
 
-# quant_gemm_tc.py: the dequantize-in-shared-memory tensor-core GEMM (links wmma_ptx.cu), per
-# tile config from qgemm_kernel(); representative instances (fp16 only). Arguments: flat x,
+# quant_gemm_tc.py: the dequantize-in-shared-memory tensor-core GEMM (wmma inline through
+# wmma_inline.py), per tile config from qgemm_kernel(); representative instances (fp16 only):
+# the 16-, 32- (int8), 64- and 128-row tiles (4, 8, 8 and 16 warps). Arguments: flat x,
 # qweight, scales, offsets, bias, out [T, N], flat fp32 split-K partials, has_bias, group_shift,
 # T, K steps per split. Then the split-K reduction: partials, bias, out, has_bias, splits.
 _QGEMM_SIG = (
@@ -376,7 +377,13 @@ _QGEMM_SIG = (
 )
 KERNELS += [
     KernelSpec("quant_gemm_tc", name, (_QGEMM_SIG,))
-    for name in ("qgemm_int4_m16", "qgemm_int4_m64", "qgemm_int8_m32")
+    for name in (
+        "qgemm_int4_m16",
+        "qgemm_int4_m64",
+        "qgemm_int8_m32",
+        "qgemm_int4_m128",
+        "qgemm_int8_m128",
+    )
 ]
 KERNELS += [
     KernelSpec(

@@ -222,6 +222,43 @@ def test_tc_split_k_matches_unsplit():
     check(four, x, w, b)
 
 
+@pytest.mark.parametrize("rows", [9, 16, 17, 32, 33, 64, 65, 129, 256])
+@pytest.mark.parametrize("bits,g", [(4, 128), (4, 16), (8, 32)])
+def test_tc_every_tile_config(bits, g, rows):
+    """The tensor-core GEMM at the row counts that pick each default tile config (16, 32, 64 and
+    128 rows; full and partial row tiles, two 128-row tiles), down_proj's K."""
+    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+
+    w = weight(14336, 4096, bits, g)
+    x = torch.randn(rows, 14336, device=DEV, dtype=torch.float16)
+    b = torch.randn(4096, device=DEV, dtype=torch.float16) if rows % 2 else None
+    out = torch.full((rows, 4096), float("nan"), device=DEV, dtype=torch.float16)
+    quant_gemm_tc_cuda(x, w, b, out)
+    torch.cuda.synchronize()
+    check(out, x, w, b)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [(1, 4, 1, 1, 128), (2, 2, 2, 2, 128), (4, 2, 2, 2, 64)],
+    ids=["w11_bk128", "w22_bk128", "8warps_w22"],
+)
+def test_tc_other_tile_configs(cfg):
+    """Tile configs the defaults do not use: K steps of 128 (K = 4160 ends in a half-filled step,
+    the K tail) and 2 x 2 fragments a warp; a partial row tile, with and without split-K."""
+    from voltserve.kernels.quant_gemm_tc import TileConfig, quant_gemm_tc_cuda
+
+    cfg = TileConfig(*cfg)
+    w = weight(4160, 4096, 4, 64)
+    x = torch.randn(cfg.bm - 3, 4160, device=DEV, dtype=torch.float16)
+    b = torch.randn(4096, device=DEV, dtype=torch.float16)
+    one = quant_gemm_tc_cuda(x, w, b, split=1, cfg=cfg)
+    three = quant_gemm_tc_cuda(x, w, b, split=3, cfg=cfg)
+    torch.cuda.synchronize()
+    check(one, x, w, b)
+    check(three, x, w, b)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("K,n_q,n_kv,bias", [(4096, 32, 8, False), (3584, 28, 4, True)])
 def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):

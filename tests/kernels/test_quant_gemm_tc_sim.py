@@ -1,14 +1,12 @@
 """The tensor-core quantized GEMM's numba side (kernels/quant_gemm_tc.py) in the CUDA simulator,
 with Python stand-ins for the two linked wmma functions (the simulator cannot run C++; their
 PTX is checked by check-kernels and on the GPU): tile fills, dequantisation into the B tile,
-the register pipelining over K steps, partial row and column tiles, split-K partials and their
-reduction, bias, int4 (group 16 and 64) and int8, NaN-poisoned outputs. Seeded: printed,
-VOLTSERVE_TEST_SEED overrides it."""
+the register pipelining over K steps, the zero-filled K tail of a 128 step, partial row and
+column tiles, every tile config (16, 32, 64 and 128 rows; 4 and 8 warps), split-K partials and
+their reduction, bias, int4 (groups 16 to 128) and int8, NaN-poisoned outputs. Seeded by the
+project's `seed` fixture (tests/conftest.py; VOLTSERVE_TEST_SEED replays it)."""
 
 from __future__ import annotations
-
-import os
-import random
 
 import numpy as np
 import pytest
@@ -19,14 +17,13 @@ from voltserve.kernels.numba_common import SIM, launch
 from voltserve.kernels.quant_pack import dequantize, pack_group_quant
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
-SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
 
 
-def run(x, w, bias, split):
+def run(x, w, bias, split, cfg=None):
     T, K = x.shape
     N = w.out_features
-    cfg = tc.config_for(T)
-    k_steps = K // tc.BK
+    cfg = cfg or tc.config_for(T)
+    k_steps = -(-K // cfg.bk)
     steps = -(-k_steps // split)
     S = -(-k_steps // steps)
     out = torch.full((T, N), float("nan"), dtype=torch.float16)
@@ -35,7 +32,7 @@ def run(x, w, bias, split):
     launch(
         tc.qgemm_kernel(cfg, w.bits),
         (-(-N // tc.BN), -(-T // cfg.bm), S),
-        tc.THREADS,
+        cfg.threads,
         (
             x.reshape(-1).numpy(),
             w.qweight.numpy(),
@@ -60,27 +57,36 @@ def run(x, w, bias, split):
     return out
 
 
-# (T, N, K, bits, g, bias, split): T 5 and 17 and 40 pick the 16-, 32- and 64-row tiles (40: a
-# partial row tile); N = 70 leaves a partial column tile; K = 128 is two pipelined steps.
+# (T, N, K, bits, g, bias, split, cfg). cfg None: `config_for` (16, 32 and 64 rows: 4, 8 and 8
+# warps; beyond 64, 128-row tiles of 16 warps; K steps of 64). N = 70 leaves a partial column
+# tile. The explicit configs take K steps of 128 (K = 192 and 64 end in a half-filled step, the
+# K tail) and the 2 x 2 fragments a warp, which no default config uses.
+BK128_W11 = tc.TileConfig(1, 4, 1, 1, 128)
+BK128_W22 = tc.TileConfig(2, 2, 2, 2, 128)
 CASES = [
-    (5, 70, 128, 4, 16, True, 1),
-    (17, 64, 128, 4, 64, False, 2),
-    (40, 70, 128, 8, 32, True, 1),
-    (9, 64, 192, 8, 16, False, 3),
+    (5, 70, 128, 4, 16, True, 1, None),  # int4 group 16: two groups in one code chunk
+    (17, 64, 128, 4, 64, False, 2, None),  # 32-row tile, split-K
+    (40, 70, 128, 8, 32, True, 1, None),  # partial 64-row tile, int8
+    (9, 64, 192, 8, 16, False, 3, None),  # three pipelined steps, one a split
+    (64, 64, 128, 4, 128, True, 1, None),  # full 64-row tile: 2 threads a code chunk
+    (33, 70, 128, 4, 16, False, 1, None),  # 2 threads a chunk, one group 16 each
+    (77, 64, 128, 4, 16, True, 1, None),  # 128-row tile: 4 threads a code chunk, 8 codes each
+    (130, 64, 64, 8, 64, False, 1, None),  # two 128-row tiles (the second 2 rows), int8 split
+    (9, 70, 192, 4, 32, True, 2, BK128_W11),  # K tail: the second split is the tail alone
+    (33, 64, 64, 8, 32, False, 1, BK128_W22),  # one half-filled step, 2 x 2 fragments
 ]
 
 
-@pytest.mark.parametrize("T,N,K,bits,g,with_bias,split", CASES)
-def test_qgemm_tc_numba_side(T, N, K, bits, g, with_bias, split):
-    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
-    gen = torch.Generator().manual_seed(SEED + T * 100 + bits)
+@pytest.mark.parametrize("T,N,K,bits,g,with_bias,split,cfg", CASES)
+def test_qgemm_tc_numba_side(T, N, K, bits, g, with_bias, split, cfg, seed):
+    gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (N, K), generator=gen, dtype=torch.uint8)
     s = (torch.rand(N, K // g, generator=gen) + 0.5) * (0.5 / 2**bits)
     o = -s * 2 ** (bits - 1) + torch.randn(N, K // g, generator=gen) * 0.01
     w = pack_group_quant(codes, s, o, bits, g, torch.float16)
     x = torch.randn(T, K, generator=gen).half()
     bias = torch.randn(N, generator=gen).half() if with_bias else None
-    out = run(x, w, bias, split)
+    out = run(x, w, bias, split, cfg)
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
     # The B tile holds fp16 weights: the reference with the fp16-rounded dequantized weight.
     ref = F.linear(
@@ -90,7 +96,26 @@ def test_qgemm_tc_numba_side(T, N, K, bits, g, with_bias, split):
 
 
 def test_split_and_config_rules():
-    assert tc.config_for(9).bm == 16 and tc.config_for(32).bm == 32 and tc.config_for(33).bm == 64
+    assert [tc.config_for(t).bm for t in (1, 16, 17, 32, 33, 64, 65, 256)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+        128,
+    ]
+    for cfg in tc.CONFIGS.values():
+        assert cfg.bn == tc.BN and cfg.bk % 16 == 0
+        lda = ldb = cfg.bk + tc.PAD  # the three shared tiles stay under 48 KiB (static)
+        shared = 2 * (cfg.bm * lda + tc.BN * ldb) + 4 * cfg.warps * 16 * tc.LDS
+        assert shared <= 48 * 1024, (cfg, shared)
+    assert [tc.config_for(t).threads for t in (16, 32, 64, 256)] == [128, 256, 256, 512]
     assert tc.split_for(tiles=600, k_steps=64, sms=132) == 1
     assert tc.split_for(tiles=64, k_steps=64, sms=132) == 5
     assert tc.split_for(tiles=64, k_steps=8, sms=132) == 2  # at least 4 K steps a slice
+    # 8 and 16 warps a block: one block an SM is the target
+    assert tc.split_for(tiles=64, k_steps=64, sms=132, warps=8) == 3
+    assert tc.split_for(tiles=128, k_steps=64, sms=132, warps=16) == 1  # 128 >= 7/8 of 132
+    assert tc.split_for(tiles=64, k_steps=64, sms=132, warps=16) == 3
