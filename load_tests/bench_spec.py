@@ -66,6 +66,12 @@ from load_tests.common import (  # noqa: E402
 logger = logging.getLogger("bench_spec")
 
 
+def save(out: str | None, result: dict[str, Any]) -> None:
+    """Write what is measured so far (a run cut by a time limit keeps its finished parts)."""
+    if out:
+        write_json(out, result)
+
+
 def make_engine(model_dir: Path, device: str, dtype, args, spec: dict | None):
     from voltserve.services.executor.engine import LLMEngine
     from voltserve.shared.config import EngineConfig
@@ -346,6 +352,7 @@ def _main(args, tmp_root: Path | None) -> int:
         recorded[B] = r.pop("tokens")
         off[str(B)] = r
     result["spec_off"] = off
+    save(args.out, result)
     release(eng)
     eng = None
 
@@ -372,6 +379,7 @@ def _main(args, tmp_root: Path | None) -> int:
     ng.pop("tokens")
     ng["speedup"] = ng["decode_tok_s"] / base_tok_s if base_tok_s else None
     result["ngram_batch1"] = ng
+    save(args.out, result)
 
     release(eng)
     eng = None
@@ -418,8 +426,9 @@ def _main(args, tmp_root: Path | None) -> int:
             forced[f"k{k}_p{p}"] = r
         release(eng)
         eng = None
-    result["cost_curve"] = cost
-    result["forced_acceptance_batch1"] = forced
+        result["cost_curve"] = cost
+        result["forced_acceptance_batch1"] = forced
+        save(args.out, result)
 
     # 3. A draft model of the same vocabulary (random weights: acceptance near zero, so the
     # figure to read is the step cost with the draft's k forwards in it, next to the oracle's).
@@ -441,6 +450,7 @@ def _main(args, tmp_root: Path | None) -> int:
         dm["speedup"] = dm["decode_tok_s"] / base_tok_s if base_tok_s else None
         dm["draft_preset"] = args.draft_preset
         result["draft_model_batch1"] = dm
+        save(args.out, result)
         release(eng)
 
     # 4. An EAGLE head of the target's shape (random weights: the step cost with the head's
