@@ -58,16 +58,16 @@ def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int
 
 
 # ---------------------------------------------------------------------------------------------
-# numba.cuda kernel: one warp per (token, head), WARPS warps per block, no block barrier. Lane l
-# holds the head's elements l, l + 32, l + 64, ... (head_dim / 32 of them, at most MAXE), so each
-# load and store of the warp touches 32 consecutive elements. The sum of squares is a butterfly
-# of warp shuffles (every lane ends with the same sum: each step adds the same two values). With
-# rotary_dim / 2 a multiple of 32, NeoX's partner of element j < rotary_dim / 2 (j + rotary_dim / 2)
-# sits in the same lane, so rotary needs no exchange: element i of a lane pairs with element
-# i +- H, H = rotary_dim / 64, picked from registers by a chain of selects (a runtime index into
-# a local array would put it in local memory). Warps past the last (token, head) work on head 0
-# of token 0 and store nothing: every lane reaches the shuffles (the simulator's shuffle is a
-# block barrier).
+# numba.cuda kernel: one warp per (token, head), WARPS warps per block, no block barrier. A lane
+# holds head_dim / 32 elements of its head (at most MAXE), dims lane + 32 * n, so each load and
+# store of the warp touches 32 consecutive elements. The sum of squares is a butterfly of warp
+# shuffles (every lane ends with the same sum: each step adds the same two values). With
+# rotary_dim / 2 a multiple of 32, NeoX's partner of dim j < rotary_dim / 2 (j + rotary_dim / 2)
+# is in the same lane, so rotary needs no exchange: a lane keeps each pair in adjacent slots
+# (_elem), so the pairing is by constant index and the slots stay in registers (a runtime index
+# into a local array would put it in local memory). Warps past the last (token, head) work on
+# head 0 of token 0 and store nothing: every lane reaches the shuffles (the simulator's shuffle
+# is a block barrier).
 
 import math  # noqa: E402
 
@@ -87,13 +87,12 @@ MAXE = 8  # elements per lane: head_dim up to 256
 
 
 @cuda.jit(device=True, inline="always")
-def _pick(a, j):
-    """a[j] for a runtime j < MAXE, from registers."""
-    r = a[0]
-    for i in range(1, MAXE):
-        if j == i:
-            r = a[i]
-    return r
+def _elem(lane, i, hn):
+    """The head dim that slot i of a lane holds: slots 2m and 2m + 1 (m < hn) are the NeoX pair
+    (lane + 32m, lane + 32m + rotary_dim / 2), the slots past 2hn the dims past rotary_dim."""
+    if i < 2 * hn:
+        return lane + 32 * ((i >> 1) + (i & 1) * hn)
+    return lane + 32 * i
 
 
 @cached
@@ -135,7 +134,7 @@ def qk_norm_rope_kernel(
     ss = float32(0.0)
     for i in range(MAXE):
         if i < ne:
-            d = lane + 32 * i
+            d = _elem(lane, i, hn)
             if is_k:
                 x[i] = float32(k[t, kh * head_dim + d])
                 w[i] = float32(k_weight[d])
@@ -153,18 +152,14 @@ def qk_norm_rope_kernel(
         # rms_norm's value: the normalised element rounded to storage, times the weight, rounded.
         if i < ne:
             x[i] = round_like(w[i] * round_like(x[i] * inv, q), q)
-    for i in range(MAXE):
-        if i < 2 * hn:
-            first = i < hn
-            p = i + hn if first else i - hn
-            j = lane + 32 * (i if first else p)
+    for m in range(MAXE // 2):
+        if m < hn:
+            j = lane + 32 * m
             c = round_like(cos_sin_cache[pos, j], q)
             s = round_like(cos_sin_cache[pos, half + j], q)
-            ps = round_like(_pick(x, p) * s, q)
-            xc = round_like(x[i] * c, q)
-            w[i] = round_like(xc - ps, q) if first else round_like(xc + ps, q)
-        elif i < ne:
-            w[i] = x[i]
+            x1, x2 = x[2 * m], x[2 * m + 1]
+            x[2 * m] = round_like(round_like(x1 * c, q) - round_like(x2 * s, q), q)
+            x[2 * m + 1] = round_like(round_like(x2 * c, q) + round_like(x1 * s, q), q)
     if active:
         if is_k:
             if slot >= 0:
@@ -173,13 +168,13 @@ def qk_norm_rope_kernel(
                 bo = slot - blk * block_size
                 for i in range(MAXE):
                     if i < ne:
-                        d = lane + 32 * i
-                        k_cache[blk, kh, bo, d] = w[i]
+                        d = _elem(lane, i, hn)
+                        k_cache[blk, kh, bo, d] = x[i]
                         v_cache[blk, kh, bo, d] = val[i]
         else:
             for i in range(MAXE):
                 if i < ne:
-                    q[t, h * head_dim + lane + 32 * i] = w[i]
+                    q[t, h * head_dim + _elem(lane, i, hn)] = x[i]
 
 
 def grid(tokens: int, heads: int, warps: int = WARPS) -> int:
