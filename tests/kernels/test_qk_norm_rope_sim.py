@@ -36,7 +36,11 @@ def make_inputs(dtype, T, heads, kv_heads, head_dim, rotary_dim, num_blocks, blo
     qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     positions = torch.randint(0, MAX_POS, (T,), dtype=torch.int64)
     positions[0], positions[-1] = MAX_POS - 1, 0  # both ends of the cos/sin cache
-    slots = torch.randperm(num_blocks * block_size)[:T].to(torch.int64)
+    # Distinct slots, never the cache's last (where a write through slot -1 would land: block
+    # -1); row 0 at the start of a block other than the first, the others past their start.
+    cand = torch.randperm(num_blocks * block_size - 1)
+    first = cand[(cand % block_size == 0) & (cand >= block_size)][:1]
+    slots = torch.cat([first, cand[cand % block_size != 0][: T - 1]]).to(torch.int64)
     slots[1::3] = -1  # padding rows: q normalised and rotated, nothing written to the cache
     q_w = (torch.rand(head_dim) + 0.5).to(dtype)
     k_w = (torch.rand(head_dim) + 0.5).to(dtype)
