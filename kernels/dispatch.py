@@ -99,6 +99,8 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
+    # Off: the q/k-norm models run rms_norm twice and rotary_and_cache (the separate kernels).
+    "qk_norm_rope_and_cache": "VOLTSERVE_QK_NORM_ROPE",
     "moe_topk": "VOLTSERVE_MOE_TOPK",
     "quant_linear": "VOLTSERVE_QUANT_KERNELS",
 }

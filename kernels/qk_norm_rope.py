@@ -82,6 +82,7 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     round_like,
 )
 
+OP = "qk_norm_rope_and_cache"
 WARPS = 4  # warps per block
 MAXE = 8  # elements per lane: head_dim up to 256
 
@@ -229,11 +230,16 @@ def fusable(
     )
 
 
-def covers(impl: str, *args) -> bool:
+def covers(impl: dict[str, str], *args) -> bool:
     """Whether the model may call qk_norm_rope_and_cache for these inputs (its arguments, as
-    passed to the op) instead of the three separate ops: the references cover everything, the
-    kernel what `fusable` says."""
-    return impl != "cuda" or fusable(*args)
+    passed to the op) instead of the three separate ops, given the dispatch's choices (`impl`,
+    KernelDispatch.impl): the kernel for what `fusable` says; a reference or the graph fallback
+    when the separate ops are of the same kind (CPU, VOLTSERVE_FORCE_REF, bf16), and not when
+    VOLTSERVE_QK_NORM_ROPE=0 leaves it a reference beside the separate ops' kernels."""
+    own = impl[OP]
+    if own == "cuda":
+        return fusable(*args)
+    return own == impl["rotary_and_cache"] and impl["rms_norm"] != "cuda"
 
 
 def kernel_args(

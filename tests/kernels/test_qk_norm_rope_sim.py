@@ -159,9 +159,26 @@ def test_what_the_kernel_covers() -> None:
     assert not _covered(dtype=torch.bfloat16)
     assert not _covered(slot_mapping=torch.zeros(2, dtype=torch.int32))
     assert not _covered(k_weight=torch.ones(128, dtype=torch.float32))
-    # The references take anything: the model uses the op whenever it is not the kernel.
-    assert qk_norm_rope.covers("ref", *[None] * 12)
-    assert qk_norm_rope.covers("torch-capturable", *[None] * 12)
+
+
+@pytest.mark.parametrize(
+    "device,dtype,kw,env,want",
+    [
+        ("cpu", torch.float32, {}, None, True),  # the reference, like the separate ops
+        ("cuda", torch.float16, {"force_ref": True}, None, True),
+        ("cuda", torch.bfloat16, {}, None, True),  # no numba kernels for bf16: references
+        ("cuda", torch.bfloat16, {"graph_torch_fallback": True}, None, True),
+        ("cuda", torch.float16, {}, "0", False),  # switched off: the separate kernels
+    ],
+)
+def test_model_takes_the_op_where_it_stands_in(monkeypatch, device, dtype, kw, env, want):
+    """Outside the kernel, the model calls the op only where it computes as the separate ops
+    would; the arguments are not looked at then."""
+    if env is not None:
+        monkeypatch.setenv("VOLTSERVE_QK_NORM_ROPE", env)
+    ops = KernelDispatch(device, dtype, **{"force_ref": False, **kw})
+    assert ops.impl["qk_norm_rope_and_cache"] != "cuda"
+    assert qk_norm_rope.covers(ops.impl, *[None] * 12) is want
 
 
 def test_dispatch_resolves_the_op() -> None:

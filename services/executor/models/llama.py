@@ -178,7 +178,7 @@ class Attention(nn.Module):
                 v_cache,
                 meta.slot_mapping,
             )
-            if qk_norm_rope.covers(ops.impl["qk_norm_rope_and_cache"], *norm_args):
+            if qk_norm_rope.covers(ops.impl, *norm_args):
                 # One launch: q/k RMSNorm per head and rotary (q in place, in qkv), and the
                 # normalised, rotated k with v written into the paged cache.
                 ops.qk_norm_rope_and_cache(*norm_args)
