@@ -124,9 +124,11 @@ DECODE_GRAPH_OPS = (
     "silu_and_mul",
     "reshape_and_cache",
     "rotary_and_cache",
-    "qk_norm_rope_and_cache",
     "paged_decode_attention",
 )
+# Not listed: qk_norm_rope_and_cache. The model calls it only where it is the kernel (capturable)
+# or where rms_norm and rotary_and_cache are of its own kind (qk_norm_rope.covers), so those two
+# decide; with VOLTSERVE_QK_NORM_ROPE=0 it is a reference the model never calls.
 
 
 def _module(name: str) -> ModuleType | None:

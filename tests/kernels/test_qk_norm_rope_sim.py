@@ -179,6 +179,8 @@ def test_model_takes_the_op_where_it_stands_in(monkeypatch, device, dtype, kw, e
     ops = KernelDispatch(device, dtype, **{"force_ref": False, **kw})
     assert ops.impl["qk_norm_rope_and_cache"] != "cuda"
     assert qk_norm_rope.covers(ops.impl, *[None] * 12) is want
+    if env is not None:
+        assert ops.capturable()  # the separate kernels: decode graphs as before
 
 
 def test_dispatch_resolves_the_op() -> None:
@@ -186,7 +188,10 @@ def test_dispatch_resolves_the_op() -> None:
     for dtype in (torch.float16, torch.float32):
         ops = KernelDispatch("cuda", dtype, force_ref=False)
         assert ops.impl["qk_norm_rope_and_cache"] == "cuda"
-    assert "qk_norm_rope_and_cache" in dispatch.DECODE_GRAPH_OPS
+    # Left to the ops it stands in for (see dispatch.DECODE_GRAPH_OPS): switched off, it is a
+    # reference the model never calls, and decode graphs stay on.
+    assert "qk_norm_rope_and_cache" not in dispatch.DECODE_GRAPH_OPS
+    assert {"rms_norm", "rotary_and_cache"} <= set(dispatch.DECODE_GRAPH_OPS)
     ops = KernelDispatch("cuda", torch.bfloat16, force_ref=False)
     assert ops.impl["qk_norm_rope_and_cache"] == "ref"
     assert not ops.capturable(("qk_norm_rope_and_cache",))
