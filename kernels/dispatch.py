@@ -40,6 +40,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
     # rotary_embedding then reshape_and_cache in one launch (what the models call).
     "rotary_and_cache": (("rotary_cache",), "rotary_cache", "rotary_and_cache_ref"),
+    # Per-head q/k RMSNorm, then rotary_and_cache, in one launch (q/k-norm models: Qwen3).
+    "qk_norm_rope_and_cache": (("qk_norm_rope",), "qk_norm_rope", "qk_norm_rope_and_cache_ref"),
     "paged_attention": (
         (
             "prefill_attention_tc",
@@ -97,6 +99,8 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
+    # Off: the q/k-norm models run rms_norm twice and rotary_and_cache (the separate kernels).
+    "qk_norm_rope_and_cache": "VOLTSERVE_QK_NORM_ROPE",
     "moe_topk": "VOLTSERVE_MOE_TOPK",
     "quant_linear": "VOLTSERVE_QUANT_KERNELS",
 }
@@ -122,6 +126,9 @@ DECODE_GRAPH_OPS = (
     "rotary_and_cache",
     "paged_decode_attention",
 )
+# Not listed: qk_norm_rope_and_cache. The model calls it only where it is the kernel (capturable)
+# or where rms_norm and rotary_and_cache are of its own kind (qk_norm_rope.covers), so those two
+# decide; with VOLTSERVE_QK_NORM_ROPE=0 it is a reference the model never calls.
 
 
 def _module(name: str) -> ModuleType | None:
@@ -210,6 +217,7 @@ class KernelDispatch:
     silu_and_mul: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
     rotary_and_cache: Callable[..., None]
+    qk_norm_rope_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
@@ -261,6 +269,31 @@ def _rotary_and_cache_capturable(
     )
 
 
+def _qk_norm_rope_and_cache_capturable(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # qk_norm_rope_and_cache_ref's meaning, with the never-syncing cache write.
+    from voltserve.kernels.qk_norm_rope import _norm_heads
+
+    kn = _norm_heads(k, k_weight, eps, head_dim)
+    q.copy_(_norm_heads(q, q_weight, eps, head_dim))
+    _rotary_and_cache_capturable(
+        positions, q, kn, v, head_dim, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping
+    )
+
+
 def _paged_decode_attention_capturable(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,
@@ -289,5 +322,6 @@ def _paged_decode_attention_capturable(
 _CAPTURABLE_FALLBACKS: dict[str, Callable] = {
     "reshape_and_cache": _reshape_and_cache_capturable,
     "rotary_and_cache": _rotary_and_cache_capturable,
+    "qk_norm_rope_and_cache": _qk_norm_rope_and_cache_capturable,
     "paged_decode_attention": _paged_decode_attention_capturable,
 }

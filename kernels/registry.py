@@ -104,6 +104,20 @@ KERNELS += [
     ),
 ]
 
+# qk_norm_rope.py: per-head q/k RMSNorm + rotary + KV-cache write, one warp per (token, head).
+# Arguments: positions, q/k/v rows (strided views of the fused qkv), the q and k norm weights,
+# eps, head_dim, cos/sin cache, the k/v caches, slot_mapping.
+KERNELS += [
+    KernelSpec(
+        "qk_norm_rope",
+        "qk_norm_rope_kernel",
+        _both(
+            "void(int64[::1], {t}[:, :], {t}[:, :], {t}[:, :], {t}[::1], {t}[::1], float32,"
+            " int64, float32[:, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int64[::1])"
+        ),
+    ),
+]
+
 # sampling.py
 KERNELS += [
     KernelSpec(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from voltserve.kernels import qk_norm_rope
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import (
@@ -162,8 +163,29 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
-            k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+            norm_args = (
+                positions,
+                q,
+                k,
+                v,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.head_dim,
+                cos_sin_cache,
+                True,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
+            if qk_norm_rope.covers(ops.impl, *norm_args):
+                # One launch: q/k RMSNorm per head and rotary (q in place, in qkv), and the
+                # normalised, rotated k with v written into the paged cache.
+                ops.qk_norm_rope_and_cache(*norm_args)
+                fused = True
+            else:
+                q = self.q_norm(ops, q.reshape(-1, self.head_dim)).view(T, self.q_size)
+                k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
         # Otherwise q and k stay row views of qkv: rotary works on them in place, and the same
         # launch writes the rotated k and v into the paged cache.
         if not fused:
