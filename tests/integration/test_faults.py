@@ -178,7 +178,7 @@ async def test_restarted_gateway_does_not_disturb_the_other(faults_stack):
     rng = random.Random(random.getrandbits(64))
     prompts = [rand_prompt(rng) for _ in range(12)]
     c1 = client(s, "gateway-1")
-    ref = await reference_batch(c1, prompts, 40)
+    ref = await reference(c1, prompts, 40)
     c0 = client(s, "gateway-0")
     progress: dict[int, int] = {}
     doomed = [asyncio.create_task(stream_completion(c0, p, 40)) for p in prompts[:4]]
