@@ -15,17 +15,32 @@ SERVE_ARGS ?=
 # Bytecode is compiled by the first import instead of by pip (PIP_NO_COMPILE): pip would compile
 # every file of torch, transformers and their dependencies, most of which no test imports.
 PIP_ENV := PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_COMPILE=1 PIP_PROGRESS_BAR=off
+# The packages are installed by uv where it installs (pip puts it in the venv first): on a machine
+# with no cache, pip fetches the ~1 GB one file after another, uv several at a time. Where uv
+# cannot be installed, pip installs the same specs. uv reads no pip configuration, so the
+# find-links folders and constraint files that pip is configured with (a torch wheel on disk)
+# are passed to it; like PIP_NO_COMPILE, uv compiles no bytecode.
+UV := $(VENV)/bin/uv
+UV_ENV := UV_NO_PROGRESS=1 UV_PYTHON_DOWNLOADS=never
+# $(call pip_setting,KEY): the values of KEY in pip's configuration files and PIP_* variables.
+pip_setting = $(sort $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.$(1)='\(.*\)'$$/\1/p"))
+UV_OPTS = $(foreach d,$(call pip_setting,find-links),--find-links $(d)) \
+	$(foreach c,$(call pip_setting,constraint),--constraint $(c))
+# $(call pkg_install,SPECS): uv when the venv has a working one, else pip.
+pkg_install = if $(UV) --version >/dev/null 2>&1; then \
+	$(UV_ENV) $(UV) pip install -q --python $(PY) $(UV_OPTS) $(1); \
+	else $(PIP_ENV) $(PIP) install -q $(1); fi
 # Two steps: first what the kernels import (enough for `voltserve check-kernels` run from the
-# checkout), then the rest; `make test` compiles the kernels while pip installs the rest.
+# checkout), then the rest; `make test` compiles the kernels while the rest is installed.
 KERNEL_DEPS := "numba-cuda[cu12]>=0.30,<0.31" "numpy<2.5" cffi
 $(VENV)/.kernel-deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_ENV) $(PIP) install -q --upgrade pip
-	$(PIP_ENV) $(PIP) install -q "$(TORCH_SPEC)" $(KERNEL_DEPS)
+	$(PIP_ENV) $(PIP) install -q uv || $(PIP_ENV) $(PIP) install -q --upgrade pip
+	$(call pkg_install,"$(TORCH_SPEC)" $(KERNEL_DEPS))
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.kernel-deps
-	$(PIP_ENV) $(PIP) install -q -e '.[dev]'
+	$(call pkg_install,-e '.[dev]')
 	touch $@
 
 install: $(VENV)/.installed
@@ -57,8 +72,8 @@ check-kernels: install
 # first (tests/kernels/conftest.py); loadgroup keeps tests that share a fixture on one worker
 # and the collection order (tests/conftest.py puts the long work first) is the schedule.
 PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
-# The compile check starts as soon as the kernels' packages are in, in the background, while pip
-# installs the rest on one core (tests/kernels/conftest.py waits for its folder).
+# The compile check starts as soon as the kernels' packages are in, in the background, while the
+# rest is installed (tests/kernels/conftest.py waits for its folder).
 CC70_DIR := .cache/cc70-check
 test: $(VENV)/.kernel-deps
 	rm -rf $(CC70_DIR) && mkdir -p $(CC70_DIR)

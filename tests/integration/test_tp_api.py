@@ -6,6 +6,7 @@ in-flight request finishes on the other executor with the undisturbed output."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -21,7 +22,7 @@ import pytest
 from tests.checkpoints import greedy_tokens
 
 from .conftest import Valkey, free_port, start_stack
-from .test_faults import client, reference, routes_on, stream_completion
+from .test_faults import client, reference_batch, routes_on, stream_completion
 
 VOCAB = 384
 
@@ -43,12 +44,16 @@ def rank_pids(parent: int) -> list[int]:
     return out
 
 
-def hf_tokens(model: Path, prompt: list[int], n: int) -> list[int]:
+@functools.cache
+def _hf_model(model: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    return greedy_tokens(m, prompt, n)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def hf_tokens(model: Path, prompt: list[int], n: int) -> list[int]:
+    return greedy_tokens(_hf_model(model), prompt, n)
 
 
 async def test_serve_tensor_parallel_2_matches_transformers(tiny_model, tmp_path):
@@ -129,7 +134,7 @@ async def test_rank_killed_takes_the_executor_down_and_requests_fail_over(tp_sta
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
     max_tokens = 300
     c = client(s)
-    ref = await reference(c, prompts, max_tokens)
+    ref = await reference_batch(c, prompts, max_tokens)
     ranks = rank_pids(s.procs["executor-0"].pid)
     assert len(ranks) == 1, ranks
     progress: dict[int, int] = {}

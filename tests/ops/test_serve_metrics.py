@@ -15,7 +15,6 @@ sys.path.insert(0, str(ROOT / "load_tests"))
 
 from serve_stack import (  # noqa: E402
     ServeStack,
-    ensure_demo_model,
     executor_statuses,
     http_json,
     metric_sum,
@@ -27,8 +26,13 @@ WORDS = "alpha beta gamma delta volta kernel token cache block stream river ston
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
+    from voltserve.services.executor.demo_model import main as make_demo_model
+
     work = tmp_path_factory.mktemp("serve")
-    model = ensure_demo_model(work / "demo")
+    # `voltserve make-demo-model` in this process (serve_stack.ensure_demo_model runs it as a
+    # subprocess, which would import torch and transformers once more).
+    model = work / "demo"
+    make_demo_model([str(model)])
     extra = ["--device", "cpu", "--num-kv-blocks", "96", "--max-num-seqs", "8"]
     with ServeStack(model, work, extra, start_timeout_s=180) as s:
         yield s
