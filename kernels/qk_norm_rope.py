@@ -14,6 +14,8 @@ every product and sum to the storage dtype (rotary.py).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from voltserve.kernels.kv_cache import reshape_and_cache_ref
@@ -238,7 +240,8 @@ def covers(impl: dict[str, str], *args) -> bool:
     VOLTSERVE_QK_NORM_ROPE=0 leaves it a reference beside the separate ops' kernels."""
     own = impl[OP]
     if own == "cuda":
-        return fusable(*args)
+        # Opt-in until a GPU run has checked and timed it (VOLTSERVE_QK_NORM_ROPE=1).
+        return os.environ.get("VOLTSERVE_QK_NORM_ROPE", "0") == "1" and fusable(*args)
     return own == impl["rotary_and_cache"] and impl["rms_norm"] != "cuda"
 
 

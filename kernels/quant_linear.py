@@ -66,7 +66,9 @@ def quant_gate_up_ref(
 
 def tc_max_rows() -> int:
     """Row counts above GEMV_MAX_ROWS up to this run the tensor-core kernel (env-tunable)."""
-    if os.environ.get(TC_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    # Opt-in (VOLTSERVE_QUANT_TC=1) until a GPU run has checked and timed the rewritten kernel:
+    # dequantize + cuBLAS is the measured path meanwhile.
+    if os.environ.get(TC_ENV, "0").strip().lower() in ("0", "false", "no", "off"):
         return 0
     return int(os.environ.get(TC_MAX_ROWS_ENV, DEFAULT_TC_MAX_ROWS))
 

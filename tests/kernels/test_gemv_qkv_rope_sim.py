@@ -20,7 +20,7 @@ def make(dtype, M, K, n_q, n_kv, D, with_bias, block_size=4, num_blocks=3):
     x = torch.randn(M, K, dtype=dtype)
     w = (torch.randn(N, K) / K**0.5).to(dtype)
     bias = torch.randn(N, dtype=dtype) if with_bias else None
-    positions = torch.randint(0, 64, (M,), dtype=torch.int64)
+    positions = torch.randint(1, 64, (M,), dtype=torch.int64)  # 0 would not rotate q (see below)
     slots = torch.randperm(num_blocks * block_size)[:M].to(torch.int64)
     if M > 1:
         slots[1] = -1  # a padding row: rotated into out, never written to the cache
