@@ -77,6 +77,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151643,
     ),
+    # Qwen3-0.6B's shape: per-head q/k RMSNorm (the fused qk_norm_rope kernel's path), head_dim
+    # 128 over a 1024-wide hidden state, tied embeddings; launch-bound like the 0.5B.
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=1024,
+        head_dim=128,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=3072,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
     "tiny": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],

@@ -303,15 +303,29 @@ for stage in $STAGES; do
         echo "structured: xgrammar does not import (add its wheel to $WHEELS)" | tee -a "$OUT/summary.txt"
       fi
       ;;
-    optins)
-      # The opt-in kernels awaiting their first GPU run (PERF_NOTES.md): their GPU tests, the
-      # decode attention sweep and the prefill bench with their rows, and the batched decode
-      # with and without double buffering (~9 min on a fresh machine).
-      GPU_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_prefill_tc_gpu.py" \
-        GPU_TEST_K="dbuf or prefetch" GPU_TEST_PROCS=${GPU_TEST_PROCS:-12} \
-        SWEEP=${SWEEP:-256x1056,64x1056} \
-        DECODE_VARIANTS=${DECODE_VARIANTS:-"base dbuf:VOLTSERVE_DECODE_DOUBLE_BUFFER=1"} \
-        bash "$0" "$FINAL" tests attention-sweep prefill decode-batched
+    optins|optins-tests|optins-bench)
+      # The opt-in kernels awaiting a GPU verdict (PERF_NOTES.md): decode attention's double
+      # buffer (VOLTSERVE_DECODE_DOUBLE_BUFFER), the prefill prefetching fill
+      # (VOLTSERVE_PREFILL_TC_PREFETCH), the quantized tensor-core GEMM (VOLTSERVE_QUANT_TC),
+      # the factored int4 GEMV (VOLTSERVE_QGEMV_FACTORED) and the fused q/k norm + rotary
+      # (VOLTSERVE_QK_NORM_ROPE). optins-tests: their GPU tests; optins-bench: the decode
+      # attention sweep with the dbuf rows, the prefill bench with the prefetching rows,
+      # bench_quant_linear with the tensor-core GEMM and the factored GEMV beside the defaults,
+      # and Qwen3-0.6B batch-1 decode with the q/k kernel off and on. optins: both (two calls
+      # under a 10-minute limit).
+      if [ "$stage" != optins-bench ]; then
+        GPU_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_prefill_tc_gpu.py tests/gpu/test_quant_linear_gpu.py tests/gpu/test_qk_norm_rope_gpu.py" \
+          GPU_TEST_K=${GPU_TEST_K:-"dbuf or prefetch or tc_ or factored or qk_norm"} GPU_TEST_PROCS=${GPU_TEST_PROCS:-12} \
+          bash "$0" "$FINAL" tests
+      fi
+      if [ "$stage" != optins-tests ]; then
+        SWEEP=${SWEEP:-256x1056,64x1056} bash "$0" "$FINAL" attention-sweep prefill
+        VOLTSERVE_QUANT_TC=1 QUANT_ROWS=${QUANT_ROWS:-1,2,4,8,16,64,256,8192} QUANT_BENCH_ARGS="--factored" \
+          bash "$0" "$FINAL" quant-bench
+        for v in off:VOLTSERVE_QK_NORM_ROPE=0 on:VOLTSERVE_QK_NORM_ROPE=1; do
+          run "decode_qwen3_06b_qk_${v%%:*}" env "${v#*:}" $PY load_tests/bench_decode.py --preset qwen3-0.6b --model-dir /tmp/voltserve-qwen3-0.6b --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_qwen3-0.6b_qk_${v%%:*}.json"
+        done
+      fi
       ;;
     *)
       echo "unknown stage $stage" >&2
