@@ -9,8 +9,9 @@ MoE checkpoints (Qwen3-MoE, Mixtral-style per-expert tensors): every expert's pr
 (model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj) are linears of these names and are
 quantized like a dense MLP's; the router (mlp.gate) is not one of them and stays float, and is
 listed in modules_to_not_convert as AutoAWQ lists it. `--skip NAME,...` keeps more modules
-float (a substring of the tensor name, the rule of modules_to_not_convert): `--skip self_attn`
-quantizes the experts (and dense MLPs) only.
+float (whole dotted components of the module name, the loader's rule for
+modules_to_not_convert: base.module_listed): `--skip self_attn` quantizes the experts (and dense
+MLPs) only.
 
     python load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b \
         --out /tmp/voltserve-llama3-8b-awq --group 128
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from voltserve.services.executor.quant.base import module_listed
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -77,7 +79,8 @@ def convert(
             shutil.copy(f, out / f.name)
     cfg = json.loads((src / "config.json").read_text())
     # An MoE router (mlp.gate) is not among LINEARS and stays float; AutoAWQ lists it in
-    # modules_to_not_convert. Names matching any entry stay float, as a loader reads the list.
+    # modules_to_not_convert. Modules it names stay float, by the loader's own rule, so the
+    # file holds float weights exactly where the loader will look for them.
     not_convert = (["mlp.gate"] if "moe" in cfg.get("model_type", "") else []) + list(skip)
     weight_map: dict[str, str] = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -90,7 +93,7 @@ def convert(
                     len(parts) == 3
                     and parts[1] in LINEARS
                     and parts[2] == "weight"
-                    and not any(s in name for s in not_convert)
+                    and not module_listed(f"{parts[0]}.{parts[1]}", not_convert)
                 ):
                     for k, v in quantize(t.to(device), group).items():
                         tensors[f"{parts[0]}.{parts[1]}.{k}"] = v
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--skip", default="", help="modules kept float (name substrings, comma list)")
+    p.add_argument("--skip", default="", help="modules kept float (dotted names, comma list)")
     args = p.parse_args(argv)
     skip = tuple(x for x in args.skip.split(",") if x)
     convert(Path(args.src), Path(args.out), args.group, args.device, skip)

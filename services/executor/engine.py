@@ -412,7 +412,12 @@ class LLMEngine:
             r.spec_token_ids = []
         # Called with no request too: a proposer that collects the target's hidden states
         # (EAGLE) takes them every step, so they never pile up.
+        k = self.spec_config.num_speculative_tokens
         for r, prop in zip(decoding, self.proposer.propose(decoding)):
+            # At most k, whatever the proposer returned (an n-gram lookup or a custom proposer
+            # may return more): the verify graphs, the step's token budget and the per-position
+            # acceptance counters are sized for 1 + k tokens per request.
+            prop = list(prop[:k])
             # Never more than the request can still emit after this step's own token.
             room = r.max_output_tokens - len(r.output_token_ids) - 1
             prop = prop[: max(room, 0)]

@@ -177,7 +177,7 @@ def test_moe_linears_carry_checkpoint_names_and_the_experts_method_follows_the_c
     assert isinstance(moe.experts.method, GroupQuantExperts)
     assert isinstance(moe.shared_expert.down_proj.method, GroupQuantMethod)
     # one expert left float while the others are quantized: refused, naming it (stacked)
-    awq.skip = ["experts.4."]
+    awq.skip = ["experts.4"]
     with pytest.raises(QuantFormatError, match=r"model\.layers\.1\.mlp\.experts\.4\.gate_proj"):
         SparseMoE.from_arch(arch, torch.float32, awq, "model.layers.1.mlp")
     # every expert left float (modules_to_not_convert): float experts, quantized shared expert

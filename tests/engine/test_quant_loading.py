@@ -144,6 +144,23 @@ def test_unsupported_variants_are_refused_naming_tensor_and_variant(tmp_path) ->
         load_model(d, torch.float32, CPU)
 
 
+def test_awq_router_entry_leaves_gate_proj_quantized(tmp_path) -> None:
+    """modules_to_not_convert = ["mlp.gate"] (an MoE router, as AutoAWQ writes it) beside a
+    dense MLP's packed gate_proj: gate_proj stays quantized (a substring rule would make the
+    loader look for a float gate_proj.weight the checkpoint lacks)."""
+    from voltserve.services.executor.quant.group import GroupQuantMethod
+
+    awq, ref = qc.awq_checkpoint("qwen2", 32)
+    d = _copy(awq, tmp_path, "router")
+    _edit_config(d, modules_to_not_convert=["mlp.gate"])
+    mlp = load_model(d, torch.float32, CPU).model.model.layers[1].mlp
+    assert isinstance(mlp.gate_up_proj.method, GroupQuantMethod)
+    want = load_file(ref / "model.safetensors")
+    w = torch.cat([want[f"model.layers.1.mlp.{n}.weight"] for n in ("gate_proj", "up_proj")])
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(mlp.gate_up_proj(x), x @ w.t())
+
+
 def test_gguf_unknown_type_is_refused_naming_the_tensor(tmp_path) -> None:
     import gguf
 

@@ -213,6 +213,34 @@ def test_stops_inside_accepted_run(seed):
     assert eng.check_all_free()
 
 
+def test_proposals_capped_at_num_speculative_tokens(seed):
+    """A proposer that returns more than num_speculative_tokens (an n-gram lookup or a custom
+    proposer can) gets at most k of them verified per request and step, what the verify
+    graphs and token budget are sized for; the output stays speculation off's."""
+    prompts, outs = _recorded(seed)
+    k = 2
+    eng = engine({"method": "ngram", "num_speculative_tokens": k})
+    ids = [f"r{i}" for i in range(len(prompts))]
+    eng.proposer = OracleProposer(k + 3, dict(zip(ids, outs)), 0.0, VOCAB)
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, greedy(30))
+    got = {rid: [] for rid in ids}
+    prev = st = eng.stats()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+        st = eng.stats()
+        drafts = st.spec_decode_num_drafts - prev.spec_decode_num_drafts
+        tokens = st.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+        assert tokens <= k * drafts, (tokens, drafts)
+        prev = st
+    assert [got[rid] for rid in ids] == outs
+    # a perfect drafter: every verified token accepted, at positions 0..k-1 only
+    assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens > 0
+    assert len(st.spec_decode_num_accepted_tokens_per_pos) == k
+    assert eng.check_all_free()
+
+
 def _collect(eng, prompts, params, ids):
     res = {rid: ([], [], None) for rid in ids}
     for rid, p, sp in zip(ids, prompts, params):

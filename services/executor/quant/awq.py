@@ -3,7 +3,8 @@
 Per linear (K inputs, N outputs, group g): `qweight` int32 [K, N/8] and `qzeros` int32 [K/g, N/8]
 hold 8 nibbles per word in AWQ's interleaved order (nibble i holds column 8c + AWQ_ORDER[i]),
 `scales` fp16 [K/g, N]; w[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n] (the weight is stored
-as x @ W, inputs along the rows). The lm_head and `modules_to_not_convert` stay unquantized.
+as x @ W, inputs along the rows). The lm_head and the modules `modules_to_not_convert` names
+(by whole dotted components: base.module_listed) stay unquantized.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from voltserve.services.executor.quant.base import (
     QuantConfig,
     QuantFormatError,
     UnquantizedMethod,
+    module_listed,
 )
 from voltserve.services.executor.quant.group import (
     GroupQuantMethod,
@@ -70,7 +72,7 @@ class AWQConfig(QuantConfig):
         return self.variant
 
     def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
-        if prefixes == ["lm_head"] or any(s in p for p in prefixes for s in self.skip):
+        if prefixes == ["lm_head"] or any(module_listed(p, self.skip) for p in prefixes):
             return UnquantizedMethod()
         return GroupQuantMethod(
             self.variant, ["qweight", "qzeros", "scales"], [], self._unpack, splits=_SPLITS.get

@@ -14,6 +14,7 @@ The model code never looks at the format; it calls its Linear, which calls the m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -197,6 +198,22 @@ class UnquantizedMethod(LinearMethod):
 
     def dense_weight(self, layer: Linear) -> torch.Tensor | None:
         return layer.weight
+
+
+def module_listed(name: str, entries: Iterable[str]) -> bool:
+    """Whether a list of module names such as AWQ's `modules_to_not_convert` names the module
+    `name`: an entry matches when its dotted components are a contiguous run of the name's
+    (`mlp.gate` names model.layers.0.mlp.gate; `model.layers.3` everything under layer 3).
+    Whole components, not substrings: AutoAWQ lists an MoE router as `mlp.gate`, and a
+    substring test would leave a dense layer's mlp.gate_proj float too, whose float weight
+    the checkpoint does not have."""
+    parts = name.split(".")
+    for entry in entries:
+        want = entry.split(".")
+        n = len(want)
+        if any(parts[i : i + n] == want for i in range(len(parts) - n + 1)):
+            return True
+    return False
 
 
 class QuantConfig:
