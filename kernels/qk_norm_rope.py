@@ -240,8 +240,12 @@ def covers(impl: dict[str, str], *args) -> bool:
     VOLTSERVE_QK_NORM_ROPE=0 leaves it a reference beside the separate ops' kernels."""
     own = impl[OP]
     if own == "cuda":
-        # Opt-in until a GPU run has checked and timed it (VOLTSERVE_QK_NORM_ROPE=1).
-        return os.environ.get("VOLTSERVE_QK_NORM_ROPE", "0") == "1" and fusable(*args)
+        # The op's arguments carry eps after k_weight; what the kernel covers does not depend
+        # on it. Opt-in until a GPU run has timed it (VOLTSERVE_QK_NORM_ROPE=1).
+        positions, q, k, v, q_weight, k_weight, _eps, *rest = args
+        return os.environ.get("VOLTSERVE_QK_NORM_ROPE", "0") == "1" and fusable(
+            positions, q, k, v, q_weight, k_weight, *rest
+        )
     return own == impl["rotary_and_cache"] and impl["rms_norm"] != "cuda"
 
 

@@ -17,10 +17,14 @@ count picks the kernel (`quant_path`):
 - T <= 8 (decode): the fused dequantize-GEMV (quant_gemv.py), which reads each packed weight
   byte once, fp32 accumulation; the gate_up variant applies silu_and_mul in its epilogue, the
   qkv_rope variant rotary and the KV-cache write (as the fp16 gemv kinds do).
-- 8 < T <= TC_MAX_ROWS (batched decode): the dequantize-in-shared-memory GEMM on Volta tensor
-  cores (quant_gemm_tc.py, wmma m16n16k16 inline through wmma_inline.py), fp16 only.
-- larger T (prefill), fp32 runs, or VOLTSERVE_QUANT_TC=0: the layer dequantized into one reused
-  scratch buffer (quant_dequant.py), then cuBLAS.
+- 8 < T <= tc_max_rows() (batched decode, default 64): the dequantize-in-shared-memory GEMM on
+  Volta tensor cores (quant_gemm_tc.py, wmma m16n16k16 inline through wmma_inline.py), fp16
+  only. Measured on an H200 at f0ff47c (Llama-3-8B shapes, int4 g128): 1.1-2.6x faster than
+  dequantize + cuBLAS at 16 and 64 rows, 2.2-2.4x slower at 256, where the kernel dequantises
+  each weight once per row tile; so the cut-over sits at 64 (VOLTSERVE_QUANT_TC_MAX_ROWS moves
+  it; 0 turns the kernel off).
+- larger T (prefill) and fp32 runs: the layer dequantized into one reused scratch buffer
+  (quant_dequant.py), then cuBLAS.
 
 CUDA graphs: every path launches on torch's current stream without host syncs. The dequantize
 path needs its scratch allocated outside capture: `reserve_scratch(ops, numel)` at load (the
@@ -40,8 +44,7 @@ from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 GEMV_MAX_ROWS = 8  # the GEMV kernels' limit
 GEMV_ROWS_ENV = "VOLTSERVE_QUANT_GEMV_MAX_ROWS"  # a lower cut-over (1..8), until measured
 TC_MAX_ROWS_ENV = "VOLTSERVE_QUANT_TC_MAX_ROWS"
-TC_ENV = "VOLTSERVE_QUANT_TC"
-DEFAULT_TC_MAX_ROWS = 256
+DEFAULT_TC_MAX_ROWS = 64
 
 GEMV, TC, DEQUANT = "gemv", "tc", "dequant"  # CUDA paths
 
@@ -65,12 +68,9 @@ def quant_gate_up_ref(
 
 
 def tc_max_rows() -> int:
-    """Row counts above GEMV_MAX_ROWS up to this run the tensor-core kernel (env-tunable)."""
-    # Opt-in (VOLTSERVE_QUANT_TC=1) until a GPU run has checked and timed the rewritten kernel:
-    # dequantize + cuBLAS is the measured path meanwhile.
-    if os.environ.get(TC_ENV, "0").strip().lower() in ("0", "false", "no", "off"):
-        return 0
-    return int(os.environ.get(TC_MAX_ROWS_ENV, DEFAULT_TC_MAX_ROWS))
+    """Row counts above GEMV_MAX_ROWS up to this run the tensor-core kernel (env-tunable: the
+    cut-over against dequantize + cuBLAS depends on the card)."""
+    return max(0, int(os.environ.get(TC_MAX_ROWS_ENV, DEFAULT_TC_MAX_ROWS)))
 
 
 def gemv_max_rows() -> int:

@@ -344,7 +344,8 @@ KERNELS += [
         "qgemv_int8_m1",
         "qgemv_gate_up_int4_m1",
         "qgemv_gate_up_int4_m8",
-        # The factored dot product (VOLTSERVE_QGEMV_FACTORED=1, fp16 x only).
+        # The factored dot product (the default for fp16 x at 1-2 rows; the entries above keep
+        # the other form, which fp32 x and 3-8 rows take).
         "qgemv_int4_m1_factored",
     )
 ]

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--no-tc",
         action="store_true",
-        help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC=0: not at all)",
+        help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC_MAX_ROWS=0: not at all)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                                         time_us=t * 1e6,
                                         of_floor=floor / t,
                                     )
-                        if 8 < rows <= 2048 and auto != "tc" and not args.no_tc:
+                        if 2 < rows <= 2048 and auto != "tc" and not args.no_tc:
                             t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
                             record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
                         if rows > 8 and auto != "dequant":

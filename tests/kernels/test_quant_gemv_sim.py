@@ -105,7 +105,7 @@ def test_qgemv_gate_up(M, inter, bits, g, dtype):
     torch.testing.assert_close(out.float(), ref.float(), **tol(dtype))
 
 
-# The factored dot product (VOLTSERVE_QGEMV_FACTORED, fp16 x): int4 groups 32 (one full step of
+# The factored dot product (fp16 x at 1-2 rows by default): int4 groups 32 (one full step of
 # the M = 1 kernel, 2048 inputs, and a partial one) and 16 (SPLIT), int8, 2 and 3 inputs, bias.
 FACTORED_CASES = [
     (1, 5, 4, 32, 2048 + 128, True),
@@ -170,12 +170,9 @@ def test_qgemv_factored_kinds(kind):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
-def test_factored_switch(monkeypatch):
+def test_factored_choice():
     f16, f32 = torch.float16, torch.float32
-    monkeypatch.delenv(quant_gemv.FACTORED_ENV, raising=False)
-    assert not quant_gemv.factored_for(1, f16)  # off by default
-    monkeypatch.setenv(quant_gemv.FACTORED_ENV, "1")
-    assert quant_gemv.factored_for(1, f16) and quant_gemv.factored_for(2, f16)
+    assert quant_gemv.factored_for(1, f16) and quant_gemv.factored_for(2, f16)  # the default
     assert not quant_gemv.factored_for(3, f16) and not quant_gemv.factored_for(1, f32)
     assert quant_gemv.factored_for(8, f16, force=True) and not quant_gemv.factored_for(
         1, f16, False
