@@ -9,20 +9,23 @@ Flash-attention layout. A thread block (4 warps) owns one sequence, one KV head 
 a row being a (query token, query head of that KV head) pair, so a tile holds 64 // group tokens
 and each K/V tile is read once for all the heads that share it. Each warp owns 16 rows. Per KV
 tile of 32 keys (two cache blocks):
-  1. all threads copy K and V into shared memory with 16-byte loads (zeros past the context),
+  1. all threads store K and V into shared memory from registers (16-byte words; zeros past the
+     context), then load their chunks of the next tile into those registers,
   2. each warp computes S[16, 32] = Q K^T with wmma into fp32 shared memory,
   3. two lanes per row run the online softmax in fp32 (running max and sum in registers) and
      write P as fp16 (into the K buffer, free by then),
   4. each warp rescales its fp32 output accumulator by exp(m_old - m_new) per row and adds
      P V with wmma; the accumulator fragments live in a per-thread array.
 At the end each warp scales rows by 1 / sum and writes fp16 rows through a small f32 staging
-tile. With `prefetch` (TCConfig; opt-in until measured on a GPU) step 1 is split: each thread
-loads its chunks of tile t+1 into registers (`fetch_kv`) right after storing tile t's
-(`store_kv`), so the global-memory latency of the next tile, which otherwise opens every
-iteration (a block-table read, then the K/V reads, then a barrier), overlaps this tile's
-scores, softmax and PV. The kernel is latency-bound at serving shapes (~46 TFLOP/s at 8 x 1024
-tokens on an H200 at f74fabb, 2 blocks per SM at ~170 registers). Row-wise scaling of
-accumulator fragments, whose layout is opaque, uses a "row map" tile (see wmma_ptx.cu).
+tile. The fill of step 1 is register-staged and double-buffered: each thread loads its chunks of
+tile t+1 into registers (`fetch_kv`) right after storing tile t's (`store_kv`), so the
+global-memory latency of the next tile (a block-table read, then the K/V reads) overlaps this
+tile's scores, softmax and PV instead of opening every iteration before a barrier. At f0ff47c
+on an H200 (8 x 1024 tokens, Llama-3-8B heads) it ran in 1.392 ms (49.4 TFLOP/s) against 1.520
+ms (45.3 TFLOP/s) for the direct global-to-shared copy it replaced, faster in each of three
+rounds. The kernel is latency-bound at serving shapes (2 blocks per SM; 255 registers a thread
+at head_dim 128 on sm_70, 172 with the direct copy). Row-wise scaling of accumulator fragments,
+whose layout is opaque, uses a "row map" tile (see wmma_ptx.cu).
 
 Shared memory (head_dim 128): Q 17 KB + K/P 8.5 KB + V 8.5 KB + S 9 KB + 1.3 KB, under the
 48 KB static limit. numba passes shared and local arrays to the C++ functions as pointers via
@@ -108,7 +111,7 @@ if not SIM:
         return sig, codegen
 
 
-# The prefetching fill's halves (plain numba: the CUDA simulator runs them in the CPU tests).
+# The K/V fill's halves (plain numba: the CUDA simulator runs them in the CPU tests).
 @cuda.jit(device=True)
 def fetch_kv(src, kv0, idx, CH, D):
     """Chunk idx of the K/V tile starting at position kv0 (token idx // CH, 16-byte column
@@ -142,16 +145,13 @@ def store_kv(k_s, v_s, r, idx, CH, LDK):
 class TCConfig:
     head_dim: int
     group: int  # query heads per KV head
-    # Register-staged double buffering of the K/V tiles: tile t+1's loads are issued before tile
-    # t's scores, softmax and PV, so their latency overlaps that work instead of preceding it.
-    prefetch: bool = False
 
     @property
     def tile_q(self) -> int:  # query tokens per thread block
         return ROWS // self.group
 
 
-def tc_config(num_heads: int, num_kv_heads: int, head_dim: int, prefetch: bool = False) -> TCConfig:
+def tc_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TCConfig:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim not in HEAD_DIMS:
@@ -159,7 +159,7 @@ def tc_config(num_heads: int, num_kv_heads: int, head_dim: int, prefetch: bool =
     group = num_heads // num_kv_heads
     if group > ROWS:
         raise ValueError(f"group {group} (query heads per KV head) exceeds {ROWS}")
-    return TCConfig(head_dim, group, prefetch)
+    return TCConfig(head_dim, group)
 
 
 @cached_factory
@@ -186,7 +186,6 @@ def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
     pv_fn = attn_pv[D]
     store_fn = attn_store_tile
     NEG_INF = float32(-math.inf)
-    PREFETCH = cfg.prefetch
     NCH = N * CH // NUM_THREADS  # 16-byte chunks of K (and of V) per thread per tile
     assert NCH * NUM_THREADS == N * CH and 1 <= NCH <= 4
 
@@ -260,56 +259,37 @@ def prefill_tc_kernel(cfg: TCConfig, max_registers: int | None = None):
 
         last_q = min(t0 + TQ, q_len) - 1
         kv_end = ctx0 + last_q + 1  # keys the tile's last query sees
-        # Thread tid's chunks of a tile: idx = tid + j * NUM_THREADS, j < NCH. With PREFETCH
-        # their words stay in registers (r0..r3) from the load, issued one tile ahead, to the
-        # store into shared memory.
+        # Thread tid's chunks of a tile: idx = tid + j * NUM_THREADS, j < NCH. Their words stay
+        # in registers (r0..r3) from the load, issued one tile ahead, to the store into shared
+        # memory.
         src = (k_cache, v_cache, block_tables, b, kvh, num_kv_heads, seq_len)
         z = uint32(0)
-        r0 = r1 = r2 = r3 = (z, z, z, z, z, z, z, z)
-        if PREFETCH:
-            r0 = fetch_kv(src, 0, tid, CH, D)
-            if NCH > 1:
-                r1 = fetch_kv(src, 0, tid + NUM_THREADS, CH, D)
-            if NCH > 2:
-                r2 = fetch_kv(src, 0, tid + 2 * NUM_THREADS, CH, D)
-            if NCH > 3:
-                r3 = fetch_kv(src, 0, tid + 3 * NUM_THREADS, CH, D)
+        r1 = r2 = r3 = (z, z, z, z, z, z, z, z)  # those past NCH stay unused
+        r0 = fetch_kv(src, 0, tid, CH, D)
+        if NCH > 1:
+            r1 = fetch_kv(src, 0, tid + NUM_THREADS, CH, D)
+        if NCH > 2:
+            r2 = fetch_kv(src, 0, tid + 2 * NUM_THREADS, CH, D)
+        if NCH > 3:
+            r3 = fetch_kv(src, 0, tid + 3 * NUM_THREADS, CH, D)
         for kv0 in range(0, kv_end, N):
             cuda.syncthreads()  # the previous tile's K/P and V are fully used
-            if PREFETCH:
-                store_kv(k_s, v_s, r0, tid, CH, LDK)
+            store_kv(k_s, v_s, r0, tid, CH, LDK)
+            if NCH > 1:
+                store_kv(k_s, v_s, r1, tid + NUM_THREADS, CH, LDK)
+            if NCH > 2:
+                store_kv(k_s, v_s, r2, tid + 2 * NUM_THREADS, CH, LDK)
+            if NCH > 3:
+                store_kv(k_s, v_s, r3, tid + 3 * NUM_THREADS, CH, LDK)
+            nxt = kv0 + N
+            if nxt < kv_end:  # the next tile's loads, in flight during this tile's work
+                r0 = fetch_kv(src, nxt, tid, CH, D)
                 if NCH > 1:
-                    store_kv(k_s, v_s, r1, tid + NUM_THREADS, CH, LDK)
+                    r1 = fetch_kv(src, nxt, tid + NUM_THREADS, CH, D)
                 if NCH > 2:
-                    store_kv(k_s, v_s, r2, tid + 2 * NUM_THREADS, CH, LDK)
+                    r2 = fetch_kv(src, nxt, tid + 2 * NUM_THREADS, CH, D)
                 if NCH > 3:
-                    store_kv(k_s, v_s, r3, tid + 3 * NUM_THREADS, CH, LDK)
-                nxt = kv0 + N
-                if nxt < kv_end:  # the next tile's loads, in flight during this tile's work
-                    r0 = fetch_kv(src, nxt, tid, CH, D)
-                    if NCH > 1:
-                        r1 = fetch_kv(src, nxt, tid + NUM_THREADS, CH, D)
-                    if NCH > 2:
-                        r2 = fetch_kv(src, nxt, tid + 2 * NUM_THREADS, CH, D)
-                    if NCH > 3:
-                        r3 = fetch_kv(src, nxt, tid + 3 * NUM_THREADS, CH, D)
-            else:
-                for idx in range(tid, N * CH, NUM_THREADS):
-                    t = idx // CH
-                    ch = idx - t * CH
-                    pos = kv0 + t
-                    dst = t * LDK + ch * 8
-                    if pos < seq_len:
-                        blk = int64(block_tables[b, pos // BLOCK_SIZE])
-                        off = (
-                            (blk * num_kv_heads + kvh) * BLOCK_SIZE + pos % BLOCK_SIZE
-                        ) * D + ch * 8
-                        copy16(k_s, dst, k_cache, off)
-                        copy16(v_s, dst, v_cache, off)
-                    else:  # past the context: zeros, never stale cache data (0 * NaN = NaN)
-                        for e in range(8):
-                            k_s[dst + e] = float16(0.0)
-                            v_s[dst + e] = float16(0.0)
+                    r3 = fetch_kv(src, nxt, tid + 3 * NUM_THREADS, CH, D)
             cuda.syncthreads()
 
             scores_fn(
@@ -398,19 +378,15 @@ def paged_attention_tc_cuda(
     *,
     max_query_len: int | None = None,
     max_registers: int | None = None,
-    prefetch: bool | None = None,
 ):
     """Causal paged attention with tensor cores on torch's current stream; returns out [T, H, D].
 
     max_query_len: the longest q_len in the batch; it fixes the grid. When absent it is read
     from query_start_loc, which synchronises with the host (pass it from the batch plan).
-    max_registers: a register cap for the kernel (None: ptxas's choice, ~160-172 on sm_70, 2
-    blocks of 128 threads per SM). A benchmarking knob: at 8 x 1024 tokens on an H200 caps of
-    128 and 96 (4 and 5 blocks per SM) measured within the run-to-run spread (e6ef8ad).
-    prefetch: the register-staged double-buffered K/V fill (TCConfig.prefetch); default: off
-    unless VOLTSERVE_PREFILL_TC_PREFETCH=1 (not yet measured on a GPU)."""
-    import os
-
+    max_registers: a register cap for the kernel (None: ptxas's choice, 255 for head_dim 128 and
+    215 for 64 on sm_70 without spills, 2 blocks of 128 threads per SM). A benchmarking knob: at
+    8 x 1024 tokens on an H200 caps of 128 and 96 (4 and 5 blocks per SM) measured within the
+    run-to-run spread (e6ef8ad, with the direct K/V fill of that version, ~170 registers)."""
     import torch
     from voltserve.kernels.numba_common import current_stream, dev
 
@@ -432,9 +408,7 @@ def paged_attention_tc_cuda(
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
-    if prefetch is None:
-        prefetch = os.environ.get("VOLTSERVE_PREFILL_TC_PREFETCH", "0") == "1"
-    cfg = tc_config(H, kvh, D, prefetch)
+    cfg = tc_config(H, kvh, D)
     B = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -525,5 +499,3 @@ if not SIM:
     prefill_tc_kernel_d128_g4 = prefill_tc_kernel(TCConfig(128, 4))
     prefill_tc_kernel_d64_g7 = prefill_tc_kernel(TCConfig(64, 7))
     prefill_tc_kernel_d128_g1 = prefill_tc_kernel(TCConfig(128, 1))
-    prefill_tc_kernel_d128_g4_prefetch = prefill_tc_kernel(TCConfig(128, 4, prefetch=True))
-    prefill_tc_kernel_d64_g7_prefetch = prefill_tc_kernel(TCConfig(64, 7, prefetch=True))

@@ -210,8 +210,6 @@ KERNELS += [
         "prefill_tc_kernel_d128_g4",
         "prefill_tc_kernel_d64_g7",
         "prefill_tc_kernel_d128_g1",
-        "prefill_tc_kernel_d128_g4_prefetch",
-        "prefill_tc_kernel_d64_g7_prefetch",
     )
 ]
 KERNELS += [

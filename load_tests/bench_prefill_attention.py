@@ -107,7 +107,7 @@ def bench(
         args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
         return functools.partial(paged_attention_tc_cuda, *args, max_query_len=prompt, **kw)
 
-    kernels = {"tensor_core": tc(), "tensor_core_prefetch": tc(prefetch=True), "sdpa": sdpa}
+    kernels = {"tensor_core": tc(), "sdpa": sdpa}
     for cap in tc_registers:
         kernels[f"tensor_core_r{cap or 'none'}"] = tc(max_registers=cap)
     out_plain = torch.empty_like(q)

@@ -113,10 +113,9 @@ def test_wmma_tile(k, b_col):
     assert err <= 1e-4, f"k={k} b_col={b_col}: max error {err:.3e}\nout:\n{d}\nref:\n{ref}"
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_tc_whole_prompts(head_dim, group, prefetch):
+def test_prefill_tc_whole_prompts(head_dim, group):
     from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
 
     gen = _gen()
@@ -125,17 +124,14 @@ def test_prefill_tc_whole_prompts(head_dim, group, prefetch):
     ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
     for max_q in (None, max(PROMPTS)):
         out = torch.full_like(q, float("nan"))
-        paged_attention_tc_cuda(
-            q, k, v, tables, sl, qsl, scale, out, max_query_len=max_q, prefetch=prefetch
-        )
+        paged_attention_tc_cuda(q, k, v, tables, sl, qsl, scale, out, max_query_len=max_q)
         torch.cuda.synchronize()
         check(out, ref, PROMPTS, qsl.tolist(), f"d={head_dim} g={group} max_q={max_q}")
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_tc_chunked(head_dim, group, prefetch):
+def test_prefill_tc_chunked(head_dim, group):
     from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
 
     gen = _gen()
@@ -145,15 +141,12 @@ def test_prefill_tc_chunked(head_dim, group, prefetch):
     scale = head_dim**-0.5
     ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
     out = torch.full_like(q, float("nan"))
-    paged_attention_tc_cuda(
-        q, k, v, tables, sl, qsl, scale, out, max_query_len=max(q_lens), prefetch=prefetch
-    )
+    paged_attention_tc_cuda(q, k, v, tables, sl, qsl, scale, out, max_query_len=max(q_lens))
     torch.cuda.synchronize()
     check(out, ref, seq_lens, qsl.tolist(), f"chunked d={head_dim} g={group}")
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
-def test_prefill_tc_llama8b_shape_and_odd_group(prefetch):
+def test_prefill_tc_llama8b_shape_and_odd_group():
     """32 heads / 8 KV heads at 1000 tokens, and a group of 7 (rows not a multiple of 16)."""
     from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
 
@@ -162,7 +155,7 @@ def test_prefill_tc_llama8b_shape_and_odd_group(prefetch):
         q, k, v, tables, sl, qsl = make_batch(lens, lens, kvh, group, d, gen)
         ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, d**-0.5)
         out = torch.full_like(q, float("nan"))
-        paged_attention_tc_cuda(q, k, v, tables, sl, qsl, d**-0.5, out, prefetch=prefetch)
+        paged_attention_tc_cuda(q, k, v, tables, sl, qsl, d**-0.5, out)
         torch.cuda.synchronize()
         check(out, ref, lens, qsl.tolist(), f"kvh={kvh} g={group} d={d}")
 
