@@ -183,14 +183,9 @@ def test_model_takes_the_op_where_it_stands_in(monkeypatch, device, dtype, kw, e
         assert ops.capturable()  # the separate kernels: decode graphs as before
 
 
-@pytest.mark.parametrize("env,want", [("1", True), ("0", False), (None, False)])
-def test_covers_takes_the_ops_arguments_on_the_kernel_path(monkeypatch, env, want):
+def test_covers_takes_the_ops_arguments_on_the_kernel_path():
     """Where the op is the kernel, `covers` gets what the model passes to the op (eps after
     the weights, 13 arguments) and asks `fusable` about the tensors."""
-    if env is None:
-        monkeypatch.delenv("VOLTSERVE_QK_NORM_ROPE", raising=False)
-    else:
-        monkeypatch.setenv("VOLTSERVE_QK_NORM_ROPE", env)
     T, heads, kv_heads, head_dim = 2, 4, 2, 128
     qkv, positions, slots, cos_sin, q_w, k_w, k_cache, v_cache = make_inputs(
         torch.float16, T, heads, kv_heads, head_dim, head_dim, 2, 4
@@ -198,9 +193,8 @@ def test_covers_takes_the_ops_arguments_on_the_kernel_path(monkeypatch, env, wan
     q, k, v = split(qkv, heads, kv_heads, head_dim)
     args = (positions, q, k, v, q_w, k_w, 1e-6, head_dim, cos_sin, True, k_cache, v_cache, slots)
     impl = {"qk_norm_rope_and_cache": "cuda", "rotary_and_cache": "cuda", "rms_norm": "cuda"}
-    assert qk_norm_rope.covers(impl, *args) is want
-    if env == "1":  # and the tensors still decide
-        assert not qk_norm_rope.covers(impl, *args[:9], False, *args[10:])
+    assert qk_norm_rope.covers(impl, *args)
+    assert not qk_norm_rope.covers(impl, *args[:9], False, *args[10:])  # the tensors decide
 
 
 def test_dispatch_resolves_the_op() -> None:
