@@ -48,7 +48,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64
 from voltserve.kernels.attention_common import (
     as_numba,
     half_hi,
@@ -76,10 +76,6 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
-    # Block core: each warp issues the loads of its next KV block before using the current one
-    # (two blocks in flight per warp; see _emit_double_buffered). Where one batch of loads
-    # covers a KV block (head dims up to 128); ignored otherwise.
-    double_buffer: bool = False
 
 
 def decode_config(
@@ -272,9 +268,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     # When one batch of loads covers a KV block, the V rows of the warp's first block are loaded
     # now, so their memory latency overlaps the score and softmax phases instead of following
     # them (short partitions give each warp one block: that is the whole PV phase).
-    one_batch = NPASS == BATCH
-    dbuf = cfg.double_buffer and one_batch
-    prefetch = one_batch and not dbuf
+    prefetch = NPASS == BATCH
     if prefetch:
         emit(1, "ip = min(warp, n_blk - 1)")
         _emit_block_loads(emit, 1, "vp", "v_cache", "ip", ROW, BATCH, TPP, D)
@@ -299,19 +293,14 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
                 emit(indent + 1, f"logits[w_g{j}, tpos] = {name}")
 
     # Scores: logits[g, t] = q_g . k_t (scale folded into q).
-    if dbuf:
-        _emit_double_buffered(emit, "k_cache", NW, ROW, BATCH, TPP, D, lambda ind: scores(ind, 0))
-        # The V rows of the warp's first block, in flight over the barrier and the softmax.
-        _emit_block_loads(emit, 1, "r", "v_cache", "warp", ROW, BATCH, TPP, D, guard=True)
-    else:
-        emit(1, f"for i in range(warp, n_blk, {NW}):")
-        emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
-        emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
-        for bt in range(NPASS // BATCH):
-            for ps in range(BATCH):
-                off = (bt * BATCH + ps) * TPP * D
-                emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(k_cache, base + {off})")
-            scores(2, bt)
+    emit(1, f"for i in range(warp, n_blk, {NW}):")
+    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    for bt in range(NPASS // BATCH):
+        for ps in range(BATCH):
+            off = (bt * BATCH + ps) * TPP * D
+            emit(2, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(k_cache, base + {off})")
+        scores(2, bt)
     emit(1, "cuda.syncthreads()")
 
     # Softmax numerators in place, with each head's max and sum.
@@ -348,29 +337,24 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
                 emit(indent + 1, f"p{g} = logits[{g}, tpos]")
             _emit_pv(emit, indent + 1, G, word, f"r{ps}", "v", [f"p{g}" for g in range(G)])
 
-    if dbuf:  # block `warp`'s V rows are in r* already (loaded before the softmax)
-        _emit_double_buffered(
-            emit, "v_cache", NW, ROW, BATCH, TPP, D, lambda ind: pv(ind, 0), first_loaded=True
-        )
-    else:
-        emit(1, f"for i in range(warp, n_blk, {NW}):")
-        emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
-        emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
-        for bt in range(NPASS // BATCH):
-            ind = 2
-            if prefetch:
-                emit(2, "if i == warp:")
-                for ps in range(BATCH):
-                    emit(
-                        3,
-                        f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = vp{ps}_0, vp{ps}_1, vp{ps}_2, vp{ps}_3",
-                    )
-                emit(2, "else:")
-                ind = 3
+    emit(1, f"for i in range(warp, n_blk, {NW}):")
+    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    for bt in range(NPASS // BATCH):
+        ind = 2
+        if prefetch:
+            emit(2, "if i == warp:")
             for ps in range(BATCH):
-                off = (bt * BATCH + ps) * TPP * D
-                emit(ind, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
-            pv(2, bt)
+                emit(
+                    3,
+                    f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = vp{ps}_0, vp{ps}_1, vp{ps}_2, vp{ps}_3",
+                )
+            emit(2, "else:")
+            ind = 3
+        for ps in range(BATCH):
+            off = (bt * BATCH + ps) * TPP * D
+            emit(ind, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
+        pv(2, bt)
     for g in range(G):
         for j in range(8):
             for k in range(log_tpp):
@@ -382,42 +366,13 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     emit(1, "cuda.syncthreads()")
 
 
-def _emit_block_loads(emit, indent, regs, cache, blk, ROW, BATCH, TPP, D, guard=False) -> None:
+def _emit_block_loads(emit, indent, regs, cache, blk, ROW, BATCH, TPP, D) -> None:
     """regs{ps}_0..3 = this lane's words of KV block `blk` of the partition (BATCH loads of 16
-    bytes: the whole block). guard: only when blk < n_blk (the registers are zero otherwise)."""
-    if guard:
-        for ps in range(BATCH):
-            for w in range(4):
-                emit(indent, f"{regs}{ps}_{w} = uint32(0)")
-        emit(indent, f"if {blk} < n_blk:")
-        indent += 1
+    bytes: the whole block)."""
     emit(indent, f"lbase = (int64(tbl[{blk}]) * num_kv_heads + kvh) * {ROW} + lane_off")
     for ps in range(BATCH):
         names = ", ".join(f"{regs}{ps}_{w}" for w in range(4))
         emit(indent, f"{names} = ld_u32x4({cache}, lbase + {ps * TPP * D})")
-
-
-def _emit_double_buffered(emit, cache, NW, ROW, BATCH, TPP, D, body, first_loaded=False) -> None:
-    """for i in range(warp, n_blk, NW): body (which reads block i's words in r*), with block
-    i + NW's loads issued into n* before the body runs and moved into r* after it, so a warp
-    keeps two blocks' loads in flight instead of one (at batch 256 the block core reached 0.87
-    of copy bandwidth with one). first_loaded: block `warp`'s words are in r* already."""
-    if not first_loaded:
-        _emit_block_loads(emit, 1, "r", cache, "warp", ROW, BATCH, TPP, D, guard=True)
-    for ps in range(BATCH):
-        for w in range(4):
-            emit(1, f"n{ps}_{w} = uint32(0)")
-    emit(1, "i = warp")
-    emit(1, "while i < n_blk:")
-    emit(2, f"nxt = i + {NW}")
-    emit(2, "if nxt < n_blk:")
-    _emit_block_loads(emit, 3, "n", cache, "nxt", ROW, BATCH, TPP, D)
-    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
-    body(2)
-    for ps in range(BATCH):
-        for w in range(4):
-            emit(2, f"r{ps}_{w} = n{ps}_{w}")
-    emit(2, "i = nxt")
 
 
 def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
@@ -647,13 +602,12 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         float32=float32,
         int32=int32,
         int64=int64,
-        uint32=uint32,
         ld_u32x4=ld_u32x4,
         half_lo=half_lo,
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
-    core = " online" if cfg.online else " dbuf" if cfg.double_buffer else ""
+    core = " online" if cfg.online else ""
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
@@ -916,7 +870,6 @@ def paged_decode_attention_cuda(
     num_threads: int = 128,
     max_registers: int | None = -1,
     online: bool | None = None,
-    double_buffer: bool | None = None,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -930,12 +883,7 @@ def paged_decode_attention_cuda(
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
-    double_buffer: the block core keeps two KV blocks' loads in flight per warp (see
-    _emit_double_buffered); default: off unless VOLTSERVE_DECODE_DOUBLE_BUFFER=1 (not yet
-    measured on a GPU)."""
-    import os
-
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
     import torch
 
     B, H, D = q.shape
@@ -960,10 +908,6 @@ def paged_decode_attention_cuda(
         H, kvh, D, B, max_seq_len, _num_sms(q.device.index or 0), cap, num_threads,
         partition_size, online,
     )  # fmt: skip
-    online = cfg.online
-    if double_buffer is None:
-        double_buffer = os.environ.get("VOLTSERVE_DECODE_DOUBLE_BUFFER", "0") == "1"
-    cfg = dataclasses.replace(cfg, online=online, double_buffer=double_buffer and not online)
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.
@@ -1049,8 +993,3 @@ decode_kernel_d256_g1 = decode_kernel(decode_config(8, 8, 256), "split")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d64_g7_online = decode_kernel(decode_config(14, 2, 64, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")
-_dbuf = dataclasses.replace(decode_config(32, 8, 128, 1056), double_buffer=True)
-decode_kernel_d128_g4_dbuf = decode_kernel(_dbuf, "direct")
-decode_kernel_d128_g4_dbuf_merge = decode_kernel(
-    dataclasses.replace(_dbuf, partition=2048), "merge"
-)

@@ -170,8 +170,6 @@ KERNELS += [
         "decode_kernel_d128_g4_online",
         "decode_kernel_d64_g7_online",
         "decode_kernel_d256_g1_online",
-        "decode_kernel_d128_g4_dbuf",
-        "decode_kernel_d128_g4_dbuf_merge",
     )
 ]
 KERNELS += [

@@ -107,7 +107,6 @@ class Variant:
     regs: int | None = -1  # -1 the default, None no cap, else a cap
     online: bool | None = None  # None: the launcher's choice
     bound: int = 1
-    double_buffer: bool | None = None  # the block core's two KV blocks in flight per warp
 
 
 WHOLE = -1
@@ -118,11 +117,10 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     every short partition with the online and the block core (and 64 threads for partition 64:
     it lost 6 us at 1K context on an H200 with the block core); at larger ones (a full grid with
     one block per sequence and KV head) the whole context as one partition with the default
-    registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, the
-    default launch with the double-buffered block core at 1x and 8x bounds, and, under an
-    8x bound (a server's max_model_len), the 1024- and 2048-token partitions. Each is a numba
-    compile (~25 s on the device for these unrolled kernels): --jobs spreads the compiles over
-    processes."""
+    registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, and,
+    under an 8x bound (a server's max_model_len), the 1024- and 2048-token partitions. Each is a
+    numba compile (~25 s on the device for these unrolled kernels): --jobs spreads the compiles
+    over processes."""
     out = [Variant(bound=b) for b in (1, 8)]
     if partitions:  # --partitions: just these, block core
         return out + [Variant(partition=p, online=False) for p in partitions]
@@ -131,8 +129,6 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
             out += [Variant(partition=p, online=online) for p in SWEEP_PARTITIONS]
         return out + [Variant(partition=64, threads=64, online=True)]
     return out + [
-        Variant(double_buffer=True),
-        Variant(double_buffer=True, bound=8),
         Variant(partition=WHOLE, regs=128, online=False),
         Variant(partition=WHOLE, threads=256, regs=128, online=False),
         Variant(partition=1024, online=False, bound=8),
@@ -161,7 +157,7 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
     wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
     wide[:, : tables.shape[1]] = tables
     bound = v.bound * context
-    kw: dict = dict(max_seq_len=bound, double_buffer=v.double_buffer)
+    kw: dict = dict(max_seq_len=bound)
     mode = "dflt"
     if v.partition:
         part = -(-context // 16) * 16 if v.partition == WHOLE else v.partition
@@ -193,9 +189,7 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
         threads=v.threads,
         mode=mode,
         max_registers={-1: "default", None: "none"}.get(v.regs, str(v.regs)),
-        core="dbuf"
-        if v.double_buffer
-        else {None: "auto", True: "online", False: "block"}[v.online],
+        core={None: "auto", True: "online", False: "block"}[v.online],
         time_us=t * 1e6,
         max_abs_diff=(out.float() - want.float()).abs().max().item(),
     )

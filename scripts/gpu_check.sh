@@ -6,8 +6,7 @@
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
-# and register caps (PREFILL_REGS); `optins`: the opt-in kernels' GPU tests and benchmarks in
-# one go; `spec`: speculative decoding's GPU tests and benchmark;
+# and register caps (PREFILL_REGS); `spec`: speculative decoding's GPU tests and benchmark;
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
@@ -110,7 +109,7 @@ for stage in $STAGES; do
       # tests over processes when pytest-xdist is there (they share the GPU; memory is ample).
       # GPU_TESTS narrows the run (pytest arguments), e.g. only the files a change touched.
       XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
-      # GPU_TEST_K: a pytest -k expression (e.g. "dbuf or factored").
+      # GPU_TEST_K: a pytest -k expression (e.g. "factored or qk_norm").
       # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
       # two each, as pytest-xdist already runs several.
       run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
@@ -301,28 +300,6 @@ for stage in $STAGES; do
         run serving_structured $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --text-tokenizer --num-prompts "${STRUCTURED_PROMPTS:-256}" --input-len 1024 --output-len 256 --temperature "${STRUCTURED_TEMP:-0}" --compare-structured --out "$OUT/serving_structured_llama3-8b.json"
       else
         echo "structured: xgrammar does not import (add its wheel to $WHEELS)" | tee -a "$OUT/summary.txt"
-      fi
-      ;;
-    optins|optins-tests|optins-bench)
-      # The opt-in kernels awaiting a GPU verdict (PERF_NOTES.md): decode attention's double
-      # buffer (VOLTSERVE_DECODE_DOUBLE_BUFFER), the quantized tensor-core GEMM
-      # (VOLTSERVE_QUANT_TC), the factored int4 GEMV (VOLTSERVE_QGEMV_FACTORED) and the fused
-      # q/k norm + rotary (VOLTSERVE_QK_NORM_ROPE). optins-tests: their GPU tests; optins-bench:
-      # the decode attention sweep with the dbuf rows, bench_quant_linear with the tensor-core
-      # GEMM and the factored GEMV beside the defaults, and Qwen3-0.6B batch-1 decode with the
-      # q/k kernel off and on. optins: both (two calls under a 10-minute limit).
-      if [ "$stage" != optins-bench ]; then
-        GPU_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_quant_linear_gpu.py tests/gpu/test_qk_norm_rope_gpu.py" \
-          GPU_TEST_K=${GPU_TEST_K:-"dbuf or tc_ or factored or qk_norm"} GPU_TEST_PROCS=${GPU_TEST_PROCS:-12} \
-          bash "$0" "$FINAL" tests
-      fi
-      if [ "$stage" != optins-tests ]; then
-        SWEEP=${SWEEP:-256x1056,64x1056} bash "$0" "$FINAL" attention-sweep
-        VOLTSERVE_QUANT_TC=1 QUANT_ROWS=${QUANT_ROWS:-1,2,4,8,16,64,256,8192} QUANT_BENCH_ARGS="--factored" \
-          bash "$0" "$FINAL" quant-bench
-        for v in off:VOLTSERVE_QK_NORM_ROPE=0 on:VOLTSERVE_QK_NORM_ROPE=1; do
-          run "decode_qwen3_06b_qk_${v%%:*}" env "${v#*:}" $PY load_tests/bench_decode.py --preset qwen3-0.6b --model-dir /tmp/voltserve-qwen3-0.6b --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_qwen3-0.6b_qk_${v%%:*}.json"
-        done
       fi
       ;;
     *)

@@ -43,12 +43,10 @@ def make_cache(seq_lens, num_kv_heads, head_dim, gen, width=None):
     return k, v, tables
 
 
-# The decode kernel's cores: block (bandwidth-bound grids), online (small grids), dbuf (the block
-# core with two KV blocks' loads in flight per warp).
+# The decode kernel's cores: block (bandwidth-bound grids), online (small grids).
 CORES = {
-    "block": dict(online=False, double_buffer=False),
+    "block": dict(online=False),
     "online": dict(online=True),
-    "dbuf": dict(online=False, double_buffer=True),
 }
 
 
@@ -102,10 +100,9 @@ def test_decode_short_single_partition(head_dim, group, core):
     check(out, ref)
 
 
-@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "dbuf"])
 @pytest.mark.parametrize("partition_size", [None, 64, 256, 1024, 2048, 4096])
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7)])
-def test_decode_large_batch_and_bound(head_dim, group, partition_size, double_buffer):
+def test_decode_large_batch_and_bound(head_dim, group, partition_size):
     """Batch 48 under a 4096 bound: split (64), in-kernel merge (256, 1024, and 2048: the
     full-grid choice under a long bound, its longest partition), direct (4096) and the
     launcher's choice (1024-token partitions here), with contexts of every length, empty
@@ -134,7 +131,6 @@ def test_decode_large_batch_and_bound(head_dim, group, partition_size, double_bu
             out,
             max_seq_len=4096,
             partition_size=partition_size,
-            double_buffer=double_buffer,
         )
         torch.cuda.synchronize()
         check(out, ref)

@@ -10,7 +10,6 @@ On a CUDA host the same tests run the compiled kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -69,17 +68,14 @@ def run_decode(
     counters=None,
     online=False,
     workspace=None,
-    double_buffer=False,
     max_group=8,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
-    per-warp online-softmax core instead of the block-wide phases. double_buffer: the block
-    core with two KV blocks' loads in flight per warp. max_group: query heads per block (a KV
-    head's heads split over blocks below its group)."""
+    per-warp online-softmax core instead of the block-wide phases. max_group: query heads per
+    block (a KV head's heads split over blocks below its group)."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online, max_group=max_group)
-    cfg = dataclasses.replace(cfg, double_buffer=double_buffer)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
@@ -139,13 +135,11 @@ DECODE_CASES = [
 
 
 # The online core (per-warp softmax) on the direct and in-kernel-merge cases (the simulator
-# takes seconds for each; the GPU tests run every case). The double-buffered block core on the
-# cases with a padding row and with partial and empty partitions.
+# takes seconds for each; the GPU tests run every case).
 @pytest.mark.parametrize(
     "head_dim,num_heads,num_kv_heads,seq_lens,core",
     [(*c, "block") for c in DECODE_CASES]
     + [(*c, "online") for c in (DECODE_CASES[0], DECODE_CASES[3])]
-    + [(*c, "dbuf") for c in DECODE_CASES[2:]]
     # 4 query heads of one KV head split over two blocks of 2 (the launcher's narrowed online
     # grid for 8-head groups): each block must take its own heads of q and out.
     + [(32, 4, 1, [40], "online-split")],
@@ -171,7 +165,6 @@ def test_decode_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_l
         max_seq_len,
         merge,
         online=core.startswith("online"),
-        double_buffer=core == "dbuf",
         max_group=2 if core == "online-split" else 8,
     )
     ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
