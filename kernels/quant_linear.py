@@ -14,10 +14,11 @@ references `quant_linear_ref` / `quant_gate_up_ref`: F.linear with the dequantiz
 run dtype, the same math a reference model holding dequantized weights does. On CUDA the row
 count picks the kernel (`quant_path`):
 
-- T <= 8 (decode): the fused dequantize-GEMV (quant_gemv.py), which reads each packed weight
-  byte once, fp32 accumulation; the gate_up variant applies silu_and_mul in its epilogue, the
-  qkv_rope variant rotary and the KV-cache write (as the fp16 gemv kinds do).
-- 8 < T <= tc_max_rows() (batched decode, default 64): the dequantize-in-shared-memory GEMM on
+- T <= gemv_max_rows() (decode, default 4; 8 where the tensor-core GEMM cannot serve): the fused
+  dequantize-GEMV (quant_gemv.py), which reads each packed weight byte once, fp32
+  accumulation; the gate_up variant applies silu_and_mul in its epilogue, the qkv_rope variant
+  rotary and the KV-cache write (as the fp16 gemv kinds do).
+- up to tc_max_rows() (batched decode, default 64): the dequantize-in-shared-memory GEMM on
   Volta tensor cores (quant_gemm_tc.py, wmma m16n16k16 inline through wmma_inline.py), fp16
   only. Measured on an H200 at f0ff47c (Llama-3-8B shapes, int4 g128): 1.1-2.6x faster than
   dequantize + cuBLAS at 16 and 64 rows, 2.2-2.4x slower at 256, where the kernel dequantises
@@ -42,7 +43,11 @@ from voltserve.kernels.activation import silu_and_mul_ref
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 
 GEMV_MAX_ROWS = 8  # the GEMV kernels' limit
-GEMV_ROWS_ENV = "VOLTSERVE_QUANT_GEMV_MAX_ROWS"  # a lower cut-over (1..8), until measured
+GEMV_ROWS_ENV = "VOLTSERVE_QUANT_GEMV_MAX_ROWS"  # the cut-over to the tensor-core GEMM (1..8)
+# Measured on an H200 at 829b96c (int4 g128, Llama-3-8B shapes): at 3-4 rows the GEMV beats the
+# tensor-core GEMM on every linear (gate_up 61 vs 97 us); at 5-8 rows, where the GEMV takes its
+# 8-input variant, the tensor-core GEMM wins on every linear (gate_up 98 vs 131 us, qkv 30 vs 35).
+DEFAULT_GEMV_ROWS = 4
 TC_MAX_ROWS_ENV = "VOLTSERVE_QUANT_TC_MAX_ROWS"
 DEFAULT_TC_MAX_ROWS = 64
 
@@ -74,19 +79,23 @@ def tc_max_rows() -> int:
 
 
 def gemv_max_rows() -> int:
-    """Row counts up to this run the GEMV (env-tunable below GEMV_MAX_ROWS: at 4-8 rows the
-    tensor-core kernel may win; bench_quant_linear measures both)."""
-    return max(0, min(GEMV_MAX_ROWS, int(os.environ.get(GEMV_ROWS_ENV, GEMV_MAX_ROWS))))
+    """Row counts up to this run the GEMV (env-tunable up to GEMV_MAX_ROWS; bench_quant_linear
+    measures both kernels at every row count). Where the tensor-core GEMM cannot serve (fp32,
+    an unsupported weight), quant_path keeps the GEMV to GEMV_MAX_ROWS."""
+    return max(0, min(GEMV_MAX_ROWS, int(os.environ.get(GEMV_ROWS_ENV, DEFAULT_GEMV_ROWS))))
 
 
 def quant_path(rows: int, dtype: torch.dtype, w: GroupQuantWeight) -> str:
     """Which CUDA path serves `rows` input rows (see the module docstring)."""
     from voltserve.kernels import quant_gemm_tc, quant_gemv
 
-    if 0 < rows <= gemv_max_rows() and quant_gemv.supports_weight(w, dtype):
+    gemv_ok = quant_gemv.supports_weight(w, dtype)
+    if 0 < rows <= gemv_max_rows() and gemv_ok:
         return GEMV
     if 0 < rows <= tc_max_rows() and quant_gemm_tc.supports_weight(w, dtype):
         return TC
+    if 0 < rows <= GEMV_MAX_ROWS and gemv_ok:
+        return GEMV  # fp32 or a weight the tensor-core GEMM does not take: still one pass
     return DEQUANT
 
 

@@ -106,13 +106,9 @@ def test_paths_by_row_count():
     from voltserve.kernels.quant_linear import DEQUANT, GEMV, TC, quant_path
 
     w = weight(4096, 4096, 4, 128)
-    assert [quant_path(r, torch.float16, w) for r in (1, 8, 9, 64, 65)] == [
-        GEMV,
-        GEMV,
-        TC,
-        TC,
-        DEQUANT,
-    ]
+    paths = [quant_path(r, torch.float16, w) for r in (1, 4, 5, 8, 9, 64, 65)]
+    assert paths == [GEMV, GEMV, TC, TC, TC, TC, DEQUANT]
+    assert quant_path(8, torch.float32, w.to(DEV)) == GEMV  # no tensor-core GEMM for fp32
     assert quant_path(64, torch.float32, w.to(DEV)) != TC  # fp16 only
 
 
