@@ -26,7 +26,7 @@ ROWS = [1, 3, 8, 17, 64, 255, 256, 2048, 8192]
 
 
 @functools.cache
-def weight(K: int, N: int, bits: int, g: int, perm: bool = False):
+def weight(K: int, N: int, bits: int, g: int, perm: bool = False, dtype=torch.float16):
     from voltserve.kernels.quant_pack import pack_group_quant
 
     gen = torch.Generator(device=DEV).manual_seed(K * 31 + N + bits * 7 + g)
@@ -36,7 +36,7 @@ def weight(K: int, N: int, bits: int, g: int, perm: bool = False):
     s = (torch.rand(N, G, generator=gen, device=DEV) + 0.5) * (0.04 / 2**bits)
     o = -s * 2 ** (bits - 1) + torch.randn(N, G, generator=gen, device=DEV) * 0.002
     p = torch.randperm(K, generator=gen, device=DEV) if perm else None
-    return pack_group_quant(codes, s, o, bits, g, torch.float16, perm=p)
+    return pack_group_quant(codes, s, o, bits, g, dtype, perm=p)
 
 
 def ops():
@@ -108,8 +108,9 @@ def test_paths_by_row_count():
     w = weight(4096, 4096, 4, 128)
     paths = [quant_path(r, torch.float16, w) for r in (1, 4, 5, 8, 9, 64, 65)]
     assert paths == [GEMV, GEMV, TC, TC, TC, TC, DEQUANT]
-    assert quant_path(8, torch.float32, w.to(DEV)) == GEMV  # no tensor-core GEMM for fp32
-    assert quant_path(64, torch.float32, w.to(DEV)) != TC  # fp16 only
+    w32 = weight(4096, 4096, 4, 128, dtype=torch.float32)  # an fp32 run's weight
+    assert quant_path(8, torch.float32, w32) == GEMV  # no tensor-core GEMM for fp32: the GEMV
+    assert quant_path(64, torch.float32, w32) == DEQUANT
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
