@@ -23,7 +23,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# One OpenMP thread per process. Tests run in two pytest-xdist workers on the CI machine's two
+# cores (beside the cc 7.0 compile, and the services some tests start): with torch's default of
+# one thread per core, every parallel op spin-waits for a thread the other worker holds. Measured
+# on the 2-core machine: the quantized- and MoE-model engine tests took 78.8 s with two threads
+# a process and 14.6 s with one. Set before torch is imported (libgomp reads it at load), and
+# inherited by every process a test starts. An explicit OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
