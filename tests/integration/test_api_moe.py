@@ -45,13 +45,11 @@ def _model(kind: str) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("kind", ["float", "awq-int4"])
-def test_moe_concurrent_greedy_and_logprobs_equal_transformers(kind: str, tmp_path: Path) -> None:
+def test_moe_concurrent_greedy_and_logprobs_equal_transformers(
+    kind: str, tmp_path: Path, rng: random.Random
+) -> None:
     model, ref = _model(kind)
     tok = AutoTokenizer.from_pretrained(model)
-    rng = random.Random()
-    seed = rng.randrange(1 << 30)
-    print(f"prompt seed {seed}")
-    rng = random.Random(seed)
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(4, 40))] for _ in range(6)]
     stack = start_stack(model, tmp_path / "stack")
     try:
