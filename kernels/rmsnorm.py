@@ -35,6 +35,7 @@ def fused_add_rms_norm_ref(
 
 import math  # noqa: E402
 
+import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
@@ -283,7 +284,9 @@ def one_chunk_block(hidden: int) -> int:
 def rms_norm_cuda(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Same meaning as rms_norm_ref. x: [T, H] with unit stride along H."""
+    """Same meaning as rms_norm_ref. x: [T, H] with unit stride along H. eps goes in as float32,
+    the type kernels/registry.py lists (so the cc 7.0 check compiles what runs, and the kernel
+    adds it in fp32 as the reference does)."""
     if out is None:
         out = torch.empty_like(x)
     vec = vec_ok(x, weight, out)
@@ -292,7 +295,7 @@ def rms_norm_cuda(
             rms_norm_1c_kernel,
             x.shape[0],
             one_chunk_block(x.shape[1]),
-            (dev(x), dev(weight), dev(out), float(eps)),
+            (dev(x), dev(weight), dev(out), np.float32(eps)),
             current_stream(),
         )
     elif x.shape[0]:
@@ -300,7 +303,7 @@ def rms_norm_cuda(
             rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(weight), dev(out), float(eps), vec),
+            (dev(x), dev(weight), dev(out), np.float32(eps), vec),
             current_stream(),
         )
     return out
@@ -316,7 +319,7 @@ def fused_add_rms_norm_cuda(
             fused_add_rms_norm_1c_kernel,
             x.shape[0],
             one_chunk_block(x.shape[1]),
-            (dev(x), dev(residual), dev(weight), float(eps)),
+            (dev(x), dev(residual), dev(weight), np.float32(eps)),
             current_stream(),
         )
     elif x.shape[0]:
@@ -324,6 +327,6 @@ def fused_add_rms_norm_cuda(
             fused_add_rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(residual), dev(weight), float(eps), vec),
+            (dev(x), dev(residual), dev(weight), np.float32(eps), vec),
             current_stream(),
         )

@@ -175,3 +175,28 @@ def test_reshape_and_cache(dtype, vec):
     run(kv_cache.reshape_and_cache_kernel, T, 32, key, value, k_cache, v_cache, slots, vec)
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
+
+
+def test_rms_norm_launchers_pass_eps_as_the_registered_type(monkeypatch):
+    """Every rmsnorm launcher hands eps over as the scalar type kernels/registry.py lists for it,
+    so the kernel that runs is the specialisation the cc 7.0 check compiles (a Python float
+    made numba compile a float64 one at run time)."""
+    import numba
+    from numba.core import sigutils
+    from voltserve.kernels.registry import KERNELS
+
+    seen = []
+    monkeypatch.setattr(rmsnorm, "launch", lambda k, g, b, args, s: seen.append((k, args)))
+    monkeypatch.setattr(rmsnorm, "current_stream", lambda: None)
+    monkeypatch.setattr(rmsnorm, "dev", lambda t: t)
+    w = torch.ones(64)
+    for rows in (2, 300):  # the one-chunk kernels (decode) and the general ones
+        x = torch.randn(rows, 64)
+        rmsnorm.rms_norm_cuda(x, w, 1e-6)
+        rmsnorm.fused_add_rms_norm_cuda(x, x.clone(), w, 1e-6)
+    registered = {s.attr: s.signatures[0] for s in KERNELS if s.module == "rmsnorm"}
+    assert len({k for k, _ in seen}) == 4
+    for kernel, args in seen:
+        name = next(n for n, sig in registered.items() if getattr(rmsnorm, n) is kernel)
+        want = sigutils.normalize_signature(registered[name])[0][3]
+        assert numba.typeof(args[3]) == want, (name, type(args[3]))
