@@ -12,7 +12,7 @@ costs at most two bits of fp32 precision (|f * S| <= 2 * |S|), far below the fp1
 reference's dequantized weight. `fold(s, o, bits)` makes (S, O); `code_f(u, p, bits)` is f for the
 code at bit p of word u.
 
-Factored form (quant_gemv's VOLTSERVE_QGEMV_FACTORED): a chunk's codes share one (s, o), so
+Factored form (quant_gemv's default at 1-2 fp16 rows): a chunk's codes share one (s, o), so
 sum_k x_k w_k = s * sum_k x_k c_k + o * sum_k x_k, and a code needs only to become a float
 proportional to c. The masked word itself does that: with the code at bits q..q+bits-1 and all
 other bits zero (q + bits <= 24), its fp32 reading is c * 2**(q - 149) exactly (exponent fields 0

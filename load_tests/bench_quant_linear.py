@@ -17,9 +17,9 @@ call streams from HBM), timed with events, median of 7.
 
     python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
         [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at rows 1..8)
-        [--factored]   (also the factored GEMV, VOLTSERVE_QGEMV_FACTORED's form, forced at
-                        rows 1..8 whatever the switch says: impl *_factored_gemv and
-                        *_factored_gate_up; with --tiles its tile sweep at 1 row)
+        [--factored]   (also the factored GEMV, the default form at 1-2 fp16 rows, forced at
+                        rows 1..8: impl *_factored_gemv and *_factored_gate_up; with --tiles
+                        its tile sweep at 1 row)
 """
 
 # Every lambda below is timed (called) before its loop variables change:
