@@ -16,14 +16,14 @@ per weight. It follows gemv.py's structure:
 
 Factored form (the default for fp16 x and M <= 2, `factored_for`; measured on an H200 at
 f0ff47c: the Llama-3-8B int4 g128 linears of a batch-1 step 2.68 ms against 2.89 ms for the
-default form, gate_up 29.9 against 37.2 us, at 2 rows 20-40% faster on every shape): a chunk's codes share one (s, o), so the step sums x_k * c_k and
-x_k per chunk and applies s and o once per chunk (two FFMAs per row and input). The masked code
-word is read as a float proportional to the code (quant_common.code_d_expr: one AND for most
-codes, no shift, no OR), each x element is scaled to its code's bit position once per chunk
-(shared by the R rows), and there is no dequantising FFMA: in the PTX of the M = 1 int4 kernel
-~3.0 instructions a weight instead of ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same
-products (exact), sums regrouped per chunk: the result differs from the default form by fp32
-rounding only.
+per-weight form, gate_up 29.9 against 37.2 us, at 2 rows 20-40% faster on every shape): a
+chunk's codes share one (s, o), so the step sums x_k * c_k and x_k per chunk and applies s and
+o once per chunk (two FFMAs per row and input). The masked code word is read as a float
+proportional to the code (quant_common.code_d_expr: one AND for most codes, no shift, no OR),
+each x element is scaled to its code's bit position once per chunk (shared by the R rows), and
+there is no dequantising FFMA: in the PTX of the M = 1 int4 kernel ~3.0 instructions a weight
+instead of ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same products (exact), sums
+regrouped per chunk: the result differs from the per-weight form by fp32 rounding only.
 
 Groups: a 16-byte chunk of codes starts at a multiple of 32 (int4) / 16 (int8) inputs, so for
 group sizes >= 32 (int4) / >= 16 (int8) it lies in one group: one (scale, offset) per chunk per

@@ -73,7 +73,7 @@ def quant_gate_up_ref(
 
 
 def tc_max_rows() -> int:
-    """Row counts above GEMV_MAX_ROWS up to this run the tensor-core kernel (env-tunable: the
+    """Row counts above gemv_max_rows() up to this run the tensor-core kernel (env-tunable: the
     cut-over against dequantize + cuBLAS depends on the card)."""
     return max(0, int(os.environ.get(TC_MAX_ROWS_ENV, DEFAULT_TC_MAX_ROWS)))
 

@@ -416,11 +416,10 @@ class LLMEngine:
         for r, prop in zip(decoding, self.proposer.propose(decoding)):
             # At most k, whatever the proposer returned (an n-gram lookup or a custom proposer
             # may return more): the verify graphs, the step's token budget and the per-position
-            # acceptance counters are sized for 1 + k tokens per request.
-            prop = list(prop[:k])
-            # Never more than the request can still emit after this step's own token.
+            # acceptance counters are sized for 1 + k tokens per request. And never more than
+            # the request can still emit after this step's own token.
             room = r.max_output_tokens - len(r.output_token_ids) - 1
-            prop = prop[: max(room, 0)]
+            prop = list(prop[: max(min(k, room), 0)])
             if prop and r.grammar is not None:
                 # A constrained request: up to the first token its grammar rejects (the
                 # target could never sample it under the mask).

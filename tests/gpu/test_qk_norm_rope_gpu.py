@@ -80,20 +80,14 @@ def check(qkv, qkv_in, positions, slots, cache, q_w, k_w, k_cache, v_cache, head
         T = qkv.shape[0]
         q_in, k_in, _ = split(qkv_in, heads, kv_heads)
         qn = rms_norm_ref(q_in.reshape(-1, HEAD_DIM), q_w, EPS).view(T, -1)
-        kn = rms_norm_ref(k_in.reshape(-1, HEAD_DIM), k_w, EPS).view(T, -1)
-        k_rot = k_ref.new_zeros((T, kv_heads * HEAD_DIM))  # the reference's rotated k, by row
-        valid = slots >= 0
-        blocks, offs = slots[valid] // BLOCK_SIZE, slots[valid] % BLOCK_SIZE
-        k_rot[valid] = k_ref[blocks, :, offs].reshape(int(valid.sum()), -1)
-        k_bound = rotated_bound(kn, HEAD_DIM, HEAD_DIM, k_rot).view(T, kv_heads, HEAD_DIM)
-        kb_cache = torch.zeros_like(k_cache, dtype=torch.float32)
-        reshape_and_cache_ref(k_bound, k_bound, kb_cache, kb_cache.clone(), slots)
-        assert_within(
-            qkv[:, :q_size],
-            qkv_ref[:, :q_size],
-            rotated_bound(qn, HEAD_DIM, HEAD_DIM, qkv_ref[:, :q_size]),
-        )
-        assert_within(k_cache, k_ref, kb_cache)
+        kn = rms_norm_ref(k_in.reshape(-1, HEAD_DIM), k_w, EPS).view(T, kv_heads, HEAD_DIM)
+        # the normalised k laid out as the cache holds the rotated one: bounds row by row
+        kn_cache, _ = poisoned_caches(kv_heads)
+        reshape_and_cache_ref(kn, kn, kn_cache, kn_cache.clone(), slots)
+        q_ref = qkv_ref[:, :q_size]
+        assert_within(qkv[:, :q_size], q_ref, rotated_bound(qn, HEAD_DIM, HEAD_DIM, q_ref))
+        rows = (kn_cache.view(-1, HEAD_DIM), HEAD_DIM, HEAD_DIM, k_ref.view(-1, HEAD_DIM))
+        assert_within(k_cache, k_ref, rotated_bound(*rows).view_as(k_cache))
         assert (qkv != qkv_ref).float().mean().item() < 0.01
     else:
         torch.testing.assert_close(qkv.float(), qkv_ref.float(), **F16_ULP)
