@@ -96,6 +96,12 @@ class CudaGraphRunner:
         self.host_seq_lens.fill(1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Every size's logits are rows of one buffer (allocated by the largest size's eager
+        # warm-up, before any capture): outputs kept per size would hold sum(sizes) logits rows
+        # in the graph pool (~1 GB at Llama-3's vocabulary and the default ladder to 256),
+        # memory the KV sizing does not see. Only one graph replays at a time, and a step's
+        # logits are read before the next replay on the same stream.
+        self._logits: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -137,15 +143,32 @@ class CudaGraphRunner:
         for bs in startup.progress(list(reversed(self.sizes)), "capturing CUDA graphs"):
             # Warm up eagerly first: cuBLAS picks its kernels and workspaces, the decode attention
             # sizes its merge counters (numba compiled everything in the start-up compile phase).
-            self._forward(bs)
+            self._shared_logits(self._forward(bs))
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.outputs[bs] = self._forward(bs)
-                self.argmax[bs] = chunked_argmax(self.outputs[bs])
+                self.outputs[bs], self.argmax[bs] = self.graph_body(bs)
             self.graphs[bs] = g
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _shared_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The one logits buffer of every size, shaped on the first (the largest) forward."""
+        if self._logits is None:
+            n = self.sizes[-1]
+            self._logits = torch.empty(
+                (n, *logits.shape[1:]), dtype=logits.dtype, device=logits.device
+            )
+        return self._logits
+
+    def graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the bs graph records: the step's logits copied into rows [0, bs) of the shared
+        buffer (the forward's own output is then dead, so the next capture reuses its memory),
+        and their argmax."""
+        logits = self._forward(bs)
+        out = self._shared_logits(logits)[:bs]
+        out.copy_(logits)
+        return out, chunked_argmax(out)
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]

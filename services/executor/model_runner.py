@@ -336,6 +336,17 @@ class ModelRunner:
                 ph.detail = self.compile_report.summary()
         if compile_only:
             return
+        # Logits rows the graphs' shared output buffers take after the sizing: the decode
+        # graphs' largest size, the verify graphs' largest size times its rows per sequence.
+        self._graph_logits_rows = 0
+        if use_graphs:
+            verify = self.spec_graph_sizes(graph_batch)
+            if verify:
+                spec = SpeculativeConfig.from_dict(config.speculative_config)
+                verify_rows = max(verify) * (spec.num_speculative_tokens + 1)
+            else:
+                verify_rows = 0
+            self._graph_logits_rows = graph_batch + verify_rows
         with startup.phase("sizing the KV cache", self.startup_times) as ph:
             self.num_kv_blocks: int = self._decide_num_blocks()
             if self.tp is not None:
@@ -592,20 +603,26 @@ class ModelRunner:
         del tmp, logits
         torch.cuda.empty_cache()
         activation = max(0, peak - weights - tmp_bytes)
+        # The graphs' logits buffers, allocated after this sizing and held for good.
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        graphs = self._graph_logits_rows * self.vocab_size * elem
         free, total = torch.cuda.mem_get_info()
         non_torch = total - free - torch.cuda.memory_reserved()
         card = total
         if self.config.max_gpu_memory is not None:
             total = min(total, self.config.max_gpu_memory)
             non_torch = max(0, non_torch - self._non_torch_at_start)
-        budget = total * self.config.gpu_memory_utilization - non_torch - weights - activation
+        budget = (
+            total * self.config.gpu_memory_utilization - non_torch - weights - activation - graphs
+        )
         logger.info(
             "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
-            "other %.2f GiB -> KV budget %.2f GiB",
+            "graph logits %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
             total / 2**30,
             card / 2**30,
             weights / 2**30,
             activation / 2**30,
+            graphs / 2**30,
             non_torch / 2**30,
             budget / 2**30,
         )

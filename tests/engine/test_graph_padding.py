@@ -29,14 +29,15 @@ class _Replay:
 
 class EmulatedGraphs(CudaGraphRunner):
     def _capture_all(self) -> None:
-        for bs in self.sizes:
-            self.outputs[bs] = self._forward(bs)
-            self.argmax[bs] = self.outputs[bs].argmax(dim=-1)
+        for bs in reversed(self.sizes):
+            self.outputs[bs], self.argmax[bs] = self.graph_body(bs)
 
             def replay(bs=bs):
-                # What the captured graph does: the step's logits, then their argmax.
-                self.outputs[bs].copy_(self._forward(bs))
-                self.argmax[bs].copy_(self.outputs[bs].argmax(dim=-1))
+                # What the captured graph does (graph_body: the step's logits into the shared
+                # buffer, then their argmax), with the argmax kept per size as a graph keeps it.
+                out, ids = self.graph_body(bs)
+                assert out.data_ptr() == self.outputs[bs].data_ptr()
+                self.argmax[bs].copy_(ids)
 
             self.graphs[bs] = _Replay(replay)
 
@@ -88,6 +89,10 @@ def test_emulated_graph_decode_equals_eager() -> None:
     b = [Request(f"b{i}", p, params, seed=i, arrival_time=0.0) for i, p in enumerate(prompts)]
     drive(graph, a, 9, chunk=16)
     assert graph.graphs.num_replays >= 5  # decode-only steps of 5 rows, padded to 8
+    # Every size's logits are rows of the one shared buffer (no per-size copies held).
+    shared = graph.graphs.outputs[graph.graphs.sizes[-1]]
+    assert shared.shape[0] == graph.graphs.sizes[-1]
+    assert {o.data_ptr() for o in graph.graphs.outputs.values()} == {shared.data_ptr()}
     drive(eager, b, 9, chunk=16)
     for ra, rb in zip(a, b):
         assert ra.output_token_ids == rb.output_token_ids
