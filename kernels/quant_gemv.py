@@ -14,16 +14,58 @@ per weight. It follows gemv.py's structure:
   warp's R rows;
 - lane partial sums are reduced with warp shuffles; lane i writes output i with one rounding.
 
-Factored form (the default for fp16 x and M <= 2, `factored_for`; measured on an H200 at
-f0ff47c: the Llama-3-8B int4 g128 linears of a batch-1 step 2.68 ms against 2.89 ms for the
-per-weight form, gate_up 29.9 against 37.2 us, at 2 rows 20-40% faster on every shape): a
-chunk's codes share one (s, o), so the step sums x_k * c_k and x_k per chunk and applies s and
-o once per chunk (two FFMAs per row and input). The masked code word is read as a float
-proportional to the code (quant_common.code_d_expr: one AND for most codes, no shift, no OR),
-each x element is scaled to its code's bit position once per chunk (shared by the R rows), and
-there is no dequantising FFMA: in the PTX of the M = 1 int4 kernel ~3.0 instructions a weight
-instead of ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same products (exact), sums
-regrouped per chunk: the result differs from the per-weight form by fp32 rounding only.
+Dot-product forms (`form_for` picks one per launch; `form` forces one for benchmarks and tests):
+
+- WEIGHT (fp32 x; fp16 x with int8 codes or int4 split groups at 3-8 rows): each weight
+  dequantised as above.
+- FACTORED (fp16 x at 1-2 rows for int8 codes and int4 split groups; measured on an H200 at
+  f0ff47c, when it was the default for all fp16 1-2 row launches: the Llama-3-8B int4 g128
+  linears of a batch-1 step 2.68 ms against 2.89 ms for the per-weight form, gate_up 29.9
+  against 37.2 us, at 2 rows 20-40% faster on every shape): a chunk's codes share one (s, o),
+  so the step sums x_k * c_k and x_k per chunk and applies s and o once per chunk (two FFMAs per
+  row and input). The masked code word is read as a float proportional to the code
+  (quant_common.code_d_expr: one AND for most codes, no shift, no OR), each x element is scaled
+  to its code's bit position once per chunk (shared by the R rows), and there is no
+  dequantising FFMA: in the PTX of the M = 1 int4 kernel ~3.0 instructions a weight instead of
+  ~5.4 (~4.4 after ptxas merges AND + OR into LOP3). Same products (exact), sums regrouped per
+  chunk: the result differs from the per-weight form by fp32 rounding only.
+- HALF2 (fp16 x at 1-8 rows, int4 codes with groups >= 32; `_half2_chunk`): two codes per
+  instruction. Codes are pair-interleaved (code e of a word at bit 16 (e & 1) + 4 (e >> 1)), so
+  `(u & 0x000F000F) | 0x64006400` read as half2 is (1024 + c0, 1024 + c1) and the 0x00F000F0 mask
+  gives (1024 + 16 c2, 1024 + 16 c3); u >> 8 gives the other two pairs: one shift and four
+  LOP3s per word of 8 codes. One fma.f16x2 per pair makes the exact (c - 8) * 2**-8 (the codes
+  centred, the 2**-8 for range), and the 16-byte x load is already the half2 pairs (x0, x1) ..
+  (x6, x7) that meet those code pairs, so one fma.f16x2 adds two products. Per chunk (16
+  products per half) and per (row, input) the fp16 sum is widened to fp32 once and folded with
+  the factored identity, sum_k x_k (s c_k + o) = s * sum_k x_k (c_k - 8) + (o + 8 s) * sum_k
+  x_k, where sum_k x_k * 2**-8 is an fp16 run of 16 per half too (shared by the R rows); across
+  chunks, groups and steps the sums accumulate in fp32, multiplied by 2**8 at the end. PTX of
+  the loop (cc 7.0, check-kernels; address, guard and load instructions and register moves
+  left out, AND + OR counted as one LOP3): M = 1, R = 4, U = 2: 518 instructions a step of 256
+  weights, 2.0 a weight (factored 774, 3.0): 1.125 f16x2 FMA/MUL, 0.5 LOP3, 0.125 shift, 0.27
+  widening and folding; 80 registers (factored 106). M = 2: 2.8 a weight (factored 4.8), 106
+  registers; M = 4 (R = 4, U = 1): 4.4 a weight against 8.1 for the per-weight form, 178
+  registers against 254; M = 8 (R = 2, U = 2): 8.8 against 15.1, 162 registers against 156.
+  Not yet measured on a GPU.
+
+  Precision (fp16 storage, fp32 accumulation; fp16 only inside a run of 16 terms, as the
+  production exllama / AWQ GEMVs do): every code value and x * 2**-8 product is exact, and
+  each of a run's 16 fma.f16x2 rounds its running sum once, by at most 2**-11 of it (<= the sum
+  of the run's term magnitudes, to first order) or by 2**-25 where it is an fp16 subnormal.
+  The product runs are scaled by 2**8 |s| and the x runs by 2**8 |o + 8 s|, so against the
+  exact sum (and the fp32 factored form, whose own error is ~2**-24 of it)
+
+      |y - y_exact| <= 2**-7 * sum_k |x_k| (|s| |c_k - 8| + |o + 8 s|)
+                       + 2**-17 * sum_k (|s| + |o + 8 s|)  (+ fp32 rounding)
+
+  The first term is the worst case of 16 same-signed roundings per run; random rounding
+  errors average out to ~2**-11 of a run's magnitude, so in simulator runs at |y| ~ 1 the
+  error is ~4e-4 of max |y| (factored ~1e-7), about one fp16 ulp of the output. The second
+  term is the subnormal loss of small x: |x| < 2**-6 loses its bits below 2**-24 after the
+  2**-8 scaling, 2**-17 absolute per rounding (at |x| ~ 1e-4 everywhere ~4e-3 of |y|). Range:
+  |x| <= 65504 and |c - 8| <= 8 keep every run below 16 * 8 * 65504 * 2**-8 = 32752, so no
+  fp16 x overflows (fp32 x keeps the per-weight form). The f16x2 instructions are `.rn`
+  without `.ftz` (kernels/half2.py): subnormals are kept.
 
 Groups: a 16-byte chunk of codes starts at a multiple of 32 (int4) / 16 (int8) inputs, so for
 group sizes >= 32 (int4) / >= 16 (int8) it lies in one group: one (scale, offset) per chunk per
@@ -50,6 +92,7 @@ import torch
 from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.gemv import _warp_sum
+from voltserve.kernels.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import (
     D_SCALE,
@@ -74,6 +117,9 @@ WORDS_PER_CHUNK = 4  # 16 bytes
 WARP_WORDS = 32 * WORDS_PER_CHUNK  # code words a warp reads per chunk (128)
 VARIANTS = (1, 2, 4, 8)
 PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"
+# Dot-product forms (dot_step): per weight, factored per chunk in fp32, half2 (fp16 pairs).
+WEIGHT, FACTORED, HALF2 = "weight", "factored", "half2"
+FORMS = (WEIGHT, FACTORED, HALF2)
 
 
 def variant_for(m: int) -> int:
@@ -114,14 +160,20 @@ def dot_step(
     xrows: list[str],
     weight: str | None = None,
     guarded: bool = True,
-    factored: bool = False,
+    form: str = "weight",
 ) -> list[str]:
     """Source of one warp step (U chunks per lane of R weight rows rw0..rw{R-1}, code words from
     word w0) accumulated into a{m}_{r} against x rows xrows[m]: every load of the step issued
     before the first multiply, codes dequantised in registers with the group's folded (S, O).
     weight: a variable scaling every weight of the step (MoE routing weights folded into S and
     O, kernels/moe_quant_decode.py). Also the per-expert steps of the int4 MoE kernels.
-    factored: the group's scale and offset applied once per chunk (`_factored_chunk`)."""
+    form: WEIGHT dequantises each weight; FACTORED (`_factored_chunk`) and HALF2
+    (`_half2_chunk`, int4 codes and one group per chunk only) apply the group's scale and
+    offset once per chunk."""
+    if form not in FORMS:
+        raise ValueError(f"unknown dot-product form {form!r} (one of {FORMS})")
+    if form == HALF2 and (bits != 4 or split):
+        raise ValueError("the half2 step is for int4 codes with one group per chunk")
     P = 32 // bits
     out = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
     # Group of each chunk (and of its second half for SPLIT), clamped for guarded chunks.
@@ -147,11 +199,15 @@ def dot_step(
     # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
     # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
     # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
-    if factored:
+    if form == FACTORED:
         if weight is not None:
             raise ValueError("the factored step has no routing weight (MoE keeps the other)")
         for j in range(U):
             out += _factored_chunk(ind, j, M, R, bits, split, xrows, guarded)
+        return out
+    if form == HALF2:
+        for j in range(U):
+            out += _half2_chunk(ind, j, M, R, xrows, guarded, weight)
         return out
     for j in range(U):
         for r in range(R):
@@ -257,9 +313,89 @@ def _factored_chunk(
     return out
 
 
-def _source(
-    M: int, R: int, U: int, bits: int, split: bool, kind: str, factored: bool = False
-) -> str:
+# Half2 form constants (integer literals of the generated source). A code word u holds the
+# pairs (e0, e1) at bits (0, 16), (e2, e3) at (4, 20), (e4, e5) at (8, 24), (e6, e7) at (12, 28)
+# (quant_common.code_bit); MASK_LO keeps the first pair of u (of u >> 8: the third), MASK_HI the
+# second (the fourth), and MAGIC makes each half 1024 + c (MASK_LO) or 1024 + 16 c (MASK_HI).
+H2_MASK_LO, H2_MASK_HI, H2_MAGIC = 0x000F000F, 0x00F000F0, 0x64006400
+H2_SHIFT = 8  # fp16 sums in units of 2**-8: the caller multiplies by 2**H2_SHIFT
+# (c - 8) * 2**-8 from 1024 + c and from 1024 + 16 c: one fma.f16x2 each, exact.
+H2_LO_MUL, H2_LO_ADD = h2_bits(2.0**-8, 2.0**-8), h2_bits(-1032 / 256, -1032 / 256)
+H2_HI_MUL, H2_HI_ADD = h2_bits(2.0**-12, 2.0**-12), h2_bits(-1152 / 4096, -1152 / 4096)
+H2_X = h2_bits(2.0**-8, 2.0**-8)  # x's sum in the same units
+H2_CENTER = 8.0  # codes enter the products as c - 8: the offset becomes o + 8 s
+
+
+def _half2_chunk(
+    ind: str, j: int, M: int, R: int, xrows: list[str], guarded: bool, weight: str | None
+) -> list[str]:
+    """Chunk j of a half2 step (int4, one group per chunk): two codes per instruction. A word's
+    four code pairs become half2 (1024 + c) or (1024 + 16 c) with one LOP3 each (plus one shift
+    per word), then the exact (c - 8) * 2**-8 with one fma.f16x2; the 16-byte x load is already
+    the matching half2 pairs, so each fma.f16x2 adds two products x * (c - 8) * 2**-8 to the
+    (row, input) accumulator. The chunk's 16 products per half are summed in fp16, as is
+    sum_k x_k * 2**-8 per input (shared by the R rows); both are widened to fp32 once per
+    chunk and folded in fp32: sum_k x_k (s c_k + o) = s sum_k x_k (c_k - 8) + (o + 8 s) sum_k
+    x_k. Sums are in units of 2**-8 (H2_SHIFT); weight (MoE) scales s and o and must include
+    the 2**8, else the caller multiplies the accumulators by it."""
+    out = []
+    started = set()
+
+    def acc(name: str, a: str, b: str) -> str:
+        if name in started:
+            return f"{ind}{name} = h2fma({a}, {b}, {name})"
+        started.add(name)
+        return f"{ind}{name} = h2mul({a}, {b})"
+
+    for t in range(WORDS_PER_CHUNK):
+        col = f"(c{j} + {t}) * 8"
+        if guarded:
+            out.append(f"{ind}xc{j}_{t} = {col}")
+        for m in range(M):
+            xm, xv = xrows[m], f"xh{j}_{t}_{m}"
+            if guarded:
+                out.append(f"{ind}{xv} = ldh8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO_W4")
+            else:
+                out.append(f"{ind}{xv} = ldh8(x, ({xm}, {col}))")
+            for p in range(4):
+                out.append(acc(f"sx{j}_{m}", f"{xv}[{p}]", f"{H2_X:#x}"))
+        for r in range(R):
+            u, v = f"q{r}_{j}[{t}]", f"qv{j}_{t}_{r}"
+            out.append(f"{ind}{v} = {u} >> 8")
+            for p, (word, mask, mul, add) in enumerate(
+                (
+                    (u, H2_MASK_LO, H2_LO_MUL, H2_LO_ADD),
+                    (u, H2_MASK_HI, H2_HI_MUL, H2_HI_ADD),
+                    (v, H2_MASK_LO, H2_LO_MUL, H2_LO_ADD),
+                    (v, H2_MASK_HI, H2_HI_MUL, H2_HI_ADD),
+                )
+            ):
+                code = f"({word} & {mask:#x}) | {H2_MAGIC:#x}"
+                out.append(f"{ind}k{j}_{t}_{r}_{p} = h2fma({code}, {mul:#x}, {add:#x})")
+            for m in range(M):
+                for p in range(4):
+                    out.append(acc(f"hh{j}_{m}_{r}", f"xh{j}_{t}_{m}[{p}]", f"k{j}_{t}_{r}_{p}"))
+    for m in range(M):
+        out.append(f"{ind}xl{j}_{m}, xu{j}_{m} = h2f(sx{j}_{m})")
+        out.append(f"{ind}xs{j}_{m} = xl{j}_{m} + xu{j}_{m}")
+    for r in range(R):
+        F, G = f"F{r}_{j}", f"G{r}_{j}"
+        if weight is None:
+            out.append(f"{ind}{F} = float32(s{r}_{j})")
+            out.append(f"{ind}{G} = float32(o{r}_{j}) + {F} * float32({H2_CENTER!r})")
+        else:
+            out.append(f"{ind}{F} = float32(s{r}_{j}) * {weight}")
+            out.append(f"{ind}{G} = float32(o{r}_{j}) * {weight} + {F} * float32({H2_CENTER!r})")
+        for m in range(M):
+            lo, hi = f"pl{j}_{m}_{r}", f"pu{j}_{m}_{r}"
+            out.append(f"{ind}{lo}, {hi} = h2f(hh{j}_{m}_{r})")
+            out.append(f"{ind}a{m}_{r} += {lo} * {F}")
+            out.append(f"{ind}a{m}_{r} += {hi} * {F}")
+            out.append(f"{ind}a{m}_{r} += xs{j}_{m} * {G}")
+    return out
+
+
+def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str = "weight") -> str:
     """One kernel, written out statement by statement (see gemv._source for why)."""
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
@@ -312,8 +448,10 @@ def _source(
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
     L.append("    while w0 < W:")
     xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
-    L += dot_step("        ", M, R, U, bits, split, xrows, factored=factored)
+    L += dot_step("        ", M, R, U, bits, split, xrows, form=form)
     L.append(f"        w0 += {step}")
+    if form == HALF2:
+        L += [f"    {a} *= float32({2.0**H2_SHIFT!r})" for a in acc]
     if gate_up:
         # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
         L += ["    a = float32(0.0)", "    b = float32(0.0)"]
@@ -403,6 +541,10 @@ def source_scope() -> dict:
         "bits_f32": bits_f32,
         "fold": fold,
         "fold_dot": fold_dot,
+        "h2fma": h2fma,
+        "h2mul": h2mul,
+        "h2f": h2f,
+        "ldh8": ldh8,
         "_warp_sum": _warp_sum,
         "_silu_mul": _silu_mul,
         "round_like": round_like,
@@ -410,10 +552,10 @@ def source_scope() -> dict:
     }
 
 
-def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, factored: bool):
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str):
     scope = source_scope()
-    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split} f={factored}>"
-    src = _source(M, R, U, bits, split, kind, factored)
+    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split} form={form}>"
+    src = _source(M, R, U, bits, split, kind, form)
     exec(compile(src, name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])
 
@@ -422,11 +564,11 @@ _KERNELS: dict[tuple, object] = {}
 
 
 def qgemv_kernel(
-    m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None, factored: bool = False
+    m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None, form: str = WEIGHT
 ):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
     tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R).
-    factored: the factored dot product (`factored_for`; fp16 x only)."""
+    form: the dot product (`form_for`; FACTORED and HALF2 for fp16 x only)."""
     v = variant_for(m)
     R, U = tile if tile is not None else tile_for(v, bits, kind)
     if kind == GATE_UP and R % 2:
@@ -435,26 +577,43 @@ def qgemv_kernel(
         raise ValueError("the qkv_rope kernel owns one rotary pair per warp: R must be 2")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
-    key = (v, R, U, bits, split, kind, factored)
+    if form not in FORMS:
+        raise ValueError(f"unknown dot-product form {form!r} (one of {FORMS})")
+    if form == HALF2 and (bits != 4 or split):
+        raise ValueError("the half2 form is for int4 codes with one group per chunk")
+    key = (v, R, U, bits, split, kind, form)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, factored)
+        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, form)
     return k
 
 
 FACTORED_MAX_M = 2  # beyond, its per-chunk x work (3 ops per x element and input) costs more
+# The half2 form's default range: every M (in the cc 7.0 PTX it needs 0.55-0.6 of the
+# per-weight form's instructions at M = 4 and 8 as well, in as many registers or fewer).
+HALF2_MAX_M = MAX_M
 
 
-def factored_for(m: int, dtype: torch.dtype, force: bool | None = None) -> bool:
-    """Whether the M = m launch takes the factored dot product (dot_step's `factored`): only for
-    fp16 x (its x scaling needs |x| < 2**16, quant_common.D_SCALE) and M <= FACTORED_MAX_M (at
-    4 and 8 inputs with R = 4 and 2 rows a warp the x work per weight outweighs the integer ops
-    it saves). force True / False: benchmarks and tests time or check either form."""
+def form_for(
+    m: int, dtype: torch.dtype, bits: int = 4, split: bool = False, force: str | None = None
+) -> str:
+    """The dot-product form of the M = m launch (dot_step's `form`). fp32 x: always WEIGHT (the
+    others read x as fp16). fp16 x: HALF2 for int4 codes with one group per chunk at M <=
+    HALF2_MAX_M; else FACTORED at M <= FACTORED_MAX_M (int8, GGUF's split groups: at 4 and 8
+    inputs with R = 4 and 2 rows a warp its x work per weight outweighs the integer ops it
+    saves); else WEIGHT. force: a form for benchmarks and tests to time or check (HALF2 falls
+    back to FACTORED where it does not apply)."""
     if dtype != torch.float16:
-        return False
+        return WEIGHT
+    half2_ok = bits == 4 and not split
     if force is not None:
-        return bool(force)
-    return variant_for(m) <= FACTORED_MAX_M
+        if force not in FORMS:
+            raise ValueError(f"unknown dot-product form {force!r} (one of {FORMS})")
+        return FACTORED if force == HALF2 and not half2_ok else force
+    v = variant_for(m)
+    if half2_ok and v <= HALF2_MAX_M:
+        return HALF2
+    return FACTORED if v <= FACTORED_MAX_M else WEIGHT
 
 
 def is_split(w: GroupQuantWeight) -> bool:
@@ -477,7 +636,12 @@ qgemv_int8_m1 = qgemv_kernel(1, 8)
 qgemv_gate_up_int4_m1 = qgemv_kernel(1, 4, kind=GATE_UP)
 qgemv_gate_up_int4_m8 = qgemv_kernel(8, 4, kind=GATE_UP)
 qgemv_qkv_rope_int4_m1 = qgemv_kernel(1, 4, kind=QKV_ROPE)
-qgemv_int4_m1_factored = qgemv_kernel(1, 4, factored=True)
+qgemv_int4_m1_factored = qgemv_kernel(1, 4, form=FACTORED)
+qgemv_int4_m1_half2 = qgemv_kernel(1, 4, form=HALF2)
+qgemv_int4_m2_half2 = qgemv_kernel(2, 4, form=HALF2)
+qgemv_int4_m8_half2 = qgemv_kernel(8, 4, form=HALF2)
+qgemv_gate_up_int4_m1_half2 = qgemv_kernel(1, 4, kind=GATE_UP, form=HALF2)
+qgemv_qkv_rope_int4_m1_half2 = qgemv_kernel(1, 4, kind=QKV_ROPE, form=HALF2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,11 +690,11 @@ def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
 
 
 def launch_qgemv(
-    x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=(), factored=None
+    x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=(), form=None
 ):
     """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
-    extra: qkv_rope's arguments after group_shift, already converted. factored: None takes
-    `factored_for`'s choice; True / False force it (benchmarks and tests; fp16 x only)."""
+    extra: qkv_rope's arguments after group_shift, already converted. form: None takes
+    `form_for`'s choice; a form name forces it (benchmarks and tests; fp32 x stays WEIGHT)."""
     M, rows = x.shape[0], w.out_features
     if out is None:
         cols = rows // 2 if kind == GATE_UP else rows
@@ -538,7 +702,9 @@ def launch_qgemv(
     has_bias = bias is not None
     b = bias if has_bias else w.scales.view(-1)  # any 1-D array of the dtype; unread
     launch(
-        qgemv_kernel(M, w.bits, is_split(w), kind, tile, factored_for(M, x.dtype, factored)),
+        qgemv_kernel(
+            M, w.bits, is_split(w), kind, tile, form_for(M, x.dtype, w.bits, is_split(w), form)
+        ),
         grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile),
         THREADS,
         (
@@ -558,10 +724,10 @@ def launch_qgemv(
 
 
 def quant_gemv_cuda(
-    x, w: GroupQuantWeight, bias=None, out=None, tile=None, factored=None
+    x, w: GroupQuantWeight, bias=None, out=None, tile=None, form=None
 ) -> torch.Tensor:
     """quant_linear_ref's meaning for x of 1..8 rows (already permuted by the caller); what
-    `supports` rejects goes to the reference. No host sync: graph-capturable. factored: see
+    `supports` rejects goes to the reference. No host sync: graph-capturable. form: see
     launch_qgemv."""
     x = _aligned_rows(x)
     if not supports(x, w):
@@ -569,10 +735,10 @@ def quant_gemv_cuda(
 
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
         return y if out is None else out.copy_(y)
-    return launch_qgemv(x, w, bias, out, PLAIN, tile, factored=factored)
+    return launch_qgemv(x, w, bias, out, PLAIN, tile, form=form)
 
 
-def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None, factored=None):
+def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=None, form=None):
     """silu_and_mul(x @ dequantize(w)^T (+ bias)) for a merged gate_up weight [2I, K] and x of
     1..8 rows (already permuted); one launch."""
     x = _aligned_rows(x)
@@ -582,7 +748,7 @@ def quant_gemv_gate_up_cuda(x, w: GroupQuantWeight, bias=None, out=None, tile=No
 
         y = silu_and_mul_ref(torch.nn.functional.linear(x, dequantize(w, x.dtype), bias))
         return y if out is None else out.copy_(y)
-    return launch_qgemv(x, w, bias, out, GATE_UP, tile, factored=factored)
+    return launch_qgemv(x, w, bias, out, GATE_UP, tile, form=form)
 
 
 def quant_qkv_rope_ref(
@@ -661,9 +827,10 @@ def quant_qkv_rope_cuda(
     n_q: int,
     n_kv: int,
     out=None,
+    form=None,
 ) -> torch.Tensor:
     """quant_qkv_rope_ref's meaning in one launch (x of 1..8 rows, already permuted); what
-    `supports_qkv_rope` rejects runs the reference. No host sync."""
+    `supports_qkv_rope` rejects runs the reference. No host sync. form: see launch_qgemv."""
     x = _aligned_rows(x)
     args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
     if not supports_qkv_rope(x, w, *args):
@@ -677,7 +844,7 @@ def quant_qkv_rope_cuda(
         int(n_q),
         int(n_kv),
     )
-    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra)
+    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra, form=form)
 
 
 __all__ = [
@@ -685,6 +852,7 @@ __all__ = [
     "quant_qkv_rope_cuda",
     "supports_qkv_rope",
     "qgemv_kernel",
+    "form_for",
     "tile_for",
     "grid_for",
     "supports",

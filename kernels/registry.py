@@ -340,9 +340,15 @@ KERNELS += [
         "qgemv_int8_m1",
         "qgemv_gate_up_int4_m1",
         "qgemv_gate_up_int4_m8",
-        # The factored dot product (the default for fp16 x at 1-2 rows; the entries above keep
-        # the other form, which fp32 x and 3-8 rows take).
+        # The dot-product forms of fp16 x (quant_gemv.form_for): half2 for int4 with one group
+        # per chunk at every row count (plain at 1, 2 and 8 rows, gate_up), factored (int8 and
+        # split groups at 1-2 rows; int4 forced for comparison). The entries above keep the
+        # per-weight form (fp32 x; int8 and split groups at 3-8 rows).
         "qgemv_int4_m1_factored",
+        "qgemv_int4_m1_half2",
+        "qgemv_int4_m2_half2",
+        "qgemv_int4_m8_half2",
+        "qgemv_gate_up_int4_m1_half2",
     )
 ]
 
@@ -406,14 +412,12 @@ KERNELS += [
 # The quantized qkv_rope variant (qgemv_kernel(M, bits, kind=QKV_ROPE)): the quant_gemv
 # arguments, then positions [M] int64, the fp32 cos/sin cache, the K and V caches, slots [M]
 # int64, and the q and kv head counts.
+_QKV_ROPE_SIG = (
+    "void(float16[:, :], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
+    " float16[:, :], boolean, int64, int64[::1], float32[:, ::1], float16[:, :, :, ::1],"
+    " float16[:, :, :, ::1], int64[::1], int64, int64)"
+)
 KERNELS += [
-    KernelSpec(
-        "quant_gemv",
-        "qgemv_qkv_rope_int4_m1",
-        (
-            "void(float16[:, :], int32[:, ::1], float16[:, ::1], float16[:, ::1], float16[::1],"
-            " float16[:, :], boolean, int64, int64[::1], float32[:, ::1], float16[:, :, :, ::1],"
-            " float16[:, :, :, ::1], int64[::1], int64, int64)",
-        ),
-    ),
+    KernelSpec("quant_gemv", name, (_QKV_ROPE_SIG,))
+    for name in ("qgemv_qkv_rope_int4_m1", "qgemv_qkv_rope_int4_m1_half2")
 ]

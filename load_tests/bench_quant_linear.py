@@ -17,9 +17,11 @@ call streams from HBM), timed with events, median of 7.
 
     python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
         [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at rows 1..8)
-        [--factored]   (also the factored GEMV, the default form at 1-2 fp16 rows, forced at
-                        rows 1..8: impl *_factored_gemv and *_factored_gate_up; with --tiles
-                        its tile sweep at 1 row)
+        [--forms half2,factored,weight]   (also each named GEMV dot-product form forced at
+                        rows 1..8, quant_gemv.form_for: impl *_{form}_gemv and
+                        *_{form}_gate_up; with --tiles its tile sweep at 1 row; half2 is the
+                        int4 default at 1-2 fp16 rows and falls back to factored for int8)
+        [--factored]   (the same as --forms factored)
 """
 
 # Every lambda below is timed (called) before its loop variables change:
@@ -84,16 +86,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--formats", default="int4_g128,int8_g32")
     ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at 1 row")
     ap.add_argument(
-        "--factored",
-        action="store_true",
-        help="also time the factored GEMV (forced on) at rows <= 8 next to the default one",
+        "--forms",
+        default="",
+        help="comma-separated GEMV dot-product forms (half2, factored, weight) to also time "
+        "forced at rows <= 8 next to the default one",
     )
+    ap.add_argument("--factored", action="store_true", help="the same as --forms factored")
     ap.add_argument(
         "--no-tc",
         action="store_true",
         help="never time the tensor-core GEMM forced (with VOLTSERVE_QUANT_TC_MAX_ROWS=0: not at all)",
     )
     args = ap.parse_args(argv)
+    forms = [f for f in args.forms.split(",") if f]
+    if args.factored and "factored" not in forms:
+        forms.append("factored")
+    bad = [f for f in forms if f not in ("half2", "factored", "weight")]
+    if bad:
+        raise SystemExit(f"unknown --forms {bad}: half2, factored, weight")
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
     from voltserve.kernels.dispatch import KernelDispatch
@@ -186,40 +196,38 @@ def main(argv: list[str] | None = None) -> None:
                                     time_us=t * 1e6,
                                     of_floor=floor / t,
                                 )
-                            if args.factored:
-                                t = timed(
-                                    lambda w: quant_gemv_cuda(x, w, None, out, factored=True), ws
-                                )
+                            for form in forms:
+                                t = timed(lambda w: quant_gemv_cuda(x, w, None, out, form=form), ws)
                                 record(
                                     **base,
-                                    impl=f"{name}_factored_gemv",
+                                    impl=f"{name}_{form}_gemv",
                                     time_us=t * 1e6,
                                     of_floor=floor / t,
                                 )
                                 if op == "gate_up":
                                     t = timed(
-                                        lambda w: quant_gemv_gate_up_cuda(x, w, factored=True), ws
+                                        lambda w: quant_gemv_gate_up_cuda(x, w, form=form), ws
                                     )
                                     record(
                                         **base,
-                                        impl=f"{name}_factored_gate_up",
+                                        impl=f"{name}_{form}_gate_up",
                                         time_us=t * 1e6,
                                         of_floor=floor / t,
                                     )
-                            if args.factored and args.tiles and rows == 1:
-                                for tile in ((2, 2), (4, 1), (4, 2), (8, 1)):
-                                    t = timed(
-                                        lambda w, tile=tile: quant_gemv_cuda(
-                                            x, w, None, out, tile=tile, factored=True
-                                        ),
-                                        ws,
-                                    )
-                                    record(
-                                        **base,
-                                        impl=f"{name}_factored_R{tile[0]}U{tile[1]}",
-                                        time_us=t * 1e6,
-                                        of_floor=floor / t,
-                                    )
+                                if args.tiles and rows == 1:
+                                    for tile in ((2, 2), (4, 1), (4, 2), (8, 1)):
+                                        t = timed(
+                                            lambda w, tile=tile: quant_gemv_cuda(
+                                                x, w, None, out, tile=tile, form=form
+                                            ),
+                                            ws,
+                                        )
+                                        record(
+                                            **base,
+                                            impl=f"{name}_{form}_R{tile[0]}U{tile[1]}",
+                                            time_us=t * 1e6,
+                                            of_floor=floor / t,
+                                        )
                             if args.tiles and rows == 1:
                                 for tile in (
                                     (1, 2),
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a kernel fault poisons the CUDA context: keep what was measured
         error = f"{type(e).__name__}: {e}"
         print("FAILED:", error, flush=True)
-    summary = {} if error else summarise(results, rows_list, bw, gen, ops)
+    summary = {} if error else summarise(results, rows_list, bw, gen, ops, forms)
     write_json(
         args.out,
         dict(
@@ -295,7 +303,7 @@ def best(results, model, op, rows, prefix) -> float | None:
     return min(ts) if ts else None
 
 
-def summarise(results, rows_list, bw, gen, ops) -> dict:
+def summarise(results, rows_list, bw, gen, ops, forms=()) -> dict:
     """Llama-3-8B: one decoder step's linears (32 layers + the fp16 lm_head of the step's rows,
     sampled rows only at decode: rows <= 256) per row count, fp16 (best of cuBLAS / GEMV) and
     int4 (quant_linear's choice), and the batch-1 tokens/s ratio of the linears alone."""
@@ -342,20 +350,21 @@ def summarise(results, rows_list, bw, gen, ops) -> dict:
         floor = LLAMA_LAYERS * qbytes + LLAMA_VOCAB * 4096 * 2 / bw * 1e6
         out["batch1_int4_floor_us"] = floor
         out["batch1_int4_of_floor"] = floor / s["int4_g128"]
-        # The same step with the factored GEMV (--factored): gate_up fused, the rest plain.
-        ts = [
-            best(results, "llama", op, 1, "int4_g128_factored_" + impl)
-            for op, impl in (
-                ("qkv", "gemv"),
-                ("o", "gemv"),
-                ("gate_up", "gate_up"),
-                ("down", "gemv"),
-            )
-        ]
-        if all(t is not None for t in ts):
-            f_step = LLAMA_LAYERS * sum(ts) + out["lm_head_us"][1]
-            out["batch1_factored_linears_us"] = f_step
-            out["batch1_factored_of_floor"] = floor / f_step
+        # The same step with each forced GEMV form (--forms): gate_up fused, the rest plain.
+        for form in forms:
+            ts = [
+                best(results, "llama", op, 1, f"int4_g128_{form}_" + impl)
+                for op, impl in (
+                    ("qkv", "gemv"),
+                    ("o", "gemv"),
+                    ("gate_up", "gate_up"),
+                    ("down", "gemv"),
+                )
+            ]
+            if all(t is not None for t in ts):
+                f_step = LLAMA_LAYERS * sum(ts) + out["lm_head_us"][1]
+                out[f"batch1_{form}_linears_us"] = f_step
+                out[f"batch1_{form}_of_floor"] = floor / f_step
     print("summary:", out, flush=True)
     return out
 

@@ -144,8 +144,9 @@ for stage in $STAGES; do
       # process). quant-bench: int4/int8 against fp16 cuBLAS / GEMV with the copy bandwidth of
       # the same run (QUANT_ROWS, QUANT_MODELS=llama,qwen, QUANT_TILES=1 adds the GEMV tile
       # sweep; QUANT_BENCH_ARGS="--no-tc" with VOLTSERVE_QUANT_TC_MAX_ROWS=0 leaves the tensor-core GEMM
-      # out; QUANT_BENCH_ARGS="--factored" also times the factored GEMV (the 1-2 row default)
-      # forced at rows <= 8 in the same run; GPU_TEST_K=factored runs its GPU test alone). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot
+      # out; QUANT_BENCH_ARGS="--forms half2,factored,weight" also times those GEMV forms (half2:
+      # the int4 default) forced at rows <= 8 in the same run; GPU_TEST_K="gemv_forms or half2"
+      # runs their GPU tests alone). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot
       # target Volta).
       if [ "$stage" != quant-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")

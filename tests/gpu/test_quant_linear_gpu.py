@@ -290,25 +290,70 @@ def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
     assert (vc.float() - vr).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("form", ["factored", "half2"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
 @pytest.mark.parametrize(
     "K,N,bits,g",
     [(4096, 6144, 4, 128), (14336, 4096, 4, 128), (4096, 4096, 4, 16), (4096, 4096, 8, 32)],
 )
-def test_factored_gemv(K, N, bits, g, rows):
-    """The factored GEMV: forced at every row count against the reference, and through
-    quant_linear, quant_gate_up_silu and quant_qkv_rope where it is the default (1-2 rows): its
-    subnormal code floats need FFMAs that keep subnormal operands."""
-    from voltserve.kernels.quant_gemv import factored_for, quant_gemv_cuda
+def test_gemv_forms(K, N, bits, g, rows, form):
+    """The factored and half2 GEMVs forced at every row count against the reference (half2
+    serves int4 with one group per chunk; form_for gives the factored form elsewhere), and
+    through quant_linear, quant_gate_up_silu and quant_qkv_rope where the form is the default
+    (half2: every row count; factored: 1-2): subnormal fp32 code floats (factored) and fp16 subnormals (half2) need
+    instructions that keep them. check()'s bound (a few fp16 ulps of the output's scale past
+    fp16 F.linear's own error) holds for half2's fp16 runs: 16 products per half rounded to
+    fp16 add ~2**-11 of a run's magnitude each, and K / 16 such runs average out far below
+    2**-9 of the output scale (quant_gemv's module doc)."""
+    from voltserve.kernels.quant_gemv import form_for, quant_gemv_cuda
 
     w = weight(K, N, bits, g)
     x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
     out = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.float16)
-    quant_gemv_cuda(x, w, None, out, factored=True)
+    quant_gemv_cuda(x, w, None, out, form=form)
     torch.cuda.synchronize()
     check(out, x, w, None)
-    assert factored_for(rows, torch.float16) == (rows <= 2)
+    half2_ok = bits == 4 and g >= 32
+    assert form_for(rows, torch.float16, bits, not half2_ok and bits == 4) == (
+        "half2" if half2_ok else "factored" if rows <= 2 else "weight"
+    )
+    if form == "half2" and not half2_ok:
+        return  # the same launch as the factored case
     run_linear(K, N, rows, bits=bits, g=g, bias=True)
-    if (K, N, bits) == (4096, 6144, 4) and rows <= 2:
+    if (K, N, bits) == (4096, 6144, 4) and rows <= 4:
         test_gate_up_silu(4096, 28672, rows)
         test_qkv_rope_fused(4096, 32, 8, True, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("xs", ["huge", "tiny"])
+@pytest.mark.parametrize("K,N", [(4096, 6144), (14336, 4096)])
+def test_half2_x_range(K, N, rows, xs):
+    """The half2 GEMV at fp16's extremes against its worst-case bound (quant_gemv's module doc):
+    x with 64 elements near +-65504 (the 2**-8 scaling keeps every fp16 run finite) or all x
+    ~ 1e-4 (scaled x and products are fp16 subnormals: 2**-17 absolute per rounding). Bound:
+    2**-7 * sum_k |x_k| (8 |s| + |o + 8 s|) for the runs (|c - 8| <= 8), 2**-17 * sum_k (|s| +
+    |o + 8 s|) for subnormal rounding, then the fp16 output's rounding (2**-11 |y| + 2**-25)."""
+    from voltserve.kernels.quant_gemv import quant_gemv_cuda
+    from voltserve.kernels.quant_pack import dequantize
+
+    w = weight(K, N, 4, 128)
+    gen = torch.Generator(device=DEV).manual_seed(K + rows)
+    x = torch.randn(rows, K, device=DEV, generator=gen)
+    if xs == "huge":
+        idx = torch.randint(0, K, (rows, 64), device=DEV, generator=gen)
+        x.scatter_(1, idx, torch.sign(x.gather(1, idx)) * 65504)
+    else:
+        x = x * 1e-4
+    x = x.half()
+    out = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.float16)
+    quant_gemv_cuda(x, w, None, out, form="half2")
+    ref = F.linear(x.double(), dequantize(w, torch.float32).double())
+    s = w.scales.double().repeat_interleave(128, dim=1)
+    o = (w.offsets.double().repeat_interleave(128, dim=1) + 8 * s).abs()
+    bound = F.linear(x.double().abs(), 8 * s.abs() + o) * 2.0**-7 * 1.01
+    bound += (s.abs() + o).sum(dim=1) * 2.0**-17 + ref.abs() * 2.0**-11 + 2.0**-25
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "poisoned, inf or NaN outputs"
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), (err / bound).max().item()

@@ -22,15 +22,16 @@ pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GP
 SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
 
 
-def make(gen, N, K, bits, g, dtype):
+def make(gen, N, K, bits, g, dtype, with_codes=False):
     codes = torch.randint(0, 2**bits, (N, K), generator=gen, dtype=torch.uint8)
     G = K // g
     s = (torch.rand(N, G, generator=gen) + 0.5) * (2.0 / (K**0.5 * 2**bits))
     o = -s * 2 ** (bits - 1) + torch.randn(N, G, generator=gen) * 0.01
-    return pack_group_quant(codes, s, o, bits, g, dtype)
+    w = pack_group_quant(codes, s, o, bits, g, dtype)
+    return (w, codes) if with_codes else w
 
 
-def run(x, w, bias, kind=quant_gemv.PLAIN, factored=False, out_dtype=None):
+def run(x, w, bias, kind=quant_gemv.PLAIN, form="weight", out_dtype=None):
     M = x.shape[0]
     cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
     out = torch.full((M, cols), float("nan"), dtype=out_dtype or x.dtype)
@@ -39,7 +40,7 @@ def run(x, w, bias, kind=quant_gemv.PLAIN, factored=False, out_dtype=None):
     b = bias if bias is not None else w.scales[:, 0].contiguous()
     # One warp per block: the simulator's shuffle is exact only within a one-warp block.
     launch(
-        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, factored=factored),
+        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, form=form),
         warps,
         32,
         (
@@ -132,56 +133,172 @@ def test_qgemv_factored_matches_dequantized_linear(M, N, bits, g, K, with_bias):
     ref = F.linear(x.double(), wd, None if bias is None else bias.double())
     # fp32 out (the simulator stores what it is given): the sum before fp16 rounding, within
     # fp32's error relative to sum |x w| + |bias| (what the regrouped sums can lose).
-    out = run(x, w, bias, factored=True, out_dtype=torch.float32)
+    out = run(x, w, bias, form="factored", out_dtype=torch.float32)
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
     mag = F.linear(x.double().abs(), wd.abs(), None if bias is None else bias.double().abs())
     err = (out.double() - ref).abs()
     assert (err <= 3e-5 * mag).all(), f"worst {(err / mag).max():.3g} of sum |x w|"
-    out16 = run(x, w, bias, factored=True)
+    out16 = run(x, w, bias, form="factored")
     torch.testing.assert_close(out16.float(), ref.float().to(torch.float16).float(), **tol(x.dtype))
 
 
+@pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("kind", [quant_gemv.GATE_UP, quant_gemv.QKV_ROPE])
-def test_qgemv_factored_kinds(kind):
-    """gate_up and qkv_rope share the step: the factored one gives what the other does."""
-    gen = torch.Generator().manual_seed(SEED + 5)
+def test_qgemv_forms_kinds(kind, M):
+    """gate_up and qkv_rope share the step: the factored and half2 ones give what the per-weight
+    one does. x = i / 8 (|i| <= 8) keeps the half2 form's fp16 sums exact (every partial sum a
+    multiple of 2**-11 below 1), so the forms differ by fp32 rounding only."""
+    gen = torch.Generator().manual_seed(SEED + 5 + M)
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
-    K, N = 128, 8
+    K, N = 128, 6  # gate_up: 3 columns, R / 2 = 2 a warp (the second half-used); 3 pairs
     w = make(gen, N, K, 4, 32, torch.float16)
-    x = torch.randn(1, K, generator=gen).to(torch.float16)
+    x = (torch.randint(-8, 9, (M, K), generator=gen) / 8).to(torch.float16)
+    forms = ("weight", "factored", "half2")
     if kind == quant_gemv.GATE_UP:
-        outs = [run(x, w, None, kind, f, torch.float32) for f in (False, True)]
+        outs = [run(x, w, None, kind, f, torch.float32) for f in forms]
     else:
         outs = []
-        for f in (False, True):
-            out = torch.full((1, N), float("nan"))
+        for f in forms:
+            out = torch.full((M, N), float("nan"))
             cache = torch.zeros(1, 1, 1, 2)
             launch(
-                quant_gemv.qgemv_kernel(1, 4, False, kind, factored=f),
+                quant_gemv.qgemv_kernel(M, 4, False, kind, form=f),
                 N // 2,
                 32,
                 (x.numpy(), w.qweight.numpy(), w.scales.numpy(), w.offsets.numpy())
                 + (w.scales.view(-1).numpy(), out.numpy(), False, w.group_shift)
-                + (np.zeros(1, np.int64), np.ones((1, 2), np.float32), cache.numpy())
-                + (cache.numpy(), np.full(1, -1, np.int64), 2, 0),
+                + (np.zeros(M, np.int64), np.ones((1, 2), np.float32), cache.numpy())
+                + (cache.numpy(), np.full(M, -1, np.int64), 2, 0),
             )
             outs.append(out)
-    assert not torch.isnan(outs[1]).any(), "kernel left poisoned (NaN) outputs"
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for out in outs[1:]:
+        assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+        torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)
 
 
-def test_factored_choice():
+def test_form_choice():
     f16, f32 = torch.float16, torch.float32
-    assert quant_gemv.factored_for(1, f16) and quant_gemv.factored_for(2, f16)  # the default
-    assert not quant_gemv.factored_for(3, f16) and not quant_gemv.factored_for(1, f32)
-    assert quant_gemv.factored_for(8, f16, force=True) and not quant_gemv.factored_for(
-        1, f16, False
-    )
-    assert not quant_gemv.factored_for(1, f32, force=True)  # fp32 x: its range needs the other
-    src = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, factored=True)
+    form_for = quant_gemv.form_for
+    # fp16 x: half2 for int4 with whole-chunk groups, factored for int8 and split groups at 1-2
+    # rows, per weight beyond; fp32 x: always per weight.
+    assert form_for(1, f16) == form_for(2, f16) == form_for(3, f16) == form_for(8, f16) == "half2"
+    assert form_for(1, f16, 8) == form_for(2, f16, 4, True) == "factored"
+    assert form_for(3, f16, 8) == form_for(8, f16, 4, True) == form_for(1, f32) == "weight"
+    assert form_for(8, f16, force="half2") == "half2"
+    assert form_for(1, f16, force="factored") == "factored"
+    assert form_for(1, f16, 4, True, force="half2") == "factored"  # split groups: no half2
+    assert form_for(1, f32, force="half2") == "weight"  # fp32 x: its range needs the other
+    with pytest.raises(ValueError, match="unknown"):
+        form_for(1, f16, force="fp16")
+    src = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, form="factored")
     assert "fold_dot(" in src and "fold(" not in src
+    src = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, form="half2")
+    assert "h2fma(" in src and "ldh8(x, (0, xc1_3)) if xc1_3 < K else ZERO_W4" in src
+    assert "fold" not in src and "bits_f32" not in src
     with pytest.raises(ValueError, match="routing weight"):
-        quant_gemv.dot_step("", 1, 2, 1, 4, False, ["0"], weight="ws", factored=True)
+        quant_gemv.dot_step("", 1, 2, 1, 4, False, ["0"], weight="ws", form="factored")
+    with pytest.raises(ValueError, match="int4"):
+        quant_gemv.qgemv_kernel(1, 8, form="half2")
+    with pytest.raises(ValueError, match="int4"):
+        quant_gemv.dot_step("", 1, 2, 1, 4, True, ["0"], form="half2")
+
+
+# ---- the half2 form (fp16 x, int4, one group per chunk: the default at 1-2 rows) --------------
+
+
+def half2_bound(x, w, codes, bias):
+    """The half2 form's worst-case error against the exact sum (quant_gemv's module doc): each
+    fp16 run of 16 terms x_k (c_k - 8) 2**-8, or x_k 2**-8, rounds 16 times, each time by at
+    most 2**-11 of the running sum (<= the sum of the terms' magnitudes, to first order) or by
+    2**-25 (half the subnormal spacing); the runs are scaled by 2**8 |s| and 2**8 |o + 8 s|.
+    Plus fp32 rounding: 2**-20 of sum |x w| + |bias| (generous for these K)."""
+    g = 1 << w.group_shift
+    s = w.scales.double().repeat_interleave(g, dim=1)
+    o = w.offsets.double().repeat_interleave(g, dim=1)
+    c = codes.double() - 8
+    xa = x.double().abs()
+    run_err = F.linear(xa, s.abs() * c.abs() + (o + 8 * s).abs()) * 2.0**-7 * 1.01
+    subnormal = (s.abs() + (o + 8 * s).abs()).sum(dim=1) * 2.0**-17
+    wd = dequantize(w, torch.float32).double()
+    fp32 = F.linear(xa, wd.abs(), None if bias is None else bias.double().abs()) * 2.0**-20
+    return run_err + subnormal + fp32
+
+
+# (M, N, g, K, bias, x): N not a multiple of R = 4 (a partial last group of rows); K = 2048 +
+# 128: one full step of the M = 1 kernel (R = 4, U = 2) and a guarded partial one.
+HALF2_CASES = [
+    (1, 5, 32, 2048 + 128, True, "normal"),
+    (2, 3, 128, 256, False, "normal"),
+    (2, 5, 64, 128, True, "huge"),  # |x| up to 65504: the 2**-8 scaling keeps fp16 finite
+    (1, 3, 32, 128, False, "tiny"),  # |x| ~ 1e-4: scaled x and products are fp16 subnormals
+    (3, 5, 32, 128, True, "normal"),  # the M = 4 kernel (R = 4, U = 1), input 3 clamped to 2
+]
+
+
+@pytest.mark.parametrize("M,N,g,K,with_bias,xs", HALF2_CASES)
+def test_qgemv_half2_error_bound(M, N, g, K, with_bias, xs):
+    gen = torch.Generator().manual_seed(SEED + 17 * M + K)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    w, codes = make(gen, N, K, 4, g, torch.float16, with_codes=True)
+    x = torch.randn(M, K, generator=gen)
+    if xs == "huge":
+        x = torch.sign(x) * (30000 + 35504 * torch.rand(M, K, generator=gen))
+    elif xs == "tiny":
+        x = x * 1e-4
+    x = x.to(torch.float16)
+    bias = torch.randn(N, generator=gen).to(torch.float16) if with_bias else None
+    wd = dequantize(w, torch.float32).double()
+    ref = F.linear(x.double(), wd, None if bias is None else bias.double())
+    out = run(x, w, bias, form="half2", out_dtype=torch.float32)
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    err = (out.double() - ref).abs()
+    bound = half2_bound(x, w, codes, bias)
+    assert (err <= bound).all(), f"worst {(err / bound).max():.3g} of the bound"
+    if xs == "normal":  # the stored fp16 output: within a few fp16 ulps of the reference's
+        out16 = run(x, w, bias, form="half2")
+        assert not torch.isnan(out16).any(), "kernel left poisoned (NaN) outputs"
+        torch.testing.assert_close(out16.double(), ref, atol=4e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_qgemv_half2_exact_sums(M):
+    """x = i / 8 (|i| <= 8): the fp16 sums are exact, so a wrong code, pair or x word shows
+    against fp32 rounding (what the error bound's fp16 terms would hide)."""
+    gen = torch.Generator().manual_seed(SEED + 23 * M)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    K, N = 256, 7
+    w = make(gen, N, K, 4, 64, torch.float16)
+    x = (torch.randint(-8, 9, (M, K), generator=gen) / 8).to(torch.float16)
+    wd = dequantize(w, torch.float32).double()
+    ref = F.linear(x.double(), wd)
+    out = run(x, w, None, form="half2", out_dtype=torch.float32)
+    mag = F.linear(x.double().abs(), wd.abs())
+    err = (out.double() - ref).abs()
+    assert (err <= 1e-6 * mag).all(), f"worst {(err / mag).max():.3g} of sum |x w|"
+
+
+def test_half2_stand_ins():
+    """The simulator's f16x2 stand-ins round once per operation, keep subnormals, overflow to
+    inf; the half2 constants decode codes exactly."""
+    from voltserve.kernels.half2 import h2_bits, h2_vals, h2f, h2fma, h2mul
+
+    a, b = h2_bits(1.0 + 2.0**-10, -3.0), h2_bits(1.0 - 2.0**-11, 2.0**-20)
+    assert h2_vals(h2fma(a, b, h2_bits(-1.0, 0.0))) == (
+        2.0**-10 - 2.0**-11 - 2.0**-21,
+        -3 * 2.0**-20,
+    )
+    assert h2_vals(h2mul(h2_bits(2.0**-14, 300.0), h2_bits(2.0**-8, 300.0))) == (
+        2.0**-22,
+        float("inf"),
+    )
+    assert h2f(h2_bits(0.5, -2.0)) == (0.5, -2.0)
+    for c in range(16):
+        for lo, mul, add in (
+            (c, quant_gemv.H2_LO_MUL, quant_gemv.H2_LO_ADD),
+            (16 * c, quant_gemv.H2_HI_MUL, quant_gemv.H2_HI_ADD),
+        ):
+            word = (lo | lo << 16) | quant_gemv.H2_MAGIC
+            assert h2_vals(h2fma(word, mul, add)) == ((c - 8) / 256, (c - 8) / 256)
 
 
 def test_host_side_rules():
