@@ -185,14 +185,26 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, "lane = tid % 32")
     emit(1, "warp = tid // 32")
     emit(1, "seq_len = seq_lens[b]")
-    emit(1, f"start = part * {PART}")
+    if dynamic_partitions(cfg, mode):
+        # The sequence's own KV blocks spread over the grid's partitions at run time (see
+        # dynamic_partitions): pb blocks each, at least one per warp, at most PART / 16.
+        NW = NT // 32
+        emit(1, f"n_kvb = (seq_len + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
+        emit(1, "n_grid = cuda.gridDim.x")
+        emit(1, f"pb = max((n_kvb + n_grid - 1) // n_grid, {min(NW, PART // BLOCK_SIZE)})")
+        emit(1, "n_done = (n_kvb + pb - 1) // pb")
+        emit(1, f"start = part * pb * {BLOCK_SIZE}")
+        span = f"pb * {BLOCK_SIZE}"
+    else:
+        emit(1, f"start = part * {PART}")
+        span = str(PART)
     emit(1, "if start >= seq_len:")
     if direct or merge:  # seq_len == 0 (graph padding): partition 0 writes a zero output
         emit(2, "if part == 0:")
         emit(3, f"for i in range(tid, {GD}, {NT}):")
         emit(4, f"out[b, h0 + i // {D}, i % {D}] = 0.0")
     emit(2, "return")
-    emit(1, f"n_tok = min({PART}, seq_len - start)")
+    emit(1, f"n_tok = min({span}, seq_len - start)")
     emit(1, f"n_blk = (n_tok + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
     emit(1, f"blk0 = start // {BLOCK_SIZE}")
     if not cfg.online:
@@ -382,12 +394,13 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
     D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
     NW = NT // 32
     GD = G * D
+    dyn = dynamic_partitions(cfg, mode)
     if merge:
         # A context that fits one partition (every context up to 2048 tokens under the full-grid
         # choice, whatever the bound) is finished by partition 0 as in direct mode: no partials,
         # no fence, no arrival ticket, no merge read. The counter of a group with one partition
         # is never touched, so it stays zero.
-        emit(1, f"if seq_len <= {PART}:")
+        emit(1, "if n_done == 1:" if dyn else f"if seq_len <= {PART}:")
         emit(2, f"for i in range(tid, {GD}, {NT}):")
         emit(3, f"g = i // {D}")
         emit(3, f"out[b, h0 + g, i % {D}] = acc_s[i] / l_s[g]")
@@ -403,7 +416,7 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
         emit(2, "max_logits[b, h0 + tid, part] = m_s[tid]")
         emit(2, "exp_sums[b, h0 + tid, part] = l_s[tid]")
     if merge:
-        _emit_merge(emit, G, D, NT, NW, PART)
+        _emit_merge(emit, G, D, NT, NW, PART, dyn)
 
 
 def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
@@ -509,7 +522,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     emit(1, "cuda.syncthreads()")
 
 
-def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
+def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = False) -> None:
     """The last partition block of a (sequence, head group) to finish merges the group's
     partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
 
@@ -522,7 +535,8 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     emit(1, "cuda.threadfence()")
     emit(1, "cuda.syncthreads()")
     emit(1, "flag = cuda.shared.array(1, int32)")
-    emit(1, f"n_done = (seq_len + {PART - 1}) // {PART}")
+    if not dyn:  # dynamic partitions computed n_done at the top
+        emit(1, f"n_done = (seq_len + {PART - 1}) // {PART}")
     emit(1, "cidx = b * cuda.gridDim.y + y")
     emit(1, "if tid == 0:")
     emit(2, "ticket = cuda.atomic.add(counters, cidx, 1)")
@@ -578,6 +592,19 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int) -> None:
     for e in range(E):
         emit(1, f"if ok{e}:")
         emit(2, f"out[b, h0 + g{e}, d{e}] = acc{e}")
+
+
+def dynamic_partitions(cfg: DecodeConfig, mode: str) -> bool:
+    """Whether the kernel spreads each sequence's own context over the grid's partitions at run
+    time (the online core with the in-kernel merge: small, latency-bound grids). The grid's
+    partition count is fixed by the bound (a graph's max_model_len, 8K for Llama-3), so static
+    PART-token partitions leave a short context few of them: at batch 1 and 540 tokens under an
+    8K bound, 3 of 32 partitions of 256 tokens ran, each warp walking 4 KV blocks one memory
+    round trip after another (13.4 us a layer, Llama-3-8B shape, H200). Spread, partition p
+    takes KV blocks [p * pb, (p + 1) * pb) with pb = max(ceil(blocks / partitions), warps):
+    every warp one KV block up to partitions x warps blocks (2048 tokens at 32 x 4), never more
+    than PART / 16 blocks (pb <= ceil(bound / 16 / partitions))."""
+    return cfg.online and mode == "merge"
 
 
 # direct: one partition covers the context: normalise and write `out`.

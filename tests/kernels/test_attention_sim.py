@@ -208,6 +208,36 @@ def test_decode_merge_mode_one_partition_context_writes_directly(seed):
     assert all(np.isnan(a).all() for a in ws.values()), "no partials for a one-partition context"
 
 
+@pytest.mark.parametrize("seq_len,want_parts", [(70, 3), (40, 3), (20, 2), (8, 1)])
+def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, want_parts):
+    """The online core with the in-kernel merge spreads a sequence's own KV blocks over the
+    grid's partitions (dynamic_partitions): 64-token partitions under a 256-token bound (4 of
+    them). 70 tokens = 5 KV blocks -> 2 + 2 + 1 (static partitions: 64 + 6 tokens); 40 -> 3
+    partitions of one block; 8 -> one partition, written directly. The partials written show
+    the split; the output matches. (One warp: the simulator's shuffles are per block; the GPU
+    tests run 4 warps, where each partition takes at least one KV block per warp.)"""
+    threads, part, bound = 32, 64, 256
+    rng = np.random.default_rng(seed)
+    H, kvh, D = 2, 1, 32
+    k, v, tables = make_cache(rng, [seq_len], kvh, D)
+    q = rng.standard_normal((1, H, D)).astype(np.float16)
+    cfg = decode_config(H, kvh, D, part, threads, online=True)
+    n_part = num_partitions(bound, cfg.partition)
+    ws = [np.full((1, H, MERGE_MAX_PARTITIONS), np.nan, np.float32) for _ in range(2)]
+    tmp = np.full((1, H, MERGE_MAX_PARTITIONS, D), np.nan, np.float32)
+    out = np.full_like(q, np.nan)
+    counters = np.zeros(kvh * cfg.split, np.int32)
+    sl = np.asarray([seq_len], np.int32)
+    decode_kernel(cfg, "merge")[(n_part, kvh * cfg.split, 1), threads](
+        out, q, k.reshape(-1), v.reshape(-1), tables, sl, 0.2, kvh, ws[0], ws[1], tmp, counters
+    )
+    ref = reference(q, k, v, tables, [seq_len], [0, 1], 0.2)
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+    assert not counters.any()
+    written = int((~np.isnan(ws[0][0, 0])).sum())
+    assert written == (want_parts if want_parts > 1 else 0)
+
+
 def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
     T, H, D = q.shape
     cfg = prefill_config(H, k.shape[1], D, THREADS)
