@@ -86,7 +86,8 @@ def _trace_spec_graphs(runner: ModelRunner, graph_batch: int) -> None:
     verify, draft = runner.build_spec_graphs(
         sizes, runner._alloc_kv_caches(1), draft_kv, capture=False
     )
-    for g in (verify, draft):
+    catchup = runner.build_draft_catchup_graphs(verify.sizes, draft_kv, capture=False)
+    for g in (verify, draft, catchup):
         for bs in g.sizes if g is not None else ():
             g._forward(bs)
 

@@ -337,13 +337,16 @@ class ModelRunner:
         if compile_only:
             return
         # Logits rows the graphs' shared output buffers take after the sizing: the decode
-        # graphs' largest size, the verify graphs' largest size times its rows per sequence.
+        # graphs' largest size, the verify graphs' largest size times its rows per sequence
+        # (twice with a draft model: its catch-up graphs have the verify graphs' rows).
         self._graph_logits_rows = 0
         if use_graphs:
             verify = self.spec_graph_sizes(graph_batch)
             if verify:
                 spec = SpeculativeConfig.from_dict(config.speculative_config)
                 verify_rows = max(verify) * (spec.num_speculative_tokens + 1)
+                if method == "draft_model":
+                    verify_rows *= 2
             else:
                 verify_rows = 0
             self._graph_logits_rows = graph_batch + verify_rows
@@ -363,6 +366,7 @@ class ModelRunner:
         # single-token steps; how many steps ran in graphs and how many eagerly.
         self.verify_graphs: VerifyGraphRunner | None = None
         self.draft_graphs: StepGraphs | None = None
+        self.draft_catchup_graphs: VerifyGraphRunner | None = None
         self.spec_graph_counts = dict.fromkeys(
             ("verify_graph", "verify_eager", "draft_graph", "draft_eager"), 0
         )
@@ -385,6 +389,9 @@ class ModelRunner:
                 with startup.phase("capturing speculative CUDA graphs", self.startup_times) as ph:
                     self.verify_graphs, self.draft_graphs = self.build_spec_graphs(
                         self.graphs.sizes, self.kv_caches, self.draft_kv_caches
+                    )
+                    self.draft_catchup_graphs = self.build_draft_catchup_graphs(
+                        self.verify_graphs.sizes, self.draft_kv_caches
                     )
                     ph.detail = f"verify sizes {self.verify_graphs.sizes}"
             if self.tp is not None:
@@ -525,6 +532,28 @@ class ModelRunner:
             pool=pool,
         )
         return verify, draft
+
+    def build_draft_catchup_graphs(
+        self, sizes: list[int], draft_kv_caches, capture: bool = True
+    ) -> VerifyGraphRunner | None:
+        """The draft model's catch-up forward (spec/draft_model.py) as graphs of the verify
+        layout on the draft's model and KV cache: `sizes` sequences (the verify sizes) of up to
+        k + 1 rows, logits only. None unless the method is draft_model."""
+        sc = SpeculativeConfig.from_dict(self.config.speculative_config)
+        if sc.method != "draft_model" or self.draft is None or not sizes:
+            return None
+        return VerifyGraphRunner(
+            self.draft.model,
+            draft_kv_caches,
+            self.device,
+            self.max_blocks_per_seq,
+            self.block_size,
+            sc.num_speculative_tokens + 1,
+            list(sizes),
+            capture=capture,
+            pool=getattr(getattr(self, "graphs", None), "pool", None),
+            what="draft model catch-up CUDA graphs",
+        )
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()

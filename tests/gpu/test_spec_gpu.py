@@ -317,6 +317,9 @@ def test_spec_graphs_equal_spec_eager_and_spec_off(method: str, tmp_path) -> Non
         assert {1, 8, 16} <= set(dg.replays_by_size), dg.replays_by_size
     if method == "draft_model":
         assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
+        # Catch-ups of up to 8 requests after their first replay the catch-up graphs.
+        assert counts["catchup_graph"] > 0 and counts["catchup_eager"] > 0, counts
+        assert graph.runner.draft_catchup_graphs.sizes == vg.sizes
     if method == "eagle":
         _check_against_reference(head, calls[:60])
 

@@ -13,6 +13,15 @@ length count as computed, so the KV of rejected drafts is rewritten on the next 
 stale draft KV could only make proposals worse, never the output different: acceptance
 (acceptance.py) keeps the target's tokens whatever is proposed, and the greedy draft is a
 point-mass proposal.
+
+Where the runner captured them (spec/graphs.py), both parts replay CUDA graphs: the catch-up of
+every proposing request, when each has at most k + 1 tokens to catch up (after a verify step:
+its accepted proposals and the target's own token), runs the draft's catch-up graphs (the verify
+graphs' layout on the draft's model and cache), and its argmax feeds the single-token step
+graphs on the device, so a proposal reads nothing back until all k tokens are known. A longer
+catch-up (a request's first proposal, after a preemption or after steps without proposals)
+runs eagerly: an eager forward launches every kernel of every draft layer from the host, which
+on a 16-layer draft costs more than the draft's k graph steps together.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
+from voltserve.kernels.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec.graphs import count
@@ -99,23 +110,17 @@ class DraftModelProposer(Proposer):
             rows.append((i, r, min(done, r.num_tokens - 1), k))
         if not rows:
             return out
-        # Catch-up forward: every known token the draft has not computed; its last row's
-        # logits give the first proposal.
-        toks: list[int] = []
-        pos: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        for _, r, start, _ in rows:
-            n = r.num_tokens
-            allt = r.prompt_token_ids + r.output_token_ids
-            toks += allt[start:n]
-            pos += range(start, n)
-            qsl.append(qsl[-1] + n - start)
-            seq_lens.append(n)
         reqs = [r for _, r, _, _ in rows]
         tables = self._tables(reqs)
-        last = self._forward(toks, pos, reqs, tables, qsl, seq_lens, decode=False)
-        drafts = [[t] for t in last]
+        # Catch-up forward: every known token the draft has not computed; its last row's
+        # logits give the first proposal (on the device after a graph replay).
+        c = getattr(self.runner, "draft_catchup_graphs", None)
+        if c is not None and self._catch_up_fits(c, rows):
+            first: list[int] | torch.Tensor = self._graph_catch_up(c, rows)
+            count(self.runner, "catchup_graph")
+        else:
+            first = self._eager_catch_up(rows, reqs, tables)
+            count(self.runner, "catchup_eager")
         for _, r, _, _ in rows:
             r.spec_state = (r.num_preemptions, r.num_tokens)
         # k - 1 single-token steps over the requests that still want more: as graph replays
@@ -123,10 +128,14 @@ class DraftModelProposer(Proposer):
         g = getattr(self.runner, "draft_graphs", None)
         kmax = max(k for *_, k in rows)
         if kmax > 1 and g is not None and g.can_run(len(rows)):
-            self._graph_steps(g, rows, reqs, drafts, kmax)
+            drafts = self._graph_steps(g, rows, reqs, first, kmax)
             kmax = 1
-        elif kmax > 1:
-            count(self.runner, "draft_eager")
+        else:
+            if kmax > 1:
+                count(self.runner, "draft_eager")
+            if isinstance(first, torch.Tensor):
+                first = first.tolist()
+            drafts = [[t] for t in first]
         for j in range(1, kmax):
             live = [b for b, (*_, k) in enumerate(rows) if k > j]
             if not live:
@@ -149,22 +158,72 @@ class DraftModelProposer(Proposer):
             out[i] = d
         return out
 
-    def _graph_steps(self, g, rows, reqs: list[Request], drafts: list[list[int]], kmax: int):
+    def _eager_catch_up(self, rows, reqs: list[Request], tables: torch.Tensor) -> list[int]:
+        toks: list[int] = []
+        pos: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        for _, r, start, _ in rows:
+            n = r.num_tokens
+            toks += known_tokens(r, start, n)
+            pos += range(start, n)
+            qsl.append(qsl[-1] + n - start)
+            seq_lens.append(n)
+        return self._forward(toks, pos, reqs, tables, qsl, seq_lens, decode=False)
+
+    @staticmethod
+    def _catch_up_fits(c, rows) -> bool:
+        """The catch-up graphs cover this step: a captured size for the requests, at most q
+        tokens to catch up for each, and block lists within the table width."""
+        return c.can_run(len(rows)) and all(
+            r.num_tokens - start <= c.q and len(r.block_ids) <= c.width for _, r, start, _ in rows
+        )
+
+    def _graph_catch_up(self, c, rows) -> torch.Tensor:
+        """The catch-up forward as a replay of the draft's catch-up graph (the verify layout:
+        request b's first uncomputed token, then the rest of its catch-up after it); the argmax
+        of each request's last row, on the device."""
+        B = len(rows)
+        table = np.zeros((B, c.width), dtype=np.int32)
+        first_ids, rest, starts, counts, last = [], [], [], [], []
+        for b, (_, r, start, _) in enumerate(rows):
+            toks = known_tokens(r, start, r.num_tokens)
+            first_ids.append(toks[0])
+            rest.append(toks[1:])
+            starts.append(start)
+            blk = r.block_ids
+            table[b, : len(blk)] = blk
+            counts.append(len(blk))
+            last.append((last[-1] if last else -1) + len(toks))
+        c.stage(first_ids, rest, starts, table, counts)
+        logits, _ = c.replay_staged()
+        rows_t = torch.tensor(last, dtype=torch.int64, device=self.device)
+        return chunked_argmax(logits.index_select(0, rows_t))
+
+    def _graph_steps(
+        self, g, rows, reqs: list[Request], first: list[int] | torch.Tensor, kmax: int
+    ) -> list[list[int]]:
         """Steps 1..kmax-1 as replays of the draft's step graphs: each step's input ids are the
-        previous step's argmax, on the device; one copy back of all their tokens at the end."""
+        previous step's argmax, on the device (the first step's too, after a catch-up graph);
+        one copy back of all the tokens at the end. Returns each request's proposal."""
         ks = [k for *_, k in rows]
         blocks = [r.block_ids for r in reqs]
-        ids: list[int] | torch.Tensor = [d[-1] for d in drafts]
-        outs = []
+        ids: list[int] | torch.Tensor = first
+        outs = [first.long()] if isinstance(first, torch.Tensor) else []
         for j in range(1, kmax):
             pos = [r.num_tokens + j - 1 for r in reqs]
             (ids,) = g.run(pos, blocks, [k > j for k in ks], ids)
-            outs.append(ids.clone())
-        for j, toks in enumerate(torch.stack(outs).tolist(), start=1):
+            outs.append(ids.long().clone())
+        steps = torch.stack(outs).tolist()
+        if not isinstance(first, torch.Tensor):
+            steps = [list(first), *steps]
+        drafts: list[list[int]] = [[t] for t in steps[0]]
+        for j, toks in enumerate(steps[1:], start=1):
             for b, t in enumerate(toks):
                 if ks[b] > j:
                     drafts[b].append(t)
         count(self.runner, "draft_graph")
+        return drafts
 
     def _tables(self, reqs: list[Request]) -> torch.Tensor:
         return block_tables(reqs)
@@ -181,6 +240,15 @@ class DraftModelProposer(Proposer):
             logits_rows,
         )
         return logits.argmax(dim=-1).tolist()
+
+
+def known_tokens(r: Request, start: int, end: int) -> list[int]:
+    """The request's known tokens (prompt, then output) at positions [start, end)."""
+    p = r.prompt_token_ids
+    n = len(p)
+    if start >= n:
+        return r.output_token_ids[start - n : end - n]
+    return p[start:end] + r.output_token_ids[: max(0, end - n)]
 
 
 def block_tables(reqs: list[Request]) -> torch.Tensor:

@@ -32,6 +32,12 @@ writes the twin and moves it with one copy of the bytes the padded graph reads. 
 to gather the sampled rows' logits. For the EAGLE method the graph also returns the target's
 last hidden states (the proposer's features).
 
+The draft model's catch-up. Before its k single-token proposals the draft computes the tokens
+the last verify step made known (its accepted proposals and the target's own token: 1..k + 1 per
+request). That forward replays graphs of the verify layout (this class, on the draft's model and
+KV cache, logits only) when every proposing request has at most k + 1 such tokens; the argmax of
+each request's last row feeds the first single-token step on the device.
+
 The draft steps. The draft model's k - 1 single-token steps and the EAGLE head's k - 1
 single-row steps after their (eager, variable-length) catch-up forward are decode batches of
 the proposing requests: one graph per captured batch size, the rows' positions, slots, seq_lens
@@ -42,7 +48,9 @@ steps read nothing back until the last: one copy of all their tokens.
 What runs eagerly (the runner counts it, `ModelRunner.spec_graph_counts`): a verify step with a
 prefill chunk in it, or with more requests than the largest captured verify size (or, never
 with the engine's own proposers, more than k proposals for a request); the draft steps of more
-requests than the largest decode size; every catch-up forward; everything under --enforce-eager, on CPU, and with
+requests than the largest decode size; a draft model's catch-up longer than k + 1 tokens for
+some request (its first proposal, after a preemption) or of more requests than the largest
+verify size; every EAGLE catch-up forward; everything under --enforce-eager, on CPU, and with
 VOLTSERVE_SPEC_GRAPHS=0 (the decode graphs stay on).
 """
 
@@ -213,7 +221,12 @@ class VerifyGraphRunner(_GraphSet):
         with_hidden: bool = False,
         capture: bool = True,
         pool=None,
+        what: str | None = None,
     ) -> None:
+        """what: the graphs' name in the log (the draft model's catch-up graphs use this
+        class on the draft's model and KV cache)."""
+        if what is not None:
+            self.what = what
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.width, self.block_size, self.q = width, block_size, q
         self.with_hidden = with_hidden
