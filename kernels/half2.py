@@ -22,26 +22,37 @@ float64, and the sums the kernels form stay well inside float64's range of exact
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from voltserve.kernels.numba_common import SIM
 
+# Every fp16 bit pattern's value (the simulator's unpacking: a list lookup).
+_HALF = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64).tolist()
+
+
+def _half_bits(v: float) -> int:
+    """v rounded to fp16 (to nearest, ties to even; past the largest finite: inf), as bits."""
+    try:
+        return int.from_bytes(struct.pack("<e", v), "little")
+    except OverflowError:
+        return 0xFC00 if v < 0 else 0x7C00
+
 
 def h2_bits(lo: float, hi: float) -> int:
-    """The uint32 bits of the half2 (lo, hi) (host side: constants of generated kernels)."""
-    return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
+    """The uint32 bits of the half2 (lo, hi) rounded to fp16 (host side: constants of generated
+    kernels; the simulator's packing)."""
+    return _half_bits(lo) | _half_bits(hi) << 16
 
 
 def h2_vals(u: int) -> tuple[float, float]:
     """The two halves of uint32 bits u as Python floats (host side and simulator)."""
-    h = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16)
-    return float(h[0]), float(h[1])
+    u = int(u)
+    return _HALF[u & 0xFFFF], _HALF[(u >> 16) & 0xFFFF]
 
 
 if SIM:
-
-    def _pack(lo: float, hi: float) -> int:
-        with np.errstate(over="ignore"):
-            return h2_bits(lo, hi)
+    _pack = h2_bits
 
     def h2fma(a, b, c):
         a0, a1 = h2_vals(a)

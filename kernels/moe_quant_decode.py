@@ -8,7 +8,10 @@ GroupQuantWeight per projection: w13 rows e * 2I + j (expert e's gate rows, then
 w2 rows e * H + n. Each launch is the quantized GEMV's warp step (quant_gemv.dot_step: all of
 a step's 16-byte code loads in flight before the first multiply, one shift + LOP3 per code and
 one FMA with the group's folded (scale, offset), fp32 accumulation) pointed at the routed
-expert's rows:
+expert's rows. fp16 activations with int4 codes in groups of >= 32 take the step's half2 form
+(two codes per instruction, fp16 runs of 16 products widened to fp32 per chunk: quant_gemv's
+module doc, with its error bound; `form_for`; in down the routing weight and the half2 sums'
+2**8 are folded into each chunk's fp32 scale and offset):
 
 1. gate_up: h[p, j] = silu(x[t] . w13[e, j]) * (x[t] . w13[e, I + j]) for every pair
    p = t * k + slot, e = topk_ids[t, slot]; one warp owns R / 2 columns j of one pair (its gate
@@ -35,9 +38,13 @@ from numba import cuda
 from voltserve.kernels.compile_cache import cached_factory
 from voltserve.kernels.numba_common import SIM, current_stream, dev, launch
 from voltserve.kernels.quant_gemv import (
+    FORMS,
     GATE_UP,
+    H2_SHIFT,
+    HALF2,
     PLAIN,
     WARP_WORDS,
+    WEIGHT,
     WORDS_PER_CHUNK,
     _aligned,
     _aligned_rows,
@@ -76,7 +83,7 @@ def tile(bits: int, kind: str) -> tuple[int, int]:
     return tile_for(1, bits, GATE_UP if kind == GATE_UP else PLAIN)
 
 
-def _source(kind: str, R: int, U: int, bits: int, split: bool) -> str:
+def _source(kind: str, R: int, U: int, bits: int, split: bool, form: str = WEIGHT) -> str:
     step = U * WARP_WORDS
     head = [
         "    lane = cuda.threadIdx.x & 31",
@@ -105,8 +112,11 @@ def _source(kind: str, R: int, U: int, bits: int, split: bool) -> str:
                 f"    rw{2 * q + 1} = rw{2 * q} + N",
             ]
         L += acc + [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0", "    while w0 < W:"]
-        L += dot_step("        ", 1, R, U, bits, split, ["t"])
-        L += [f"        w0 += {step}", "    a = float32(0.0)", "    b = float32(0.0)"]
+        L += dot_step("        ", 1, R, U, bits, split, ["t"], form=form)
+        L.append(f"        w0 += {step}")
+        if form == HALF2:  # the half2 step's sums are in units of 2**-H2_SHIFT
+            L += [f"    a0_{r} *= float32({2.0**H2_SHIFT!r})" for r in range(R)]
+        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
         for q in range(Q):
             L += [
                 f"    ta = _warp_sum(a0_{2 * q})",
@@ -132,12 +142,13 @@ def _source(kind: str, R: int, U: int, bits: int, split: bool) -> str:
         f"    lw = lane * {WORDS_PER_CHUNK}",
         "    for s in range(k):",
         "        base = ids[tok, s] * N",
-        "        ws = wts[tok, s]",
+        # half2: the step's 2**-H2_SHIFT units folded into the routing weight
+        "        ws = wts[tok, s]" + (f" * float32({2.0**H2_SHIFT!r})" if form == HALF2 else ""),
         "        xr = tok * k + s",
     ]
     L += [f"        rw{r} = base + min(row0 + {r}, N - 1)" for r in range(R)]
     L += ["        w0 = 0", "        while w0 < W:"]
-    L += dot_step("            ", 1, R, U, bits, split, ["xr"], weight="ws")
+    L += dot_step("            ", 1, R, U, bits, split, ["xr"], weight="ws", form=form)
     L += [f"            w0 += {step}", "    mine = float32(0.0)"]
     for r in range(R):
         L += [f"    tv = _warp_sum(a0_{r})", f"    if lane == {r}:", "        mine = tv"]
@@ -150,24 +161,35 @@ def _source(kind: str, R: int, U: int, bits: int, split: bool) -> str:
     return "\n".join(L) + "\n"
 
 
-def _build(kind: str, R: int, U: int, bits: int, split: bool):
+def _build(kind: str, R: int, U: int, bits: int, split: bool, form: str):
     scope = source_scope()
-    name = f"<moe quant decode {kind} R={R} U={U} bits={bits} split={split}>"
-    exec(compile(_source(kind, R, U, bits, split), name, "exec"), scope)  # noqa: S102
+    name = f"<moe quant decode {kind} R={R} U={U} bits={bits} split={split} form={form}>"
+    exec(compile(_source(kind, R, U, bits, split, form), name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])
 
 
 @cached_factory
 @functools.cache
-def moe_qkernel(kind: str, bits: int, split: bool = False):
+def moe_qkernel(kind: str, bits: int, split: bool = False, form: str = WEIGHT):
     """The gate_up (GATE_UP) or down (DOWN) kernel for these codes, built once (and kept in
-    the on-disk kernel cache: the int4 down kernel takes about a minute to compile)."""
+    the on-disk kernel cache: the int4 down kernel takes about a minute to compile). form:
+    the step's dot product (quant_gemv.dot_step: WEIGHT, or HALF2 for fp16 x and int4 codes
+    with one group per chunk, `form_for`)."""
     if kind not in (GATE_UP, DOWN):
         raise ValueError(f"kind must be {GATE_UP!r} or {DOWN!r}, got {kind!r}")
     if split and bits != 4:
         raise ValueError("the SPLIT variant is for int4 codes with group 16")
+    if form not in (WEIGHT, HALF2):
+        raise ValueError(f"form must be {WEIGHT!r} or {HALF2!r} (of {FORMS}), got {form!r}")
+    if form == HALF2 and (bits != 4 or split):
+        raise ValueError("the half2 form is for int4 codes with one group per chunk")
     R, U = tile(bits, kind)
-    return _build(kind, R, U, bits, split)
+    return _build(kind, R, U, bits, split, form)
+
+
+def form_for(dtype: torch.dtype, w: GroupQuantWeight) -> str:
+    """HALF2 for fp16 activations and int4 codes with one group per chunk, else WEIGHT."""
+    return HALF2 if dtype == torch.float16 and w.bits == 4 and not is_split(w) else WEIGHT
 
 
 def grid(kind: str, bits: int, rows: int, programs: int) -> tuple[int, int]:
@@ -182,6 +204,8 @@ moe_q_gate_up_int4 = moe_qkernel(GATE_UP, 4)
 moe_q_down_int4 = moe_qkernel(DOWN, 4)
 moe_q_gate_up_int8 = moe_qkernel(GATE_UP, 8)
 moe_q_down_int8 = moe_qkernel(DOWN, 8)
+moe_q_gate_up_int4_half2 = moe_qkernel(GATE_UP, 4, form=HALF2)
+moe_q_down_int4_half2 = moe_qkernel(DOWN, 4, form=HALF2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +295,7 @@ def moe_quant_decode(
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     stream = current_stream()
     launch(
-        moe_qkernel(GATE_UP, w13.bits, is_split(w13)),
+        moe_qkernel(GATE_UP, w13.bits, is_split(w13), form_for(x.dtype, w13)),
         grid(GATE_UP, w13.bits, inter, T * k),
         32 * WARPS,
         (
@@ -286,7 +310,7 @@ def moe_quant_decode(
         stream,
     )
     launch(
-        moe_qkernel(DOWN, w2.bits, is_split(w2)),
+        moe_qkernel(DOWN, w2.bits, is_split(w2), form_for(x.dtype, w2)),
         grid(DOWN, w2.bits, H, T),
         32 * WARPS,
         (
@@ -308,6 +332,7 @@ __all__ = [
     "MAX_TOKENS",
     "fused_pays",
     "flat_experts",
+    "form_for",
     "grid",
     "moe_qkernel",
     "moe_quant_decode",

@@ -372,6 +372,9 @@ KERNELS += [
         ("moe_q_down_int4", _MOEQ_DOWN_SIG),  # ~60 s to compile (a loop over the k experts)
         ("moe_q_gate_up_int8", _MOEQ_GATE_UP_SIG),
         ("moe_q_down_int8", _MOEQ_DOWN_SIG),
+        # the half2 form (fp16 x, int4, groups >= 32: what fp16 AWQ / GPTQ experts run)
+        ("moe_q_gate_up_int4_half2", _MOEQ_GATE_UP_SIG),
+        ("moe_q_down_int4_half2", _MOEQ_DOWN_SIG),
     )
 ]
 

@@ -38,13 +38,14 @@ def _packed(gen, rows, K, bits, g, dtype):
 
 
 def _run(x, w13, w2, wts, ids):
-    """moe_quant_decode's two launches with host arrays (the simulator), h and out poisoned."""
+    """moe_quant_decode's two launches with host arrays (the simulator), h and out poisoned,
+    each with the dot-product form the launcher picks (mq.form_for)."""
     T, H = x.shape
     k, inter = ids.shape[1], w2.in_features
     h = torch.full((T * k, inter), float("nan"), dtype=x.dtype)
     out = torch.full((T, H), float("nan"), dtype=x.dtype)
     launch(
-        mq.moe_qkernel(GATE_UP, w13.bits, is_split(w13)),
+        mq.moe_qkernel(GATE_UP, w13.bits, is_split(w13), mq.form_for(x.dtype, w13)),
         mq.grid(GATE_UP, w13.bits, inter, T * k),
         32 * mq.WARPS,
         (
@@ -59,7 +60,7 @@ def _run(x, w13, w2, wts, ids):
     )
     gate_up = h.clone()
     launch(
-        mq.moe_qkernel(mq.DOWN, w2.bits, is_split(w2)),
+        mq.moe_qkernel(mq.DOWN, w2.bits, is_split(w2), mq.form_for(x.dtype, w2)),
         mq.grid(mq.DOWN, w2.bits, H, T),
         32 * mq.WARPS,
         (
@@ -91,6 +92,10 @@ CASES = [
     # blocks cost the most: the pair and token indexing is the same source for every bits)
     (1, 4, 16, torch.float16),
     (2, 8, 16, torch.float32),  # two tokens, two pairs each
+    # int4, group 32, fp16: the half2 form (fp16 runs of 16 products per half; their error,
+    # ~2**-11 of a run's magnitude, is within the fp16 tolerance at these magnitudes), the
+    # routing weight folded into each chunk's fp32 scale and offset
+    (1, 4, 32, torch.float16),
 ]
 
 
@@ -128,6 +133,15 @@ def test_host_side_rules():
         mq.moe_qkernel("plain", 4)
     with pytest.raises(ValueError, match="SPLIT"):
         mq.moe_qkernel(GATE_UP, 8, split=True)
+    with pytest.raises(ValueError, match="half2"):
+        mq.moe_qkernel(GATE_UP, 8, form="half2")
+    with pytest.raises(ValueError, match="form"):
+        mq.moe_qkernel(mq.DOWN, 4, form="factored")
+    w16 = _packed(gen, 4 * 64, 64, 4, 16, torch.float16)
+    assert (
+        mq.form_for(torch.float16, w13) == "half2" and mq.form_for(torch.float32, w13) == "weight"
+    )
+    assert mq.form_for(torch.float16, w16) == "weight"  # split groups
 
 
 def test_fused_kernels_take_batches_while_they_read_fewer_bytes() -> None:
