@@ -416,17 +416,24 @@ def test_bench_spec_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     out = tmp_path / "spec.json"
     args = ["load_tests/bench_spec.py", "--preset", "tiny", "--device", "cpu"]
-    args += ["--prompt-len", "32", "--phrase-len", "8", "--output-len", "10", "--cost-ks", "4"]
+    args += ["--prompt-len", "32", "--output-len", "10", "--cost-ks", "4"]
     args += ["--oracle-ks", "2", "--corrupt", "0", "--batch-sizes", "1,2"]
     args += ["--draft-preset", "tiny", "--draft-dir", str(tmp_path / "draft"), "--out", str(out)]
     _run(args)
     assert list(tmp.iterdir()) == []
     r = json.loads(out.read_text())
+    assert r["errors"] == {}
+    assert all(rel["engines_alive"] == 0 for rel in r["released"].values()), r["released"]
     for key in ("spec_off", "ngram_batch1", "cost_curve", "forced_acceptance_batch1"):
         assert r[key], key
+    # n-gram on P + C + P (11 + 10 + 11 tokens), C compared with the output.
+    ng = r["ngram_batch1"]
+    assert set(ng["output_vs_continuation"]) == {"equal", "common_prefix"}
+    assert r["spec_off_ngram_prompt_batch1"]["decode_tok_s"] > 0
     assert set(r["cost_curve"]) == {"B1_k4", "B2_k4"}
     forced = r["forced_acceptance_batch1"]["k2_p0.0"]
     assert forced["num_drafts"] > 0 and forced["acceptance_rate"] == 1.0
+    assert forced["intended_token_acceptance"] == 1.0 and forced["output_equals_recording"]
     assert r["cost_curve"]["B2_k4"]["acceptance_rate"] == 1.0
     assert r["draft_model_batch1"]["num_drafts"] > 0
     for fig in (forced, r["cost_curve"]["B2_k4"], r["ngram_batch1"], r["eagle_batch1"]):
