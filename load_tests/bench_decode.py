@@ -42,11 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load_tests.common import (  # noqa: E402
     PRESETS,
     checkpoint_matches,
+    checkpoint_read_bytes,
     dtype_name,
     env_info,
     kv_bytes_per_token,
     make_hf_config,
     measure_copy_bandwidth,
+    quantized_checkpoint,
     resolve_device,
     resolve_dtype,
     synchronize,
@@ -412,7 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     config = make_hf_config(args.preset, dtype)
-    wbytes = weight_bytes(config, dtype)
+    # A quantized folder (--model-dir of an AWQ / GPTQ checkpoint) is served as it is, and its
+    # floor counts the bytes it stores: packed codes, scales, zero points, fp16 lm_head.
+    quantized = bool(args.model_dir) and quantized_checkpoint(Path(args.model_dir))
+    if quantized and not args.skip_transformers:
+        raise SystemExit("a quantized --model-dir needs --skip-transformers")
+    wbytes = (
+        checkpoint_read_bytes(Path(args.model_dir)) if quantized else weight_bytes(config, dtype)
+    )
     kv_tok = kv_bytes_per_token(config, dtype)
     result: dict[str, Any] = {
         "benchmark": "decode",
@@ -421,7 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype_name(dtype),
         "env": env_info(device),
         "args": {k: v for k, v in vars(args).items()},
-        "model": {**wbytes, "kv_bytes_per_token": kv_tok, "vocab_size": config.vocab_size},
+        "model": {
+            **wbytes,
+            "kv_bytes_per_token": kv_tok,
+            "vocab_size": config.vocab_size,
+            "quantized": quantized,
+        },
         "errors": {},
     }
 
@@ -443,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
         model_dir = Path(tmp)
     try:
-        if not checkpoint_matches(model_dir, args.preset):
+        if not quantized and not checkpoint_matches(model_dir, args.preset):
             t0 = time.perf_counter()
             logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
             write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)

@@ -420,6 +420,36 @@ def write_random_checkpoint(
     return out
 
 
+def quantized_checkpoint(path: Path) -> bool:
+    """True when `path` holds a checkpoint whose config.json names a quantization method (an
+    AWQ folder from make_awq_checkpoint.py, say): benchmarks serve it as it is."""
+    cfg = path / "config.json"
+    return cfg.exists() and "quantization_config" in json.loads(cfg.read_text())
+
+
+def checkpoint_read_bytes(path: Path) -> dict[str, int]:
+    """weight_bytes' figures counted from a checkpoint folder's safetensors headers (so packed
+    codes, scales and zero points count at their stored size): every tensor, less the input
+    embedding unless the config ties it to the lm_head."""
+    import struct
+
+    total = embed = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+            total += nbytes
+            if name.endswith("embed_tokens.weight"):
+                embed = nbytes
+    cfg = json.loads((path / "config.json").read_text())
+    read = total if cfg.get("tie_word_embeddings") else total - embed
+    return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+
+
 def checkpoint_matches(path: Path, preset: str) -> bool:
     """True when `path` holds a checkpoint written by write_random_checkpoint for `preset`."""
     marker = path / "voltserve_preset.json"

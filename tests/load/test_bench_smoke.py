@@ -438,3 +438,28 @@ def test_bench_spec_smoke(tmp_path, monkeypatch):
     assert r["draft_model_batch1"]["num_drafts"] > 0
     for fig in (forced, r["cost_curve"]["B2_k4"], r["ngram_batch1"], r["eagle_batch1"]):
         assert fig["verify_in_graphs"] is False and fig["graphs"]["verify_graph"] == 0
+
+
+def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path):
+    """An AWQ folder given as --model-dir is served, not overwritten by a random fp16
+    checkpoint, and its floor counts the bytes it stores (codes, scales, zeros, fp16 lm_head)."""
+    src, awq, out = tmp_path / "fp16", tmp_path / "awq", tmp_path / "decode.json"
+    _run(["load_tests/common.py", "make-checkpoint", "--preset", "tiny", "--out", str(src)])
+    _run(
+        ["load_tests/make_awq_checkpoint.py", "--src", str(src), "--out", str(awq), "--group", "32"]
+    )
+    args = ["--preset", "tiny", "--device", "cpu", "--prompt-len", "8", "--output-len", "3"]
+    args += ["--runs", "1", "--warmup", "0", "--bandwidth-bytes", str(1 << 20)]
+    _run(["load_tests/bench_decode.py", *args, "--model-dir", str(src), "--out", str(out)])
+    fp16 = json.loads(out.read_text())["model"]["read_per_token_bytes"]
+    _run(
+        ["load_tests/bench_decode.py", *args, "--model-dir", str(awq), "--skip-transformers"]
+        + ["--out", str(out)]
+    )
+    d = json.loads(out.read_text())
+    assert d["errors"] == {} and d["model"]["quantized"] is True
+    assert "checkpoint_write_s" not in d
+    assert "quantization_config" in json.loads((awq / "config.json").read_text())
+    # int4 g32 layers (~0.3 of fp16's bytes) beside the fp16 lm_head: well under fp16.
+    assert 0 < d["model"]["read_per_token_bytes"] < 0.8 * fp16
+    assert d["engine"]["decode_tok_s"] > 0
