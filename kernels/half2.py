@@ -77,8 +77,8 @@ if SIM:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
+    from voltserve.kernels.quant_common import ld16_codegen
 
     _I32 = ir.IntType(32)
     _F32 = ir.FloatType()
@@ -153,23 +153,7 @@ else:
             and _ints(*idx)
         ):
             return None
-        sig = types.UniTuple(types.uint32, 4)(arr, idx)
-
-        def codegen(context, builder, signature, args):
-            arr_ty, idx_ty = signature.args
-            ary = context.make_array(arr_ty)(context, builder, value=args[0])
-            inds = [
-                context.cast(builder, builder.extract_value(args[1], k), idx_ty[k], types.intp)
-                for k in range(2)
-            ]
-            ptr = cgutils.get_item_pointer(context, builder, arr_ty, ary, inds, wraparound=False)
-            vty = ir.VectorType(_I32, 4)
-            vp = builder.addrspacecast(builder.bitcast(ptr, vty.as_pointer()), vty.as_pointer(1))
-            raw = builder.load(vp, align=16)
-            words = [builder.extract_element(raw, ir.Constant(_I32, j)) for j in range(4)]
-            return context.make_tuple(builder, signature.return_type, words)
-
-        return sig, codegen
+        return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
 
 __all__ = ["h2fma", "h2mul", "h2f", "ldh8", "h2_bits", "h2_vals"]

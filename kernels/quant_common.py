@@ -75,23 +75,24 @@ else:
             and all(isinstance(t, types.Integer) for t in idx)
         ):
             return None
-        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+        return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
-        def codegen(context, builder, signature, args):
-            arr_ty, idx_ty = signature.args
-            ary = context.make_array(arr_ty)(context, builder, value=args[0])
-            inds = [
-                context.cast(builder, builder.extract_value(args[1], k), idx_ty[k], types.intp)
-                for k in range(2)
-            ]
-            ptr = cgutils.get_item_pointer(context, builder, arr_ty, ary, inds, wraparound=False)
-            vty = ir.VectorType(ir.IntType(32), 4)
-            vp = builder.addrspacecast(builder.bitcast(ptr, vty.as_pointer()), vty.as_pointer(1))
-            raw = builder.load(vp, align=16)
-            words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
-            return context.make_tuple(builder, signature.return_type, words)
-
-        return sig, codegen
+    def ld16_codegen(context, builder, signature, args):
+        """arr[r, c:c+16 bytes] of a 2-D array (args: arr, (r, c)) as four uint32 words, one
+        16-byte global load: the codegen of ld_w4 and half2.ldh8 (the caller checks the
+        alignment)."""
+        arr_ty, idx_ty = signature.args
+        ary = context.make_array(arr_ty)(context, builder, value=args[0])
+        inds = [
+            context.cast(builder, builder.extract_value(args[1], k), idx_ty[k], types.intp)
+            for k in range(2)
+        ]
+        ptr = cgutils.get_item_pointer(context, builder, arr_ty, ary, inds, wraparound=False)
+        vty = ir.VectorType(ir.IntType(32), 4)
+        vp = builder.addrspacecast(builder.bitcast(ptr, vty.as_pointer()), vty.as_pointer(1))
+        raw = builder.load(vp, align=16)
+        words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
+        return context.make_tuple(builder, signature.return_type, words)
 
     @intrinsic
     def st_h8(typingctx, arr, idx, vals):
