@@ -14,6 +14,21 @@ per weight. It follows gemv.py's structure:
   warp's R rows;
 - lane partial sums are reduced with warp shuffles; lane i writes output i with one rounding.
 
+Split-K (the tile's KS, `tiling`; KS = 1, no split, is the default until a GPU run measures the
+others): the KS warps of a block (KS in 1, 2, 4 of its 4) own the same R rows, warp p walking
+the p-th 1/KS share of the code words, cut at whole warp chunks (128 words, every lane one
+16-byte chunk) so that the (scale, offset) lookups, indexed by the global word, are unchanged,
+and the share's end takes the guards of the weight's end (`_split_k_range`). After the loop
+warps 1..KS-1 store their lane sums in shared memory and leave after the block's barrier;
+warp 0 adds them in warp order (deterministic: the same sum every run) and runs the epilogue
+as a KS = 1 warp does (`_split_k_sum`; the generated KS = 1 kernel has none of this). A block
+then covers 4 / KS groups: R rows, R / 2 gate_up columns or one rotary pair each (`grid_for`).
+The aim: the short linears are latency-bound (down at R = 4 is 1024 warps, ~8 an SM on 132
+SMs, each walking 14 warp chunks of its rows one after another), and KS warps cut that walk
+to 14 / KS with KS times the warps. Sums regroup in fp32 only (half2's fp16 runs stay one per
+lane chunk). cc 7.0, M = 1 half2: R = 4, U = 2 80 -> 92 registers at KS = 4 (2 KB of shared
+memory a block), gate_up (R = 4, U = 1) 96 -> 104, qkv_rope (R = 2, U = 2) 64 -> 72, no spills.
+
 Dot-product forms (`form_for` picks one per launch; `form` forces one for benchmarks and tests):
 
 - WEIGHT (fp32 x; fp16 x with int8 codes or int4 split groups at 3-8 rows): each weight
@@ -82,7 +97,7 @@ K a multiple of 32 (int4) / 16 (int8) so chunks are whole 16-byte words; qweight
 16-byte aligned with unit last stride. Every chunk load is guarded (zeros past K: one body for
 full and partial steps); a partial last group of rows re-reads row N - 1 and does not write it.
 
-M, R, U, bits and SPLIT are compile-time constants of a generated kernel (one per combination,
+M, R, U, KS, bits and SPLIT are compile-time constants of a generated kernel (one per combination,
 built on first use), so accumulators and in-flight words stay in registers.
 """
 
@@ -120,6 +135,8 @@ PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"
 # Dot-product forms (dot_step): per weight, factored per chunk in fp32, half2 (fp16 pairs).
 WEIGHT, FACTORED, HALF2 = "weight", "factored", "half2"
 FORMS = (WEIGHT, FACTORED, HALF2)
+# Split-K: warps of a block on the same rows, each over a 1/KS share of K (`_split_k_range`).
+KS_CHOICES = (1, 2, 4)
 
 
 def variant_for(m: int) -> int:
@@ -140,7 +157,13 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
     weights did not fit 255 registers at R = 4. At R = 4 a 4096-row weight is only 1024 warps
     (~8 per SM): int4 at M <= 2 keeps two chunks per row in flight (U = 2, 128 bytes a lane) so
     that enough of the stream is in flight. gate_up: R = 4 is two (gate j, up I + j) pairs, and
-    its 14336 columns make warps plentiful."""
+    its 14336 columns make warps plentiful.
+
+    Split-K (KS, the tile's optional third entry, `tiling`): KS warps of a block own the same
+    rows, each walking a 1/KS share of K, their lane sums added through shared memory before
+    the epilogue. The default stays KS = 1 (these (R, U) alone); KS > 1: to be measured (the
+    short int4 linears are latency-bound: down has ~8 warps an SM, each 14 serial warp chunks
+    of its rows)."""
     if kind == QKV_ROPE:
         return (2, 2)  # the rotary pair (dims j and j + D/2 of one head)
     if m == 8:
@@ -148,6 +171,19 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
     if bits == 4:
         return (4, 1) if kind == GATE_UP or m == 4 else (4, 2)
     return (4, 1) if m == 4 else (2, 2)
+
+
+def tiling(m: int, bits: int, kind: str = PLAIN, tile=None) -> tuple[int, int, int]:
+    """(R, U, KS) of a launch: tile (R, U) or (R, U, KS) when given (benchmarks and tests),
+    else tile_for's (R, U) with KS = 1."""
+    if tile is None:
+        return (*tile_for(variant_for(m), bits, kind), 1)
+    if len(tile) == 2:
+        return (*tile, 1)
+    R, U, KS = tile
+    if KS not in KS_CHOICES:
+        raise ValueError(f"split-K over {KS} warps: KS must be one of {KS_CHOICES}")
+    return R, U, KS
 
 
 def dot_step(
@@ -395,61 +431,74 @@ def _half2_chunk(
     return out
 
 
-def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str = "weight") -> str:
-    """One kernel, written out statement by statement (see gemv._source for why)."""
+def _source(
+    M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str = "weight", ks: int = 1
+) -> str:
+    """One kernel, written out statement by statement (see gemv._source for why). ks: warps of
+    a block sharing one group of rows, each over a 1/ks share of K (KS of the tile, `_split_k`);
+    ks = 1 writes the kernel without any of it."""
+    if ks not in KS_CHOICES:
+        raise ValueError(f"split-K over {ks} warps: KS must be one of {KS_CHOICES}")
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     step = U * WARP_WORDS  # words per step
     args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
+    # warp: the group of rows (ks > 1: the block's ks consecutive warps share it).
     L = [
         f"def kernel({args}):",
         "    lane = cuda.threadIdx.x & 31",
-        "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5",
-        "    K = x.shape[1]",
-        "    W = qw.shape[1]",
-        "    G = scales.shape[1]",
+        "    warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> "
+        f"{5 + (ks.bit_length() - 1)}",
     ]
+    if ks == 1:
+        L += ["    K = x.shape[1]", "    W = qw.shape[1]"]
+    L.append("    G = scales.shape[1]")
+
+    def leave(cond: str, why: str) -> list[str]:
+        # ks > 1: no warp leaves before the block's barrier; a group past the end walks no K
+        # and leaves after it (`_split_k`).
+        if ks == 1:
+            return [f"    if {cond}:", f"        return{why}"]
+        return [f"    live = not ({cond})"]
+
     if gate_up:
         Q = R // 2  # output columns per warp: gate rows row0 + q, up rows N + row0 + q
-        L += [
-            "    N = qw.shape[0] >> 1",
-            f"    row0 = warp * {Q}",
-            "    if row0 >= N:",
-            "        return",
-        ]
+        L += ["    N = qw.shape[0] >> 1", f"    row0 = warp * {Q}"] + leave("row0 >= N", "")
         for q in range(Q):
             L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
     elif rope:
+        L += ["    D = k_cache.shape[3]", "    half = D >> 1"]
+        L += leave(
+            "warp >= qw.shape[0] >> 1",
+            "  # the whole warp leaves together: the shuffles stay full-mask",
+        )
         L += [
-            "    D = k_cache.shape[3]",
-            "    half = D >> 1",
-            "    if warp >= qw.shape[0] >> 1:",
-            "        return  # the whole warp leaves together: the shuffles stay full-mask",
             "    head = warp // half",
             "    j = warp - head * half",
             "    rw0 = head * D + j",
             "    rw1 = rw0 + half",
         ]
     else:
-        L += [
-            "    N = qw.shape[0]",
-            f"    row0 = warp * {R}",
-            "    if row0 >= N:",
-            "        return  # the whole warp leaves together: the shuffles stay full-mask",
-        ]
+        L += ["    N = qw.shape[0]", f"    row0 = warp * {R}"]
+        L += leave("row0 >= N", "  # the whole warp leaves together: the shuffles stay full-mask")
         L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
     L.append("    Mx = x.shape[0]")
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     L += [f"    {a} = float32(0.0)" for a in acc]
-    L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
+    if ks == 1:
+        L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
+    else:
+        L += [f"    lw = lane * {WORDS_PER_CHUNK}"] + _split_k_range(ks, bits)
 
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
     L.append("    while w0 < W:")
     xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
     L += dot_step("        ", M, R, U, bits, split, xrows, form=form)
     L.append(f"        w0 += {step}")
+    if ks > 1:
+        L += _split_k_sum(ks, acc)
     if form == HALF2:
         L += [f"    {a} *= float32({2.0**H2_SHIFT!r})" for a in acc]
     if gate_up:
@@ -528,6 +577,40 @@ def _source(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str
     return "\n".join(L) + "\n"
 
 
+def _split_k_range(ks: int, bits: int) -> list[str]:
+    """Split-K (ks > 1), the K range of warp `part` of its group: whole warp chunks (128 code
+    words, every lane one 16-byte chunk), ceil(chunks / ks) a warp, the last share shorter or
+    empty. W and K become the range's end in words and inputs, so dot_step's guards (code
+    words c < W, x columns < K) cut the last step of each share as they cut the weight's
+    partial last step; the group lookups index by the global word c and are unchanged. A group
+    past the last row (not live) gets an empty range."""
+    P = 32 // bits
+    return [
+        f"    part = (cuda.threadIdx.x >> 5) & {ks - 1}",
+        "    Wt = qw.shape[1]",
+        f"    span = ((Wt + {WARP_WORDS * ks - 1}) // {WARP_WORDS * ks}) * {WARP_WORDS}",
+        "    w0 = part * span",
+        "    W = min(w0 + span, Wt) if live else w0",
+        f"    K = W * {P}",
+    ]
+
+
+def _split_k_sum(ks: int, acc: list[str]) -> list[str]:
+    """Split-K (ks > 1), after the K loop: warps 1..ks-1 of a group store their lane sums in
+    shared memory and leave after the block's barrier; warp 0 adds them in warp order (the
+    same sum in every run) and goes on to the epilogue, as the one warp of ks = 1 does."""
+    L = [
+        f"    red = cuda.shared.array(({WARPS}, {len(acc)}, 32), float32)",
+        "    wb = cuda.threadIdx.x >> 5",
+        "    if part != 0:",
+    ]
+    L += [f"        red[wb, {i}, lane] = {a}" for i, a in enumerate(acc)]
+    L += ["    cuda.syncthreads()", "    if part != 0 or not live:", "        return"]
+    for p in range(1, ks):
+        L += [f"    {a} += red[wb + {p}, {i}, lane]" for i, a in enumerate(acc)]
+    return L
+
+
 def source_scope() -> dict:
     """The names the generated dequantizing kernels call (these and moe_quant_decode's)."""
     return {
@@ -552,10 +635,10 @@ def source_scope() -> dict:
     }
 
 
-def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str):
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str, ks: int = 1):
     scope = source_scope()
-    name = f"<quant gemv {kind} M={M} R={R} U={U} bits={bits} split={split} form={form}>"
-    src = _source(M, R, U, bits, split, kind, form)
+    name = f"<quant gemv {kind} M={M} R={R} U={U} KS={ks} bits={bits} split={split} form={form}>"
+    src = _source(M, R, U, bits, split, kind, form, ks)
     exec(compile(src, name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])
 
@@ -567,10 +650,11 @@ def qgemv_kernel(
     m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None, form: str = WEIGHT
 ):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
-    tile: (R, U) to override tile_for (benchmark sweeps; gate_up needs an even R).
+    tile: (R, U) or (R, U, KS) to override tile_for (benchmark sweeps; gate_up needs an even
+    R; KS in KS_CHOICES, warps of a block splitting K, any form and kind).
     form: the dot product (`form_for`; FACTORED and HALF2 for fp16 x only)."""
     v = variant_for(m)
-    R, U = tile if tile is not None else tile_for(v, bits, kind)
+    R, U, KS = tiling(v, bits, kind, tile)
     if kind == GATE_UP and R % 2:
         raise ValueError("the gate_up kernel pairs rows: R must be even")
     if kind == QKV_ROPE and R != 2:
@@ -581,10 +665,10 @@ def qgemv_kernel(
         raise ValueError(f"unknown dot-product form {form!r} (one of {FORMS})")
     if form == HALF2 and (bits != 4 or split):
         raise ValueError("the half2 form is for int4 codes with one group per chunk")
-    key = (v, R, U, bits, split, kind, form)
+    key = (v, R, U, bits, split, kind, form, KS)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, form)
+        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, form, KS)
     return k
 
 
@@ -622,9 +706,11 @@ def is_split(w: GroupQuantWeight) -> bool:
 
 
 def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
-    """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs."""
-    R, _ = tile if tile is not None else tile_for(variant_for(m), bits, kind)
-    rows_per_block = WARPS * (R if kind == PLAIN else R // 2 if kind == GATE_UP else 1)
+    """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs: a block
+    has WARPS / KS groups of rows (`tiling`), each R rows, R / 2 columns or one pair."""
+    R, _, KS = tiling(m, bits, kind, tile)
+    per_group = R if kind == PLAIN else R // 2 if kind == GATE_UP else 1
+    rows_per_block = WARPS // KS * per_group
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -642,6 +728,10 @@ qgemv_int4_m2_half2 = qgemv_kernel(2, 4, form=HALF2)
 qgemv_int4_m8_half2 = qgemv_kernel(8, 4, form=HALF2)
 qgemv_gate_up_int4_m1_half2 = qgemv_kernel(1, 4, kind=GATE_UP, form=HALF2)
 qgemv_qkv_rope_int4_m1_half2 = qgemv_kernel(1, 4, kind=QKV_ROPE, form=HALF2)
+# Split-K over the 4 warps of a block (tiling's KS; the default tiles otherwise).
+qgemv_int4_m1_half2_ks4 = qgemv_kernel(1, 4, tile=(4, 2, 4), form=HALF2)
+qgemv_gate_up_int4_m1_half2_ks4 = qgemv_kernel(1, 4, kind=GATE_UP, tile=(4, 1, 4), form=HALF2)
+qgemv_qkv_rope_int4_m1_half2_ks4 = qgemv_kernel(1, 4, kind=QKV_ROPE, tile=(2, 2, 4), form=HALF2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -828,9 +918,11 @@ def quant_qkv_rope_cuda(
     n_kv: int,
     out=None,
     form=None,
+    tile=None,
 ) -> torch.Tensor:
     """quant_qkv_rope_ref's meaning in one launch (x of 1..8 rows, already permuted); what
-    `supports_qkv_rope` rejects runs the reference. No host sync. form: see launch_qgemv."""
+    `supports_qkv_rope` rejects runs the reference. No host sync. form: see launch_qgemv;
+    tile: (2, U) or (2, U, KS) to override tile_for (tests and benchmarks)."""
     x = _aligned_rows(x)
     args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
     if not supports_qkv_rope(x, w, *args):
@@ -844,7 +936,7 @@ def quant_qkv_rope_cuda(
         int(n_q),
         int(n_kv),
     )
-    return launch_qgemv(x, w, bias, out, QKV_ROPE, None, extra, form=form)
+    return launch_qgemv(x, w, bias, out, QKV_ROPE, tile, extra, form=form)
 
 
 __all__ = [
@@ -854,6 +946,7 @@ __all__ = [
     "qgemv_kernel",
     "form_for",
     "tile_for",
+    "tiling",
     "grid_for",
     "supports",
     "supports_weight",

@@ -349,6 +349,9 @@ KERNELS += [
         "qgemv_int4_m2_half2",
         "qgemv_int4_m8_half2",
         "qgemv_gate_up_int4_m1_half2",
+        # Split-K over a block's 4 warps (KS = 4 of quant_gemv.tiling; not a default yet).
+        "qgemv_int4_m1_half2_ks4",
+        "qgemv_gate_up_int4_m1_half2_ks4",
     )
 ]
 
@@ -422,5 +425,9 @@ _QKV_ROPE_SIG = (
 )
 KERNELS += [
     KernelSpec("quant_gemv", name, (_QKV_ROPE_SIG,))
-    for name in ("qgemv_qkv_rope_int4_m1", "qgemv_qkv_rope_int4_m1_half2")
+    for name in (
+        "qgemv_qkv_rope_int4_m1",
+        "qgemv_qkv_rope_int4_m1_half2",
+        "qgemv_qkv_rope_int4_m1_half2_ks4",
+    )
 ]

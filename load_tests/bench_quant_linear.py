@@ -16,7 +16,10 @@ Every point: CUDA-graph replays of the call over weight copies that together exc
 call streams from HBM), timed with events, median of 7.
 
     python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
-        [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at rows 1..8)
+        [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at 1 row: (R, U) and
+                        split-K (R, U, KS) for R in 2, 4, U in 1, 2, KS in 1, 2, 4,
+                        quant_gemv.tiling: impl *_gemv_R{R}U{U}[KS{KS}]; gate_up also fused,
+                        *_gate_up_R{R}U{U}[KS{KS}])
         [--forms half2,factored,weight]   (also each named GEMV dot-product form forced at
                         rows 1..8, quant_gemv.form_for: impl *_{form}_gemv and
                         *_{form}_gate_up; with --tiles its tile sweep at 1 row; half2 is the
@@ -58,6 +61,18 @@ MODELS = {
 LLAMA_LAYERS, LLAMA_VOCAB = 32, 128256
 L2_BYTES = 64 << 20
 FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
+# --tiles at 1 row (quant_gemv.tiling): (R, U) at KS = 1, then split-K, KS warps of a block on
+# the same rows, each a 1/KS share of K (KS = 1 is the default until measured).
+TILES = ((1, 2), (1, 4), (1, 8), (2, 4)) + tuple(
+    (R, U, KS) for R in (2, 4) for U in (1, 2) for KS in (1, 2, 4)
+)
+GATE_UP_TILES = tuple((R, U, KS) for R, U in ((4, 1), (2, 2)) for KS in (1, 2, 4))
+
+
+def tile_name(tile) -> str:
+    """R4U2 for (4, 2) and (4, 2, 1) (the names of earlier records), R4U2KS4 for (4, 2, 4)."""
+    ks = tile[2] if len(tile) > 2 else 1
+    return f"R{tile[0]}U{tile[1]}" + (f"KS{ks}" if ks > 1 else "")
 
 
 def make_weight(K, N, bits, g, gen):
@@ -84,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,2048,8192")
     ap.add_argument("--models", default="llama,qwen")
     ap.add_argument("--formats", default="int4_g128,int8_g32")
-    ap.add_argument("--tiles", action="store_true", help="sweep GEMV (R, U) tiles at 1 row")
+    ap.add_argument(
+        "--tiles", action="store_true", help="sweep GEMV (R, U) and (R, U, KS) tiles at 1 row"
+    )
     ap.add_argument(
         "--forms",
         default="",
@@ -229,16 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                                             of_floor=floor / t,
                                         )
                             if args.tiles and rows == 1:
-                                for tile in (
-                                    (1, 2),
-                                    (1, 4),
-                                    (1, 8),
-                                    (2, 1),
-                                    (2, 2),
-                                    (2, 4),
-                                    (4, 1),
-                                    (4, 2),
-                                ):
+                                for tile in TILES:
                                     t = timed(
                                         lambda w, tile=tile: quant_gemv_cuda(
                                             x, w, None, out, tile=tile
@@ -247,7 +255,20 @@ def main(argv: list[str] | None = None) -> None:
                                     )
                                     record(
                                         **base,
-                                        impl=f"{name}_gemv_R{tile[0]}U{tile[1]}",
+                                        impl=f"{name}_gemv_{tile_name(tile)}",
+                                        time_us=t * 1e6,
+                                        of_floor=floor / t,
+                                    )
+                                for tile in GATE_UP_TILES if op == "gate_up" else ():
+                                    t = timed(
+                                        lambda w, tile=tile: quant_gemv_gate_up_cuda(
+                                            x, w, tile=tile
+                                        ),
+                                        ws,
+                                    )
+                                    record(
+                                        **base,
+                                        impl=f"{name}_gate_up_{tile_name(tile)}",
                                         time_us=t * 1e6,
                                         of_floor=floor / t,
                                     )

@@ -143,7 +143,7 @@ for stage in $STAGES; do
       # Llama-3-8B and Qwen2.5-7B shapes, graphs; numba compiles ~20 kernel variants per
       # process). quant-bench: int4/int8 against fp16 cuBLAS / GEMV with the copy bandwidth of
       # the same run (QUANT_ROWS, QUANT_MODELS=llama,qwen, QUANT_TILES=1 adds the GEMV tile
-      # sweep; QUANT_BENCH_ARGS="--no-tc" with VOLTSERVE_QUANT_TC_MAX_ROWS=0 leaves the tensor-core GEMM
+      # sweep at 1 row, (R, U) and split-K (R, U, KS); QUANT_BENCH_ARGS="--no-tc" with VOLTSERVE_QUANT_TC_MAX_ROWS=0 leaves the tensor-core GEMM
       # out; QUANT_BENCH_ARGS="--forms half2,factored,weight" also times those GEMV forms (half2:
       # the int4 default) forced at rows <= 8 in the same run; GPU_TEST_K="gemv_forms or half2"
       # runs their GPU tests alone). quant: both. The cc 7.0 compile check runs on CPU (this image's CUDA 13 cannot

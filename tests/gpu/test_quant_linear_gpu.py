@@ -357,3 +357,67 @@ def test_half2_x_range(K, N, rows, xs):
     assert torch.isfinite(out).all(), "poisoned, inf or NaN outputs"
     err = (out.double() - ref).abs()
     assert (err <= bound).all(), (err / bound).max().item()
+
+
+@pytest.mark.parametrize("ks", [2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("K,N", LLAMA)
+def test_gemv_split_k(K, N, rows, ks):
+    """Split-K (the tile's KS: KS warps of a block on the same rows, each a 1/KS share of K,
+    summed through shared memory in warp order) at the Llama-3-8B shapes: plain at the default
+    (R, U) of tile_for and at R = 2 (every launch half2, int4 g128), against the reference and
+    within fp32 summation order (plus one fp16 ulp of the output) of KS = 1; gate_up fused
+    (gate_up's shape) and qkv_rope (qkv's shape, 32 q and 8 kv heads of 128) the same way."""
+    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.quant_gemv import (
+        GATE_UP,
+        quant_gemv_cuda,
+        quant_gemv_gate_up_cuda,
+        quant_qkv_rope_cuda,
+        quant_qkv_rope_ref,
+        tile_for,
+        variant_for,
+    )
+    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    w = weight(K, N, 4, 128)
+    x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
+    b = torch.randn(N, device=DEV, dtype=torch.float16) if rows == 2 else None
+    R, U = tile_for(variant_for(rows), 4)
+    for tile in ((R, U), (2, 2)):
+        one = quant_gemv_cuda(x, w, b, tile=(*tile, 1), form="half2")
+        out = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.float16)
+        quant_gemv_cuda(x, w, b, out, tile=(*tile, ks), form="half2")
+        torch.cuda.synchronize()
+        check(out, x, w, b)
+        torch.testing.assert_close(out, one, atol=1e-3, rtol=2**-10)
+    if N == 28672:
+        R, U = tile_for(variant_for(rows), 4, GATE_UP)
+        one = quant_gemv_gate_up_cuda(x, w, tile=(R, U, 1), form="half2")
+        h = quant_gemv_gate_up_cuda(x, w, tile=(R, U, ks), form="half2")
+        torch.cuda.synchronize()
+        assert not torch.isnan(h).any()
+        y = F.linear(x.float(), dequantize(w, torch.float32)).half()
+        ref = silu_and_mul_ref(y).float()
+        err = (h.float() - ref).abs().max().item()
+        assert err <= ref.abs().max().item() * 2**-8 + 2e-3, err
+        torch.testing.assert_close(h, one, atol=2e-3, rtol=2**-9)
+    if N == 6144:
+        n_q, n_kv, D, bs, blocks = 32, 8, 128, 16, 8
+        pos = torch.randint(0, 4096, (rows,), device=DEV)
+        slots = torch.randperm(blocks * bs, device=DEV)[:rows]
+        cache = build_cos_sin_cache(D, 4096, 500000.0, None).to(DEV)
+        kc = torch.randn(blocks, n_kv, bs, D, device=DEV).half()
+        vc = torch.randn_like(kc)
+        kr, vr = kc.float(), vc.float()
+        args = (pos, cache, kc, vc, slots, n_q, n_kv)
+        y = quant_qkv_rope_cuda(x, w, b, *args, form="half2", tile=(2, 2, ks))
+        bf = None if b is None else b.float()
+        ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
+        torch.cuda.synchronize()
+        assert not torch.isnan(y).any()
+        tol = ref.abs().max().item() * 2**-8 + 2e-3
+        assert (y.float() - ref).abs().max().item() <= tol
+        assert (kc.float() - kr).abs().max().item() <= tol
+        assert (vc.float() - vr).abs().max().item() <= tol

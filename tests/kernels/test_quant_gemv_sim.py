@@ -397,3 +397,176 @@ def test_quant_qkv_rope_cpu_composition():
     ref = quant_gemv.quant_qkv_rope_ref(x, w, None, pos, cache, kr, vr, slots, n_q, n_kv)
     assert torch.equal(y, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
     assert kc.abs().sum() > 0
+
+
+# ---- split-K: KS warps of a block on the same rows, each a 1/KS share of K --------------------
+# Launched as on the GPU (grid_for's blocks of THREADS = 4 warps, so a KS = 2 block holds two
+# groups of rows, the last block's second one past the end). The simulator's shuffle stand-in
+# synchronises the whole block, which is exact while every live thread of the block reaches the
+# same shuffles: true for the epilogue of KS = 1 and for warp 0 of each group after the split-K
+# barrier (the other warps have left).
+
+
+def run_tiled(x, w, bias, tile, kind=quant_gemv.PLAIN, form="half2", out_dtype=torch.float32):
+    M = x.shape[0]
+    cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
+    out = torch.full((M, cols), float("nan"), dtype=out_dtype)
+    b = bias if bias is not None else w.scales[:, 0].contiguous()
+    launch(
+        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, tile, form),
+        quant_gemv.grid_for(M, cols, w.bits, kind, tile),
+        quant_gemv.THREADS,
+        tuple(
+            a.numpy() if isinstance(a, torch.Tensor) else a
+            for a in (x, w.qweight, w.scales, w.offsets, b, out, bias is not None, w.group_shift)
+        ),
+    )
+    assert not torch.isnan(out).any(), f"KS = {tile[2:]}: kernel left poisoned (NaN) outputs"
+    return out
+
+
+# KS = 1 against KS = 2 and 4: the same products and fp16 runs (half2: one per lane chunk,
+# whatever the split), only the fp32 sums regrouped (a lane's chunks in up to four shares, then
+# the shares added), so the outputs agree within fp32 summation error: 2**-20 of sum |x w|
+# (observed: under 2**-26).
+KS_TOL = 2.0**-20
+
+
+# (M, N, bits, g, K, form, (R, U)). A warp chunk (every lane one 16-byte chunk) is 1024 int4 /
+# 512 int8 inputs; K = 3 * 1024 + 256 is 4 warp chunks, the last partial: KS = 2 gives 2 + 2
+# (the second ends in the partial chunk), KS = 4 one each; at U = 2 every share's step is half
+# guarded. 5 * 512 + 128 int8 inputs: 6 warp chunks, KS = 4 gives 2, 2, 2 (partial) and an
+# empty share. K = 128: KS > 1 leaves every warp but the first without inputs.
+SPLIT_K_CASES = [
+    (1, 5, 4, 128, 3 * 1024 + 256, "half2", (4, 2)),
+    (2, 5, 4, 32, 2 * 1024 + 256, "factored", (4, 1)),  # KS = 4: 1, 1, partial, empty
+    (2, 5, 8, 32, 5 * 512 + 128, "weight", (2, 2)),
+    (1, 3, 4, 16, 2 * 1024 + 512, "factored", (2, 1)),  # SPLIT groups (two a chunk)
+    (1, 3, 4, 64, 128, "half2", (4, 2)),
+    (3, 3, 4, 32, 1024 + 128, "half2", (4, 1)),  # the M = 4 kernel, input 3 clamped to 2
+]
+
+
+@pytest.mark.parametrize("M,N,bits,g,K,form,rt", SPLIT_K_CASES)
+def test_qgemv_split_k(M, N, bits, g, K, form, rt):
+    from voltserve.kernels.quant_linear import quant_linear_ref
+
+    gen = torch.Generator().manual_seed(SEED + 29 * M + K)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    w = make(gen, N, K, bits, g, torch.float16)
+    x = torch.randn(M, K, generator=gen).to(torch.float16)
+    bias = torch.randn(N, generator=gen).to(torch.float16) if M == 2 else None
+    wd = dequantize(w, torch.float32).double()
+    mag = F.linear(x.double().abs(), wd.abs(), None if bias is None else bias.double().abs())
+    one = run_tiled(x, w, bias, (*rt, 1), form=form)
+    ref = quant_linear_ref(x.float(), w, None if bias is None else bias.float()).double()
+    for ks in (2, 4):
+        out = run_tiled(x, w, bias, (*rt, ks), form=form)
+        err = (out.double() - one.double()).abs()
+        assert (err <= KS_TOL * mag).all(), f"KS = {ks}: worst {(err / mag).max():.3g} of sum |x w|"
+        # Against the reference as KS = 1 is (its form's error: half2's fp16 runs, ~1e-3 here).
+        assert ((out.double() - ref).abs() <= 4e-3 * mag.max()).all()
+    if K > 1024 and M == 1:  # the stored fp16 output too
+        out16 = run_tiled(x, w, bias, (*rt, 4), form=form, out_dtype=torch.float16)
+        torch.testing.assert_close(out16.float(), ref.float().half().float(), **tol(x.dtype))
+
+
+@pytest.mark.parametrize("M,form", [(1, "half2"), (2, "weight")])
+def test_qgemv_gate_up_split_k(M, form):
+    """gate_up with KS = 2 and 4 (R = 4: two columns a group; 3 columns, so the last group is
+    half used and, at KS = 2, the second group of the second block has no column): as KS = 1
+    before the epilogue's roundings, and the silu_and_mul of the reference."""
+    from voltserve.kernels.quant_linear import quant_gate_up_ref
+
+    gen = torch.Generator().manual_seed(SEED + 31 * M)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    K, inter = 2 * 1024 + 256, 3
+    w = make(gen, 2 * inter, K, 4, 128, torch.float16)
+    x = torch.randn(M, K, generator=gen).to(torch.float16)
+    bias = torch.randn(2 * inter, generator=gen).to(torch.float16) if M == 2 else None
+    kind = quant_gemv.GATE_UP
+    one = run_tiled(x, w, bias, (4, 1, 1), kind, form)
+    ref = quant_gate_up_ref(x, w, bias).float()
+    for ks in (2, 4):
+        out = run_tiled(x, w, bias, (4, 1, ks), kind, form)
+        # The epilogue rounds gate and up to fp16 (the stored product) before silu: a sum on a
+        # rounding boundary may move one fp16 ulp there, so KS = 1 within a few fp16 ulps.
+        torch.testing.assert_close(out, one, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
+
+
+def run_rope_tiled(x, w, tile, k_cache, v_cache, positions, slots, cache, n_q, n_kv):
+    M, N = x.shape[0], w.out_features
+    out = torch.full((M, N), float("nan"))
+    launch(
+        quant_gemv.qgemv_kernel(M, 4, False, quant_gemv.QKV_ROPE, tile, "half2"),
+        quant_gemv.grid_for(M, N // 2, 4, quant_gemv.QKV_ROPE, tile),
+        quant_gemv.THREADS,
+        (x.numpy(), w.qweight.numpy(), w.scales.numpy(), w.offsets.numpy())
+        + (w.scales.view(-1).numpy(), out.numpy(), False, w.group_shift)
+        + (positions.numpy(), cache.numpy(), k_cache.numpy(), v_cache.numpy())
+        + (slots.numpy(), n_q, n_kv),
+    )
+    assert not torch.isnan(out).any(), f"KS = {tile[2:]}: kernel left poisoned (NaN) outputs"
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_qgemv_qkv_rope_split_k(M):
+    """qkv_rope with KS = 2 and 4 (one rotary pair a group): out and the K / V caches as KS = 1
+    writes them and as the reference (fp32 x and caches: the epilogue's roundings are exact
+    no-ops, so the split's fp32 regrouping is all that differs)."""
+    from voltserve.kernels.rotary import build_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(SEED + 37 * M)
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    n_q, n_kv, D, K, bs, blocks = 1, 1, 4, 1024 + 256, 4, 3
+    N = (n_q + 2 * n_kv) * D
+    w = make(gen, N, K, 4, 128, torch.float16)
+    x = torch.randn(M, K, generator=gen).to(torch.float16)
+    positions = torch.randint(0, 64, (M,), generator=gen, dtype=torch.int64)
+    slots = torch.randperm(blocks * bs, generator=gen)[:M].to(torch.int64)
+    if M > 1:
+        slots[1] = -1  # padding row: rotated into out, never written to the cache
+    cache = build_cos_sin_cache(D, 64, 10000.0, None)
+    k0 = torch.randn(blocks, n_kv, bs, D, generator=gen).to(torch.float16)
+    v0 = torch.randn(blocks, n_kv, bs, D, generator=gen).to(torch.float16)
+    k_ref, v_ref = k0.float(), v0.float()
+    ref = quant_gemv.quant_qkv_rope_ref(
+        x.float(), w, None, positions, cache, k_ref, v_ref, slots, n_q, n_kv
+    )
+    outs = []
+    for ks in (1, 2, 4):
+        kc, vc = k0.clone(), v0.clone()
+        out = run_rope_tiled(x, w, (2, 2, ks), kc, vc, positions, slots, cache, n_q, n_kv)
+        outs.append((out, kc, vc))
+    for out, kc, vc in outs:
+        t = dict(atol=4e-3, rtol=4e-3)  # half2's fp16 runs, then fp16 caches
+        torch.testing.assert_close(out, ref, **t)
+        torch.testing.assert_close(kc.float(), k_ref, **t)  # only live slots written
+        torch.testing.assert_close(vc.float(), v_ref, **t)
+    for out, kc, vc in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kc, outs[0][1], atol=2e-3, rtol=2e-3)  # one fp16 ulp
+        torch.testing.assert_close(vc, outs[0][2], atol=2e-3, rtol=2e-3)
+
+
+def test_split_k_host_rules():
+    t = quant_gemv.tiling
+    assert t(1, 4) == (*quant_gemv.tile_for(1, 4), 1)  # the default: no split
+    assert t(1, 4, tile=(2, 2)) == (2, 2, 1) and t(1, 4, tile=(2, 2, 4)) == (2, 2, 4)
+    with pytest.raises(ValueError, match="KS must be one of"):
+        quant_gemv.qgemv_kernel(1, 4, tile=(4, 2, 3))
+    assert quant_gemv.qgemv_kernel(1, 4, tile=(4, 2, 1)) is quant_gemv.qgemv_kernel(1, 4)
+    # A block: 4 warps = 4 / KS groups of R rows (gate_up R / 2 columns, qkv_rope one pair).
+    assert quant_gemv.grid_for(1, 4096, 4, tile=(4, 2, 1)) == 4096 // 16
+    assert quant_gemv.grid_for(1, 4096, 4, tile=(4, 2, 2)) == 4096 // 8
+    assert quant_gemv.grid_for(1, 4096, 4, tile=(4, 2, 4)) == 4096 // 4
+    assert quant_gemv.grid_for(1, 14336, 4, quant_gemv.GATE_UP, (4, 1, 4)) == 14336 // 2
+    assert quant_gemv.grid_for(1, 3072, 4, quant_gemv.QKV_ROPE, (2, 2, 4)) == 3072
+    src1 = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, "half2")
+    assert "shared" not in src1 and "syncthreads" not in src1
+    src4 = quant_gemv._source(1, 4, 2, 4, False, quant_gemv.PLAIN, "half2", ks=4)
+    assert "red[wb + 3, 3, lane]" in src4 and src4.count("cuda.syncthreads()") == 1
+    # Everything from the half2 scaling on (the epilogue) is KS = 1's.
+    assert src4[src4.index("    a0_0 *= float32(256.0)") :] == src1[src1.index("    a0_0 *=") :]
