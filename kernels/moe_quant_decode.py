@@ -53,6 +53,9 @@ from voltserve.kernels.quant_gemv import (
     source_scope,
     tile_for,
 )
+from voltserve.kernels.quant_gemv import (
+    form_for as gemv_form_for,
+)
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 
 MAX_TOKENS = 8  # up to here the fused kernels always serve (decode)
@@ -188,8 +191,10 @@ def moe_qkernel(kind: str, bits: int, split: bool = False, form: str = WEIGHT):
 
 
 def form_for(dtype: torch.dtype, w: GroupQuantWeight) -> str:
-    """HALF2 for fp16 activations and int4 codes with one group per chunk, else WEIGHT."""
-    return HALF2 if dtype == torch.float16 and w.bits == 4 and not is_split(w) else WEIGHT
+    """The dense GEMV's choice for one row where that is HALF2 (fp16 activations, int4 codes
+    with one group per chunk), else WEIGHT: the factored form has no place for the routing
+    weight."""
+    return HALF2 if gemv_form_for(1, dtype, w.bits, is_split(w)) == HALF2 else WEIGHT
 
 
 def grid(kind: str, bits: int, rows: int, programs: int) -> tuple[int, int]:

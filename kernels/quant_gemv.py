@@ -186,6 +186,16 @@ def tiling(m: int, bits: int, kind: str = PLAIN, tile=None) -> tuple[int, int, i
     return R, U, KS
 
 
+def _x_load(ind: str, dst: str, row: str, j: int, t: int, col: str, guarded: bool, half2=False):
+    """Source of one 16-byte x load (8 inputs from column `col` of x row `row`) into `dst`: as
+    eight floats (ld8) or four half2 words (ldh8), zeros past K when guarded (the column then
+    sits in xc{j}_{t}, which the caller assigns once for its M loads)."""
+    load, zero = ("ldh8", "ZERO_W4") if half2 else ("ld8", "ZERO8")
+    if guarded:
+        return f"{ind}{dst} = {load}(x, ({row}, xc{j}_{t})) if xc{j}_{t} < K else {zero}"
+    return f"{ind}{dst} = {load}(x, ({row}, {col}))"
+
+
 def dot_step(
     ind: str,
     M: int,
@@ -272,10 +282,7 @@ def dot_step(
                 out.append(f"{ind}xc{j}_{t} = {col}")
             for m in range(M):
                 xm, xv = xrows[m], f"xv{j}_{t}_{m}"
-                if guarded:
-                    out.append(f"{ind}{xv} = ld8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO8")
-                else:
-                    out.append(f"{ind}{xv} = ld8(x, ({xm}, {col}))")
+                out.append(_x_load(ind, xv, xm, j, t, col, guarded))
                 for e in range(8):
                     for r in range(R):
                         out.append(f"{ind}a{m}_{r} += {xv}[{e}] * wv{j}_{t}_{r}_{e}")
@@ -318,10 +325,7 @@ def _factored_chunk(
             out.append(f"{ind}xc{j}_{t} = {col}")
         for m in range(M):
             xm, xv = xrows[m], f"xv{j}_{t}_{m}"
-            if guarded:
-                out.append(f"{ind}{xv} = ld8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO8")
-            else:
-                out.append(f"{ind}{xv} = ld8(x, ({xm}, {col}))")
+            out.append(_x_load(ind, xv, xm, j, t, col, guarded))
         qs = []
         for e in range(8):
             word = t * 8 // P + e // P
@@ -389,10 +393,7 @@ def _half2_chunk(
             out.append(f"{ind}xc{j}_{t} = {col}")
         for m in range(M):
             xm, xv = xrows[m], f"xh{j}_{t}_{m}"
-            if guarded:
-                out.append(f"{ind}{xv} = ldh8(x, ({xm}, xc{j}_{t})) if xc{j}_{t} < K else ZERO_W4")
-            else:
-                out.append(f"{ind}{xv} = ldh8(x, ({xm}, {col}))")
+            out.append(_x_load(ind, xv, xm, j, t, col, guarded, half2=True))
             for p in range(4):
                 out.append(acc(f"sx{j}_{m}", f"{xv}[{p}]", f"{H2_X:#x}"))
         for r in range(R):

@@ -256,12 +256,30 @@ def test_tc_other_tile_configs(cfg):
     check(three, x, w, b)
 
 
+def check_qkv_rope(y, x, w, b, args, kr, vr) -> None:
+    """y (a fused q/k/v projection + rotary + cache write) and the caches in args = (positions,
+    cos_sin, k_cache, v_cache, slots, n_q, n_kv) against quant_qkv_rope_ref run on kr, vr (fp32
+    copies of the caches as they were before): the dequantized product in fp32, rounded to
+    fp16, rotated, cached. The caches start random, so comparing them whole also checks that
+    only live slots were written."""
+    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
+
+    pos, cache, kc, vc, slots, n_q, n_kv = args
+    bf = None if b is None else b.float()
+    ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any()
+    tol = ref.abs().max().item() * 2**-8 + 2e-3
+    assert (y.float() - ref).abs().max().item() <= tol
+    assert (kc.float() - kr).abs().max().item() <= tol
+    assert (vc.float() - vr).abs().max().item() <= tol
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("K,n_q,n_kv,bias", [(4096, 32, 8, False), (3584, 28, 4, True)])
 def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
     """quant_qkv_rope (fused for <= 8 rows, quant_linear + rotary_and_cache beyond) against the
     reference: the dequantized product in fp32, rounded to fp16, rotated, cached."""
-    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
     from voltserve.kernels.quant_linear import quant_qkv_rope
     from voltserve.kernels.rotary import build_cos_sin_cache
 
@@ -279,15 +297,8 @@ def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
     kc = torch.randn(blocks, n_kv, bs, D, device=DEV).half()
     vc = torch.randn_like(kc)
     kr, vr = kc.float(), vc.float()
-    y = quant_qkv_rope(x, w, b, ops(), pos, cache, kc, vc, slots, n_q, n_kv)
-    bf = None if b is None else b.float()
-    ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
-    torch.cuda.synchronize()
-    assert not torch.isnan(y).any()
-    tol = ref.abs().max().item() * 2**-8 + 2e-3
-    assert (y.float() - ref).abs().max().item() <= tol
-    assert (kc.float() - kr).abs().max().item() <= tol
-    assert (vc.float() - vr).abs().max().item() <= tol
+    args = (pos, cache, kc, vc, slots, n_q, n_kv)
+    check_qkv_rope(quant_qkv_rope(x, w, b, ops(), *args), x, w, b, args, kr, vr)
 
 
 @pytest.mark.parametrize("form", ["factored", "half2"])
@@ -374,7 +385,6 @@ def test_gemv_split_k(K, N, rows, ks):
         quant_gemv_cuda,
         quant_gemv_gate_up_cuda,
         quant_qkv_rope_cuda,
-        quant_qkv_rope_ref,
         tile_for,
         variant_for,
     )
@@ -413,11 +423,4 @@ def test_gemv_split_k(K, N, rows, ks):
         kr, vr = kc.float(), vc.float()
         args = (pos, cache, kc, vc, slots, n_q, n_kv)
         y = quant_qkv_rope_cuda(x, w, b, *args, form="half2", tile=(2, 2, ks))
-        bf = None if b is None else b.float()
-        ref = quant_qkv_rope_ref(x.float(), w, bf, pos, cache, kr, vr, slots, n_q, n_kv)
-        torch.cuda.synchronize()
-        assert not torch.isnan(y).any()
-        tol = ref.abs().max().item() * 2**-8 + 2e-3
-        assert (y.float() - ref).abs().max().item() <= tol
-        assert (kc.float() - kr).abs().max().item() <= tol
-        assert (vc.float() - vr).abs().max().item() <= tol
+        check_qkv_rope(y, x, w, b, args, kr, vr)
