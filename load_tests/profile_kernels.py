@@ -56,13 +56,17 @@ def _config(args: argparse.Namespace):
     extra: dict[str, Any] = {}
     for item in filter(None, args.serve_args.split(",")):
         key, _, value = item.partition("=")
-        extra[key.strip()] = value.strip()
+        value = value.strip()
+        extra[key.strip()] = int(value) if value.isdigit() else value
     total = args.prompt_len + args.warm_steps + args.steps + 16
+    # max_model_len=N in --serve-args overrides the short bound: a server's bound (8K) sets
+    # the decode graphs' attention grid, so it profiles the step as served.
+    max_model_len = extra.pop("max_model_len", total + 16)
     return EngineConfig(
         model=args.model_dir,
         dtype=args.dtype,
         device="cuda",
-        max_model_len=total + 16,
+        max_model_len=max_model_len,
         max_num_seqs=max(max_batch, 8),
         max_num_batched_tokens=max(8192, args.prompt_len),
         gpu_memory_utilization=args.gpu_memory_utilization,
