@@ -184,6 +184,25 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, "tid = cuda.threadIdx.x")
     emit(1, "lane = tid % 32")
     emit(1, "warp = tid // 32")
+    # q does not depend on the context: its loads (and, for the online core, the first KV
+    # block's table entry) are issued before seq_len arrives, so they overlap that round trip.
+    emit(1, f"sub = lane // {TPT}")
+    emit(1, f"c = lane % {TPT}")
+    emit(1, "fscale = float32(scale)")
+    if NCHUNK < TPT:  # lanes past the row load a valid chunk and weigh it by q = 0
+        emit(1, f"active = c < {NCHUNK}")
+        emit(1, f"ce = min(c, {NCHUNK - 1})")
+        emit(1, "qs = fscale if active else float32(0.0)")
+    else:
+        emit(1, "active = True")
+        emit(1, "ce = c")
+        emit(1, "qs = fscale")
+    emit(1, f"lane_off = sub * {D} + ce * 8")
+    for g in range(G):
+        for j in range(8):
+            emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+    if cfg.online:
+        _emit_first_entry(emit, cfg, mode)
     emit(1, "seq_len = seq_lens[b]")
     if dynamic_partitions(cfg, mode):
         # The sequence's own KV blocks spread over the grid's partitions at run time (see
@@ -212,29 +231,15 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, f"acc_s = cuda.shared.array({GD}, float32)")
     emit(1, f"m_s = cuda.shared.array({G}, float32)")
     emit(1, f"l_s = cuda.shared.array({G}, float32)")
-    emit(1, f"tbl = cuda.shared.array({PART // BLOCK_SIZE}, int32)")
-    if not cfg.online:  # the online core writes every element
+    if not cfg.online:
+        # The block core's warps share the partition's table entries through shared memory;
+        # the online core reads each warp's entries itself (no barrier before the KV loads).
+        emit(1, f"tbl = cuda.shared.array({PART // BLOCK_SIZE}, int32)")
         emit(1, f"for i in range(tid, {GD}, {NT}):")
         emit(2, "acc_s[i] = 0.0")
-    emit(1, f"for i in range(tid, n_blk, {NT}):")
-    emit(2, "tbl[i] = block_tables[b, blk0 + i]")
-    emit(1, f"sub = lane // {TPT}")
-    emit(1, f"c = lane % {TPT}")
-    emit(1, "fscale = float32(scale)")
-    if NCHUNK < TPT:  # lanes past the row load a valid chunk and weigh it by q = 0
-        emit(1, f"active = c < {NCHUNK}")
-        emit(1, f"ce = min(c, {NCHUNK - 1})")
-        emit(1, "qs = fscale if active else float32(0.0)")
-    else:
-        emit(1, "active = True")
-        emit(1, "ce = c")
-        emit(1, "qs = fscale")
-    emit(1, f"lane_off = sub * {D} + ce * 8")
-    for g in range(G):
-        for j in range(8):
-            emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+        emit(1, f"for i in range(tid, n_blk, {NT}):")
+        emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     if cfg.online:
-        emit(1, "cuda.syncthreads()")
         _emit_online_core(emit, cfg, lay, word)
     else:
         _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
@@ -419,6 +424,21 @@ def _emit_epilogue(emit, cfg: DecodeConfig, mode: str) -> None:
         _emit_merge(emit, G, D, NT, NW, PART, dyn)
 
 
+def _emit_first_entry(emit, cfg: DecodeConfig, mode: str) -> None:
+    """spec_ent: the block-table entry of this warp's first KV block, loaded before seq_len is
+    known, so the K/V loads wait on one round trip fewer. The partition's first block is
+    guessed: part * PART / 16 for static partitions; for dynamic ones (dynamic_partitions)
+    part * pb with pb at its least, min(warps, PART / 16), which is what every context of up to
+    partitions x pb blocks gets (all short contexts, the latency-bound case). The guess's index
+    is always inside the table (the grid covers at most the table's width) and is clamped
+    anyway; the core uses the entry only where the guess was right (spec_blk0 == blk0)."""
+    NW = cfg.num_threads // 32
+    pb0 = min(NW, cfg.partition // BLOCK_SIZE) if dynamic_partitions(cfg, mode) else None
+    first = f"part * {pb0}" if pb0 else f"part * {cfg.partition // BLOCK_SIZE}"
+    emit(1, f"spec_blk0 = {first}")
+    emit(1, "spec_ent = block_tables[b, min(spec_blk0 + warp, block_tables.shape[1] - 1)]")
+
+
 def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
     """Each warp takes whole KV blocks (16 tokens) and keeps its own running softmax in
     registers: K and V rows of a block loaded together (one memory round trip), scores summed
@@ -442,7 +462,12 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
         for j in range(8):
             emit(1, f"a{g}_{j} = float32(0.0)")
     emit(1, f"for i in range(warp, n_blk, {NW}):")
-    emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
+    # The warp's first KV block's entry was loaded before seq_len (_emit_first_entry); it is
+    # the right one when the partition starts where that load guessed.
+    emit(2, "ent = spec_ent")
+    emit(2, "if i != warp or blk0 != spec_blk0:")
+    emit(3, "ent = block_tables[b, blk0 + i]")
+    emit(2, f"base = (int64(ent) * num_kv_heads + kvh) * {ROW} + lane_off")
     emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
     for reg, cache in (("r", "k_cache"), ("v", "v_cache")):
         for ps in range(NPASS):
@@ -548,6 +573,28 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = F
     emit(1, "if flag[0] == 0:")
     emit(2, "return")
     emit(1, "cuda.threadfence()")
+    # Each thread owns E outputs and reads MERGE_CHUNK partitions of all of them before the first
+    # multiply: E x MERGE_CHUNK independent loads in flight, so the tail costs ~n_done / 8 L2
+    # round trips instead of one per partition (a `for p` loop waits on each load in turn). The
+    # first chunk's loads are issued before the weights' max/sum loads, so both round trips
+    # overlap (every context of up to MERGE_CHUNK partitions merges in one).
+    E = -(-G * D // NT)
+    for e in range(E):
+        emit(1, f"i{e} = tid + {e * NT}")
+        emit(1, f"ok{e} = i{e} < {G * D}")
+        emit(1, f"g{e} = min(i{e}, {G * D - 1}) // {D}")
+        emit(1, f"d{e} = i{e} % {D}")
+        emit(1, f"acc{e} = float32(0.0)")
+
+    def load_chunk(indent: int, p0: str) -> None:
+        for e in range(E):
+            for j in range(MERGE_CHUNK):
+                # Partitions past n_done hold stale words (maybe NaN): not loaded, never times 0.
+                emit(indent, f"x{e}_{j} = float32(0.0)")
+                emit(indent, f"if {p0} + {j} < n_done:")
+                emit(indent + 1, f"x{e}_{j} = tmp_out[b, h0 + g{e}, {p0} + {j}, d{e}]")
+
+    load_chunk(1, "0")
     # Per head (one warp each, lane = partition): global max, then weight = exp(m_p - m) / sum.
     emit(1, f"w_s = cuda.shared.array(({G}, {MERGE_MAX_PARTITIONS}), float32)")
     emit(1, f"for g in range(warp, {G}, {NW}):")
@@ -568,23 +615,9 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = F
     # Every partition that ran holds >= 1 token, so its sum is >= 1 and tot > 0.
     emit(2, "w_s[g, lane] = e / tot")
     emit(1, "cuda.syncthreads()")
-    # Each thread owns E outputs and reads MERGE_CHUNK partitions of all of them before the first
-    # multiply: E x MERGE_CHUNK independent loads in flight, so the tail costs ~n_done / 8 L2
-    # round trips instead of one per partition (a `for p` loop waits on each load in turn).
-    E = -(-G * D // NT)
-    for e in range(E):
-        emit(1, f"i{e} = tid + {e * NT}")
-        emit(1, f"ok{e} = i{e} < {G * D}")
-        emit(1, f"g{e} = min(i{e}, {G * D - 1}) // {D}")
-        emit(1, f"d{e} = i{e} % {D}")
-        emit(1, f"acc{e} = float32(0.0)")
     emit(1, f"for p0 in range(0, n_done, {MERGE_CHUNK}):")
-    for e in range(E):
-        for j in range(MERGE_CHUNK):
-            # Partitions past n_done hold stale words (maybe NaN): not loaded, never times 0.
-            emit(2, f"x{e}_{j} = float32(0.0)")
-            emit(2, f"if p0 + {j} < n_done:")
-            emit(3, f"x{e}_{j} = tmp_out[b, h0 + g{e}, p0 + {j}, d{e}]")
+    emit(2, "if p0 > 0:")
+    load_chunk(3, "p0")
     for e in range(E):
         for j in range(MERGE_CHUNK):
             # w_s is 0 past n_done; p0 + j < MERGE_MAX_PARTITIONS (a multiple of MERGE_CHUNK).

@@ -208,15 +208,19 @@ def test_decode_merge_mode_one_partition_context_writes_directly(seed):
     assert all(np.isnan(a).all() for a in ws.values()), "no partials for a one-partition context"
 
 
-@pytest.mark.parametrize("seq_len,want_parts", [(70, 3), (40, 3), (20, 2), (8, 1)])
-def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, want_parts):
+@pytest.mark.parametrize(
+    "seq_len,want_parts,bound",
+    [(70, 3, 256), (40, 3, 256), (20, 2, 256), (8, 1, 256), (160, 10, 640)],
+)
+def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, want_parts, bound):
     """The online core with the in-kernel merge spreads a sequence's own KV blocks over the
     grid's partitions (dynamic_partitions): 64-token partitions under a 256-token bound (4 of
     them). 70 tokens = 5 KV blocks -> 2 + 2 + 1 (static partitions: 64 + 6 tokens); 40 -> 3
     partitions of one block; 8 -> one partition, written directly. The partials written show
     the split; the output matches. (One warp: the simulator's shuffles are per block; the GPU
-    tests run 4 warps, where each partition takes at least one KV block per warp.)"""
-    threads, part, bound = 32, 64, 256
+    tests run 4 warps, where each partition takes at least one KV block per warp.) 160 tokens
+    under a 640-token bound: 10 partitions, more than the merge loads in one chunk."""
+    threads, part = 32, 64
     rng = np.random.default_rng(seed)
     H, kvh, D = 2, 1, 32
     k, v, tables = make_cache(rng, [seq_len], kvh, D)
