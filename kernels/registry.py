@@ -218,6 +218,15 @@ KERNELS += [
     ),
 ]
 
+# prefill_attention_fa.py: the flash prefill (the whole key loop in linked prefill_attention_fa.cu),
+# one kernel per head dim. Arguments: prefill_attention_tc's, then the group (query heads per KV
+# head). check-kernels links without LTO, so the C function is an ABI call there (see the module).
+_PREFILL_FA_SIG = _PREFILL_TC_SIG[:-1] + ", int64)"
+KERNELS += [
+    KernelSpec("prefill_attention_fa", name, (_PREFILL_FA_SIG,))
+    for name in ("prefill_fa_kernel_d128", "prefill_fa_kernel_d64")
+]
+
 # gemv.py: skinny decode matrix products, one kernel per M (gemv_kernel(M)); representative
 # instances. Arguments: x [M, K], w [N, K], bias [N] (unused without has_bias), out [M, N],
 # has_bias. Rows may be strided views (e.g. logits rows), so 2-D arrays take any layout.

@@ -1,14 +1,20 @@
 """Prefill attention speed: the tensor-core kernel (kernels/prefill_attention_tc.py, wmma through
-linked PTX) vs the CUDA-core numba kernel (kernels/prefill_attention.py) vs torch's
-scaled_dot_product_attention on contiguous tensors (whatever backend torch picks: flash or
-memory-efficient on SM80+, math or efficient on SM70).
+linked PTX, `tensor_core`) and the flash kernel (kernels/prefill_attention_fa.py, the whole key
+loop in linked C++, `flash`) vs the CUDA-core numba kernel (kernels/prefill_attention.py) vs
+torch's scaled_dot_product_attention on contiguous tensors (whatever backend torch picks: flash
+or memory-efficient on SM80+, math or efficient on SM70).
 
     python load_tests/bench_prefill_attention.py --out results/bench_prefill_attention.json
+    python load_tests/bench_prefill_attention.py --prompts 1024,4096,16384,32768 --seqs 1,8 \
+        --kernels tensor_core,flash,sdpa --out bench_prefill_attention.json
 
-Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one sequence of P prompt
-tokens (default 1024 and 4096), fp16, causal. Timing: CUDA events around each call, warmup
-first, median of the repeats. TFLOP/s counts the causal work only: 2 matmuls x 2 flops x
-H x D x P (P + 1) / 2. Each kernel's output is also compared with SDPA (max abs difference).
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), `seqs` sequences of P
+prompt tokens each (default 1024 and 4096), fp16, causal. Timing: CUDA events around each call,
+warmup first, median of the repeats. TFLOP/s counts the causal work only: 2 matmuls x 2 flops x
+H x D x P (P + 1) / 2 per sequence. Each kernel's output (a fresh NaN-filled buffer, so an
+unwritten element shows) is compared with SDPA's: max abs difference and relative norm, `ok`
+when within MAX_ABS_DIFF / MAX_REL_NORM and free of NaN; the exit status is 1 when any is not.
+`flash_speedup` in a run is tensor_core's time over flash's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BLOCK = 16
+KERNELS = ("tensor_core", "flash", "sdpa", "numba_cuda_core")
+# Agreement with SDPA (itself fp16 with fp32 sums: ~1e-3 from exact at worst): both kernels
+# measured 1e-3 to 2e-3 max abs difference; a wrong mask or rescale is off by O(1).
+MAX_ABS_DIFF = 1e-2
+MAX_REL_NORM = 3e-3
 
 
 def time_call(fn, warmup: int, repeats: int) -> float:
@@ -53,12 +64,14 @@ def bench(
     seqs: int = 1,
     tc_registers: tuple[int | None, ...] = (),
     rounds: int = 1,
+    kernels: tuple[str, ...] = KERNELS,
 ):
     """seqs sequences of `prompt` tokens each in one launch (a serving prefill step packs
     8192 tokens: 8 x 1024); tc_registers: also time the tensor-core kernel under these
     register caps (None: ptxas's choice), as rows tensor_core_r<cap>; rounds: times each kernel
-    that many times, all kernels in turn, and reports the median."""
-    from voltserve.kernels.prefill_attention_tc import paged_attention_tc_cuda
+    that many times, all kernels in turn, and reports the median; kernels: which of KERNELS to
+    time (tensor_core_r<cap> rows come with tensor_core)."""
+    from voltserve.kernels.prefill_attention_fa import paged_attention_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     per_seq = (prompt + BLOCK - 1) // BLOCK
@@ -102,23 +115,35 @@ def bench(
     ref = flat(sdpa()).float()
     rows = {}
 
-    def tc(**kw):  # the tensor-core kernel with its own output buffer and these options
-        out = torch.empty_like(q)
-        args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
-        return functools.partial(paged_attention_tc_cuda, *args, max_query_len=prompt, **kw)
+    def paged(impl, **kw):  # a paged kernel writing into `out` (its own buffer by default)
+        def call(out=None):
+            args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
+            return paged_attention_prefill(*args, max_query_len=prompt, impl=impl, **kw)
 
-    kernels = {"tensor_core": tc(), "sdpa": sdpa}
-    for cap in tc_registers:
-        kernels[f"tensor_core_r{cap or 'none'}"] = tc(max_registers=cap)
-    out_plain = torch.empty_like(q)
-    try:
-        from voltserve.kernels.prefill_attention import paged_attention_cuda
+        return functools.partial(call, out=torch.empty_like(q))
 
-        kernels["numba_cuda_core"] = lambda: paged_attention_cuda(
-            q, k_cache, v_cache, table, seq_lens, qsl, scale, out_plain, max_query_len=prompt
-        )
-    except ImportError as e:  # the plain kernel's module is optional here
-        rows["numba_cuda_core"] = {"error": f"{type(e).__name__}: {e}"}
+    fns = {}
+    if "tensor_core" in kernels:
+        fns["tensor_core"] = paged("tc")
+        for cap in tc_registers:
+            fns[f"tensor_core_r{cap or 'none'}"] = paged("tc", max_registers=cap)
+    if "flash" in kernels:
+        fns["flash"] = paged("fa")
+    if "sdpa" in kernels:
+        fns["sdpa"] = sdpa
+    if "numba_cuda_core" in kernels:
+        try:
+            from voltserve.kernels.prefill_attention import paged_attention_cuda
+
+            def plain(out=None):
+                out = torch.empty_like(q) if out is None else out
+                args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
+                return paged_attention_cuda(*args, max_query_len=prompt)
+
+            fns["numba_cuda_core"] = functools.partial(plain, out=torch.empty_like(q))
+        except ImportError as e:  # the plain kernel's module is optional here
+            rows["numba_cuda_core"] = {"error": f"{type(e).__name__}: {e}"}
+    kernels = fns
     # Rounds go over every kernel in turn, so a drift of the card (clocks under its power cap)
     # lands on all of them alike; each kernel reports the median of its rounds.
     times: dict[str, list[float]] = {name: [] for name in kernels}
@@ -134,14 +159,28 @@ def bench(
         if name in rows:
             continue
         t = statistics.median(times[name])
-        res = fn()
-        got = flat(res) if name == "sdpa" else res
+        if name == "sdpa":
+            got = flat(fn())
+        else:  # a fresh NaN-filled buffer: an element the kernel leaves unwritten shows
+            got = fn(out=torch.full_like(q, float("nan")))
+        torch.cuda.synchronize()
+        diff = got.float() - ref
+        max_abs = diff.abs().max().item()
+        rel = (diff.norm() / ref.norm()).item()
+        nan = bool(got.isnan().any().item())
+        del got, diff
         rows[name] = {
             "ms": t * 1e3,
             "round_ms": [x * 1e3 for x in times[name]],
             "tflops": flops / t / 1e12,
-            "max_abs_diff_vs_sdpa": (got.float() - ref).abs().max().item(),
+            "max_abs_diff_vs_sdpa": max_abs,
+            "rel_norm_vs_sdpa": rel,
+            "nan": nan,
+            "ok": (not nan) and max_abs <= MAX_ABS_DIFF and rel <= MAX_REL_NORM,
         }
+    speedup = None
+    if "ms" in rows.get("flash", {}) and "ms" in rows.get("tensor_core", {}):
+        speedup = rows["tensor_core"]["ms"] / rows["flash"]["ms"]
     return {
         "sequences": seqs,
         "prompt_tokens": prompt,
@@ -149,6 +188,7 @@ def bench(
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "causal_flops": flops,
+        "flash_speedup": speedup,
         "kernels": rows,
     }
 
@@ -175,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="also time the tensor-core kernel at these register caps, e.g. none,128",
     )
+    ap.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help=f"which kernels to time, comma-separated, of {','.join(KERNELS)} (default: all; "
+        "the CUDA-core kernel takes seconds a call at 8 x 32768)",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
@@ -186,6 +232,10 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "runs": [],
     }
+    kernels = tuple(x.strip() for x in args.kernels.split(",") if x.strip())
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"unknown --kernels {sorted(unknown)}; choose from {KERNELS}")
     caps = tuple(
         None if c.strip().lower() == "none" else int(c)
         for c in args.tc_registers.split(",")
@@ -203,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                 n,
                 caps,
                 args.rounds,
+                kernels,
             )
             results["runs"].append(r)
             for name, row in r["kernels"].items():
@@ -211,11 +262,26 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     print(
                         f"{n}xP={p:<6} {name:<20} {row['ms']:8.3f} ms {row['tflops']:7.2f} "
-                        f"TFLOP/s max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e}"
+                        f"TFLOP/s max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e} "
+                        f"rel {row['rel_norm_vs_sdpa']:.2e}{'' if row['ok'] else '  MISMATCH'}"
                     )
+            if r["flash_speedup"] is not None:
+                print(f"{n}xP={p:<6} flash / tensor_core speedup {r['flash_speedup']:.2f}x")
+            # Incremental: a run cut short by a time limit keeps what it measured.
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=2))
+            torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
+    bad = [
+        f"{r['sequences']}x{r['prompt_tokens']} {name}"
+        for r in results["runs"]
+        for name, row in r["kernels"].items()
+        if "error" in row or not row["ok"]
+    ]
+    if bad:
+        raise SystemExit(f"kernels that failed or disagree with SDPA: {', '.join(bad)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""The flash prefill (kernels/prefill_attention_fa.py + prefill_attention_fa.cu) on a real GPU,
+against the fp32 reference (attention_ref.paged_attention_ref) on the same fp16 inputs, with the
+bound and the batch builder of test_prefill_tc_gpu.py: elementwise |out - ref| <= 2e-3 +
+5e-3 |ref| and ||out - ref|| / ||ref|| <= 2e-3 (P rounded to fp16 before P V, fp32 sums, an
+fp16 output: a correct kernel sits near 5e-4 relative; a wrong mask, row map or rescale is off
+by O(1)). Cache slots past each context hold NaN and outputs are NaN before the launch, so a
+stale read or an unwritten element fails.
+
+Cases: head dims 64 and 128; 1, 4, 7 (rows not a multiple of 16), 8 and 64 query heads per KV
+head; prompts around every tile edge (1, 15-17, 31-33, 63-65, 100, 1000, 4096) in one launch;
+chunked prefill (q_len < seq_len) mixed with whole prompts; a serving step's 8 x 1024; single
+prompts of 16K (+ an odd tail) and 32K against torch's SDPA in fp32 (the reference's [H, L, S]
+score matrix would not fit), with few heads to keep the reference cheap; lazy rescaling forced
+through rows whose scores grow along the keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from voltserve.kernels.attention_ref import paged_attention_ref
+
+from tests.gpu.test_prefill_tc_gpu import CHUNKED, check, make_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+EDGES = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1000, 4096]
+
+
+def _gen():
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def run_fa(q, k, v, tables, sl, qsl, scale, max_q=None):
+    from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    res = paged_attention_fa_cuda(q, k, v, tables, sl, qsl, scale, out, max_query_len=max_q)
+    torch.cuda.synchronize()
+    assert res is out
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+def test_fa_whole_prompts(head_dim, group):
+    gen = _gen()
+    q, k, v, tables, sl, qsl = make_batch(EDGES, EDGES, 2, group, head_dim, gen)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    for max_q in (None, max(EDGES)):
+        out = run_fa(q, k, v, tables, sl, qsl, scale, max_q)
+        check(out, ref, EDGES, qsl.tolist(), f"fa d={head_dim} g={group} max_q={max_q}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fa_chunked(head_dim, group):
+    gen = _gen()
+    seq_lens = [s for s, _ in CHUNKED] + [4097, 65]
+    q_lens = [ql for _, ql in CHUNKED] + [4097, 3]
+    q, k, v, tables, sl, qsl = make_batch(seq_lens, q_lens, 2, group, head_dim, gen)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    out = run_fa(q, k, v, tables, sl, qsl, scale, max(q_lens))
+    check(out, ref, seq_lens, qsl.tolist(), f"fa chunked d={head_dim} g={group}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa_large_group(head_dim):
+    """64 query heads per KV head: one token a block, every row of the block one head."""
+    gen = _gen()
+    lens = [1, 33, 300]
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, 1, 64, head_dim, gen)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, head_dim**-0.5)
+    out = run_fa(q, k, v, tables, sl, qsl, head_dim**-0.5)
+    check(out, ref, lens, qsl.tolist(), f"fa g=64 d={head_dim}")
+
+
+def test_fa_serving_step_llama8b():
+    """A serving prefill step: 8 x 1024 tokens, 32 query heads over 8 KV heads, head dim 128."""
+    gen = _gen()
+    lens = [1024] * 8
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, 8, 4, 128, gen)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, 128**-0.5)
+    out = run_fa(q, k, v, tables, sl, qsl, 128**-0.5, 1024)
+    check(out, ref, lens, qsl.tolist(), "fa 8x1024 llama-3-8b heads")
+
+
+def test_fa_lazy_rescale_growing_scores():
+    """Scores that grow along the keys (q and k aligned, k scaled up with position), so a row's
+    max moves past the lazy threshold many times, mixed with a large attention sink at key 0
+    for another sequence: the rescale path and the stale-max path both run."""
+    gen = _gen()
+    d, group, kvh = 128, 4, 2
+    lens = [3000, 700]
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, kvh, group, d, gen)
+    direction = torch.randn(d, generator=gen, device="cuda")
+    direction /= direction.norm()
+    q[:] = (q.float() * 0.2 + 3.0 * direction).half()
+    # Sequence 0: the key at position p gets p / 20 along the direction, so scores grow by
+    # ~57 log2 units over the prompt (several lazy rescales); sequence 1: key 0 is a sink
+    # (~23 log2 units above the rest for every query: the reference max stays put).
+    for b, n in enumerate(lens):
+        for p in range(n if b == 0 else 1):
+            blk, slot = int(tables[b, p // 16]), p % 16
+            boost = p / 20.0 if b == 0 else 60.0
+            k[blk, :, slot] = (k[blk, :, slot].float() * 0.2 + boost * direction).half()
+    scale = d**-0.5
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    out = run_fa(q, k, v, tables, sl, qsl, scale)
+    check(out, ref, lens, qsl.tolist(), "fa growing scores / sink")
+
+
+@pytest.mark.parametrize(
+    "prompt,head_dim,group", [(16384 + 37, 128, 4), (32768, 128, 4), (16384, 64, 8)]
+)
+def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
+    """One long prompt against SDPA in fp32 on the gathered K/V (causal from the top left,
+    which is this layout's meaning when q_len == seq_len)."""
+    from voltserve.kernels.attention_ref import gather_kv
+
+    gen = _gen()
+    kvh = 1
+    q, k, v, tables, sl, qsl = make_batch([prompt], [prompt], kvh, group, head_dim, gen)
+    scale = head_dim**-0.5
+    out = run_fa(q, k, v, tables, sl, qsl, scale)
+    kk = gather_kv(k, tables[0], prompt).float().repeat_interleave(group, dim=1)
+    vv = gather_kv(v, tables[0], prompt).float().repeat_interleave(group, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        kk.transpose(0, 1)[None],
+        vv.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+    )[0].transpose(0, 1)
+    check(out, ref, [prompt], qsl.tolist(), f"fa P={prompt} d={head_dim} g={group}")
+
+
+def test_fa_matches_tc_kernel_and_impl_switch():
+    """The two tensor-core implementations agree through paged_attention_prefill(impl=...)."""
+    from voltserve.kernels.prefill_attention_fa import paged_attention_prefill
+
+    gen = _gen()
+    lens = [777, 64, 5]
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, 2, 4, 128, gen)
+    outs = {}
+    for impl in ("tc", "fa"):
+        outs[impl] = torch.full_like(q, float("nan"))
+        paged_attention_prefill(q, k, v, tables, sl, qsl, 128**-0.5, outs[impl], impl=impl)
+    torch.cuda.synchronize()
+    check(outs["fa"], outs["tc"], lens, qsl.tolist(), "fa vs tc")
+    with pytest.raises(ValueError, match="impl"):
+        paged_attention_prefill(q, k, v, tables, sl, qsl, 0.1, impl="nope")
+
+
+def test_fa_rejects_unsupported_shapes():
+    from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+
+    q = torch.zeros((4, 2, 96), dtype=torch.float16, device="cuda")
+    cache = torch.zeros((2, 2, 16, 96), dtype=torch.float16, device="cuda")
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 4]).int().cuda()
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_fa_cuda(q, cache, cache, one.view(1, 1), one * 4, qsl, 0.1)
+    q = torch.zeros((4, 130, 64), dtype=torch.float16, device="cuda")
+    cache = torch.zeros((2, 2, 16, 64), dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="group"):
+        paged_attention_fa_cuda(q, cache, cache, one.view(1, 1), one * 4, qsl, 0.1)
