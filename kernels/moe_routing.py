@@ -77,10 +77,25 @@ def moe_align_ref(
 
 
 # ---------------------------------------------------------------------------------------------
-# numba.cuda: the router's softmax, top-k and normalisation in one launch (one warp per token).
-# The router's linear runs before it (ops.gemv at decode). Exact ties go to the lowest expert
-# index: torch.topk has no fixed order for ties (CPU and CUDA differ), so this is the one place
-# the kernel and the reference may choose differently, and only between equal probabilities.
+# numba.cuda: the router's softmax, top-k and normalisation in one launch, one warp per token,
+# TOPK_WARPS tokens per block, no block barrier and no shared memory. The router's linear runs
+# before it (ops.gemv at decode).
+#
+# Lane l holds the contiguous experts l * S .. l * S + S - 1 (S = ceil(E / 32) <= SLOTS) in
+# registers: the slots are a local array indexed only by loop counters of constant trip count,
+# which NVVM unrolls, so it never reaches local memory (a runtime index would put it there).
+# Slots past E (and past S) hold -inf. Softmax: a butterfly max and a butterfly sum (every lane
+# ends with the same fp32 sum: each step adds the same two values), then p = exp(x - max) / sum.
+# Each of the k rounds: every lane's best slot (the lowest of its equal slots), the warp's max of
+# those (5 shuffles), and the lowest lane holding it (one ballot).
+# Since lanes own ascending runs of experts, the lowest such lane holds the lowest expert index
+# of all equal probabilities: exact ties go to the lowest index. torch.topk leaves the order of
+# ties open (CPU and CUDA differ), so that is the one place the kernel and the reference may
+# choose differently, and only between equal probabilities. The winning lane writes the id and
+# marks its slot taken (-1: probabilities are >= 0); lane r keeps round r's probability and, after
+# the k rounds, writes its weight (divided by the k probabilities' sum, added in rank order, when
+# renormalising).
+#
 # VOLTSERVE_MOE_TOPK=0 keeps torch.topk (the reference) on CUDA too.
 
 import math  # noqa: E402
@@ -88,10 +103,9 @@ import math  # noqa: E402
 from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
+    FULL_MASK,
     NEG_INF,
-    block_argmax,
-    block_max,
-    block_sum,
+    SIM,
     current_stream,
     dev,
     float32,
@@ -100,74 +114,184 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     round_like,
 )
 
-# One warp per token: at decode the kernel is latency-bound (k passes of a block argmax), and a
-# one-warp block's barriers are nearly free; 1024 experts are 32 per lane per pass.
-TOPK_THREADS = 32
-MAX_EXPERTS = 1024
-MAX_TOP_K = 32
+# Tokens (warps) per block. A token's work is one warp's latency chain, so decode batches gain
+# nothing from one-warp blocks; four-warp blocks let a prefill of thousands of rows fit in one
+# wave (a multiprocessor holds at most 32 blocks but 64 warps), and a decode step of T <= 4 is
+# still one block.
+TOPK_WARPS = 4
+TOPK_THREADS = 32 * TOPK_WARPS
+# Experts per lane: E <= 256 (wider routers go to the reference, torch ops, also capturable).
+# The kernel's per-round scan is written out for exactly 8 slots.
+SLOTS = 8
+MAX_EXPERTS = 32 * SLOTS
+MAX_TOP_K = 32  # lane r keeps round r's probability
+
+
+def topk_grid(num_tokens: int) -> int:
+    """Blocks of the top-k launch for num_tokens rows (fixed by T: graph-capturable)."""
+    return (num_tokens + TOPK_WARPS - 1) // TOPK_WARPS
+
+
+if SIM:
+    # The simulator has no warp primitives. Each helper is one exchange through the block's
+    # shared state between two barriers (every live lane of the block calls it the same number of
+    # times: the count depends on k alone, and a warp past the last token returns before the
+    # first), and then computes what the GPU body computes: the same butterfly order for the sum.
+    import threading
+
+    import numpy as np
+
+    def _warp_values(v):
+        th = threading.current_thread()
+        slots = th._manager.__dict__.setdefault("_voltserve_topk", {})
+        tid = th.thread_id
+        slots[tid] = v
+        th.syncthreads()
+        base = tid & ~31
+        vals = [slots[base + lane] for lane in range(32)]
+        th.syncthreads()
+        return vals, tid & 31
+
+    def _warp_max(v):
+        vals, _ = _warp_values(v)
+        best = vals[0]
+        for o in vals:
+            if o > best:
+                best = o
+        return float32(best)
+
+    def _warp_sum(v):
+        vals, lane = _warp_values(v)
+        a = np.array(vals, dtype=np.float32)
+        for off in (16, 8, 4, 2, 1):
+            a = a + a[np.arange(32) ^ off]
+        return a[lane]
+
+    def _warp_best(v):
+        vals, _ = _warp_values(v)
+        best = vals[0]
+        for o in vals:
+            if o > best:
+                best = o
+        for lane in range(32):
+            if vals[lane] == best:
+                return float32(best), lane
+        return float32(best), -1
+
+else:
+    from voltserve.kernels.attention_common import shfl_xor
+
+    @cuda.jit(device=True, inline="always")
+    def _warp_max(v):
+        """The warp's max of v (never NaN here: v is -inf or a probability)."""
+        off = 16
+        while off > 0:
+            o = shfl_xor(v, off)
+            if o > v:
+                v = o
+            off >>= 1
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def _warp_sum(v):
+        off = 16
+        while off > 0:
+            v += shfl_xor(v, off)
+            off >>= 1
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def _warp_best(v):
+        """(the warp's max of v, the lowest lane holding it): a butterfly, then one ballot."""
+        best = _warp_max(v)
+        return best, cuda.ffs(cuda.ballot_sync(FULL_MASK, v == best)) - 1
+
+
+def _pick(a, ma, b, mb):
+    """(value, one-hot slot mask) of the larger of two slots; b only when strictly larger, so
+    of equal values the lower slot (the left operand) stays."""
+    if b > a:
+        return b, mb
+    return a, ma
+
+
+if not SIM:  # the simulator calls it as plain Python (its device-function calls are slow)
+    _pick = cuda.jit(device=True, inline="always")(_pick)
 
 
 @cached
 @cuda.jit
 def moe_topk_kernel(logits, weights, ids, renormalize, round_weights):
     # logits [T, E], weights [T, k] fp32, ids [T, k] int32
-    t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    bd = cuda.blockDim.x
+    lane = cuda.threadIdx.x & 31
+    t = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
+    if t >= logits.shape[0]:
+        return  # a whole warp: no lane of a live warp misses a shuffle
     E = logits.shape[1]
     k = ids.shape[1]
-    p = cuda.shared.array(MAX_EXPERTS, float32)
-    sel_v = cuda.shared.array(MAX_TOP_K, float32)
-    sel_i = cuda.shared.array(MAX_TOP_K, int32)
-    sf = cuda.shared.array(32, float32)
-    si = cuda.shared.array(32, int32)
-    m = NEG_INF
-    e = tid
-    while e < E:
+    S = (E + 31) >> 5
+    base = lane * S
+    p = cuda.local.array(SLOTS, float32)
+    for j in range(SLOTS):
+        # Every lane loads all SLOTS (clamped into the row, the same few cache lines) and masks
+        # afterwards: a load under a branch is followed by its conversion in the same block, so
+        # the loads would wait for each other, one memory latency per slot.
+        e = base + j
+        if e > E - 1:
+            e = E - 1
         v = float32(logits[t, e])
-        p[e] = v
-        if v > m:
-            m = v
-        e += bd
-    m = block_max(m, sf)
+        p[j] = v if j < S and base + j < E else NEG_INF
+    m = NEG_INF
+    for j in range(SLOTS):
+        if p[j] > m:
+            m = p[j]
+    m = _warp_max(m)
     z = float32(0.0)
-    e = tid
-    while e < E:
-        ex = float32(math.exp(p[e] - m))
-        p[e] = ex
-        z += ex
-        e += bd
-    z = block_sum(z, sf)
-    e = tid
-    while e < E:
-        p[e] = p[e] / z
-        e += bd
-    cuda.syncthreads()
+    for j in range(SLOTS):
+        if j < S and base + j < E:
+            ex = float32(math.exp(p[j] - m))
+            p[j] = ex
+            z += ex
+    z = _warp_sum(z)
+    for j in range(SLOTS):
+        if j < S and base + j < E:
+            q = p[j] / z
+            # A NaN or +inf logit makes the whole row NaN (as torch's softmax). Selected as 0,
+            # such a row still gets k distinct ids within 0..E-1 (the expert kernels index
+            # weights by them); its inputs, and so its output, are NaN anyway.
+            p[j] = q if q >= 0 else float32(0.0)
     total = float32(0.0)
-    for j in range(k):
-        bv = NEG_INF
-        bi = E
-        e = tid
-        while e < E:  # ascending e and a strict > keep the lowest index of a tie
-            if p[e] > bv:
-                bv = p[e]
-                bi = e
-            e += bd
-        bv, bi = block_argmax(bv, bi, sf, si)
-        total += bv
-        if tid == 0:
-            sel_v[j] = bv
-            sel_i[j] = bi
-            p[bi] = float32(-1.0)  # taken (probabilities are >= 0)
-        cuda.syncthreads()
-    if tid < k:
-        w = sel_v[tid]
+    mine = float32(0.0)
+    for r in range(k):
+        # The lane's best slot: a tree over the 8 slots (depth 3, not a chain of 8), equal values
+        # to the lower slot. The slot is carried as a one-hot mask, so marking it below is eight
+        # independent selects (carried as an index j, LLVM folds those into one store at p[j],
+        # a runtime index, and the slots go to local memory).
+        v0, m0 = _pick(p[0], int32(1), p[1], int32(2))
+        v1, m1 = _pick(p[2], int32(4), p[3], int32(8))
+        v2, m2 = _pick(p[4], int32(16), p[5], int32(32))
+        v3, m3 = _pick(p[6], int32(64), p[7], int32(128))
+        v0, m0 = _pick(v0, m0, v1, m1)
+        v2, m2 = _pick(v2, m2, v3, m3)
+        bv, bm = _pick(v0, m0, v2, m2)
+        best, winner = _warp_best(bv)
+        # best >= 0 (k <= E leaves an untaken probability every round) and some lane holds it
+        # exactly (a max returns one of its inputs), so exactly one lane wins, at a real slot.
+        if lane == winner:
+            ids[t, r] = base + cuda.ffs(bm) - 1
+            for j in range(SLOTS):
+                if bm & (int32(1) << int32(j)):
+                    p[j] = float32(-1.0)  # taken (probabilities are >= 0)
+        if lane == r:
+            mine = best
+        total += best
+    if lane < k:
+        w = mine
         if renormalize:
             w = w / total
         if round_weights:
             w = round_like(w, logits)
-        weights[t, tid] = w
-        ids[t, tid] = sel_i[tid]
+        weights[t, lane] = w
 
 
 moe_topk_cuda_dtypes = (torch.float16, torch.float32)
@@ -199,7 +323,7 @@ def moe_topk_cuda(
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     launch(
         moe_topk_kernel,
-        T,
+        topk_grid(T),
         TOPK_THREADS,
         (dev(x), dev(weights), dev(ids), bool(renormalize), round_weights),
         current_stream(),
@@ -207,4 +331,11 @@ def moe_topk_cuda(
     return weights, ids
 
 
-__all__ = ["moe_topk_ref", "moe_topk_cuda", "moe_align_ref", "max_tiles", "moe_topk_kernel"]
+__all__ = [
+    "moe_topk_ref",
+    "moe_topk_cuda",
+    "moe_align_ref",
+    "max_tiles",
+    "moe_topk_kernel",
+    "topk_grid",
+]

@@ -280,7 +280,7 @@ KERNELS += [
     ),
 ]
 
-# moe_routing.py: the router's softmax + top-k + normalisation, one block per token. Arguments:
+# moe_routing.py: the router's softmax + top-k + normalisation, one warp per token. Arguments:
 # logits [T, E], weights [T, k] fp32, ids [T, k] int32, renormalize, round_weights.
 KERNELS += [
     KernelSpec(

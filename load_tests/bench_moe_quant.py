@@ -11,6 +11,12 @@ read mostly different experts and the routed weights stream from HBM, not L2), t
 events, median of 7.
 
     python load_tests/bench_moe_quant.py --out bench_moe_quant.json [--tokens 1,2,4,8]
+
+--topk times the router's top-k instead (kernels/moe_routing.py moe_topk_cuda: softmax, top-k,
+normalisation in one launch) at each family's router shape, us per call from CUDA-graph replays
+of back-to-back calls on the same logits (they stay in L2, as the router GEMV leaves them):
+
+    python load_tests/bench_moe_quant.py --topk --topk-tokens 1,256 --out bench_moe_topk.json
 """
 
 # Every lambda below is timed (called) before its loop variables change:
@@ -64,12 +70,47 @@ def expert_bytes(w13, w2) -> float:
     return (nbytes(w13) + nbytes(w2)) / E
 
 
+# family -> (experts, top_k, renormalise, weights in the activation dtype), as models/moe.py
+TOPK_ROUTERS = {
+    "qwen3-moe": (128, 8, True, True),
+    "qwen2-moe": (60, 4, False, True),
+    "mixtral": (8, 2, True, False),
+}
+
+
+def bench_topk(tokens: list[int], seed: int) -> list[dict]:
+    from voltserve.kernels.moe_routing import moe_topk_cuda, moe_topk_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    for family, (e, k, renorm, in_dtype) in TOPK_ROUTERS.items():
+        wd = torch.float16 if in_dtype else torch.float32
+        for T in tokens:
+            logits = (torch.randn(T, e, device="cuda", generator=gen) * 2).half()
+            w, _ = moe_topk_cuda(logits, k, renorm, wd)
+            torch.testing.assert_close(
+                w, moe_topk_ref(logits, k, renorm, wd)[0], atol=1e-3, rtol=1e-3
+            )
+            t = time_graph(lambda: moe_topk_cuda(logits, k, renorm, wd), iters=200, repeats=7)
+            row = {"family": family, "experts": e, "top_k": k, "tokens": T, "us_per_call": t * 1e6}
+            rows.append(row)
+            print(f"top-k {family} (E={e}, k={k}) T={T}: {t * 1e6:.2f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results file")
+    p.add_argument("--topk", action="store_true", help="time the router top-k only (see above)")
+    p.add_argument("--topk-tokens", default="1,256", help="token counts of --topk")
     args = p.parse_args(argv)
+    if args.topk:
+        tokens = [int(t) for t in args.topk_tokens.split(",") if t]
+        rows = bench_topk(tokens, args.seed)
+        write_json(args.out, {"env": env_info("cuda"), "dtype": "float16", "topk": rows})
+        return
     from voltserve.kernels import moe_quant_decode as mq
     from voltserve.kernels.moe_decode import moe_decode
     from voltserve.kernels.moe_experts import moe_experts_ref
