@@ -855,7 +855,22 @@ def launch_config(
 ) -> tuple[DecodeConfig, int]:
     """(config, partitions) of a launch: the partition from default_partition unless given,
     the online core for latency-bound grids unless `online` says (see _narrow_online for head
-    groups too wide for it). Depends only on bounds fixed at capture."""
+    groups too wide for it). Depends only on bounds fixed at capture.
+
+    Under a long bound (a server's max_model_len: 8K for Llama-3) the uncapped choice is many
+    short partitions: at batch 1 the Llama-3-8B shape took 128 partitions of 64 tokens, too many
+    blocks for the online core, so the block core ran plus the merge kernel's launch: 18.4 /
+    21.7 us a layer at 544 / 1056-token contexts under an 8x bound, against 12.5 / 15.4 us for
+    the online core with its in-kernel merge under the exact bound (H200, 9433669). So where
+    capping the grid at MERGE_MAX_PARTITIONS gives the online core a grid (latency-bound), the
+    cap is taken, and the online core spreads each sequence's own KV blocks over those
+    partitions at run time (dynamic_partitions)."""
+    if partition_size is None and max_partitions is None and online is not False:
+        capped = launch_config(
+            H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, online
+        )
+        if capped[0].online and capped[1] > 1:
+            return capped
     part = partition_size
     if part is None:
         part = default_partition(H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads)

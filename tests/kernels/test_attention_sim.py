@@ -332,3 +332,28 @@ def test_launch_config_narrows_wide_groups_for_the_online_core():
     # An explicit choice is kept.
     cfg, _ = launch_config(32, 4, 128, 1, 592, sms, online=False)
     assert (cfg.online, cfg.group) == (False, 8)
+
+
+def test_launch_config_caps_long_bounds_for_the_online_core():
+    """A server's bound (max_model_len 8K, 32K) at batch 1: capped at the in-kernel merge's 32
+    partitions, which the online core takes (dynamic partitions spread the context); uncapped it
+    was 128 partitions of 64 tokens on the block core plus the merge kernel. Where even 32
+    partitions are too many blocks (batch 8, Llama-3-8B), the block core's choice stands."""
+    from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS, launch_config
+
+    sms = 132
+    for bound in (4352, 8192, 32768):
+        cfg, n = launch_config(32, 8, 128, 1, bound, sms)  # Llama-3-8B
+        assert cfg.online and 1 < n <= MERGE_MAX_PARTITIONS, (bound, cfg, n)
+        cfg, n = launch_config(32, 4, 128, 1, bound, sms)  # Qwen3-30B-A3B: narrowed group
+        assert cfg.online and cfg.split == 2 and n <= MERGE_MAX_PARTITIONS, (bound, cfg, n)
+        cfg, n = launch_config(14, 2, 64, 4, bound, sms)  # Qwen2.5-0.5B, batch 4
+        assert cfg.online and n <= MERGE_MAX_PARTITIONS, (bound, cfg, n)
+    assert launch_config(32, 8, 128, 1, 8192, sms)[0].partition == 256
+    cfg, n = launch_config(32, 8, 128, 8, 8192, sms)
+    assert not cfg.online and n == 8
+    # A short bound is unchanged (the uncapped choice already fits the online core).
+    assert launch_config(32, 8, 128, 1, 784, sms)[1] == 13
+    # An explicit partition or core is kept.
+    assert launch_config(32, 8, 128, 1, 8192, sms, partition_size=64)[1] == 128
+    assert not launch_config(32, 8, 128, 1, 8192, sms, online=False)[0].online
