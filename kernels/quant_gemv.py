@@ -14,8 +14,8 @@ per weight. It follows gemv.py's structure:
   warp's R rows;
 - lane partial sums are reduced with warp shuffles; lane i writes output i with one rounding.
 
-Split-K (the tile's KS, `tiling`; KS = 1, no split, is the default until a GPU run measures the
-others): the KS warps of a block (KS in 1, 2, 4 of its 4) own the same R rows, warp p walking
+Split-K (the tile's KS, `tiling`; the int4 default at one row is KS = 2, SPLIT_K_M1, measured;
+elsewhere KS = 1, no split): the KS warps of a block (KS in 1, 2, 4 of its 4) own the same R rows, warp p walking
 the p-th 1/KS share of the code words, cut at whole warp chunks (128 words, every lane one
 16-byte chunk) so that the (scale, offset) lookups, indexed by the global word, are unchanged,
 and the share's end takes the guards of the weight's end (`_split_k_range`). After the loop
@@ -137,6 +137,13 @@ WEIGHT, FACTORED, HALF2 = "weight", "factored", "half2"
 FORMS = (WEIGHT, FACTORED, HALF2)
 # Split-K: warps of a block on the same rows, each over a 1/KS share of K (`_split_k_range`).
 KS_CHOICES = (1, 2, 4)
+# The int4 default at one row (plain and gate_up): two warps of a block on 4 rows, each half of
+# K, one chunk per lane per step. Measured at ccb77c3 on an H200 (bench_quant_linear --tiles,
+# Llama-3-8B, int4 g128, half2; us, against the (4, 2) / gate_up (4, 1) default then): o 5.6
+# vs 7.4, down 13.4 vs 20.2, gate_up 24.4 vs 26.6, qkv (plain) 8.2 vs 8.4. KS = 4 lost on every
+# shape (o 6.8, down 14.0, gate_up 27.9): a quarter of K is too short a walk for its warps.
+# Rows 2-8, int8 and qkv_rope (2, 2) keep KS = 1: not measured.
+SPLIT_K_M1 = (4, 1, 2)
 
 
 def variant_for(m: int) -> int:
@@ -161,9 +168,9 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
 
     Split-K (KS, the tile's optional third entry, `tiling`): KS warps of a block own the same
     rows, each walking a 1/KS share of K, their lane sums added through shared memory before
-    the epilogue. The default stays KS = 1 (these (R, U) alone); KS > 1: to be measured (the
-    short int4 linears are latency-bound: down has ~8 warps an SM, each 14 serial warp chunks
-    of its rows)."""
+    the epilogue. `tiling` takes (4, 1, 2) for int4 plain and gate_up at one row (SPLIT_K_M1,
+    measured: the short int4 linears are latency-bound, down has ~8 warps an SM at KS = 1, each
+    14 serial warp chunks of its rows), these (R, U) with KS = 1 elsewhere."""
     if kind == QKV_ROPE:
         return (2, 2)  # the rotary pair (dims j and j + D/2 of one head)
     if m == 8:
@@ -175,9 +182,13 @@ def tile_for(m: int, bits: int, kind: str = PLAIN) -> tuple[int, int]:
 
 def tiling(m: int, bits: int, kind: str = PLAIN, tile=None) -> tuple[int, int, int]:
     """(R, U, KS) of a launch: tile (R, U) or (R, U, KS) when given (benchmarks and tests),
-    else tile_for's (R, U) with KS = 1."""
+    else the default: int4 at one row, plain and gate_up, (4, 1, 2) (SPLIT_K_M1), otherwise
+    tile_for's (R, U) with KS = 1."""
     if tile is None:
-        return (*tile_for(variant_for(m), bits, kind), 1)
+        v = variant_for(m)
+        if v == 1 and bits == 4 and kind in (PLAIN, GATE_UP):
+            return SPLIT_K_M1
+        return (*tile_for(v, bits, kind), 1)
     if len(tile) == 2:
         return (*tile, 1)
     R, U, KS = tile

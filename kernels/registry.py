@@ -358,7 +358,7 @@ KERNELS += [
         "qgemv_int4_m2_half2",
         "qgemv_int4_m8_half2",
         "qgemv_gate_up_int4_m1_half2",
-        # Split-K over a block's 4 warps (KS = 4 of quant_gemv.tiling; not a default yet).
+        # Split-K over all 4 warps of a block (KS = 4; the one-row default above is KS = 2).
         "qgemv_int4_m1_half2_ks4",
         "qgemv_gate_up_int4_m1_half2_ks4",
     )

@@ -62,7 +62,7 @@ LLAMA_LAYERS, LLAMA_VOCAB = 32, 128256
 L2_BYTES = 64 << 20
 FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
 # --tiles at 1 row (quant_gemv.tiling): (R, U) at KS = 1, then split-K, KS warps of a block on
-# the same rows, each a 1/KS share of K (KS = 1 is the default until measured).
+# the same rows, each a 1/KS share of K (the int4 one-row default is (4, 1, 2): SPLIT_K_M1).
 TILES = ((1, 2), (1, 4), (1, 8), (2, 4)) + tuple(
     (R, U, KS) for R in (2, 4) for U in (1, 2) for KS in (1, 2, 4)
 )

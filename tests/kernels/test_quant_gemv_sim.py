@@ -35,12 +35,13 @@ def run(x, w, bias, kind=quant_gemv.PLAIN, form="weight", out_dtype=None):
     M = x.shape[0]
     cols = w.out_features // 2 if kind == quant_gemv.GATE_UP else w.out_features
     out = torch.full((M, cols), float("nan"), dtype=out_dtype or x.dtype)
-    R, _ = quant_gemv.tile_for(quant_gemv.variant_for(M), w.bits, kind)
+    R, U = quant_gemv.tile_for(quant_gemv.variant_for(M), w.bits, kind)
     warps = -(-cols // (R // 2)) if kind == quant_gemv.GATE_UP else -(-cols // R)
     b = bias if bias is not None else w.scales[:, 0].contiguous()
-    # One warp per block: the simulator's shuffle is exact only within a one-warp block.
+    # One warp per block: the simulator's shuffle is exact only within a one-warp block, so no
+    # split-K here (KS = 1 at the default's (R, U); the split-K tests cover KS 2 and 4).
     launch(
-        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, form=form),
+        quant_gemv.qgemv_kernel(M, w.bits, quant_gemv.is_split(w), kind, (R, U, 1), form),
         warps,
         32,
         (
@@ -553,11 +554,16 @@ def test_qgemv_qkv_rope_split_k(M):
 
 def test_split_k_host_rules():
     t = quant_gemv.tiling
-    assert t(1, 4) == (*quant_gemv.tile_for(1, 4), 1)  # the default: no split
+    assert t(1, 4) == quant_gemv.SPLIT_K_M1 == (4, 1, 2)  # int4, one row: measured default
+    assert t(1, 4, quant_gemv.GATE_UP) == quant_gemv.SPLIT_K_M1
+    assert t(2, 4) == (*quant_gemv.tile_for(2, 4), 1)  # no split elsewhere
+    assert t(1, 8) == (*quant_gemv.tile_for(1, 8), 1)
+    assert t(1, 4, quant_gemv.QKV_ROPE) == (2, 2, 1)
     assert t(1, 4, tile=(2, 2)) == (2, 2, 1) and t(1, 4, tile=(2, 2, 4)) == (2, 2, 4)
     with pytest.raises(ValueError, match="KS must be one of"):
         quant_gemv.qgemv_kernel(1, 4, tile=(4, 2, 3))
-    assert quant_gemv.qgemv_kernel(1, 4, tile=(4, 2, 1)) is quant_gemv.qgemv_kernel(1, 4)
+    assert quant_gemv.qgemv_kernel(1, 4, tile=(4, 1, 2)) is quant_gemv.qgemv_kernel(1, 4)
+    assert quant_gemv.qgemv_kernel(2, 4, tile=(4, 2, 1)) is quant_gemv.qgemv_kernel(2, 4)
     # A block: 4 warps = 4 / KS groups of R rows (gate_up R / 2 columns, qkv_rope one pair).
     assert quant_gemv.grid_for(1, 4096, 4, tile=(4, 2, 1)) == 4096 // 16
     assert quant_gemv.grid_for(1, 4096, 4, tile=(4, 2, 2)) == 4096 // 8
