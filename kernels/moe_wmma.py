@@ -1,8 +1,9 @@
 """Grouped MoE expert GEMMs on Volta tensor cores (fp16 experts; the default, VOLTSERVE_MOE_WMMA=0
 leaves it), for batched decode and prefill. Same grouping and meaning as moe_grouped.py (the SIMT
 kernels, fp32 and the comparison); the products run as wmma m16n16k16 (f16 in, f32
-accumulate) through the inline-PTX device function vs_moe_tile16x64 of wmma_ptx.cu, linked as
-prefill_attention_tc.py links its tiles.
+accumulate) through the inline-PTX device function vs_moe_tile16x64 of wmma_ptx.cu, linked as a
+C function (cuda.declare_device(..., abi="c"); wmma_ptx.py's building block kernel is the
+smallest such link).
 
 - The pairs' rows of x are gathered into expert order first (x_sorted, one torch index_select:
   no host sync), so every A tile is 16 consecutive rows that wmma loads straight from global

@@ -195,36 +195,28 @@ KERNELS += [
     for name in ("prefill_kernel_d128_g4", "prefill_kernel_d64_g7", "prefill_kernel_d256_g1")
 ]
 
-# prefill_attention_tc.py: tensor-core (wmma, linked wmma_ptx.cu) prefill, per-shape kernels from
-# prefill_tc_kernel(); representative instances. Arguments: flat out, flat q, flat k/v caches,
-# block_tables, seq_lens, query_start_loc, scale, num_kv_heads. The single-tile kernel too.
-_PREFILL_TC_SIG = (
+# prefill_attention_fa.py: the flash prefill (the whole key loop in linked prefill_attention_fa.cu,
+# what the engine runs for head dims 64 and 128), one kernel per head dim. Arguments: flat out,
+# flat q, flat k/v caches, block_tables, seq_lens, query_start_loc, scale, num_kv_heads, group
+# (query heads per KV head). check-kernels links without LTO, so the C function is an ABI call
+# there (see the module).
+_PREFILL_FA_SIG = (
     "void(float16[::1], float16[::1], float16[::1], float16[::1], int32[:, ::1], int32[::1],"
-    " int32[::1], float64, int64)"
+    " int32[::1], float64, int64, int64)"
 )
-KERNELS += [
-    KernelSpec("prefill_attention_tc", name, (_PREFILL_TC_SIG,))
-    for name in (
-        "prefill_tc_kernel_d128_g4",
-        "prefill_tc_kernel_d64_g7",
-        "prefill_tc_kernel_d128_g1",
-    )
-]
-KERNELS += [
-    KernelSpec(
-        "prefill_attention_tc",
-        "wmma_gemm16_kernel",
-        ("void(float32[::1], float16[::1], float16[::1], int32, int32)",),
-    ),
-]
-
-# prefill_attention_fa.py: the flash prefill (the whole key loop in linked prefill_attention_fa.cu),
-# one kernel per head dim. Arguments: prefill_attention_tc's, then the group (query heads per KV
-# head). check-kernels links without LTO, so the C function is an ABI call there (see the module).
-_PREFILL_FA_SIG = _PREFILL_TC_SIG[:-1] + ", int64)"
 KERNELS += [
     KernelSpec("prefill_attention_fa", name, (_PREFILL_FA_SIG,))
     for name in ("prefill_fa_kernel_d128", "prefill_fa_kernel_d64")
+]
+
+# wmma_ptx.py: the single-tile building block of wmma_ptx.cu (one warp's 16 x 16 product through
+# the linked vs_wmma_gemm16). Arguments: d [256] f32, a and b flat f16, k, b_col.
+KERNELS += [
+    KernelSpec(
+        "wmma_ptx",
+        "wmma_gemm16_kernel",
+        ("void(float32[::1], float16[::1], float16[::1], int32, int32)",),
+    ),
 ]
 
 # gemv.py: skinny decode matrix products, one kernel per M (gemv_kernel(M)); representative
@@ -246,6 +238,26 @@ KERNELS += [
         "gemv", name, ("void(float16[:, :], float16[:, :], float16[::1], float16[:, :], boolean)",)
     )
     for name in ("gemv_gate_up_kernel_m1", "gemv_gate_up_kernel_m2", "gemv_gate_up_kernel_m8")
+]
+
+# The gemv add_norm variants (gemv_kernel(M, ADD_NORM)): the plain arguments, then the
+# residual [M, N], the norm weight [N], eps and the int32 arrival counter [1]; the last block
+# runs residual += y, y = rms_norm(residual) * weight.
+KERNELS += [
+    KernelSpec(
+        "gemv",
+        name,
+        _both(
+            "void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, :], boolean, {t}[:, :], {t}[::1], "
+            "float32, int32[::1])"
+        ),
+    )
+    for name in (
+        "gemv_add_norm_kernel_m1",
+        "gemv_add_norm_kernel_m2",
+        "gemv_add_norm_kernel_m4",
+        "gemv_add_norm_kernel_m8",
+    )
 ]
 
 # gemv_qkv_rope.py (gemv_kernel(M, QKV_ROPE)): the gemv arguments, then positions [M] int64, the

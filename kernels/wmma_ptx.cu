@@ -11,10 +11,7 @@
 // global or local memory all work); a tile's first element must be 32-byte aligned and leading
 // dimensions are in elements, a multiple of 8 for f16 and of 4 for f32.
 //
-// Fragment layouts are opaque. Where a function must know which row a lane's accumulator element
-// belongs to (per-row scaling in the online softmax), it loads that from `rowmap`, a 16 x 16 f32
-// tile in shared memory whose element (r, c) holds r: a wmma.load.c of it gives, in each
-// register, the row of the matching accumulator element, on any architecture.
+// Fragment layouts are opaque: the functions only move fragments between wmma instructions.
 //
 // f16 data is passed as unsigned short (raw bits), so no cuda_fp16.h is needed. The extern "C"
 // functions return int 0: numba lowers a void C-ABI declaration with a 64-bit return slot, so
@@ -52,15 +49,6 @@ __device__ __forceinline__ void load_b_row(FragAB& f, const f16_t* p, unsigned l
       "wmma.load.b.sync.aligned.row.m16n16k16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
       : "=r"(f.x[0]), "=r"(f.x[1]), "=r"(f.x[2]), "=r"(f.x[3]), "=r"(f.x[4]), "=r"(f.x[5]),
         "=r"(f.x[6]), "=r"(f.x[7])
-      : "l"(p), "r"(ld)
-      : "memory");
-}
-
-__device__ __forceinline__ void load_c_row(FragC& f, const float* p, unsigned ld) {
-  asm volatile(
-      "wmma.load.c.sync.aligned.row.m16n16k16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
-      : "=f"(f.x[0]), "=f"(f.x[1]), "=f"(f.x[2]), "=f"(f.x[3]), "=f"(f.x[4]), "=f"(f.x[5]),
-        "=f"(f.x[6]), "=f"(f.x[7])
       : "l"(p), "r"(ld)
       : "memory");
 }
@@ -126,113 +114,6 @@ extern "C" __device__ int vs_wmma_gemm16(float* d, const f16_t* a, const f16_t* 
     }
   }
   store_d_row(d, c, 16);
-  return 0;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Flash-attention pieces for one warp's 16 query rows (prefill_attention_tc.py).
-
-// s[16, N] (f32, ld lds) = q[16, D] (f16, row-major, ld ldq) * k[N, D]^T (k row-major, ld ldk).
-// The N/16 accumulators stay in registers while the D/16 steps stream A and B fragments.
-template <int D, int N>
-__device__ __forceinline__ void attn_scores(float* s, int lds, const f16_t* q, int ldq,
-                                            const f16_t* k, int ldk) {
-  constexpr int NJ = N / 16;
-  FragC c[NJ];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) zero(c[j]);
-#pragma unroll
-  for (int kk = 0; kk < D; kk += 16) {
-    FragAB a;
-    load_a_row(a, q + kk, ldq);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      FragAB b;
-      load_b_col(b, k + j * 16 * ldk + kk, ldk);  // k^T is column-major with the same ld
-      mma_rc(c[j], a, b);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) store_d_row(s + j * 16, c[j], lds);
-}
-
-// acc (this lane's D/16 accumulator fragments, 8 floats each, in a per-thread array) =
-// acc * alpha[row] + p[16, N] (f16, row-major, ld ldp) * v[N, D] (f16, row-major, ld ldv).
-// Output columns go in chunks of 64 so that few accumulators are live at once.
-template <int D, int N>
-__device__ __forceinline__ void attn_pv(float* acc, const f16_t* p, int ldp, const f16_t* v,
-                                        int ldv, const float* rowmap, const float* alpha) {
-  constexpr int NT = D / 16;
-  constexpr int CH = NT < 4 ? NT : 4;
-  FragC rows;
-  load_c_row(rows, rowmap, 16);
-  float al[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) al[i] = alpha[(int)rows.x[i]];
-#pragma unroll
-  for (int j0 = 0; j0 < NT; j0 += CH) {
-    FragC o[CH];
-#pragma unroll
-    for (int j = 0; j < CH; ++j)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[j].x[i] = acc[(j0 + j) * 8 + i] * al[i];
-#pragma unroll
-    for (int kk = 0; kk < N; kk += 16) {
-      FragAB a;
-      load_a_row(a, p + kk, ldp);
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        FragAB b;
-        load_b_row(b, v + kk * ldv + (j0 + j) * 16, ldv);
-        mma_rr(o[j], a, b);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < CH; ++j)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[(j0 + j) * 8 + i] = o[j].x[i];
-  }
-}
-
-// Instances for head dims 64 and 128 with KV tiles of 32 keys (KV_TILE in the Python side).
-#define VS_KV_TILE 32
-
-extern "C" __device__ int vs_attn_scores_d64(float* s, int s_off, int lds, const f16_t* q,
-                                              int q_off, int ldq, const f16_t* k, int ldk) {
-  attn_scores<64, VS_KV_TILE>(s + s_off, lds, q + q_off, ldq, k, ldk);
-  return 0;
-}
-
-extern "C" __device__ int vs_attn_pv_d64(float* acc, const f16_t* p, int p_off, int ldp,
-                                          const f16_t* v, int ldv, const float* rowmap,
-                                          const float* alpha, int alpha_off) {
-  attn_pv<64, VS_KV_TILE>(acc, p + p_off, ldp, v, ldv, rowmap, alpha + alpha_off);
-  return 0;
-}
-
-extern "C" __device__ int vs_attn_scores_d128(float* s, int s_off, int lds, const f16_t* q,
-                                              int q_off, int ldq, const f16_t* k, int ldk) {
-  attn_scores<128, VS_KV_TILE>(s + s_off, lds, q + q_off, ldq, k, ldk);
-  return 0;
-}
-
-extern "C" __device__ int vs_attn_pv_d128(float* acc, const f16_t* p, int p_off, int ldp,
-                                          const f16_t* v, int ldv, const float* rowmap,
-                                          const float* alpha, int alpha_off) {
-  attn_pv<128, VS_KV_TILE>(acc, p + p_off, ldp, v, ldv, rowmap, alpha + alpha_off);
-  return 0;
-}
-
-// Stores accumulator fragment j (output columns 16j .. 16j+15), each row scaled by
-// row_scale[row], as a 16 x 16 f32 tile at stage + st_off (ld ld).
-extern "C" __device__ int vs_attn_store_tile(const float* acc, int j, float* stage, int st_off,
-                                              int ld, const float* rowmap,
-                                              const float* row_scale, int scale_off) {
-  FragC rows, c;
-  load_c_row(rows, rowmap, 16);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c.x[i] = acc[j * 8 + i] * row_scale[scale_off + (int)rows.x[i]];
-  store_d_row(stage + st_off, c, ld);
   return 0;
 }
 

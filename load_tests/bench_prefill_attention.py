@@ -1,12 +1,12 @@
-"""Prefill attention speed: the tensor-core kernel (kernels/prefill_attention_tc.py, wmma through
-linked PTX, `tensor_core`) and the flash kernel (kernels/prefill_attention_fa.py, the whole key
-loop in linked C++, `flash`) vs the CUDA-core numba kernel (kernels/prefill_attention.py) vs
-torch's scaled_dot_product_attention on contiguous tensors (whatever backend torch picks: flash
-or memory-efficient on SM80+, math or efficient on SM70).
+"""Prefill attention speed: the flash kernel (kernels/prefill_attention_fa.py, wmma with the whole
+key loop in linked C++, `flash`: what the engine runs for head dims 64 and 128) vs the CUDA-core
+numba kernel (kernels/prefill_attention.py, `numba_cuda_core`: the engine's fallback for other
+head dims) vs torch's scaled_dot_product_attention on contiguous tensors (`sdpa`: whatever
+backend torch picks, flash or memory-efficient on SM80+, math or efficient on SM70).
 
     python load_tests/bench_prefill_attention.py --out results/bench_prefill_attention.json
     python load_tests/bench_prefill_attention.py --prompts 1024,4096,16384,32768 --seqs 1,8 \
-        --kernels tensor_core,flash,sdpa --out bench_prefill_attention.json
+        --kernels flash,sdpa --out bench_prefill_attention.json
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), `seqs` sequences of P
 prompt tokens each (default 1024 and 4096), fp16, causal. Timing: CUDA events around each call,
@@ -14,7 +14,7 @@ warmup first, median of the repeats. TFLOP/s counts the causal work only: 2 matm
 H x D x P (P + 1) / 2 per sequence. Each kernel's output (a fresh NaN-filled buffer, so an
 unwritten element shows) is compared with SDPA's: max abs difference and relative norm, `ok`
 when within MAX_ABS_DIFF / MAX_REL_NORM and free of NaN; the exit status is 1 when any is not.
-`flash_speedup` in a run is tensor_core's time over flash's.
+`flash_speedup_over_cuda_core` in a run is numba_cuda_core's time over flash's.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BLOCK = 16
-KERNELS = ("tensor_core", "flash", "sdpa", "numba_cuda_core")
-# Agreement with SDPA (itself fp16 with fp32 sums: ~1e-3 from exact at worst): both kernels
+KERNELS = ("flash", "sdpa", "numba_cuda_core")
+# Agreement with SDPA (itself fp16 with fp32 sums: ~1e-3 from exact at worst): the kernels
 # measured 1e-3 to 2e-3 max abs difference; a wrong mask or rescale is off by O(1).
 MAX_ABS_DIFF = 1e-2
 MAX_REL_NORM = 3e-3
@@ -62,16 +62,12 @@ def bench(
     warmup: int,
     repeats: int,
     seqs: int = 1,
-    tc_registers: tuple[int | None, ...] = (),
     rounds: int = 1,
     kernels: tuple[str, ...] = KERNELS,
 ):
     """seqs sequences of `prompt` tokens each in one launch (a serving prefill step packs
-    8192 tokens: 8 x 1024); tc_registers: also time the tensor-core kernel under these
-    register caps (None: ptxas's choice), as rows tensor_core_r<cap>; rounds: times each kernel
-    that many times, all kernels in turn, and reports the median; kernels: which of KERNELS to
-    time (tensor_core_r<cap> rows come with tensor_core)."""
-    from voltserve.kernels.prefill_attention_fa import paged_attention_prefill
+    8192 tokens: 8 x 1024); rounds: times each kernel that many times, all kernels in turn, and
+    reports the median; kernels: which of KERNELS to time."""
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     per_seq = (prompt + BLOCK - 1) // BLOCK
@@ -115,34 +111,26 @@ def bench(
     ref = flat(sdpa()).float()
     rows = {}
 
-    def paged(impl, **kw):  # a paged kernel writing into `out` (its own buffer by default)
+    def paged(launcher):  # a paged kernel writing into `out` (its own buffer by default)
         def call(out=None):
             args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
-            return paged_attention_prefill(*args, max_query_len=prompt, impl=impl, **kw)
+            return launcher(*args, max_query_len=prompt)
 
         return functools.partial(call, out=torch.empty_like(q))
 
     fns = {}
-    if "tensor_core" in kernels:
-        fns["tensor_core"] = paged("tc")
-        for cap in tc_registers:
-            fns[f"tensor_core_r{cap or 'none'}"] = paged("tc", max_registers=cap)
     if "flash" in kernels:
-        fns["flash"] = paged("fa")
+        # The flash kernel itself (the engine's entry, paged_attention_cuda, would hand a head
+        # dim it does not cover to the CUDA-core kernel; this reports the error instead).
+        from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+
+        fns["flash"] = paged(paged_attention_fa_cuda)
     if "sdpa" in kernels:
         fns["sdpa"] = sdpa
     if "numba_cuda_core" in kernels:
-        try:
-            from voltserve.kernels.prefill_attention import paged_attention_cuda
+        from voltserve.kernels.prefill_attention import paged_attention_cuda
 
-            def plain(out=None):
-                out = torch.empty_like(q) if out is None else out
-                args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, out)
-                return paged_attention_cuda(*args, max_query_len=prompt)
-
-            fns["numba_cuda_core"] = functools.partial(plain, out=torch.empty_like(q))
-        except ImportError as e:  # the plain kernel's module is optional here
-            rows["numba_cuda_core"] = {"error": f"{type(e).__name__}: {e}"}
+        fns["numba_cuda_core"] = paged(paged_attention_cuda)
     kernels = fns
     # Rounds go over every kernel in turn, so a drift of the card (clocks under its power cap)
     # lands on all of them alike; each kernel reports the median of its rounds.
@@ -179,8 +167,8 @@ def bench(
             "ok": (not nan) and max_abs <= MAX_ABS_DIFF and rel <= MAX_REL_NORM,
         }
     speedup = None
-    if "ms" in rows.get("flash", {}) and "ms" in rows.get("tensor_core", {}):
-        speedup = rows["tensor_core"]["ms"] / rows["flash"]["ms"]
+    if "ms" in rows.get("flash", {}) and "ms" in rows.get("numba_cuda_core", {}):
+        speedup = rows["numba_cuda_core"]["ms"] / rows["flash"]["ms"]
     return {
         "sequences": seqs,
         "prompt_tokens": prompt,
@@ -188,7 +176,7 @@ def bench(
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "causal_flops": flops,
-        "flash_speedup": speedup,
+        "flash_speedup_over_cuda_core": speedup,
         "kernels": rows,
     }
 
@@ -211,11 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         "kernel built twice measured 20%% apart in one run on an H200)",
     )
     ap.add_argument(
-        "--tc-registers",
-        default="",
-        help="also time the tensor-core kernel at these register caps, e.g. none,128",
-    )
-    ap.add_argument(
         "--kernels",
         default=",".join(KERNELS),
         help=f"which kernels to time, comma-separated, of {','.join(KERNELS)} (default: all; "
@@ -236,11 +219,6 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(kernels) - set(KERNELS)
     if unknown:
         raise SystemExit(f"unknown --kernels {sorted(unknown)}; choose from {KERNELS}")
-    caps = tuple(
-        None if c.strip().lower() == "none" else int(c)
-        for c in args.tc_registers.split(",")
-        if c.strip()
-    )
     for n in (int(x) for x in args.seqs.split(",")):
         for p in (int(x) for x in args.prompts.split(",")):
             r = bench(
@@ -251,7 +229,6 @@ def main(argv: list[str] | None = None) -> None:
                 args.warmup,
                 args.repeats,
                 n,
-                caps,
                 args.rounds,
                 kernels,
             )
@@ -265,8 +242,9 @@ def main(argv: list[str] | None = None) -> None:
                         f"TFLOP/s max|diff| vs sdpa {row['max_abs_diff_vs_sdpa']:.2e} "
                         f"rel {row['rel_norm_vs_sdpa']:.2e}{'' if row['ok'] else '  MISMATCH'}"
                     )
-            if r["flash_speedup"] is not None:
-                print(f"{n}xP={p:<6} flash / tensor_core speedup {r['flash_speedup']:.2f}x")
+            speedup = r["flash_speedup_over_cuda_core"]
+            if speedup is not None:
+                print(f"{n}xP={p:<6} flash speedup over numba_cuda_core {speedup:.2f}x")
             # Incremental: a run cut short by a time limit keeps what it measured.
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=2))

@@ -56,7 +56,7 @@ logger = logging.getLogger("profile_serving_steps")
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemv", ("gemv",)),
     ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "sm70_", "ampere_", "volta_")),
-    ("prefill_attention", ("prefill", "attn_scores", "attn_pv")),
+    ("prefill_attention", ("prefill",)),
     ("decode_attention", ("decode",)),
     ("norm", ("rmsnorm", "norm")),
     ("rotary_kv", ("rotary", "rope", "cache")),

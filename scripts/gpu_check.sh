@@ -5,8 +5,8 @@
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
-# attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch
-# and register caps (PREFILL_REGS); `spec`: speculative decoding's GPU tests and benchmark;
+# attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch;
+# `spec`: speculative decoding's GPU tests and benchmark;
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
@@ -130,9 +130,9 @@ for stage in $STAGES; do
       ;;
     prefill)
       # Prefill attention alone at one 1024-token prompt and at a serving step's 8 x 1024 (the
-      # tensor-core kernel, also at each register cap in PREFILL_REGS, e.g. none,128; the
-      # CUDA-core kernel; SDPA), every kernel timed PREFILL_ROUNDS times in turn.
-      run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --prompts "${PREFILL_PROMPTS:-1024}" --seqs "${PREFILL_SEQS:-1,8}" --tc-registers "${PREFILL_REGS:-}" --rounds "${PREFILL_ROUNDS:-3}" --out "$OUT/bench_prefill_attention.json"
+      # flash kernel the engine runs, the CUDA-core kernel, SDPA), every kernel timed
+      # PREFILL_ROUNDS times in turn.
+      run bench_prefill_attention $PY load_tests/bench_prefill_attention.py --prompts "${PREFILL_PROMPTS:-1024}" --seqs "${PREFILL_SEQS:-1,8}" --rounds "${PREFILL_ROUNDS:-3}" --out "$OUT/bench_prefill_attention.json"
       ;;
     gemm)
       # cuBLAS alone on the Llama-3-8B linear shapes at decode and prefill row counts.

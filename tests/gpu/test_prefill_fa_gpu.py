@@ -1,17 +1,22 @@
-"""The flash prefill (kernels/prefill_attention_fa.py + prefill_attention_fa.cu) on a real GPU,
-against the fp32 reference (attention_ref.paged_attention_ref) on the same fp16 inputs, with the
-bound and the batch builder of test_prefill_tc_gpu.py: elementwise |out - ref| <= 2e-3 +
-5e-3 |ref| and ||out - ref|| / ||ref|| <= 2e-3 (P rounded to fp16 before P V, fp32 sums, an
-fp16 output: a correct kernel sits near 5e-4 relative; a wrong mask, row map or rescale is off
-by O(1)). Cache slots past each context hold NaN and outputs are NaN before the launch, so a
-stale read or an unwritten element fails.
+"""The flash prefill (kernels/prefill_attention_fa.py + prefill_attention_fa.cu, the engine's
+prefill attention for head dims 64 and 128) on a real GPU, against the fp32 reference
+(attention_ref.paged_attention_ref) on the same fp16 inputs.
+
+Error bound, elementwise: |out - ref| <= 2e-3 + 5e-3 |ref|, and overall ||out - ref|| / ||ref||
+<= 2e-3. Sources: P is rounded to fp16 before P V (2^-11 relative per weight; the normaliser
+sums the same rounded weights), accumulation is fp32, and the output is rounded to fp16 (2^-11
+relative): a correct kernel sits near 5e-4 relative; a wrong mask, row map or rescale is off by
+O(1). Inputs are N(0, 1); cache slots past each context hold NaN and outputs are NaN before the
+launch, so a stale read or an unwritten element fails.
 
 Cases: head dims 64 and 128; 1, 4, 7 (rows not a multiple of 16), 8 and 64 query heads per KV
 head; prompts around every tile edge (1, 15-17, 31-33, 63-65, 100, 1000, 4096) in one launch;
-chunked prefill (q_len < seq_len) mixed with whole prompts; a serving step's 8 x 1024; single
-prompts of 16K (+ an odd tail) and 32K against torch's SDPA in fp32 (the reference's [H, L, S]
-score matrix would not fit), with few heads to keep the reference cheap; lazy rescaling forced
-through rows whose scores grow along the keys.
+chunked prefill (q_len < seq_len, as after a prefix-cache hit) mixed with whole prompts; a
+serving step's 8 x 1024; single prompts of 16K (+ an odd tail) and 32K against torch's SDPA in
+fp32 (the reference's [H, L, S] score matrix would not fit), with few heads to keep the
+reference cheap; lazy rescaling forced through rows whose scores grow along the keys; the
+engine's entry (dispatch: paged_attention_cuda), flash where it covers the shape and the
+CUDA-core kernel for other head dims.
 """
 
 from __future__ import annotations
@@ -20,12 +25,69 @@ import pytest
 import torch
 from voltserve.kernels.attention_ref import paged_attention_ref
 
-from tests.gpu.test_prefill_tc_gpu import CHUNKED, check, make_batch
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+BLOCK = 16
+ATOL, RTOL, REL_NORM = 2e-3, 5e-3, 2e-3
+# (seq_len, q_len): chunked prefill and prefix-cache hits (the first seq_len - q_len tokens are
+# already in the cache), mixed with a whole prompt.
+CHUNKED = [(100, 37), (4096, 1000), (33, 1), (2000, 17), (17, 16), (64, 64), (1500, 700)]
+
+
+def make_batch(seq_lens, q_lens, num_kv_heads, group, head_dim, gen):
+    n_blocks = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
+    total = sum(n_blocks) + 3
+    shape = (total, num_kv_heads, BLOCK, head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda").half()
+    v = torch.randn(shape, generator=gen, device="cuda").half()
+    perm = torch.randperm(total, generator=gen, device="cuda").int()
+    tables = torch.zeros((len(seq_lens), max(n_blocks) + 2), dtype=torch.int32, device="cuda")
+    pos = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[pos : pos + n]
+        pos += n
+        tail = seq_lens[b] % BLOCK
+        if tail:  # slots past the context hold garbage: the kernel must never use them
+            k[tables[b, n - 1], :, tail:] = float("nan")
+            v[tables[b, n - 1], :, tail:] = float("nan")
+    qsl = [0]
+    for ql in q_lens:
+        qsl.append(qsl[-1] + ql)
+    q = torch.randn((qsl[-1], num_kv_heads * group, head_dim), generator=gen, device="cuda").half()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
+    return q, k, v, tables, sl, qsl_t
+
+
+def check(out, ref, seq_lens, qsl, label):
+    """Asserts the bound; on failure reports, per sequence, the worst element and NaN count."""
+    out, ref = out.float(), ref.float()
+    err = (out - ref).abs()
+    bad = (err > ATOL + RTOL * ref.abs()) | out.isnan()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    if bad.any() or rel > REL_NORM:
+        lines = [f"{label}: rel_norm={rel:.2e} bad={int(bad.sum())}/{bad.numel()}"]
+        for b, s in enumerate(seq_lens):
+            lo, hi = qsl[b], qsl[b + 1]
+            e = err[lo:hi].nan_to_num(float("inf"))
+            idx = int(e.argmax())
+            t, h, d = (
+                idx // (e.shape[1] * e.shape[2]),
+                (idx // e.shape[2]) % e.shape[1],
+                idx % e.shape[2],
+            )
+            lines.append(
+                f"  seq {b}: seq_len={s} q_len={hi - lo} max_err={e.max().item():.3e} at "
+                f"(token {t}, head {h}, dim {d}) out={out[lo + t, h, d].item():.4f} "
+                f"ref={ref[lo + t, h, d].item():.4f} nan={int(out[lo:hi].isnan().sum())} "
+                f"bad={int(bad[lo:hi].sum())}"
+            )
+        pytest.fail("\n".join(lines))
+    print(f"{label}: rel_norm={rel:.2e} max_abs={err.max().item():.2e}")
+
 
 EDGES = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1000, 4096]
 
@@ -142,21 +204,32 @@ def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
     check(out, ref, [prompt], qsl.tolist(), f"fa P={prompt} d={head_dim} g={group}")
 
 
-def test_fa_matches_tc_kernel_and_impl_switch():
-    """The two tensor-core implementations agree through paged_attention_prefill(impl=...)."""
-    from voltserve.kernels.prefill_attention_fa import paged_attention_prefill
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7), (96, 4), (256, 2)])
+def test_engine_entry_flash_or_cuda_core(monkeypatch, head_dim, group):
+    """What the engine runs (KernelDispatch's paged_attention on CUDA, fp16): the flash kernel
+    for head dims 64 and 128, the CUDA-core kernel for 96 and 256; both match the reference."""
+    from voltserve.kernels import prefill_attention_fa as fa
+    from voltserve.kernels.dispatch import KernelDispatch
 
+    ops = KernelDispatch("cuda", torch.float16, force_ref=False)
+    assert ops.impl["paged_attention"] == "cuda"
+    assert ops.paged_attention is fa.paged_attention_cuda
+    calls = []
+    flash = fa.paged_attention_fa_cuda
+    monkeypatch.setattr(
+        fa, "paged_attention_fa_cuda", lambda *a, **kw: calls.append(1) or flash(*a, **kw)
+    )
     gen = _gen()
-    lens = [777, 64, 5]
-    q, k, v, tables, sl, qsl = make_batch(lens, lens, 2, 4, 128, gen)
-    outs = {}
-    for impl in ("tc", "fa"):
-        outs[impl] = torch.full_like(q, float("nan"))
-        paged_attention_prefill(q, k, v, tables, sl, qsl, 128**-0.5, outs[impl], impl=impl)
+    lens = [300, 17, 1]
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, 2, group, head_dim, gen)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    out = torch.full_like(q, float("nan"))
+    res = ops.paged_attention(q, k, v, tables, sl, qsl, scale, out, max_query_len=max(lens))
     torch.cuda.synchronize()
-    check(outs["fa"], outs["tc"], lens, qsl.tolist(), "fa vs tc")
-    with pytest.raises(ValueError, match="impl"):
-        paged_attention_prefill(q, k, v, tables, sl, qsl, 0.1, impl="nope")
+    assert res is out
+    assert len(calls) == (1 if head_dim in fa.HEAD_DIMS else 0)
+    check(out, ref, lens, qsl.tolist(), f"engine entry d={head_dim} g={group}")
 
 
 def test_fa_rejects_unsupported_shapes():

@@ -74,7 +74,7 @@ PROBE = [
 """
 
 WMMA = """
-from voltserve.kernels.prefill_attention_tc import wmma_gemm16_kernel
+from voltserve.kernels.wmma_ptx import wmma_gemm16_kernel
 
 PROBE = [("wmma", wmma_gemm16_kernel, "void(float32[::1], float16[::1], float16[::1], int32, int32)")]
 """
