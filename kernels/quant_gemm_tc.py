@@ -4,7 +4,7 @@ y[T, N] = x[T, K] @ dequantize(w)^T (+ bias), reference `quant_linear_ref` (quan
 numba.cuda throughout; the warp-matrix products are wmma_inline.py's intrinsics (the PTX wmma
 m16n16k16 instructions, f16 in, f32 accumulate, emitted inline), so each warp's accumulator
 fragments stay in registers for the whole K loop and are stored once, in the epilogue. (Up to
-97ae6d1 the products were wmma_ptx.cu's `vs_qgemm_step_*`, one linked C call a K step: the
+97ae6d1 the products were linked C functions of wmma_ptx.cu (since removed), one call a K step: the
 accumulators went through a per-thread local array on every step, and the call's ABI made the
 caller's live registers and the callee's add up, 174 registers for the 64-row tile.)
 
