@@ -29,48 +29,18 @@ h is rounded exactly as the silu_and_mul kernel rounds it (silu first, then the 
 separate activation launch (latency-bound at decode: ~3 us of a ~57 us gate_up) is gone, and no
 [M, 2I] intermediate is written. (A first attempt fused silu into the down projection's input
 instead: every warp recomputed h for its K chunks, and it lost to the plain GEMV, 58 vs 35 us.)
-
-The add_norm variant (`gemv_add_rms_norm_cuda`, reference `gemv_add_rms_norm_ref`) is the plain
-GEMV followed by the residual add + RMSNorm that consumes its output (o_proj -> post-attention
-norm, down_proj -> the next layer's input norm): at decode that norm is a ~3 us latency-bound
-launch of its own. Every block writes its outputs, fences, and takes a ticket on an int32
-counter; the block that draws the last one resets the counter (zero at rest, so graph replays
-need no memset), fences again, and runs the norm over all M rows (`_add_norm_tail`): y read
-back through L2 (ld8_cg), residual += y and the normalised rows written over y, rounded and
-summed exactly as rmsnorm's one-chunk kernel does (its per-warp butterflies, then its warps in
-order), so the outputs are the same bits as the two launches. (Folding the norm into the next
-GEMV's prologue instead was tried and lost, PERF_NOTES: every warp renormalised the row.)
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from voltserve.kernels.activation import silu_and_mul_ref
-from voltserve.kernels.rmsnorm import fused_add_rms_norm_ref
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] (torch Linear layout), bias: [N] or None -> [M, N] in x's dtype."""
     return F.linear(x, w, bias)
-
-
-def gemv_add_rms_norm_ref(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    counter: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = x @ w^T (+ bias), then fused_add_rms_norm(y, residual, weight, eps): residual += y in
-    place, and the returned y holds rms_norm(residual) * weight. counter: the fused kernel's
-    arrival counter (unused here). Never syncs with the host."""
-    y = gemv_ref(x, w, bias)
-    fused_add_rms_norm_ref(y, residual, weight, eps)
-    return y
 
 
 def gemv_gate_up_ref(
@@ -92,22 +62,12 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
     dev,
     float32,
-    int32,
     launch,
     named_kernel,
-    nvvm_inlined,
     round_like,
 )
-from voltserve.kernels.rmsnorm import (  # noqa: E402
-    ONE_CHUNK_MAX_THREADS,
-    _add8,
-    _scale8,
-    _sq8,
-    fused_add_rms_norm_cuda,
-    inv_rms_of,
-)
 from voltserve.kernels.rotary import _rot1  # noqa: E402
-from voltserve.kernels.vec_io import VEC, ZERO8, dot8, ld8, ld8_cg, st8, vec_ok  # noqa: E402
+from voltserve.kernels.vec_io import VEC, ZERO8, dot8, ld8  # noqa: E402
 
 MAX_M = 8
 WARPS = 4  # warps per block
@@ -150,122 +110,8 @@ else:
         return types.float32(v), codegen
 
 
-# Kernel kinds (see _source). add_norm is the plain GEMV with the add + RMSNorm epilogue.
-PLAIN, GATE_UP, QKV_ROPE, ADD_NORM = "plain", "gate_up", "qkv_rope", "add_norm"
-KINDS = (PLAIN, GATE_UP, QKV_ROPE, ADD_NORM)
-ROW_KINDS = (PLAIN, ADD_NORM)  # one output per weight row
-
-
-# ---- The add + RMSNorm epilogue, run by the last block of an add_norm launch ----------------
-# It repeats rmsnorm.fused_add_rms_norm_1c_kernel's arithmetic in the same order, so that the
-# fused and the unfused paths give the same bits: that kernel gives 8-element chunk c of a row
-# to thread c / 8, sums each thread's squares with _sq8, each warp's 32 sums with butterflies,
-# and the warps' totals one after the other (numba_common.block_sum). Here a thread takes
-# chunks tid, tid + bd, ... (bd a multiple of 32), so each warp holds 32 consecutive chunks,
-# one of that kernel's warps, in the same lanes; its butterfly total goes to part[c / 256].
-# The simulator's block_sum adds the threads' sums one by one instead: part keeps each chunk's.
-EPI_CHUNKS = 2  # chunks of a row a tail thread loads at once (2 x 128 x 8 = 2048 elements)
-
-if SIM:
-    PART = ONE_CHUNK_MAX_THREADS
-
-    @cuda.jit(device=True)
-    def _publish(ss, part, c, n):
-        if c < n:
-            part[c >> 3] = ss
-
-    @cuda.jit(device=True)
-    def _row_total(part, n):
-        total = float32(0.0)
-        for i in range((n + VEC - 1) // VEC):
-            total += part[i]
-        return total
-
-else:
-    PART = 32  # warps of the one-chunk kernel's widest block (8192 elements)
-
-    @cuda.jit(device=True, inline="always")
-    def _publish(ss, part, c, n):
-        t = _warp_sum(ss)
-        if (cuda.threadIdx.x & 31) == 0 and c < n:
-            part[c >> 8] = t
-
-    @cuda.jit(device=True, inline="always")
-    def _row_total(part, n):
-        total = part[0]
-        for i in range(1, (n + 255) >> 8):
-            total += part[i]
-        return total
-
-
-@cuda.jit(device=True, inline="always")
-def _add_norm_rows(out, residual, weight, eps):
-    """For every row m of out (the GEMV's y, written by every block of the launch):
-    residual[m] += y[m]; out[m] = rms_norm(residual[m]) * weight. Called by the whole last
-    block (its loops and barriers are uniform across it)."""
-    tid, bd = cuda.threadIdx.x, cuda.blockDim.x
-    n = out.shape[1]
-    part = cuda.shared.array(PART, float32)
-    step = EPI_CHUNKS * bd * VEC
-    for m in range(out.shape[0]):
-        g = 0
-        while g < n:
-            c0 = g + tid * VEC
-            c1 = c0 + bd * VEC
-            # Every load of the group before the first use (one round trip); y through L2.
-            r0 = ld8(residual, (m, c0)) if c0 < n else ZERO8
-            r1 = ld8(residual, (m, c1)) if c1 < n else ZERO8
-            y0 = ld8_cg(out, (m, c0)) if c0 < n else ZERO8
-            y1 = ld8_cg(out, (m, c1)) if c1 < n else ZERO8
-            s0 = _add8(r0, y0, residual)
-            s1 = _add8(r1, y1, residual)
-            if c0 < n:
-                st8(residual, (m, c0), s0)
-            if c1 < n:
-                st8(residual, (m, c1), s1)
-            _publish(_sq8(s0), part, c0, n)
-            _publish(_sq8(s1), part, c1, n)
-            g += step
-        cuda.syncthreads()
-        inv = inv_rms_of(_row_total(part, n), n, eps)
-        g = 0
-        while g < n:
-            c0 = g + tid * VEC
-            c1 = c0 + bd * VEC
-            # This thread stored these residual chunks above, so reading them back is ordered.
-            r0 = ld8(residual, (m, c0)) if c0 < n else ZERO8
-            r1 = ld8(residual, (m, c1)) if c1 < n else ZERO8
-            w0 = ld8(weight, (c0,)) if c0 < n else ZERO8
-            w1 = ld8(weight, (c1,)) if c1 < n else ZERO8
-            if c0 < n:
-                st8(out, (m, c0), _scale8(r0, w0, inv, out))
-            if c1 < n:
-                st8(out, (m, c1), _scale8(r1, w1, inv, out))
-            g += step
-        cuda.syncthreads()  # the next row writes part again
-
-
-_add_norm_tail = nvvm_inlined(_add_norm_rows)
-
-
-# The ticket (as decode_attention._emit_merge): each thread's y stores are made visible
-# device-wide (fence) before thread 0 takes a ticket; the winner resets the counter (every other
-# block has taken its ticket) and fences again before the tail reads the other blocks' y.
-_ADD_NORM_EPILOGUE = """\
-    cuda.threadfence()
-    cuda.syncthreads()
-    flag = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        flag[0] = 0
-        if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1:
-            flag[0] = 1
-            counter[0] = 0
-    cuda.syncthreads()
-    if flag[0] == 0:
-        return
-    cuda.threadfence()
-    _add_norm_tail(out, residual, norm_w, eps)
-"""
+PLAIN, GATE_UP, QKV_ROPE = "plain", "gate_up", "qkv_rope"  # kernel kinds (see _source)
+KINDS = (PLAIN, GATE_UP, QKV_ROPE)
 
 
 def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
@@ -275,7 +121,7 @@ def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
     spread over the SMs). Larger M: two rows a warp, so each x chunk read (M of them per step)
     serves two weight rows and L1 traffic for x stays below the weight stream's. The paired kinds
     (gate_up, qkv_rope) always take two rows: the pair one output needs."""
-    if kind not in ROW_KINDS:
+    if kind != PLAIN:
         return (2, 4)
     return (1, 8) if m <= 2 else (2, 4)
 
@@ -294,12 +140,10 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     them, and v, to out and (k, v) to the paged cache at slot_mapping[m] (gemv_qkv_rope.py)."""
     if kind not in KINDS:
         raise ValueError(f"gemv kind {kind!r} is not one of {KINDS}")
-    gate_up, rope, add_norm = kind == GATE_UP, kind == QKV_ROPE, kind == ADD_NORM
+    gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     args = "x, w, bias, out, has_bias"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
-    if add_norm:
-        args += ", residual, norm_w, eps, counter"
     step = U * WARP_ELEMS
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     L = [
@@ -438,13 +282,7 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
         "                mine += float32(bias[row])",
     ]
     L.append(f"            out[lane // {R}, row] = mine")
-    if not add_norm:
-        return "\n".join(L) + "\n"
-    # Every warp must reach the ticket: the early return becomes a guard around the product.
-    i = L.index("    if row0 >= N:")
-    body = ["    " + line for line in L[i + 2 :]]
-    L = L[:i] + ["    if row0 < N:"] + body
-    return "\n".join(L) + "\n" + _ADD_NORM_EPILOGUE
+    return "\n".join(L) + "\n"
 
 
 @cached_factory
@@ -459,8 +297,6 @@ def _build(M: int, R: int, U: int, kind: str = PLAIN):
         "_silu_mul": _silu_mul,
         "round_like": round_like,
         "_rot1": _rot1,
-        "int32": int32,
-        "_add_norm_tail": _add_norm_tail,
     }
     name = f"<gemv {kind} M={M} R={R} U={U}>"
     code = compile(_source(M, R, U, kind), name, "exec")
@@ -502,16 +338,12 @@ gemv_gate_up_kernel_m4 = gemv_kernel(4, GATE_UP)
 gemv_gate_up_kernel_m8 = gemv_kernel(8, GATE_UP)
 gemv_qkv_rope_kernel_m1 = gemv_kernel(1, QKV_ROPE)
 gemv_qkv_rope_kernel_m2 = gemv_kernel(2, QKV_ROPE)
-gemv_add_norm_kernel_m1 = gemv_kernel(1, ADD_NORM)
-gemv_add_norm_kernel_m2 = gemv_kernel(2, ADD_NORM)
-gemv_add_norm_kernel_m4 = gemv_kernel(4, ADD_NORM)
-gemv_add_norm_kernel_m8 = gemv_kernel(8, ADD_NORM)
 
 
 def grid_for(m: int, n: int, kind: str = PLAIN) -> int:
     """Blocks for n weight rows (plain) or n row pairs (gate_up: n = I; qkv_rope: N / 2)."""
     r, _ = tile_for(variant_for(m), kind)
-    rows_per_block = WARPS * (r if kind in ROW_KINDS else 1)
+    rows_per_block = WARPS * (r if kind == PLAIN else 1)
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -520,7 +352,6 @@ def grid_for(m: int, n: int, kind: str = PLAIN) -> int:
 
 gemv_cuda_dtypes = (torch.float16, torch.float32)
 gemv_gate_up_cuda_dtypes = gemv_cuda_dtypes
-gemv_add_rms_norm_cuda_dtypes = gemv_cuda_dtypes
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -551,26 +382,6 @@ def supports_gate_up(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.shape[0] % 2 == 0 and supports(x, w)
 
 
-def supports_add_norm(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-) -> bool:
-    """`supports`, and what the add + norm epilogue needs: residual [M, N] and weight [N] on
-    x's device and of its dtype, readable 8 elements at a time, and rows the one-chunk norm
-    kernel would take (N <= 8192), whose summation order the epilogue repeats."""
-    n = w.shape[0]
-    return (
-        supports(x, w)
-        and residual.device == x.device
-        and weight.device == x.device
-        and residual.dtype == x.dtype
-        and weight.dtype == x.dtype
-        and tuple(residual.shape) == (x.shape[0], n)
-        and tuple(weight.shape) == (n,)
-        and n <= ONE_CHUNK_MAX_THREADS * VEC
-        and vec_ok(residual, weight)
-    )
-
-
 def launch_gemv(x, w, bias, out, kind: str = PLAIN, extra: tuple = ()) -> torch.Tensor:
     """One launch of the `kind` kernel for inputs its caller checked. out: the output, or None
     for a new one ([M, outputs]); extra: the kind's arguments after has_bias (qkv_rope's,
@@ -583,7 +394,7 @@ def launch_gemv(x, w, bias, out, kind: str = PLAIN, extra: tuple = ()) -> torch.
     b = bias if has_bias else w[0]  # any 1-D array of the dtype; not read without a bias
     launch(
         gemv_kernel(M, kind),
-        grid_for(M, rows if kind in ROW_KINDS else rows // 2, kind),
+        grid_for(M, rows if kind == PLAIN else rows // 2, kind),
         THREADS,
         (dev(x), dev(w), dev(b), dev(out), has_bias, *extra),
         current_stream(),
@@ -613,28 +424,6 @@ def gemv_cuda(
     return _run(x, w, bias, out, PLAIN, supports(x, w), gemv_ref)
 
 
-def gemv_add_rms_norm_cuda(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    counter: torch.Tensor,
-) -> torch.Tensor:
-    """Same meaning as gemv_add_rms_norm_ref: one launch where `supports_add_norm` holds (the
-    norm is the last block's epilogue), else the GEMV and fused_add_rms_norm launchers one after
-    the other (the same bits either way). counter: int32 [1] on x's device, zero at rest (the
-    launch leaves it zero); launches sharing one must not run concurrently. Never syncs."""
-    if not supports_add_norm(x, w, residual, weight):
-        y = gemv_cuda(x, w, bias)
-        norm = fused_add_rms_norm_cuda if y.is_cuda else fused_add_rms_norm_ref
-        norm(y, residual, weight, eps)
-        return y
-    extra = (dev(residual), dev(weight), np.float32(eps), dev(counter))
-    return launch_gemv(x, w, bias, None, ADD_NORM, extra)
-
-
 def gemv_gate_up_cuda(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -648,9 +437,6 @@ def gemv_gate_up_cuda(
 
 __all__ = [
     "gemv_ref",
-    "gemv_add_rms_norm_ref",
-    "gemv_add_rms_norm_cuda",
-    "supports_add_norm",
     "gemv_gate_up_ref",
     "gemv_cuda",
     "gemv_gate_up_cuda",

@@ -66,15 +66,9 @@ MAX_BLOCK = 256
 
 
 @cuda.jit(device=True, inline="always")
-def inv_rms_of(total, hidden, eps):
-    """1 / rms from a row's sum of squares (the one formula: the GEMV's fused add + norm
-    epilogue, kernels/gemv.py, uses it too, so its outputs are the same bits)."""
-    return float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
-
-
-@cuda.jit(device=True, inline="always")
 def _inv_rms(ss, scratch, hidden, eps):
-    return inv_rms_of(block_sum(ss, scratch), hidden, eps)
+    total = block_sum(ss, scratch)
+    return float32(float32(1.0) / float32(math.sqrt(float32(total / float32(hidden)) + eps)))
 
 
 @cuda.jit(device=True, inline="always")

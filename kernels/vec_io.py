@@ -8,7 +8,6 @@ numba indexes arrays one element at a time and cannot prove alignment, so a kern
   with one integer per axis). fp16: one 16-byte load; fp32: two.
 - `st8(arr, idx, vals)`: stores 8 float32 values there, each rounded to arr's dtype (round to
   nearest even, as a scalar store into arr would).
-- `ld8_cg(arr, idx)`: ld8 that bypasses L1 (for what other blocks of the same launch wrote).
 
 The caller guarantees what numba cannot check: the element address is 16-byte aligned (the last
 index a multiple of 8, the array's base 16-byte aligned and every other stride a multiple of 8
@@ -151,58 +150,6 @@ else:
 
 
 ZERO8 = (float32(0.0),) * VEC  # an 8-element chunk of zeros (guarded loads past the end)
-
-
-# ld8_cg: ld8 through L2 only (ld.global.cg), for data that other blocks of the same launch
-# wrote (a last-block epilogue reading every block's outputs): an SM's L1 is not coherent with
-# the other SMs' stores, so a line it cached earlier in the launch could be stale; .cg never
-# looks in L1. The asm is volatile with a memory clobber so the compiler keeps it after the
-# fence and the ticket that order it.
-if SIM:
-    ld8_cg = ld8
-
-else:
-
-    def _ld_cg_words(builder, vp) -> list[Any]:
-        """The four 32-bit words at global pointer vp, loaded with ld.global.cg.v4.u32."""
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
-        asm = ir.InlineAsm(
-            fnty,
-            "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];",
-            "=r,=r,=r,=r,l,~{memory}",
-            side_effect=True,
-        )
-        words = builder.call(asm, [builder.ptrtoint(vp, i64)])
-        return [builder.extract_value(words, k) for k in range(4)]
-
-    @intrinsic
-    def ld8_cg(typingctx, arr, idx):
-        if not _check(arr, idx):
-            return None
-        sig = types.UniTuple(types.float32, VEC)(arr, idx)
-
-        def codegen(context, builder, signature, args):
-            arr_ty, idx_ty = signature.args
-            ptr = _pointer(context, builder, arr_ty, args[0], idx_ty, args[1])
-            is_half = arr_ty.dtype == types.float16
-            i32 = ir.IntType(32)
-            vals = []
-            for vp in _vec_ptrs(builder, ptr, is_half):
-                words = _ld_cg_words(builder, vp)
-                if is_half:
-                    v = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
-                    for k, wd in enumerate(words):
-                        v = builder.insert_element(v, wd, ir.Constant(i32, k))
-                    halves = builder.bitcast(v, ir.VectorType(ir.HalfType(), 8))
-                    for j in range(8):
-                        h = builder.extract_element(halves, ir.Constant(i32, j))
-                        vals.append(builder.fpext(h, ir.FloatType()))
-                else:
-                    vals += [builder.bitcast(wd, ir.FloatType()) for wd in words]
-            return context.make_tuple(builder, signature.return_type, vals)
-
-        return sig, codegen
 
 
 if SIM:
@@ -358,7 +305,6 @@ def vec_ok(*tensors: Any) -> bool:
 __all__ = [
     "VEC",
     "ld8",
-    "ld8_cg",
     "st8",
     "load_row8",
     "load_vec8",

@@ -115,14 +115,6 @@ class Linear(nn.Module):
         quant = quant or UNQUANTIZED
         self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
         self.method.create_weights(self, bias, dtype)
-        # The arrival counter of a fused add + norm epilogue (kernels/gemv.py add_norm): zero
-        # at rest, each launch leaves it zero. One per linear, not one per device: a counter is
-        # safe only for launches that never overlap, and one linear's launches are ordered (one
-        # stream, or one graph replay after another on it), while different linears may some day
-        # run at once (a draft's graph on a side stream next to the target's). Made here, on the
-        # device the model is built on, so no allocation happens while a graph is captured;
-        # 4 bytes, not in the checkpoint (non-persistent). Each TP rank has its own.
-        self.register_buffer("ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def cut(self, shard: str | int | None) -> Cut | None:
         """This rank's part of one shard (None: the whole linear lives here)."""
@@ -147,27 +139,15 @@ class Linear(nn.Module):
         raises naming the shape on a mismatch."""
         self.method.load(self, param_name, shard, self.local_slice(param_name, shard, tensor))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        ops: KernelDispatch | None = None,
-        epilogue: AddRMSNorm | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:
         """Without ops (tests, tools): plain torch. The model passes its ops, so decode-sized
-        inputs run the GEMV kernel on CUDA (captured in the decode graphs).
-
-        epilogue: the residual add + RMSNorm that consumes the output; the result is then the
-        epilogue's (the normalised rows, residual updated in place). The method fuses it into
-        its product where it can; a row-parallel linear applies it after the all-reduce."""
-        p = self.parallel
-        reduce = isinstance(p, RowParallel) and p.reduce
-        if epilogue is not None and not reduce:
-            return self.method.apply_add_rms_norm(self, x, ops, epilogue)
+        inputs run the GEMV kernel on CUDA (captured in the decode graphs)."""
         y = self.method.apply(self, x, ops)
-        if reduce:
+        p = self.parallel
+        if isinstance(p, RowParallel) and p.reduce:
             # The partial products (rank 0's with the bias) summed: one all-reduce.
             y = p.group.all_reduce(y)
-        return y if epilogue is None else epilogue.apply(ops, y)
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -205,21 +185,6 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(x)
-
-
-@dataclass(frozen=True)
-class AddRMSNorm:
-    """The epilogue `residual += y; y = norm(residual)` of a linear's output y: what o_proj's
-    output meets (the post-attention norm) and down_proj's (the next layer's input norm, or the
-    final norm). A Linear hands it to its method, which runs it inside its GEMV where it can
-    (the same bits: kernels/gemv.py add_norm) and otherwise calls `apply` after the product."""
-
-    norm: RMSNorm
-    residual: torch.Tensor
-
-    def apply(self, ops: KernelDispatch, y: torch.Tensor) -> torch.Tensor:
-        """The unfused epilogue: ops.fused_add_rms_norm in place on y and residual."""
-        return self.norm(ops, y, self.residual)
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,6 @@ from voltserve.kernels import qk_norm_rope
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import (
-    AddRMSNorm,
     AttentionMetadata,
     Linear,
     RMSNorm,
@@ -142,10 +141,7 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        epilogue: AddRMSNorm | None = None,
     ) -> torch.Tensor:
-        """epilogue: what o_proj's output meets next (the post-attention add + norm), handed
-        to o_proj to fuse."""
         T = x.shape[0]
         k_cache, v_cache = kv_cache
         fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
@@ -225,7 +221,7 @@ class Attention(nn.Module):
                 self.scale,
                 **kw,
             )
-        return self.o_proj(o.view(T, self.q_size), ops, epilogue)
+        return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
         self,
@@ -280,13 +276,10 @@ class MLP(nn.Module):
             _row(tp, *part),
         )
 
-    def forward(
-        self, ops: KernelDispatch, x: torch.Tensor, epilogue: AddRMSNorm | None = None
-    ) -> torch.Tensor:
-        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV,
-        # and the add + norm after the MLP (epilogue) into the down projection's.
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
+        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
         h = gate_up_silu(x, self.gate_up_proj, ops)
-        return self.down_proj(h, ops, epilogue)
+        return self.down_proj(h, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -322,35 +315,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP's output, residual): the next layer (or the caller) adds and normalises."""
         if residual is None:
             residual = x
             x = self.input_layernorm(ops, x)
         else:
             x = self.input_layernorm(ops, x, residual)
-        return self.normed_forward(ops, positions, x, residual, kv_cache, meta, cos_sin_cache)
-
-    def normed_forward(
-        self,
-        ops: KernelDispatch,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-        next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after its input norm (x is the norm's output). Each residual add + norm
-        is the epilogue of the linear whose output it takes: o_proj's the post-attention
-        norm, down_proj's next_norm (the next layer's input norm, or the final norm) when
-        given, so at decode each runs inside the GEMV (no norm launch). Returns (the MLP's
-        output, or with next_norm next_norm(residual + it), residual), residual updated in
-        place either way."""
-        post = AddRMSNorm(self.post_attention_layernorm, residual)
-        x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache, post)
-        after = None if next_norm is None else AddRMSNorm(next_norm, residual)
-        return self.mlp(ops, x, after), residual
+        x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache)
+        x = self.post_attention_layernorm(ops, x, residual)
+        return self.mlp(ops, x), residual
 
 
 class LlamaModel(nn.Module):
@@ -467,17 +439,12 @@ class LlamaForCausalLM(nn.Module):
         and the feature an EAGLE head reads (spec/eagle.py)."""
         ops = self.ops
         assert ops is not None, "set model.ops (a KernelDispatch) before running the model"
-        residual = self.model.embed_tokens(input_ids)
-        layers = list(self.model.layers)
-        x = layers[0].input_layernorm(ops, residual)
-        # Each layer ends with the next one's input norm (the last with the final norm), the
-        # epilogue of its down projection: the norms run inside the linears that feed them.
-        next_norms = [ly.input_layernorm for ly in layers[1:]] + [self.model.norm]
-        for layer, kv_cache, nxt in zip(layers, kv_caches, next_norms, strict=True):
-            x, residual = layer.normed_forward(
-                ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache, nxt
-            )
-        return x
+        x = self.model.embed_tokens(input_ids)
+        layers = zip(self.model.layers, kv_caches, strict=True)
+        residual = None
+        for layer, kv_cache in layers:
+            x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.cos_sin_cache)
+        return self.model.norm(ops, x, residual)
 
     def compute_logits(
         self,

@@ -334,17 +334,14 @@ class SparseMoE(nn.Module):
             lay=lay,
         )
 
-    def forward(self, ops: KernelDispatch, x: torch.Tensor, epilogue=None) -> torch.Tensor:
-        """epilogue: a layers.AddRMSNorm applied to the block's output (as MLP.forward takes
-        it); not fused here (the output is a sum of several products)."""
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x, ops)
         weights, ids = ops.moe_topk(logits, self.top_k, self.renormalize, self.weights_dtype)
         out = self.experts(ops, x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(ops, x)
             out = out + torch.sigmoid(self.shared_expert_gate(x, ops)) * shared
-        out = out if self.tp is None else self.tp.all_reduce(out)
-        return out if epilogue is None else epilogue.apply(ops, out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 __all__ = [

@@ -23,7 +23,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
-    from voltserve.services.executor.models.layers import AddRMSNorm, Linear
+    from voltserve.services.executor.models.layers import Linear
     from voltserve.services.executor.tp.sharding import Cut
 
 Shard = str | int | None
@@ -72,13 +72,6 @@ class LinearMethod:
     ) -> torch.Tensor:
         """silu_and_mul(layer(x)) for a merged gate_up linear; a method may fuse it."""
         return ops.silu_and_mul(self.apply(layer, x, ops))
-
-    def apply_add_rms_norm(
-        self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, epilogue: AddRMSNorm
-    ) -> torch.Tensor:
-        """epilogue applied to layer(x) (residual += y; y = norm(residual)); a method may fuse
-        it into its product (the same bits). Here: the product, then the norm launch."""
-        return epilogue.apply(ops, self.apply(layer, x, ops))
 
     def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
         """Whether apply_qkv_rope runs for these rows (qkv projection + rotary + KV-cache write
@@ -174,27 +167,6 @@ class UnquantizedMethod(LinearMethod):
         if impl == GEMV:
             return ops.silu_and_mul(ops.gemv(x, w, b))
         return ops.silu_and_mul(F.linear(x, w, b))
-
-    def apply_add_rms_norm(
-        self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, epilogue: AddRMSNorm
-    ) -> torch.Tensor:
-        """Rows the plan sends to the GEMV kernel run one launch with the add + norm as its
-        last block's epilogue (ops.gemv_add_rms_norm, where that is the kernel); the rest the
-        product, then the norm."""
-        from voltserve.services.executor.linear_plan import GEMV, linear_impl
-
-        w = layer.weight
-        if (
-            x.dim() == 2
-            and ops.impl["gemv"] == "cuda"
-            and ops.impl["gemv_add_rms_norm"] == "cuda"
-            and linear_impl(ops, x.shape[0], w.shape[0], w.shape[1]) == GEMV
-        ):
-            n = epilogue.norm
-            return ops.gemv_add_rms_norm(
-                x, w, layer.bias, epilogue.residual, n.weight, n.eps, layer.ticket
-            )
-        return super().apply_add_rms_norm(layer, x, ops, epilogue)
 
     def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
         """Decode rows the plan sends to the GEMV kernel. On CUDA only where the fused kernel
