@@ -64,9 +64,6 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv": (("gemv",), "gemv", "gemv_ref"),
     # The gate_up projection with silu_and_mul fused into its output (out = the activation).
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
-    # The plain projection with the residual add + RMSNorm after it as its last block's
-    # epilogue (o_proj, down_proj at decode; out = the normalised rows).
-    "gemv_add_rms_norm": (("gemv",), "gemv", "gemv_add_rms_norm_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
     # MoE: the router's top-k (torch on the device, capturable) and the routed experts
@@ -104,8 +101,6 @@ _OP_ENV: dict[str, str] = {
     "gemv": "VOLTSERVE_GEMV",
     "gemv_gate_up": "VOLTSERVE_GEMV",
     "gemv_qkv_rope": "VOLTSERVE_GEMV",
-    # Off: o_proj and down_proj run the GEMV, then fused_add_rms_norm (to measure the fusion).
-    "gemv_add_rms_norm": "VOLTSERVE_GEMV_NORM",
     # Off: the q/k-norm models run rms_norm twice and rotary_and_cache (the separate kernels).
     "qk_norm_rope_and_cache": "VOLTSERVE_QK_NORM_ROPE",
     "moe_topk": "VOLTSERVE_MOE_TOPK",
@@ -120,7 +115,6 @@ _CAPTURABLE_REFS = {
     "silu_and_mul",
     "gemv",
     "gemv_gate_up",
-    "gemv_add_rms_norm",
     "moe_topk",
     "quant_linear",
 }
@@ -230,7 +224,6 @@ class KernelDispatch:
     paged_decode_attention: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
-    gemv_add_rms_norm: Callable[..., torch.Tensor]
     apply_token_bitmask: Callable[..., None]
     gemv_qkv_rope: Callable[..., torch.Tensor]
     moe_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]

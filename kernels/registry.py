@@ -240,26 +240,6 @@ KERNELS += [
     for name in ("gemv_gate_up_kernel_m1", "gemv_gate_up_kernel_m2", "gemv_gate_up_kernel_m8")
 ]
 
-# The gemv add_norm variants (gemv_kernel(M, ADD_NORM)): the plain arguments, then the
-# residual [M, N], the norm weight [N], eps and the int32 arrival counter [1]; the last block
-# runs residual += y, y = rms_norm(residual) * weight.
-KERNELS += [
-    KernelSpec(
-        "gemv",
-        name,
-        _both(
-            "void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, :], boolean, {t}[:, :], {t}[::1], "
-            "float32, int32[::1])"
-        ),
-    )
-    for name in (
-        "gemv_add_norm_kernel_m1",
-        "gemv_add_norm_kernel_m2",
-        "gemv_add_norm_kernel_m4",
-        "gemv_add_norm_kernel_m8",
-    )
-]
-
 # gemv_qkv_rope.py (gemv_kernel(M, QKV_ROPE)): the gemv arguments, then positions [M] int64, the
 # fp32 cos/sin cache, the K and V caches [blocks, kv_heads, 16, head_dim], slots [M] int64, and
 # the q and kv head counts. fp16 at the row counts the rule sends to it.
