@@ -864,13 +864,12 @@ def launch_config(
     the online core with its in-kernel merge under the exact bound (H200, 9433669). So where
     capping the grid at MERGE_MAX_PARTITIONS gives the online core a grid (latency-bound), the
     cap is taken, and the online core spreads each sequence's own KV blocks over those
-    partitions at run time (dynamic_partitions)."""
-    if partition_size is None and max_partitions is None and online is not False:
-        capped = launch_config(
-            H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, online
-        )
-        if capped[0].online and capped[1] > 1:
-            return capped
+    partitions at run time (dynamic_partitions), at most one block per SM: in a served step
+    under an 8K bound, 32 partitions (256 blocks, 2 per SM at the online core's ~240 registers)
+    took 21.1 us a layer against 12.4 us for 17 (136 blocks) in bench_attention at the same
+    contexts (H200, 676ad18). Bounds whose uncapped grid already runs the online core with the
+    in-kernel merge keep it."""
+    auto = partition_size is None and max_partitions is None and online is None
     part = partition_size
     if part is None:
         part = default_partition(H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads)
@@ -884,7 +883,27 @@ def launch_config(
                 H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads,
                 partition_size, cfg, n_part,
             )  # fmt: skip
+    if auto and (not online or n_part > MERGE_MAX_PARTITIONS):
+        capped = _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads)
+        if capped is not None:
+            return capped
     return dataclasses.replace(cfg, online=online), n_part
+
+
+def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads):
+    """The online core's launch for a grid that, uncapped, is too large for it: the partitions
+    capped at MERGE_MAX_PARTITIONS (the in-kernel merge), and further to at most one block per
+    SM; None where even that is not an online grid of more than one partition."""
+    capped = launch_config(
+        H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, None
+    )
+    per_part = B * kvh * capped[0].split
+    if capped[0].online and per_part * capped[1] > num_sms:
+        capped = launch_config(
+            H, kvh, D, B, max_seq_len, num_sms, max(2, num_sms // per_part), num_threads, None,
+            None,
+        )  # fmt: skip
+    return capped if capped[0].online and capped[1] > 1 else None
 
 
 def latency_bound(blocks: int, num_sms: int) -> bool:

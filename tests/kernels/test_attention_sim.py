@@ -336,8 +336,9 @@ def test_launch_config_narrows_wide_groups_for_the_online_core():
 
 def test_launch_config_caps_long_bounds_for_the_online_core():
     """A server's bound (max_model_len 8K, 32K) at batch 1: capped at the in-kernel merge's 32
-    partitions, which the online core takes (dynamic partitions spread the context); uncapped it
-    was 128 partitions of 64 tokens on the block core plus the merge kernel. Where even 32
+    partitions or fewer (at most one block per SM), which the online core takes (dynamic
+    partitions spread the context); uncapped it was 128 partitions of 64 tokens on the block core
+    plus the merge kernel. Where even 32
     partitions are too many blocks (batch 8, Llama-3-8B), the block core's choice stands."""
     from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS, launch_config
 
@@ -349,7 +350,12 @@ def test_launch_config_caps_long_bounds_for_the_online_core():
         assert cfg.online and cfg.split == 2 and n <= MERGE_MAX_PARTITIONS, (bound, cfg, n)
         cfg, n = launch_config(14, 2, 64, 4, bound, sms)  # Qwen2.5-0.5B, batch 4
         assert cfg.online and n <= MERGE_MAX_PARTITIONS, (bound, cfg, n)
-    assert launch_config(32, 8, 128, 1, 8192, sms)[0].partition == 256
+    # At most one block per SM (8 KV heads: 16 partitions of 512 under an 8K bound).
+    cfg, n = launch_config(32, 8, 128, 1, 8192, sms)
+    assert (cfg.partition, n) == (512, 16)
+    assert launch_config(14, 2, 64, 1, 8192, sms)[1] == 32  # 64 blocks
+    # A short bound whose uncapped grid is online with the in-kernel merge keeps it.
+    assert launch_config(32, 8, 128, 2, 544, sms)[1] == 9
     cfg, n = launch_config(32, 8, 128, 8, 8192, sms)
     assert not cfg.online and n == 8
     # A short bound is unchanged (the uncapped choice already fits the online core).
