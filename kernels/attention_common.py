@@ -215,3 +215,24 @@ def next_pow2(n: int) -> int:
     while p < n:
         p *= 2
     return p
+
+
+def check_paged_cache(q, k_cache, v_cache, block_size: int, **int32_args) -> None:
+    """The launchers' shared checks of a paged KV cache [blocks, kv_heads, block_size, D] against
+    q [..., H, D]: shapes, fp16 storage, contiguous caches, and int32 for every named tensor in
+    int32_args (block tables, sequence lengths, query offsets)."""
+    import torch
+
+    D = q.shape[-1]
+    if k_cache.shape[2:] != (block_size, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
+            f"[blocks, kv_heads, {block_size}, {D}]"
+        )
+    if q.dtype != torch.float16 or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16:
+        raise TypeError(f"fp16 only, got q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
+    for name, t in int32_args.items():
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, int32, int64
 from voltserve.kernels.attention_common import (
     as_numba,
+    check_paged_cache,
     half_hi,
     half_lo,
     ld_u32x4,
@@ -981,18 +982,8 @@ def paged_decode_attention_cuda(
     import torch
 
     B, H, D = q.shape
-    num_blocks, kvh, block_size, d2 = k_cache.shape
-    if block_size != BLOCK_SIZE or d2 != D or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
-            f"[blocks, kv_heads, {BLOCK_SIZE}, {D}]"
-        )
-    if q.dtype != torch.float16 or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16:
-        raise TypeError(f"fp16 only, got q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise TypeError("block_tables and seq_lens must be int32")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("KV caches must be contiguous")
+    kvh = k_cache.shape[1]
+    check_paged_cache(q, k_cache, v_cache, BLOCK_SIZE, block_tables=block_tables, seq_lens=seq_lens)
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")
     if max_seq_len is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int64
 from numba.core.types import float16
-from voltserve.kernels.attention_common import as_numba, ld_f16x8, torch_stream
+from voltserve.kernels.attention_common import as_numba, check_paged_cache, ld_f16x8, torch_stream
 from voltserve.kernels.compile_cache import cached_factory
 
 BLOCK_SIZE = 16
@@ -249,22 +249,16 @@ def paged_attention_cuda(
     import torch
 
     T, H, D = q.shape
-    _, kvh, block_size, d2 = k_cache.shape
-    if block_size != BLOCK_SIZE or d2 != D or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
-            f"[blocks, kv_heads, {BLOCK_SIZE}, {D}]"
-        )
-    if q.dtype != torch.float16 or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16:
-        raise TypeError(f"fp16 only, got q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
-    if (
-        block_tables.dtype != torch.int32
-        or seq_lens.dtype != torch.int32
-        or query_start_loc.dtype != torch.int32
-    ):
-        raise TypeError("block_tables, seq_lens and query_start_loc must be int32")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("KV caches must be contiguous")
+    kvh = k_cache.shape[1]
+    check_paged_cache(
+        q,
+        k_cache,
+        v_cache,
+        BLOCK_SIZE,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")
     cfg = prefill_config(H, kvh, D, num_threads)

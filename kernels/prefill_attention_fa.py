@@ -66,6 +66,7 @@ import functools
 from pathlib import Path
 
 from numba import cuda, float32, int32
+from voltserve.kernels.attention_common import check_paged_cache
 from voltserve.kernels.compile_cache import cached_factory
 from voltserve.kernels.numba_common import SIM
 
@@ -185,23 +186,16 @@ def paged_attention_fa_cuda(
     from voltserve.kernels.numba_common import current_stream, dev
 
     T, H, D = q.shape
-    _, kvh, block_size, d2 = k_cache.shape
-    if block_size != BLOCK_SIZE or d2 != D or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
-            f"[blocks, kv_heads, {BLOCK_SIZE}, {D}]"
-        )
-    if q.dtype != torch.float16 or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16:
-        raise TypeError(f"fp16 only, got q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
-    for name, t in (
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("KV caches must be contiguous")
+    kvh = k_cache.shape[1]
+    check_paged_cache(
+        q,
+        k_cache,
+        v_cache,
+        BLOCK_SIZE,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     group = fa_group(H, kvh, D)
     B = seq_lens.shape[0]
     if out is None:
