@@ -16,7 +16,7 @@ Every point: CUDA-graph replays of the call over weight copies that together exc
 call streams from HBM), timed with events, median of 7.
 
     python load_tests/bench_quant_linear.py --out bench_quant_linear.json [--rows 1,8,64,256,8192]
-        [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at 1 row: (R, U) and
+        [--models llama,qwen] [--tiles]   (--tiles: GEMV tile sweep at 1 and 2 rows: (R, U) and
                         split-K (R, U, KS) for R in 2, 4, U in 1, 2, KS in 1, 2, 4,
                         quant_gemv.tiling: impl *_gemv_R{R}U{U}[KS{KS}]; gate_up also fused,
                         *_gate_up_R{R}U{U}[KS{KS}])
@@ -61,7 +61,7 @@ MODELS = {
 LLAMA_LAYERS, LLAMA_VOCAB = 32, 128256
 L2_BYTES = 64 << 20
 FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
-# --tiles at 1 row (quant_gemv.tiling): (R, U) at KS = 1, then split-K, KS warps of a block on
+# --tiles at 1 and 2 rows (quant_gemv.tiling): (R, U) at KS = 1, then split-K, KS warps of a block on
 # the same rows, each a 1/KS share of K (the int4 one-row default is (4, 1, 2): SPLIT_K_M1).
 TILES = ((1, 2), (1, 4), (1, 8), (2, 4)) + tuple(
     (R, U, KS) for R in (2, 4) for U in (1, 2) for KS in (1, 2, 4)
@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="llama,qwen")
     ap.add_argument("--formats", default="int4_g128,int8_g32")
     ap.add_argument(
-        "--tiles", action="store_true", help="sweep GEMV (R, U) and (R, U, KS) tiles at 1 row"
+        "--tiles",
+        action="store_true",
+        help="sweep GEMV (R, U) and (R, U, KS) tiles at 1 and 2 rows",
     )
     ap.add_argument(
         "--forms",
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                                             time_us=t * 1e6,
                                             of_floor=floor / t,
                                         )
-                            if args.tiles and rows == 1:
+                            if args.tiles and rows <= 2:
                                 for tile in TILES:
                                     t = timed(
                                         lambda w, tile=tile: quant_gemv_cuda(
