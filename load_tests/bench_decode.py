@@ -19,6 +19,12 @@ floor adds the KV bytes read at that context to the weight bytes.
     python load_tests/bench_decode.py --preset llama3-8b --batch-sizes 64,256 --context 1024 \
         --out results/decode_llama3-8b.json
     python load_tests/bench_decode.py --preset tiny --device cpu --prompt-len 32 --output-len 8
+
+A quantized --model-dir is served as it is (with --skip-transformers), its floor counted from
+the bytes it stores: an AWQ / GPTQ folder (make_awq_checkpoint.py) or a GGUF file or the folder
+holding it (make_gguf_checkpoint.py; --preset still names the shape, for the KV bytes):
+    python load_tests/bench_decode.py --preset llama3-8b --skip-transformers --runs 3 --warmup 1 \
+        --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from load_tests.common import (  # noqa: E402
     checkpoint_read_bytes,
     dtype_name,
     env_info,
+    gguf_checkpoint_files,
     kv_bytes_per_token,
     make_hf_config,
     measure_copy_bandwidth,
@@ -368,7 +375,11 @@ def agree_prefix(a: list[int], b: list[int]) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument(
+        "--model-dir",
+        help="reuse (or write once into) this checkpoint folder; a quantized folder or a GGUF "
+        "file (or its folder) is served as it is",
+    )
     p.add_argument("--keep-model", action="store_true", help="keep the temporary checkpoint")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: float16 on CUDA, float32 on CPU")
@@ -415,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     config = make_hf_config(args.preset, dtype)
     # A quantized folder (--model-dir of an AWQ / GPTQ checkpoint) is served as it is, and its
-    # floor counts the bytes it stores: packed codes, scales, zero points, fp16 lm_head.
+    # floor counts the bytes it stores: packed codes, scales, zero points, fp16 lm_head. So is
+    # a GGUF file (or a folder holding one: make_gguf_checkpoint.py's Q4_K_M), its floor the
+    # bytes of its tensor table: Q4_K / Q6_K blocks, F32 norms, the Q6_K output head. The
+    # engine is fed token ids, so no tokenizer is needed.
     quantized = bool(args.model_dir) and quantized_checkpoint(Path(args.model_dir))
     if quantized and not args.skip_transformers:
         raise SystemExit("a quantized --model-dir needs --skip-transformers")
@@ -435,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
             "kv_bytes_per_token": kv_tok,
             "vocab_size": config.vocab_size,
             "quantized": quantized,
+            "format": (
+                "gguf"
+                if quantized and gguf_checkpoint_files(Path(args.model_dir))
+                else "safetensors"
+            ),
         },
         "errors": {},
     }

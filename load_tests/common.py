@@ -420,18 +420,52 @@ def write_random_checkpoint(
     return out
 
 
+def gguf_checkpoint_files(path: Path) -> list[Path] | None:
+    """The GGUF files of `path` (a .gguf file, or a folder holding one or a split set), else
+    None."""
+    from voltserve.shared.gguf_files import gguf_files
+
+    return gguf_files(path)
+
+
 def quantized_checkpoint(path: Path) -> bool:
     """True when `path` holds a checkpoint whose config.json names a quantization method (an
-    AWQ folder from make_awq_checkpoint.py, say): benchmarks serve it as it is."""
+    AWQ folder from make_awq_checkpoint.py, say) or a GGUF file (make_gguf_checkpoint.py):
+    benchmarks serve it as it is."""
+    if gguf_checkpoint_files(path) is not None:
+        return True
     cfg = path / "config.json"
     return cfg.exists() and "quantization_config" in json.loads(cfg.read_text())
+
+
+def gguf_read_bytes(path: Path) -> dict[str, int]:
+    """weight_bytes' figures counted from a GGUF checkpoint's tensor table: every tensor at the
+    bytes the file stores (Q4_K / Q6_K blocks, F32 norms, the output head in its type), less
+    token_embd unless the file has no output.weight (then the head reads the embedding)."""
+    import gguf
+
+    total = embed = 0
+    names: set[str] = set()
+    for f in gguf_checkpoint_files(path) or []:
+        for t in gguf.GGUFReader(str(f)).tensors:
+            total += int(t.n_bytes)
+            names.add(t.name)
+            if t.name == "token_embd.weight":
+                embed = int(t.n_bytes)
+    if not names:
+        raise ValueError(f"{path}: no GGUF tensors")
+    read = total if "output.weight" not in names else total - embed
+    return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
 
 
 def checkpoint_read_bytes(path: Path) -> dict[str, int]:
     """weight_bytes' figures counted from a checkpoint folder's safetensors headers (so packed
     codes, scales and zero points count at their stored size): every tensor, less the input
-    embedding unless the config ties it to the lm_head."""
+    embedding unless the config ties it to the lm_head. A GGUF checkpoint: gguf_read_bytes."""
     import struct
+
+    if gguf_checkpoint_files(path) is not None:
+        return gguf_read_bytes(path)
 
     total = embed = 0
     for f in sorted(path.glob("*.safetensors")):
