@@ -17,7 +17,9 @@
 # checkpoints through the GPU runner; `serving-awq-16g`: Llama-3-8B AWQ served under
 # --max-gpu-memory 16GiB; `profile-serving`: the
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
-# bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry)
+# bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry;
+# `gguf-b1`: Llama-3-8B as a llama.cpp Q4_K_M GGUF at batch 1 against its stored-bytes floor,
+# fp16 alongside as the anchor)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -210,6 +212,18 @@ for stage in $STAGES; do
       clocks_start decode_batched
       decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
       clocks_stop
+      ;;
+    gguf-b1)
+      # GGUF Q4_K_M at the Llama-3-8B shape, batch 1, no transformers (the target: >= 0.60 of
+      # its floor, the bytes the file stores over the copy bandwidth): the fp16 checkpoint
+      # (written once), its Q4_K_M GGUF (make_gguf_checkpoint.py: llama.cpp's mix, torch
+      # packing on the GPU; kept in /tmp/voltserve-llama3-8b-q4km and reused; its log gives
+      # the write time by phase, estimated 20-40 s, not yet timed), bench_decode on the file,
+      # then on the fp16 folder in the same call as the anchor.
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run make_llama8b_q4km $PY load_tests/make_gguf_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-q4km/model.gguf --mix q4_k_m --device cuda
+      run decode_b1_gguf_q4km $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km.json"
+      run decode_b1_fp16 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_fp16.json"
       ;;
     profile-serving)
       # The serving burst in-process, every step's wall time and plan, two steps' kernels by kind
