@@ -166,7 +166,9 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
         model=str(model_dir),
         dtype=dtype_name(dtype),
         device=device,
-        max_model_len=longest + 16,
+        # --max-model-len: a server's bound (the decode graphs' attention grid follows it);
+        # by default the shortest bound that holds the run.
+        max_model_len=max(longest + 16, getattr(args, "max_model_len", None) or 0),
         max_num_seqs=max(max_batch, 8),
         max_num_batched_tokens=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -402,6 +404,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine step token budget (raised to the longest prompt)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's bound (e.g. 8192, a server's): decode graphs size attention by it",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "-tp",

@@ -200,9 +200,10 @@ for stage in $STAGES; do
       # DECODE_VARIANTS ("name:VAR=1,VAR2=1 ..."; "base" = the defaults).
       # PROFILE_ENV: the switches the profile runs with (e.g. VOLTSERVE_GEMV=0); PROFILE=0
       # leaves the profile out; PROFILE_ARGS: more profile flags (e.g. --prompt-len 1024);
-      # DECODE_VARIANTS=none: the profile alone.
+      # DECODE_VARIANTS=none: the profile alone. DECODE_MAX_MODEL_LEN=8192: bench_decode under a
+      # server's bound (the decode graphs size attention by it) instead of the shortest one.
       [ "${PROFILE:-1}" = 0 ] || run profile_decode env ${PROFILE_ENV:-} $PY load_tests/profile_decode_step.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --batch-sizes "${PROFILE_BATCHES:-1}" ${PROFILE_ARGS:-} --out "$OUT/profile_decode.json"
-      decode_variants b1 --runs 3 --warmup 1
+      decode_variants b1 --runs 3 --warmup 1 ${DECODE_MAX_MODEL_LEN:+--max-model-len $DECODE_MAX_MODEL_LEN}
       ;;
     decode-batched)
       # Batch 64 and 256 at 1K context only (one short batch-1 run, no transformers), once per

@@ -147,12 +147,16 @@ def test_bench_decode_cpu_smoke(tmp_path):
             # A 1 MiB copy measures a bandwidth as well as the CPU default of 64 MiB does.
             "--bandwidth-bytes",
             str(1 << 20),
+            # A server's bound rather than the shortest that holds the run.
+            "--max-model-len",
+            "256",
             "--out",
             str(out),
         ]
     )
     d = json.loads(out.read_text())
     assert d["errors"] == {}
+    assert d["engine_config"]["max_model_len"] == 256
     assert d["copy_bandwidth"]["bandwidth_GBps"] > 0
     assert d["floor"]["ms_per_token"] > 0
     for key in ("decode_tok_s", "ms_per_token", "ttft_ms", "roofline_fraction"):
