@@ -153,12 +153,7 @@ if SIM:
         return vals, tid & 31
 
     def _warp_max(v):
-        vals, _ = _warp_values(v)
-        best = vals[0]
-        for o in vals:
-            if o > best:
-                best = o
-        return float32(best)
+        return float32(max(_warp_values(v)[0]))  # never NaN: -inf or probabilities
 
     def _warp_sum(v):
         vals, lane = _warp_values(v)
@@ -169,14 +164,8 @@ if SIM:
 
     def _warp_best(v):
         vals, _ = _warp_values(v)
-        best = vals[0]
-        for o in vals:
-            if o > best:
-                best = o
-        for lane in range(32):
-            if vals[lane] == best:
-                return float32(best), lane
-        return float32(best), -1
+        best = max(vals)
+        return float32(best), vals.index(best)  # the lowest lane holding the max
 
 else:
     from voltserve.kernels.attention_common import shfl_xor
