@@ -8,6 +8,18 @@ Entry points (what a quantization method's linear calls):
     quant_qkv_rope(x, w, bias, ops, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                    n_q, n_kv)            -> qkv [T, N], q/k rotated (NeoX), k/v in the cache
 
+and the same three with the decoder layer's fused_add_rms_norm folded in (`_prenorm`: x, residual,
+norm_w, eps before w; residual_out= receives residual + x, the linear reads rms_norm of it):
+
+    quant_linear_prenorm(x, residual, norm_w, eps, w, bias, ops, *, residual_out, out=None)
+    quant_gate_up_silu_prenorm(x, residual, norm_w, eps, w, bias, ops, *, residual_out)
+    quant_qkv_rope_prenorm(x, residual, norm_w, eps, w, bias, ops, positions, ..., n_kv, *,
+                           residual_out)
+
+`prenorm_folds(x, w, ops, kind)` says when one of these is a single launch (the GEMV's pre-norm
+prologue, quant_gemv.py: 1-2 rows on the GEMV path, no act-order permutation, the rows within
+the kernel's shared memory); otherwise they run the norm op, then the entry point above.
+
 x is [T, K] in the run dtype; w a GroupQuantWeight (gate rows then up rows for gate_up); ops the
 KernelDispatch (None: the reference). On CPU, or with VOLTSERVE_FORCE_REF=1, they are the
 references `quant_linear_ref` / `quant_gate_up_ref`: F.linear with the dequantized weight in the
@@ -70,6 +82,85 @@ def quant_gate_up_ref(
 ) -> torch.Tensor:
     """x: [T, K], w: [2I, K] (gate rows then up rows) -> silu_and_mul(x w^T (+ b)): [T, I]."""
     return silu_and_mul_ref(quant_linear_ref(x, w, bias))
+
+
+def _prenormed(x, residual, norm_w, eps: float, residual_out, ops=None) -> torch.Tensor:
+    """residual_out <- residual + x; returns rms_norm(residual_out) * norm_w (a new tensor),
+    through ops.fused_add_rms_norm on copies (the reference when ops is None). x and residual
+    are left as they are; residual_out may alias residual."""
+    if ops is None:
+        from voltserve.kernels.gemv import prenorm_ref
+
+        return prenorm_ref(x, residual, norm_w, eps, residual_out)
+    xn = x.clone()
+    residual_out.copy_(residual)
+    ops.fused_add_rms_norm(xn, residual_out, norm_w, eps)
+    return xn
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return y if out is None else out.copy_(y)
+
+
+def quant_linear_prenorm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    residual_out: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_add_rms_norm_ref (on copies), then quant_linear_ref: residual_out <- residual + x;
+    returns rms_norm(residual_out) * norm_w @ dequantize(w)^T (+ bias) [T, N] (x permuted after
+    the norm for act-order weights). Never syncs with the host."""
+    return _into(quant_linear_ref(_prenormed(x, residual, norm_w, eps, residual_out), w, bias), out)
+
+
+def quant_gate_up_prenorm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    residual_out: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_add_rms_norm_ref, then quant_gate_up_ref: [T, N // 2]."""
+    return _into(
+        quant_gate_up_ref(_prenormed(x, residual, norm_w, eps, residual_out), w, bias), out
+    )
+
+
+def quant_qkv_rope_prenorm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    n_q: int,
+    n_kv: int,
+    *,
+    residual_out: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_add_rms_norm_ref, then quant_gemv.quant_qkv_rope_ref of the permuted normalised
+    input: qkv [T, N], q and k rotated, k and v written to the cache."""
+    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
+
+    xn = _permuted(_prenormed(x, residual, norm_w, eps, residual_out), w)
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+    return quant_qkv_rope_ref(xn, w, bias, *args, out=out)
 
 
 def tc_max_rows() -> int:
@@ -248,7 +339,127 @@ def quant_qkv_rope(
     return y
 
 
+def prenorm_folds(x: torch.Tensor, w: GroupQuantWeight, ops, kind: str = "plain") -> bool:
+    """True when the `_prenorm` entry point of `kind` ("plain", "gate_up", "qkv_rope") folds the
+    add + RMSNorm into its linear: on CUDA, one pre-norm GEMV launch (1-2 rows on the GEMV path,
+    the quantized kernels enabled, the kernel's checks on x and w: no act-order permutation,
+    16-byte rows, shared memory); on CPU, where the entry points run the composed reference,
+    for 1-2 rows (so CPU tests walk the fold's path). Otherwise the caller applies the norm op
+    and calls the plain entry point (the `_prenorm` ones would do the same, with a copy)."""
+    from voltserve.kernels import quant_gemv
+
+    if not (x.dim() == 2 and x.shape[0] in quant_gemv.PRENORM_VARIANTS):
+        return False
+    if not x.is_cuda:
+        return True
+    if not _cuda_enabled(ops) or quant_path(x.shape[0], x.dtype, w) != GEMV:
+        return False
+    # x's and w's checks; residual, norm_w and residual_out (a fresh tensor at the fold) are
+    # checked by the launcher, which runs the reference for what it refuses.
+    return quant_gemv.prenorm_covers(x, w, kind)
+
+
+def quant_linear_prenorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None = None,
+    ops=None,
+    *,
+    residual_out: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual_out <- residual + x; returns quant_linear(rms_norm(residual_out) * norm_w, w,
+    bias) [T, N] (into out when given). One launch where `prenorm_folds`; otherwise the norm op
+    (ops.fused_add_rms_norm on copies), then quant_linear. x and residual are left as they are;
+    residual_out must not overlap them where it folds. No host sync."""
+    if not _cuda_enabled(ops) or not x.is_cuda:
+        return quant_linear_prenorm_ref(
+            x, residual, norm_w, eps, w, bias, residual_out=residual_out, out=out
+        )
+    if prenorm_folds(x, w, ops, "plain"):
+        from voltserve.kernels.quant_gemv import quant_gemv_prenorm_cuda
+
+        return quant_gemv_prenorm_cuda(
+            x, residual, norm_w, eps, w, bias, residual_out=residual_out, out=out
+        )
+    xn = _prenormed(x, residual, norm_w, eps, residual_out, ops)
+    return quant_linear(xn, w, bias, ops, out)
+
+
+def quant_gate_up_silu_prenorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None = None,
+    ops=None,
+    *,
+    residual_out: torch.Tensor,
+) -> torch.Tensor:
+    """residual_out <- residual + x; returns quant_gate_up_silu of rms_norm(residual_out) *
+    norm_w: [T, N // 2]. One launch where `prenorm_folds(x, w, ops, "gate_up")`."""
+    if not _cuda_enabled(ops) or not x.is_cuda:
+        return quant_gate_up_prenorm_ref(
+            x, residual, norm_w, eps, w, bias, residual_out=residual_out
+        )
+    if prenorm_folds(x, w, ops, "gate_up"):
+        from voltserve.kernels.quant_gemv import quant_gemv_gate_up_prenorm_cuda
+
+        return quant_gemv_gate_up_prenorm_cuda(
+            x, residual, norm_w, eps, w, bias, residual_out=residual_out
+        )
+    xn = _prenormed(x, residual, norm_w, eps, residual_out, ops)
+    return quant_gate_up_silu(xn, w, bias, ops)
+
+
+def quant_qkv_rope_prenorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None,
+    ops,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    n_q: int,
+    n_kv: int,
+    *,
+    residual_out: torch.Tensor,
+) -> torch.Tensor:
+    """residual_out <- residual + x; returns quant_qkv_rope of rms_norm(residual_out) * norm_w
+    (qkv [T, N], q and k rotated, k and v written to the cache). One launch where
+    `prenorm_folds(x, w, ops, "qkv_rope")` (and the cache checks of supports_qkv_rope)."""
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
+    if not _cuda_enabled(ops) or not x.is_cuda:
+        return quant_qkv_rope_prenorm_ref(
+            x, residual, norm_w, eps, w, bias, *args, residual_out=residual_out
+        )
+    if prenorm_folds(x, w, ops, "qkv_rope"):
+        from voltserve.kernels.quant_gemv import quant_qkv_rope_prenorm_cuda
+
+        return quant_qkv_rope_prenorm_cuda(
+            x, residual, norm_w, eps, w, bias, *args, residual_out=residual_out
+        )
+    xn = _prenormed(x, residual, norm_w, eps, residual_out, ops)
+    return quant_qkv_rope(xn, w, bias, ops, *args)
+
+
 __all__ = [
+    "quant_linear_prenorm",
+    "quant_gate_up_silu_prenorm",
+    "quant_qkv_rope_prenorm",
+    "quant_linear_prenorm_ref",
+    "quant_gate_up_prenorm_ref",
+    "quant_qkv_rope_prenorm_ref",
+    "prenorm_folds",
     "GroupQuantWeight",
     "quant_qkv_rope",
     "quant_linear",

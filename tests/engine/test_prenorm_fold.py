@@ -54,3 +54,44 @@ def test_decode_folds_the_norms_and_matches_transformers(arch: str, batch: int, 
     assert calls["gemv_gate_up_prenorm"] == [batch] * (steps * layers)
     want_qkv = 0 if arch == "qwen3" else steps * (layers - 1)
     assert calls["gemv_qkv_rope_prenorm"] == [batch] * want_qkv
+
+
+def test_quantized_decode_folds_the_norms(rng, monkeypatch) -> None:
+    """An AWQ checkpoint: its qkv and gate_up linears fold the norms through quant_linear's
+    pre-norm entry points at one decode row, and the tokens and logprobs equal those of the same
+    runner with the folds off (the fold's references are the unfused ops composed; the tokens
+    against transformers are test_quant_models' check, which walks this path too)."""
+    from voltserve.kernels import quant_linear as qk
+    from voltserve.services.executor.quant.group import GroupQuantMethod
+
+    from tests import quant_checkpoints as qc
+
+    path, _ = qc.awq_checkpoint("llama", 128)
+    V = len(tokenizer())
+    prompt = [rng.randrange(V) for _ in range(rng.randint(3, 20))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
+    calls = {"quant_gate_up_silu_prenorm": 0, "quant_qkv_rope_prenorm": 0}
+    for name in calls:
+        fn = getattr(qk, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(qk, name, wrapped)
+    runs = []
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(GroupQuantMethod, "gate_up_silu_prenorm", lambda *a: None)
+            monkeypatch.setattr(GroupQuantMethod, "qkv_rope_prenorm", lambda *a: None)
+        runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=64))
+        req = Request("r", prompt, params, seed=0, arrival_time=0.0)
+        drive(runner, [req], 5, chunk=32)
+        runs.append([(t.token_id, t.logprob) for t in req.trace])
+        if fold:
+            layers = len(runner.model.model.layers)
+            assert calls == {
+                "quant_gate_up_silu_prenorm": 4 * layers,
+                "quant_qkv_rope_prenorm": 4 * (layers - 1),
+            }
+    assert runs[0] == runs[1]
