@@ -241,15 +241,10 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(1, f"for i in range(tid, n_blk, {NT}):")
         emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     if cfg.online:
-        _emit_online_core(emit, cfg, lay, word, mode if FUSED_TAIL else None)
+        _emit_online_core(emit, cfg, lay, word)
     else:
         _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
-    if not (cfg.online and FUSED_TAIL):
-        _emit_epilogue(emit, cfg, mode)
-    elif mode == "merge":
-        _emit_merge(
-            emit, G, D, NT, NT // 32, PART, dynamic_partitions(cfg, mode), ONLINE_MERGE_CHUNK
-        )
+    _emit_epilogue(emit, cfg, mode)
     return "\n".join(out) + "\n"
 
 
@@ -445,9 +440,7 @@ def _emit_first_entry(emit, cfg: DecodeConfig, mode: str) -> None:
     emit(1, "spec_ent = block_tables[b, min(spec_blk0 + warp, block_tables.shape[1] - 1)]")
 
 
-def _emit_online_core(
-    emit, cfg: DecodeConfig, lay: dict[str, int], word, mode: str | None = None
-) -> None:
+def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
     """Each warp takes whole KV blocks (16 tokens) and keeps its own running softmax in
     registers: K and V rows of a block loaded together (one memory round trip), scores summed
     over the token's lanes by butterflies (every lane of a token holds its score), the block's
@@ -536,9 +529,6 @@ def _emit_online_core(
         for j in range(8):
             emit(2, f"wa[warp, {g * D} + ce * 8 + {j}] = a{g}_{j}")
     emit(1, "cuda.syncthreads()")
-    if mode is not None:
-        _emit_online_tail(emit, cfg, mode)
-        return
     # A warp that had no KV block has max -inf and zero sums: weighed by 0, not exp(nan).
     emit(1, f"for i in range(tid, {GD + G}, {NT}):")
     emit(2, f"g = i // {D} if i < {GD} else i - {GD}")
@@ -558,54 +548,7 @@ def _emit_online_core(
     emit(1, "cuda.syncthreads()")
 
 
-def _emit_online_tail(emit, cfg: DecodeConfig, mode: str) -> None:
-    """The online core's warps combined straight into the block's result: each thread weighs
-    the warps' (max, sum, PV) of its outputs and writes the output (a context of one
-    partition) or the partials, with no shared-memory result and no second barrier. Every
-    thread recomputes its head's sum from the warps' (a few shared loads): the same terms in
-    the same order as the separate pass, so the same values."""
-    D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
-    NW, GD = NT // 32, G * D
-    dyn = dynamic_partitions(cfg, mode)
-    single = "n_done == 1" if dyn else f"seq_len <= {cfg.partition}"
-    emit(1, f"for i in range(tid, {GD}, {NT}):")
-    emit(2, f"g = i // {D}")
-    emit(2, f"d = i - g * {D}")
-    emit(2, "mg = float32(-math.inf)")
-    emit(2, f"for w in range({NW}):")
-    emit(3, "mg = max(mg, wm[w, g])")
-    emit(2, "acc = float32(0.0)")
-    emit(2, "lsum = float32(0.0)")
-    emit(2, f"for w in range({NW}):")
-    emit(3, "mw = wm[w, g]")
-    # A warp that had no KV block has max -inf and zero sums: weighed by 0, not exp(nan).
-    emit(3, "if mw > float32(-math.inf):")
-    emit(4, "e = math.exp(mw - mg)")
-    emit(4, "acc += wa[w, i] * e")
-    emit(4, "lsum += wl[w, g] * e")
-    if mode == "direct":
-        emit(2, "out[b, h0 + g, d] = acc / lsum")
-        return
-    if mode == "merge":
-        emit(2, f"if {single}:")
-        emit(3, "out[b, h0 + g, d] = acc / lsum")
-        emit(2, "else:")
-        ind = 3
-    else:
-        ind = 2
-    emit(ind, "tmp_out[b, h0 + g, part, d] = acc")
-    emit(ind, "if d == 0:")
-    emit(ind + 1, "max_logits[b, h0 + g, part] = mg")
-    emit(ind + 1, "exp_sums[b, h0 + g, part] = lsum")
-    if mode == "merge":
-        # A context of one partition is finished: no fence, no ticket, no merge read.
-        emit(1, f"if {single}:")
-        emit(2, "return")
-
-
-def _emit_merge(
-    emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = False, chunk: int = 0
-) -> None:
+def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = False) -> None:
     """The last partition block of a (sequence, head group) to finish merges the group's
     partitions (at most MERGE_MAX_PARTITIONS), saving the merge kernel's launch.
 
@@ -636,7 +579,6 @@ def _emit_merge(
     # round trips instead of one per partition (a `for p` loop waits on each load in turn). The
     # first chunk's loads are issued before the weights' max/sum loads, so both round trips
     # overlap (every context of up to MERGE_CHUNK partitions merges in one).
-    MERGE_CHUNK = chunk or globals()["MERGE_CHUNK"]
     E = -(-G * D // NT)
     for e in range(E):
         emit(1, f"i{e} = tid + {e * NT}")
@@ -706,9 +648,6 @@ MODES = ("direct", "split", "merge")
 MERGE_MAX_PARTITIONS = 32  # one warp lane per partition in the in-kernel merge
 MERGE_CHUNK = 8  # partitions whose partial outputs the merge loads before using any
 assert MERGE_MAX_PARTITIONS % MERGE_CHUNK == 0
-FUSED_TAIL = True  # experiment switch (A/B on the device), removed once decided
-ONLINE_MERGE_CHUNK = 16
-assert MERGE_MAX_PARTITIONS % ONLINE_MERGE_CHUNK == 0
 MAX_REGISTERS = 128  # split/merge kernels: 4 blocks of 128 threads per SM (64K registers)
 
 

@@ -66,11 +66,6 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
     "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
-    # The same three with the layer's fused_add_rms_norm folded in (M = 1, 2; residual_out=
-    # receives residual + x, the linear reads rms_norm of it).
-    "gemv_prenorm": (("gemv",), "gemv", "gemv_prenorm_ref"),
-    "gemv_gate_up_prenorm": (("gemv",), "gemv", "gemv_gate_up_prenorm_ref"),
-    "gemv_qkv_rope_prenorm": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_prenorm_ref"),
     # MoE: the router's top-k (torch on the device, capturable) and the routed experts
     # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
     "moe_topk": (("moe_routing",), "moe_routing", "moe_topk_ref"),

@@ -12,17 +12,13 @@ to the storage dtype as the linear stores them, then rotated as rotary.py rotate
 every product rounded), so the result matches the unfused kernels up to the GEMV's summation
 order. Only full rotary (rotary_dim = head_dim), NeoX style, one storage dtype throughout;
 `supports_qkv_rope` says when, and the caller runs the unfused ops otherwise.
-
-`gemv_qkv_rope_prenorm_cuda` (M = 1, 2) also folds the layer's fused_add_rms_norm into the same
-launch (the pre-norm prologue of kernels/gemv.py): residual_out <- residual + x, and the qkv
-product reads rms_norm(residual_out) * norm_w; reference `gemv_qkv_rope_prenorm_ref`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from voltserve.kernels.gemv import QKV_ROPE, launch_gemv, prenorm_ref, supports, supports_prenorm
+from voltserve.kernels.gemv import QKV_ROPE, launch_gemv, supports
 from voltserve.kernels.numba_common import dev
 from voltserve.kernels.rotary_cache import rotary_and_cache_ref
 
@@ -120,10 +116,9 @@ def gemv_qkv_rope_cuda(
     return launch_qkv_rope(x, w, bias, args, out)
 
 
-def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm=None) -> torch.Tensor:
+def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None) -> torch.Tensor:
     """One launch of the qkv_rope kernel for inputs its caller checked; rope_args: (positions,
-    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv); norm: launch_gemv's (the
-    pre-norm kernel) or None."""
+    cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)."""
     positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
     extra = (
         dev(positions),
@@ -134,61 +129,4 @@ def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None, norm=None) -> torch.
         int(n_q),
         int(n_kv),
     )
-    return launch_gemv(x, w, bias, out, QKV_ROPE, extra, norm)
-
-
-def gemv_qkv_rope_prenorm_ref(
-    x: torch.Tensor,  # [M, K]: the layer's input
-    residual: torch.Tensor,  # [M, K]
-    norm_w: torch.Tensor,  # [K]: the input layernorm's weight
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    n_q: int,
-    n_kv: int,
-    *,
-    residual_out: torch.Tensor,  # [M, K]: receives residual + x
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """fused_add_rms_norm then gemv_qkv_rope_ref: residual_out <- residual + x; returns qkv of
-    rms_norm(residual_out) * norm_w (q, k rotated; k, v written to the cache). x and residual
-    are left as they are. Never syncs with the host."""
-    xn = prenorm_ref(x, residual, norm_w, eps, residual_out)
-    rope = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
-    return gemv_qkv_rope_ref(xn, w, bias, *rope, out=out)
-
-
-gemv_qkv_rope_prenorm_cuda_dtypes = gemv_qkv_rope_cuda_dtypes
-
-
-def gemv_qkv_rope_prenorm_cuda(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    n_q: int,
-    n_kv: int,
-    *,
-    residual_out: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Same meaning as gemv_qkv_rope_prenorm_ref: one launch on torch's current stream, no host
-    sync. What `supports_qkv_rope` or `supports_prenorm` rejects runs the reference."""
-    rope = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
-    if supports_qkv_rope(x, w, *rope) and supports_prenorm(x, residual, norm_w, residual_out, out):
-        return launch_qkv_rope(x, w, bias, rope, out, (residual, norm_w, eps, residual_out))
-    return gemv_qkv_rope_prenorm_ref(
-        x, residual, norm_w, eps, w, bias, *rope, residual_out=residual_out, out=out
-    )
+    return launch_gemv(x, w, bias, out, QKV_ROPE, extra)

@@ -99,52 +99,16 @@ full and partial steps); a partial last group of rows re-reads row N - 1 and doe
 
 M, R, U, KS, bits and SPLIT are compile-time constants of a generated kernel (one per combination,
 built on first use), so accumulators and in-flight words stay in registers.
-
-Pre-norm variants (`quant_gemv_prenorm_cuda`, `quant_gemv_gate_up_prenorm_cuda`,
-`quant_qkv_rope_prenorm_cuda`; M = 1, 2, every form and tile; quant_linear's `_prenorm` entry
-points call them) fold the decoder layer's `fused_add_rms_norm` into the GEMV that reads its
-output, as gemv.py's pre-norm kernels do, with gemv.py's prologue (`_prenorm_prologue`): every
-block forms h = residual + x in the storage dtype (block 0 stores it to residual_out), reduces
-sum(h^2) in fp32 and writes rms_norm(h) * norm_w, rounded as rms_norm_ref rounds, to dynamic
-shared memory; the K loop then reads x from there (_lds8 / _ldsh8: ld.shared.v4). The first step
-is peeled: its code-word, scale and offset loads are issued before the prologue, its products
-after it. Warps past the last rows get clamped rows and leave after the prologue's barrier (KS
-= 1) or after split-K's (their share of K is empty). x is the layer's input, so a weight with an
-input permutation (GPTQ act-order) runs the reference. The cost: every block re-reads the rows
-((4M + 2) K bytes, L2 hits) against its weight bytes, which int4 makes 4x smaller than fp16's: at
-the defaults ~1.5x the block's code bytes at one row (Llama-3-8B qkv and gate_up, 16 KB of codes
-a block); `PRENORM_WARPS` (wider blocks) divides it. Not yet measured on a GPU. Registers (cc 7.0,
-fp16, M = 1 / 2): plain int4 half2 96 / 128 (104 / 106 without), gate_up 92 / 96 (104 / 135),
-qkv_rope 80 / 105 (64 / 70), int8 factored M = 1 71 (48), int4 g16 M = 2 168 (168); no spills.
 """
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 import torch
 from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
-from voltserve.kernels.gemv import (
-    PRENORM_SMEM_MAX,
-    PRENORM_VARIANTS,
-    _launch_smem,
-    _lds8,
-    _prologue,
-    _sts8,
-    _warp_sum,
-)
-from voltserve.kernels.gemv import supports_prenorm as supports_prenorm_rows
+from voltserve.kernels.gemv import _warp_sum
 from voltserve.kernels.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
-from voltserve.kernels.numba_common import (
-    SIM,
-    current_stream,
-    dev,
-    float32,
-    launch,
-    round_like,
-)
+from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import (
     D_SCALE,
     ZERO_W4,
@@ -158,9 +122,8 @@ from voltserve.kernels.quant_common import (
     x_scale,
 )
 from voltserve.kernels.quant_pack import GroupQuantWeight
-from voltserve.kernels.rmsnorm import _add8, _inv_rms, _scale8
 from voltserve.kernels.rotary import _rot1
-from voltserve.kernels.vec_io import ZERO8, dot8, ld8, st8
+from voltserve.kernels.vec_io import ZERO8, ld8
 
 MAX_M = 8
 WARPS = 4
@@ -234,29 +197,11 @@ def tiling(m: int, bits: int, kind: str = PLAIN, tile=None) -> tuple[int, int, i
     return R, U, KS
 
 
-def _x_load(
-    ind: str,
-    dst: str,
-    row: str,
-    j: int,
-    t: int,
-    col: str,
-    guarded: bool,
-    half2=False,
-    shared: str | None = None,
-):
+def _x_load(ind: str, dst: str, row: str, j: int, t: int, col: str, guarded: bool, half2=False):
     """Source of one 16-byte x load (8 inputs from column `col` of x row `row`) into `dst`: as
     eight floats (ld8) or four half2 words (ldh8), zeros past K when guarded (the column then
-    sits in xc{j}_{t}, which the caller assigns once for its M loads). shared: the name of the
-    pre-norm kernels' 1-D shared array of the normalised rows (`_prenorm_prologue`); `row` is
-    then the offset of the input's row in it ("0" for the first), read with _lds8 / _ldsh8."""
+    sits in xc{j}_{t}, which the caller assigns once for its M loads)."""
     load, zero = ("ldh8", "ZERO_W4") if half2 else ("ld8", "ZERO8")
-    if shared is not None:
-        c = f"xc{j}_{t}" if guarded else col
-        src = f"{'_ldsh8' if half2 else '_lds8'}({shared}, {c if row == '0' else f'{row} + {c}'})"
-        if guarded:
-            return f"{ind}{dst} = {src} if xc{j}_{t} < K else {zero}"
-        return f"{ind}{dst} = {src}"
     if guarded:
         return f"{ind}{dst} = {load}(x, ({row}, xc{j}_{t})) if xc{j}_{t} < K else {zero}"
     return f"{ind}{dst} = {load}(x, ({row}, {col}))"
@@ -273,7 +218,6 @@ def dot_step(
     weight: str | None = None,
     guarded: bool = True,
     form: str = "weight",
-    shared: str | None = None,
 ) -> list[str]:
     """Source of one warp step (U chunks per lane of R weight rows rw0..rw{R-1}, code words from
     word w0) accumulated into a{m}_{r} against x rows xrows[m]: every load of the step issued
@@ -282,27 +226,7 @@ def dot_step(
     O, kernels/moe_quant_decode.py). Also the per-expert steps of the int4 MoE kernels.
     form: WEIGHT dequantises each weight; FACTORED (`_factored_chunk`) and HALF2
     (`_half2_chunk`, int4 codes and one group per chunk only) apply the group's scale and
-    offset once per chunk. shared: x rows from the pre-norm kernels' shared array
-    (`_x_load`; xrows are then row offsets in it)."""
-    loads, rest = dot_step_parts(ind, M, R, U, bits, split, xrows, weight, guarded, form, shared)
-    return loads + rest
-
-
-def dot_step_parts(
-    ind: str,
-    M: int,
-    R: int,
-    U: int,
-    bits: int,
-    split: bool,
-    xrows: list[str],
-    weight: str | None = None,
-    guarded: bool = True,
-    form: str = "weight",
-    shared: str | None = None,
-) -> tuple[list[str], list[str]]:
-    """dot_step as two parts: the step's weight loads (code words, scales, offsets), then the
-    rest. The pre-norm kernels issue the first step's loads before their prologue."""
+    offset once per chunk."""
     if form not in FORMS:
         raise ValueError(f"unknown dot-product form {form!r} (one of {FORMS})")
     if form == HALF2 and (bits != 4 or split):
@@ -329,7 +253,6 @@ def dot_step_parts(
             if split:
                 out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
                 out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
-    loads, out = out, []
     # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
     # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
     # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
@@ -337,12 +260,12 @@ def dot_step_parts(
         if weight is not None:
             raise ValueError("the factored step has no routing weight (MoE keeps the other)")
         for j in range(U):
-            out += _factored_chunk(ind, j, M, R, bits, split, xrows, guarded, shared)
-        return loads, out
+            out += _factored_chunk(ind, j, M, R, bits, split, xrows, guarded)
+        return out
     if form == HALF2:
         for j in range(U):
-            out += _half2_chunk(ind, j, M, R, xrows, guarded, weight, shared)
-        return loads, out
+            out += _half2_chunk(ind, j, M, R, xrows, guarded, weight)
+        return out
     for j in range(U):
         for r in range(R):
             halves = [("S", "O", "s", "o")] + ([("T", "Q", "t", "p")] if split else [])
@@ -370,11 +293,11 @@ def dot_step_parts(
                 out.append(f"{ind}xc{j}_{t} = {col}")
             for m in range(M):
                 xm, xv = xrows[m], f"xv{j}_{t}_{m}"
-                out.append(_x_load(ind, xv, xm, j, t, col, guarded, shared=shared))
+                out.append(_x_load(ind, xv, xm, j, t, col, guarded))
                 for e in range(8):
                     for r in range(R):
                         out.append(f"{ind}a{m}_{r} += {xv}[{e}] * wv{j}_{t}_{r}_{e}")
-    return loads, out
+    return out
 
 
 def _factored_chunk(
@@ -386,7 +309,6 @@ def _factored_chunk(
     split: bool,
     xrows: list[str],
     guarded: bool,
-    shared: str | None = None,
 ) -> list[str]:
     """Chunk j of a factored step: the chunk's codes share one group (one per half for SPLIT),
     so sum_k x_k (c_k s + o) = s * sum_k x_k c_k + o * sum_k x_k. Each code becomes a float
@@ -414,7 +336,7 @@ def _factored_chunk(
             out.append(f"{ind}xc{j}_{t} = {col}")
         for m in range(M):
             xm, xv = xrows[m], f"xv{j}_{t}_{m}"
-            out.append(_x_load(ind, xv, xm, j, t, col, guarded, shared=shared))
+            out.append(_x_load(ind, xv, xm, j, t, col, guarded))
         qs = []
         for e in range(8):
             word = t * 8 // P + e // P
@@ -456,14 +378,7 @@ H2_CENTER = 8.0  # codes enter the products as c - 8: the offset becomes o + 8 s
 
 
 def _half2_chunk(
-    ind: str,
-    j: int,
-    M: int,
-    R: int,
-    xrows: list[str],
-    guarded: bool,
-    weight: str | None,
-    shared: str | None = None,
+    ind: str, j: int, M: int, R: int, xrows: list[str], guarded: bool, weight: str | None
 ) -> list[str]:
     """Chunk j of a half2 step (int4, one group per chunk): two codes per instruction. A word's
     four code pairs become half2 (1024 + c) or (1024 + 16 c) with one LOP3 each (plus one shift
@@ -489,7 +404,7 @@ def _half2_chunk(
             out.append(f"{ind}xc{j}_{t} = {col}")
         for m in range(M):
             xm, xv = xrows[m], f"xh{j}_{t}_{m}"
-            out.append(_x_load(ind, xv, xm, j, t, col, guarded, half2=True, shared=shared))
+            out.append(_x_load(ind, xv, xm, j, t, col, guarded, half2=True))
             for p in range(4):
                 out.append(acc(f"sx{j}_{m}", f"{xv}[{p}]", f"{H2_X:#x}"))
         for r in range(R):
@@ -529,38 +444,19 @@ def _half2_chunk(
 
 
 def _source(
-    M: int,
-    R: int,
-    U: int,
-    bits: int,
-    split: bool,
-    kind: str,
-    form: str = "weight",
-    ks: int = 1,
-    prenorm: bool = False,
-    warps: int = WARPS,
+    M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str = "weight", ks: int = 1
 ) -> str:
     """One kernel, written out statement by statement (see gemv._source for why). ks: warps of
     a block sharing one group of rows, each over a 1/ks share of K (KS of the tile, `_split_k`);
-    ks = 1 writes the kernel without any of it.
-    prenorm (M in PRENORM_VARIANTS): the pre-norm kernel (module doc): four more arguments
-    (residual, norm_w, eps, residual_out), the first step's weight loads, then gemv.py's
-    prologue (`_prenorm_prologue`), then that step's products and the loop, x read from the
-    shared rows; warps: its block width (the split-K sums' shared array has a slot per warp)."""
+    ks = 1 writes the kernel without any of it."""
     if ks not in KS_CHOICES:
         raise ValueError(f"split-K over {ks} warps: KS must be one of {KS_CHOICES}")
-    if prenorm and M not in PRENORM_VARIANTS:
-        raise ValueError(f"pre-norm quantized gemv kernels exist for M in {PRENORM_VARIANTS}")
-    if prenorm and (warps % ks or warps < 1):
-        raise ValueError(f"a pre-norm block of {warps} warps does not hold whole KS = {ks} groups")
     gate_up, rope = kind == GATE_UP, kind == QKV_ROPE
     acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
     step = U * WARP_WORDS  # words per step
     args = "x, qw, scales, offsets, bias, out, has_bias, gshift"
     if rope:
         args += ", positions, cos_sin, k_cache, v_cache, slots, n_q, n_kv"
-    if prenorm:
-        args += ", residual, norm_w, eps, residual_out"
     # warp: the group of rows (ks > 1: the block's ks consecutive warps share it).
     L = [
         f"def kernel({args}):",
@@ -574,8 +470,8 @@ def _source(
 
     def leave(cond: str, why: str) -> list[str]:
         # ks > 1: no warp leaves before the block's barrier; a group past the end walks no K
-        # and leaves after it (`_split_k`). prenorm: none before the prologue's barriers either.
-        if ks == 1 and not prenorm:
+        # and leaves after it (`_split_k`).
+        if ks == 1:
             return [f"    if {cond}:", f"        return{why}"]
         return [f"    live = not ({cond})"]
 
@@ -584,20 +480,6 @@ def _source(
         L += ["    N = qw.shape[0] >> 1", f"    row0 = warp * {Q}"] + leave("row0 >= N", "")
         for q in range(Q):
             L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
-    elif rope and prenorm:
-        # Warps past the last pair take the last pair's (clamped, never written) rows: they
-        # read weights in the first step (before the prologue) and leave after the prologue.
-        L += [
-            "    D = k_cache.shape[3]",
-            "    half = D >> 1",
-            "    pairs = qw.shape[0] >> 1",
-            "    live = warp < pairs",
-            "    pw = min(warp, pairs - 1)",
-            "    head = pw // half",
-            "    j = pw - head * half",
-            "    rw0 = head * D + j",
-            "    rw1 = rw0 + half",
-        ]
     elif rope:
         L += ["    D = k_cache.shape[3]", "    half = D >> 1"]
         L += leave(
@@ -622,29 +504,13 @@ def _source(
     else:
         L += [f"    lw = lane * {WORDS_PER_CHUNK}"] + _split_k_range(ks, bits)
 
-    xrows, shared = ["0"] + [f"xm{m}" for m in range(1, M)], None
-    if prenorm:
-        # x from the prologue's shared rows (row m at offset xk{m}: gemv._prologue's names,
-        # suffixed by _prenorm_prologue).
-        xrows, shared = ["0"] + [f"xk{m}{PN}" for m in range(1, M)], f"xs{PN}"
-        loads, rest = dot_step_parts("    ", M, R, U, bits, split, xrows, form=form, shared=shared)
-        first = _suffixed(loads + rest, "_f")  # the peeled first step: names of its own
-        L.append("    KX = x.shape[1]  # the row length (split-K makes K a share's end)")
-        L += first[: len(loads)]  # its weight loads in flight during the prologue
-        L += _prenorm_prologue(M)
-        if ks == 1:
-            L += [
-                "    if not live:",
-                "        return  # the whole warp, the prologue's barriers behind it",
-            ]
-        L += first[len(loads) :]
-        L.append(f"    w0 += {step}")
     # One guarded body (a compare per 16-byte load): half the code of a separate tail step.
     L.append("    while w0 < W:")
-    L += dot_step("        ", M, R, U, bits, split, xrows, form=form, shared=shared)
+    xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
+    L += dot_step("        ", M, R, U, bits, split, xrows, form=form)
     L.append(f"        w0 += {step}")
     if ks > 1:
-        L += _split_k_sum(ks, acc, warps)
+        L += _split_k_sum(ks, acc)
     if form == HALF2:
         L += [f"    {a} *= float32({2.0**H2_SHIFT!r})" for a in acc]
     if gate_up:
@@ -741,13 +607,12 @@ def _split_k_range(ks: int, bits: int) -> list[str]:
     ]
 
 
-def _split_k_sum(ks: int, acc: list[str], warps: int = WARPS) -> list[str]:
+def _split_k_sum(ks: int, acc: list[str]) -> list[str]:
     """Split-K (ks > 1), after the K loop: warps 1..ks-1 of a group store their lane sums in
     shared memory and leave after the block's barrier; warp 0 adds them in warp order (the
-    same sum in every run) and goes on to the epilogue, as the one warp of ks = 1 does.
-    warps: the block's (the pre-norm kernels' PRENORM_WARPS; the others WARPS)."""
+    same sum in every run) and goes on to the epilogue, as the one warp of ks = 1 does."""
     L = [
-        f"    red = cuda.shared.array(({warps}, {len(acc)}, 32), float32)",
+        f"    red = cuda.shared.array(({WARPS}, {len(acc)}, 32), float32)",
         "    wb = cuda.threadIdx.x >> 5",
         "    if part != 0:",
     ]
@@ -756,79 +621,6 @@ def _split_k_sum(ks: int, acc: list[str], warps: int = WARPS) -> list[str]:
     for p in range(1, ks):
         L += [f"    {a} += red[wb + {p}, {i}, lane]" for i, a in enumerate(acc)]
     return L
-
-
-# ---- pre-norm variants (module doc) ----------------------------------------------------------
-
-PN = "_n"  # suffix of the prologue's names in the generated kernels (`_prenorm_prologue`)
-# Warps per block of the pre-norm launches: every block repeats the prologue's row reads, so
-# wider blocks cut that traffic in proportion (gemv.PRENORM_WARPS). WARPS until measured.
-PRENORM_WARPS = WARPS
-
-_ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*=(?!=)")
-
-
-def _suffixed(lines: list[str], suffix: str) -> list[str]:
-    """lines with every name they assign (plain `=` targets, not `+=`) renamed name + suffix,
-    at every use in them. The peeled first step (`_f`) and gemv's prologue (PN) get names of
-    their own: the loop's step assigns the same names (numba: one SSA rebuild per name
-    assigned twice, seconds of compile) and the SPLIT step's h{j} are ints where the prologue's
-    h{m} are tuples (one name cannot hold both types)."""
-    names = set()
-    for line in lines:
-        m = _ASSIGNED.match(line)
-        if m:
-            names.update(n.strip() for n in m.group(1).split(","))
-    if not names:
-        return list(lines)
-    pat = re.compile(r"(?<![.\w])(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
-    return [pat.sub(lambda m: m.group(1) + suffix, line) for line in lines]
-
-
-def _prenorm_prologue(M: int) -> list[str]:
-    """gemv._prologue(M) (residual_out <- residual + x by block 0; the M normalised rows into
-    the dynamic shared array, by every thread; the same rounding as fused_add_rms_norm) for a
-    quantized kernel: its names suffixed with PN (`_suffixed`), and K, which split-K makes the
-    end of a warp's share of the code words, read as KX = x.shape[1]. The array is xs{PN}, row
-    m at offset xk{m}{PN}."""
-    return _suffixed([re.sub(r"(?<![.\w])K\b", "KX", line) for line in _prologue(M)], PN)
-
-
-# 16-byte half2 loads from the shared rows (the HALF2 form's x; the others take gemv._lds8).
-if SIM:
-
-    def _ldsh8(arr, i):
-        """arr[i : i + 8] of a 1-D float16 shared array as four uint32 (half2 pairs)."""
-        row = np.ascontiguousarray(np.asarray(arr[i : i + 8]), dtype=np.float16)
-        return tuple(int(v) for v in row.view(np.uint32))
-
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-    from voltserve.kernels.gemv import _shared_ptrs
-
-    @intrinsic
-    def _ldsh8(typingctx, arr, i):
-        """arr[i : i + 8] of a 1-D float16 shared array (i a multiple of 8, the array 16-byte
-        aligned) as four uint32, one ld.shared.v4.u32: half2.ldh8 for gemv's shared rows."""
-        if not (
-            isinstance(arr, types.Array)
-            and arr.ndim == 1
-            and arr.dtype == types.float16
-            and isinstance(i, types.Integer)
-        ):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(arr, i)
-
-        def codegen(context, builder, signature, args):
-            arr_ty, i_ty = signature.args
-            (ptr,) = _shared_ptrs(context, builder, arr_ty, args[0], i_ty, args[1])
-            raw = builder.load(ptr, align=16)
-            words = [builder.extract_element(raw, ir.Constant(ir.IntType(32), j)) for j in range(4)]
-            return context.make_tuple(builder, signature.return_type, words)
-
-        return sig, codegen
 
 
 def source_scope() -> dict:
@@ -855,36 +647,10 @@ def source_scope() -> dict:
     }
 
 
-def _build(
-    M: int,
-    R: int,
-    U: int,
-    bits: int,
-    split: bool,
-    kind: str,
-    form: str,
-    ks: int = 1,
-    prenorm: bool = False,
-    warps: int = WARPS,
-):
+def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str, ks: int = 1):
     scope = source_scope()
-    tag = ""
-    if prenorm:
-        tag = f" prenorm warps={warps}"
-        scope.update(
-            _lds8=_lds8,
-            _ldsh8=_ldsh8,
-            _sts8=_sts8,
-            _add8=_add8,
-            _inv_rms=_inv_rms,
-            _scale8=_scale8,
-            st8=st8,
-            dot8=dot8,
-        )
-    name = (
-        f"<quant gemv {kind} M={M} R={R} U={U} KS={ks} bits={bits} split={split} form={form}{tag}>"
-    )
-    src = _source(M, R, U, bits, split, kind, form, ks, *((prenorm, warps) if prenorm else ()))
+    name = f"<quant gemv {kind} M={M} R={R} U={U} KS={ks} bits={bits} split={split} form={form}>"
+    src = _source(M, R, U, bits, split, kind, form, ks)
     exec(compile(src, name, "exec"), scope)  # noqa: S102
     return cuda.jit(scope["kernel"])
 
@@ -893,21 +659,12 @@ _KERNELS: dict[tuple, object] = {}
 
 
 def qgemv_kernel(
-    m: int,
-    bits: int,
-    split: bool = False,
-    kind: str = PLAIN,
-    tile=None,
-    form: str = WEIGHT,
-    prenorm: bool = False,
-    warps: int = WARPS,
+    m: int, bits: int, split: bool = False, kind: str = PLAIN, tile=None, form: str = WEIGHT
 ):
     """The kernel serving M = m inputs (the next variant's), built once per configuration.
     tile: (R, U) or (R, U, KS) to override tile_for (benchmark sweeps; gate_up needs an even
     R; KS in KS_CHOICES, warps of a block splitting K, any form and kind).
-    form: the dot product (`form_for`; FACTORED and HALF2 for fp16 x only).
-    prenorm: the pre-norm kernel (M = 1, 2) for blocks of `warps` warps (key and build
-    arguments only when set: the other kernels' are as before)."""
+    form: the dot product (`form_for`; FACTORED and HALF2 for fp16 x only)."""
     v = variant_for(m)
     R, U, KS = tiling(v, bits, kind, tile)
     if kind == GATE_UP and R % 2:
@@ -920,11 +677,10 @@ def qgemv_kernel(
         raise ValueError(f"unknown dot-product form {form!r} (one of {FORMS})")
     if form == HALF2 and (bits != 4 or split):
         raise ValueError("the half2 form is for int4 codes with one group per chunk")
-    extra = (True, warps) if prenorm else ()
-    key = (v, R, U, bits, split, kind, form, KS, *extra)
+    key = (v, R, U, bits, split, kind, form, KS)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, form, KS, *extra)
+        k = _KERNELS[key] = _build(v, R, U, bits, split, kind, form, KS)
     return k
 
 
@@ -961,12 +717,12 @@ def is_split(w: GroupQuantWeight) -> bool:
     return w.bits == 4 and w.group_shift == 4
 
 
-def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None, warps: int = WARPS) -> int:
+def grid_for(m: int, n: int, bits: int, kind: str = PLAIN, tile=None) -> int:
     """Blocks for n weight rows (plain), n output columns (gate_up) or n rotary pairs: a block
-    has warps / KS groups of rows (`tiling`), each R rows, R / 2 columns or one pair."""
+    has WARPS / KS groups of rows (`tiling`), each R rows, R / 2 columns or one pair."""
     R, _, KS = tiling(m, bits, kind, tile)
     per_group = R if kind == PLAIN else R // 2 if kind == GATE_UP else 1
-    rows_per_block = warps // KS * per_group
+    rows_per_block = WARPS // KS * per_group
     return (n + rows_per_block - 1) // rows_per_block
 
 
@@ -1036,41 +792,17 @@ def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
 
 
 def launch_qgemv(
-    x,
-    w: GroupQuantWeight,
-    bias,
-    out,
-    kind: str = PLAIN,
-    tile=None,
-    extra=(),
-    form=None,
-    norm: tuple | None = None,
+    x, w: GroupQuantWeight, bias, out, kind: str = PLAIN, tile=None, extra=(), form=None
 ):
     """One launch for inputs `supports` accepted; out None: a new [M, N] (gate_up: [M, N / 2]).
     extra: qkv_rope's arguments after group_shift, already converted. form: None takes
-    `form_for`'s choice; a form name forces it (benchmarks and tests; fp32 x stays WEIGHT).
-    norm: (residual, norm_w, eps, residual_out) for the pre-norm kernel (inputs
-    `supports_prenorm` accepted; x is then the layer's input, normalised in the kernel)."""
+    `form_for`'s choice; a form name forces it (benchmarks and tests; fp32 x stays WEIGHT)."""
     M, rows = x.shape[0], w.out_features
     if out is None:
         cols = rows // 2 if kind == GATE_UP else rows
         out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else w.scales.view(-1)  # any 1-D array of the dtype; unread
-    if norm is not None:
-        residual, norm_w, eps, residual_out = norm
-        split, warps = is_split(w), PRENORM_WARPS
-        kernel = qgemv_kernel(
-            M, w.bits, split, kind, tile, form_for(M, x.dtype, w.bits, split, form), True, warps
-        )
-        args = (dev(x), dev(w.qweight), dev(w.scales), dev(w.offsets), dev(b), dev(out))
-        # eps as float32: the prologue adds it in fp32, as fused_add_rms_norm does.
-        args += (has_bias, w.group_shift, *extra, dev(residual), dev(norm_w), np.float32(eps))
-        args += (dev(residual_out),)
-        grid = grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile, warps)
-        smem = M * x.shape[1] * x.element_size()  # the normalised rows (variant M == M)
-        _launch_smem(kernel, grid, 32 * warps, args, current_stream(), smem)
-        return out
     launch(
         qgemv_kernel(
             M, w.bits, is_split(w), kind, tile, form_for(M, x.dtype, w.bits, is_split(w), form)
@@ -1091,42 +823,6 @@ def launch_qgemv(
         current_stream(),
     )
     return out
-
-
-def prenorm_smem(m: int, k: int, itemsize: int, bits: int, kind: str = PLAIN, tile=None) -> int:
-    """Shared memory of a pre-norm launch besides gemv's reduction scratch: the m normalised
-    rows and, with split-K, the sums' array (PRENORM_WARPS x M R x 32 floats)."""
-    R, _, KS = tiling(variant_for(m), bits, kind, tile)
-    return m * k * itemsize + (PRENORM_WARPS * variant_for(m) * R * 32 * 4 if KS > 1 else 0)
-
-
-def prenorm_covers(x, w: GroupQuantWeight, kind: str = PLAIN, tile=None) -> bool:
-    """The checks of `supports_prenorm` on x and w alone: M = 1 or 2, `supports` (x the layer's
-    input), no input permutation (GPTQ act-order: the kernel reads the rows in order), an even
-    row count for gate_up, the shared memory (`prenorm_smem`) within gemv.PRENORM_SMEM_MAX."""
-    if not (x.dim() == 2 and x.shape[0] in PRENORM_VARIANTS):
-        return False
-    KS = tiling(x.shape[0], w.bits, kind, tile)[2]
-    smem = prenorm_smem(x.shape[0], x.shape[1], x.element_size(), w.bits, kind, tile)
-    return (
-        w.perm is None
-        and not (kind == GATE_UP and w.out_features % 2)
-        and supports(x, w)
-        and smem <= PRENORM_SMEM_MAX
-        and PRENORM_WARPS % KS == 0
-    )
-
-
-def supports_prenorm(
-    x, w: GroupQuantWeight, residual, norm_w, residual_out, out=None, kind: str = PLAIN, tile=None
-) -> bool:
-    """True when the pre-norm kernel of `kind` takes this input (qkv_rope's cache checks come on
-    top, `supports_qkv_rope`): `prenorm_covers` and gemv.supports_prenorm (x, residual,
-    residual_out [M, K] and norm_w [K] of x's dtype with 16-byte rows; residual_out and out
-    disjoint from the inputs). Otherwise the launchers run the reference."""
-    return prenorm_covers(x, w, kind, tile) and supports_prenorm_rows(
-        x, residual, norm_w, residual_out, out
-    )
 
 
 def quant_gemv_cuda(
@@ -1255,112 +951,7 @@ def quant_qkv_rope_cuda(
     return launch_qgemv(x, w, bias, out, QKV_ROPE, tile, extra, form=form)
 
 
-def quant_gemv_prenorm_cuda(
-    x,
-    residual,
-    norm_w,
-    eps: float,
-    w: GroupQuantWeight,
-    bias=None,
-    *,
-    residual_out,
-    out=None,
-    tile=None,
-    form=None,
-) -> torch.Tensor:
-    """quant_linear.quant_linear_prenorm_ref's meaning in one launch: residual_out <- residual +
-    x; returns rms_norm(residual_out) * norm_w @ dequantize(w)^T (+ bias) [M, N]. x is the
-    layer's input (not permuted; a permuted weight runs the reference). What
-    `supports_prenorm` rejects runs the reference. No host sync: graph-capturable."""
-    if supports_prenorm(x, w, residual, norm_w, residual_out, out, PLAIN, tile):
-        norm = (residual, norm_w, eps, residual_out)
-        return launch_qgemv(x, w, bias, out, PLAIN, tile, form=form, norm=norm)
-    from voltserve.kernels.quant_linear import quant_linear_prenorm_ref
-
-    return quant_linear_prenorm_ref(
-        x, residual, norm_w, eps, w, bias, residual_out=residual_out, out=out
-    )
-
-
-def quant_gemv_gate_up_prenorm_cuda(
-    x,
-    residual,
-    norm_w,
-    eps: float,
-    w: GroupQuantWeight,
-    bias=None,
-    *,
-    residual_out,
-    out=None,
-    tile=None,
-    form=None,
-) -> torch.Tensor:
-    """quant_linear.quant_gate_up_prenorm_ref's meaning in one launch: residual_out <- residual
-    + x; returns silu_and_mul of the normalised input's product with the merged gate_up weight
-    [M, N / 2]. Falls back as quant_gemv_prenorm_cuda does; no host sync."""
-    if supports_prenorm(x, w, residual, norm_w, residual_out, out, GATE_UP, tile):
-        norm = (residual, norm_w, eps, residual_out)
-        return launch_qgemv(x, w, bias, out, GATE_UP, tile, form=form, norm=norm)
-    from voltserve.kernels.quant_linear import quant_gate_up_prenorm_ref
-
-    return quant_gate_up_prenorm_ref(
-        x, residual, norm_w, eps, w, bias, residual_out=residual_out, out=out
-    )
-
-
-def quant_qkv_rope_prenorm_cuda(
-    x,
-    residual,
-    norm_w,
-    eps: float,
-    w: GroupQuantWeight,
-    bias,
-    positions,
-    cos_sin_cache,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    n_q: int,
-    n_kv: int,
-    *,
-    residual_out,
-    out=None,
-    form=None,
-    tile=None,
-) -> torch.Tensor:
-    """quant_linear.quant_qkv_rope_prenorm_ref's meaning in one launch: residual_out <-
-    residual + x; returns qkv [M, N] of the normalised input, q and k rotated, k and v written
-    to the cache. What `supports_qkv_rope` or `supports_prenorm` rejects runs the reference.
-    No host sync."""
-    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)
-    if supports_prenorm(
-        x, w, residual, norm_w, residual_out, out, QKV_ROPE, tile
-    ) and supports_qkv_rope(x, w, *args):
-        extra = (
-            dev(positions),
-            dev(cos_sin_cache),
-            dev(k_cache),
-            dev(v_cache),
-            dev(slot_mapping),
-            int(n_q),
-            int(n_kv),
-        )
-        norm = (residual, norm_w, eps, residual_out)
-        return launch_qgemv(x, w, bias, out, QKV_ROPE, tile, extra, form=form, norm=norm)
-    from voltserve.kernels.quant_linear import quant_qkv_rope_prenorm_ref
-
-    return quant_qkv_rope_prenorm_ref(
-        x, residual, norm_w, eps, w, bias, *args, residual_out=residual_out, out=out
-    )
-
-
 __all__ = [
-    "quant_gemv_prenorm_cuda",
-    "quant_gemv_gate_up_prenorm_cuda",
-    "quant_qkv_rope_prenorm_cuda",
-    "supports_prenorm",
-    "prenorm_covers",
-    "prenorm_smem",
     "quant_qkv_rope_ref",
     "quant_qkv_rope_cuda",
     "supports_qkv_rope",

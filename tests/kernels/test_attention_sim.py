@@ -210,7 +210,7 @@ def test_decode_merge_mode_one_partition_context_writes_directly(seed):
 
 @pytest.mark.parametrize(
     "seq_len,want_parts,bound",
-    [(70, 3, 256), (40, 3, 256), (20, 2, 256), (8, 1, 256), (160, 10, 640), (320, 20, 1280)],
+    [(70, 3, 256), (40, 3, 256), (20, 2, 256), (8, 1, 256), (160, 10, 640)],
 )
 def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, want_parts, bound):
     """The online core with the in-kernel merge spreads a sequence's own KV blocks over the
@@ -219,8 +219,7 @@ def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, wa
     partitions of one block; 8 -> one partition, written directly. The partials written show
     the split; the output matches. (One warp: the simulator's shuffles are per block; the GPU
     tests run 4 warps, where each partition takes at least one KV block per warp.) 160 tokens
-    under a 640-token bound: 10 partitions, merged from one chunk of loads; 320 under 1280: 20
-    partitions, more than the online merge loads in one chunk (ONLINE_MERGE_CHUNK)."""
+    under a 640-token bound: 10 partitions, more than the merge loads in one chunk."""
     threads, part = 32, 64
     rng = np.random.default_rng(seed)
     H, kvh, D = 2, 1, 32

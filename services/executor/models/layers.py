@@ -51,18 +51,10 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def gate_up_silu(
-    x: torch.Tensor, gate_up: Linear, ops: KernelDispatch, pre: PreNorm | None = None
-) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, gate_up: Linear, ops: KernelDispatch) -> torch.Tensor:
     """silu_and_mul(gate_up(x)): the gated MLP's first half. Decode-sized inputs may run it as
     one gemv_gate_up launch (silu_and_mul fused into the GEMV's output), as the plan says; a
-    quantized method runs its own (fused or not) variant. pre: the add + RMSNorm x still owes,
-    folded into the launch where the method can, else applied first."""
-    if pre is not None:
-        y = gate_up.method.gate_up_silu_prenorm(gate_up, x, ops, pre)
-        if y is not None:
-            return y
-        x = pre.apply(ops, x)
+    quantized method runs its own (fused or not) variant."""
     return gate_up.method.apply_gate_up_silu(gate_up, x, ops)
 
 
@@ -193,31 +185,6 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(x)
-
-
-@dataclass
-class PreNorm:
-    """The residual add + RMSNorm a sublayer's input still owes: the previous sublayer's output
-    x is to be added to `residual` and normalised by `norm` before the sublayer's first linear.
-    At decode a linear method may fold both into that linear's launch (the GEMV's pre-norm
-    prologue: one launch instead of two); otherwise `apply` runs the fused_add_rms_norm op as
-    before. Either way `residual` ends as the new residual stream: updated in place by `apply`,
-    a new tensor when folded (every block of the kernel reads the old one while one writes the
-    new)."""
-
-    norm: RMSNorm
-    residual: torch.Tensor
-
-    def apply(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(ops, x, self.residual)
-
-    def fold(self, launch) -> torch.Tensor:
-        """y = launch(residual, norm weight, eps, residual_out) for a pre-norm kernel; the new
-        residual stream is residual_out from then on."""
-        new = torch.empty_like(self.residual)
-        y = launch(self.residual, self.norm.weight, self.norm.eps, new)
-        self.residual = new
-        return y
 
 
 class RMSNorm(nn.Module):

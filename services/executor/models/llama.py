@@ -19,7 +19,6 @@ from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,
-    PreNorm,
     RMSNorm,
     VocabParallelEmbedding,
     gate_up_silu,
@@ -142,18 +141,16 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        pre: PreNorm | None = None,
     ) -> torch.Tensor:
-        """pre: the add + RMSNorm x still owes (the layer's input norm), folded into the qkv
-        launch where its method can (pre.residual is then a new tensor), else applied first."""
         T = x.shape[0]
         k_cache, v_cache = kv_cache
         fused = self._qkv_rope_fused(ops, x, meta, cos_sin_cache)
-        qkv = None
         if fused:
-            # One launch: the projection, rotary on q and k, and the KV-cache write (and, at
-            # batch 1-2 with a plain weight, the input norm).
-            rope = (
+            # One launch: the projection, rotary on q and k, and the KV-cache write.
+            qkv = self.qkv_proj.method.apply_qkv_rope(
+                self.qkv_proj,
+                x,
+                ops,
                 positions,
                 cos_sin_cache,
                 k_cache,
@@ -162,16 +159,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )
-            method = self.qkv_proj.method
-            if pre is not None:
-                qkv = method.qkv_rope_prenorm(self.qkv_proj, x, ops, pre, *rope)
-                if qkv is None:
-                    x = pre.apply(ops, x)
-            if qkv is None:
-                qkv = method.apply_qkv_rope(self.qkv_proj, x, ops, *rope)
         else:
-            if pre is not None:
-                x = pre.apply(ops, x)
             qkv = self.qkv_proj(x, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -288,12 +276,9 @@ class MLP(nn.Module):
             _row(tp, *part),
         )
 
-    def forward(
-        self, ops: KernelDispatch, x: torch.Tensor, pre: PreNorm | None = None
-    ) -> torch.Tensor:
-        """pre: the add + RMSNorm x still owes (the post-attention norm), folded into the
-        gate_up launch where its method can, else applied first."""
-        h = gate_up_silu(x, self.gate_up_proj, ops, pre)
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
+        # At decode sizes the plan may fuse silu_and_mul into the gate_up projection's GEMV.
+        h = gate_up_silu(x, self.gate_up_proj, ops)
         return self.down_proj(h, ops)
 
 
@@ -330,20 +315,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm with a residual add goes down as a PreNorm: at decode the next linear's
-        # launch may run it (one launch instead of two); pre.residual is the stream after it.
-        pre = None
         if residual is None:
             residual = x
             x = self.input_layernorm(ops, x)
         else:
-            pre = PreNorm(self.input_layernorm, residual)
-        x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache, pre)
-        if pre is not None:
-            residual = pre.residual
-        pre = PreNorm(self.post_attention_layernorm, residual)
-        x = self.mlp(ops, x, pre)
-        return x, pre.residual
+            x = self.input_layernorm(ops, x, residual)
+        x = self.self_attn(ops, positions, x, kv_cache, meta, cos_sin_cache)
+        x = self.post_attention_layernorm(ops, x, residual)
+        return self.mlp(ops, x), residual
 
 
 class LlamaModel(nn.Module):

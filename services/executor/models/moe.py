@@ -334,11 +334,7 @@ class SparseMoE(nn.Module):
             lay=lay,
         )
 
-    def forward(self, ops: KernelDispatch, x: torch.Tensor, pre=None) -> torch.Tensor:
-        """pre (models/layers.PreNorm): the add + RMSNorm x still owes, applied first (no MoE
-        launch folds it)."""
-        if pre is not None:
-            x = pre.apply(ops, x)
+    def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x, ops)
         weights, ids = ops.moe_topk(logits, self.top_k, self.renormalize, self.weights_dtype)
         out = self.experts(ops, x, weights, ids)

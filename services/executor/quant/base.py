@@ -81,15 +81,6 @@ class LinearMethod:
     def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
         raise NotImplementedError
 
-    # Pre-norm folds (models/layers.PreNorm): the layer's add + RMSNorm run inside the linear's
-    # launch. None: this method cannot for these rows (the caller applies the norm, then the
-    # plain product).
-    def gate_up_silu_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre):
-        return None
-
-    def qkv_rope_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre, *args):
-        return None
-
     def dense_weight(self, layer: Linear) -> torch.Tensor | None:
         """The [N, K] float weight when the method keeps one (the GEMV plan times those)."""
         return None
@@ -203,45 +194,6 @@ class UnquantizedMethod(LinearMethod):
             slots,
             num_heads,
             num_kv_heads,
-        )
-
-    def _folds(self, x: torch.Tensor, ops: KernelDispatch, op: str, plan_ok: bool) -> bool:
-        """Decode rows of a pre-norm kernel variant (1 or 2) that the plan sends to the GEMV: on
-        CUDA where the pre-norm kernel itself runs, on CPU its reference (the CPU tests walk the
-        same path); the launcher's own checks (shared memory, alignment) fall back to the
-        reference, so shapes it refuses are excluded here first."""
-        from voltserve.kernels.gemv import PRENORM_SMEM_MAX, PRENORM_VARIANTS
-
-        if not (x.dim() == 2 and x.shape[0] in PRENORM_VARIANTS and plan_ok):
-            return False
-        if ops.device.type == "cpu":
-            return True
-        return ops.impl[op] == "cuda" and x.numel() * x.element_size() <= PRENORM_SMEM_MAX
-
-    def gate_up_silu_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre):
-        from voltserve.services.executor.linear_plan import GEMV, GEMV_GATE_UP, gate_up_impl
-
-        w, b = layer.weight, layer.bias
-        # The plan's GEMV choices (fused with the activation or not; CPU has no plan: GEMV);
-        # cuBLAS rows keep the separate norm.
-        plan = x.dim() == 2 and gate_up_impl(ops, x.shape[0], *w.shape) in (GEMV, GEMV_GATE_UP)
-        if not self._folds(x, ops, "gemv_gate_up_prenorm", plan):
-            return None
-        return pre.fold(
-            lambda r, nw, eps, r_out: ops.gemv_gate_up_prenorm(
-                x, r, nw, eps, w, b, residual_out=r_out
-            )
-        )
-
-    def qkv_rope_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre, *args):
-        """apply_qkv_rope of the normalised input, the add + RMSNorm folded in (called where
-        can_fuse_qkv_rope holds)."""
-        if not self._folds(x, ops, "gemv_qkv_rope_prenorm", True):
-            return None
-        return pre.fold(
-            lambda r, nw, eps, r_out: ops.gemv_qkv_rope_prenorm(
-                x, r, nw, eps, layer.weight, layer.bias, *args, residual_out=r_out
-            )
         )
 
     def dense_weight(self, layer: Linear) -> torch.Tensor | None:

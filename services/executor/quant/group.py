@@ -318,26 +318,6 @@ class GroupQuantMethod(LinearMethod):
     def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
         return qk.quant_qkv_rope(x, layer.qweight, layer.bias, ops, *args)
 
-    # Pre-norm folds (models/layers.PreNorm): the add + RMSNorm in the GEMV's prologue at 1-2
-    # decode rows (quant_linear.prenorm_folds says when the entry point is one launch).
-    def gate_up_silu_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre):
-        if layer.dense is not None or not qk.prenorm_folds(x, layer.qweight, ops, "gate_up"):
-            return None
-        return pre.fold(
-            lambda r, nw, eps, r_out: qk.quant_gate_up_silu_prenorm(
-                x, r, nw, eps, layer.qweight, layer.bias, ops, residual_out=r_out
-            )
-        )
-
-    def qkv_rope_prenorm(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, pre, *args):
-        if layer.dense is not None or not qk.prenorm_folds(x, layer.qweight, ops, "qkv_rope"):
-            return None
-        return pre.fold(
-            lambda r, nw, eps, r_out: qk.quant_qkv_rope_prenorm(
-                x, r, nw, eps, layer.qweight, layer.bias, ops, *args, residual_out=r_out
-            )
-        )
-
     def weight_numel(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features
 
