@@ -907,6 +907,40 @@ def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads):
     return capped if capped[0].online and capped[1] > 1 else None
 
 
+# Threads per block of the online core where its partitions are long enough to give each of
+# 8 warps a KV block (partitions of >= 128 tokens: a server's bound at batch 1). Measured on an
+# H200 at 999b6a4 (.ab-free record: load_tests/results/h200/999b6a4, bench of one layer at
+# batch 1 under an 8K bound): ...
+ONLINE_THREADS = 256
+
+
+def online_threads(cfg: DecodeConfig) -> int:
+    """ONLINE_THREADS for an online-core launch whose partitions hold at least one KV block per
+    warp of ONLINE_THREADS (the dynamic spread gives each warp one block up to partitions x
+    warps blocks), else the config's own count. At ~250 registers a thread, 256 threads is one
+    block per SM, as the capped online grid already is."""
+    if cfg.online and cfg.partition >= BLOCK_SIZE * ONLINE_THREADS // 32:
+        return ONLINE_THREADS
+    return cfg.num_threads
+
+
+def launch_with_threads(
+    H, kvh, D, B, max_seq_len, num_sms, cap, num_threads, partition_size, online
+) -> tuple[DecodeConfig, int]:
+    """launch_config at num_threads, or, when None, at 128 unless the online core's launch at
+    ONLINE_THREADS (online_threads) stays online and one wave (one block per SM at ~250
+    registers a thread: a grid of more blocks than SMs would run in two)."""
+    nt = num_threads or 128
+    cfg, n_part = launch_config(H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online)
+    if num_threads is None and online_threads(cfg) != nt:
+        wide = launch_config(
+            H, kvh, D, B, max_seq_len, num_sms, cap, ONLINE_THREADS, partition_size, online
+        )
+        if wide[0].online and B * kvh * wide[0].split * wide[1] <= num_sms:
+            return wide
+    return cfg, n_part
+
+
 def latency_bound(blocks: int, num_sms: int) -> bool:
     """A grid this small runs one latency-bound wave: the online core's case."""
     return blocks <= ONLINE_MAX_BLOCKS_PER_SM * num_sms
@@ -962,7 +996,7 @@ def paged_decode_attention_cuda(
     max_seq_len: int | None = None,
     partition_size: int | None = None,
     workspace=None,
-    num_threads: int = 128,
+    num_threads: int | None = None,
     max_registers: int | None = -1,
     online: bool | None = None,
 ):
@@ -976,6 +1010,8 @@ def paged_decode_attention_cuda(
     with P >= the partition count; allocated from torch's allocator when absent (inside a graph
     capture that memory belongs to the graph's pool). A workspace with P != MERGE_MAX_PARTITIONS
     selects the separate merge kernel ("split" mode) instead of the in-kernel merge.
+    num_threads: threads per block; default 128, or ONLINE_THREADS for the online core under
+    long partitions (`online_threads`).
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
     most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
@@ -989,10 +1025,10 @@ def paged_decode_attention_cuda(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     cap = None if workspace is None else workspace[2].shape[2]
-    cfg, n_part = launch_config(
-        H, kvh, D, B, max_seq_len, _num_sms(q.device.index or 0), cap, num_threads,
-        partition_size, online,
-    )  # fmt: skip
+    sms = _num_sms(q.device.index or 0)
+    cfg, n_part = launch_with_threads(
+        H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online
+    )
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
     # _emit_merge): always so for the workspace allocated here.

@@ -363,3 +363,24 @@ def test_launch_config_caps_long_bounds_for_the_online_core():
     # An explicit partition or core is kept.
     assert launch_config(32, 8, 128, 1, 8192, sms, partition_size=64)[1] == 128
     assert not launch_config(32, 8, 128, 1, 8192, sms, online=False)[0].online
+
+
+def test_online_core_takes_8_warps_under_long_bounds():
+    """launch_with_threads: the online core runs 256 threads where its partitions give each of 8
+    warps a KV block and the grid stays one wave (batch 1 under a server's 8K bound), else 128
+    (short bounds: 64-token partitions; Llama-3-8B under 32K: 256 blocks, two waves at one
+    block per SM). An explicit thread count is kept."""
+    from voltserve.kernels.decode_attention import launch_with_threads
+
+    sms = 132
+
+    def threads(H, kvh, D, B, bound, nt=None):
+        cfg, n = launch_with_threads(H, kvh, D, B, bound, sms, None, nt, None, None)
+        return cfg.num_threads, n, cfg.online
+
+    assert threads(32, 8, 128, 1, 8192) == (256, 16, True)  # Llama-3-8B
+    assert threads(14, 2, 64, 1, 8192) == (256, 32, True)  # Qwen2.5-0.5B
+    assert threads(32, 4, 128, 1, 8192) == (256, 16, True)  # Qwen3-30B-A3B (group split in 2)
+    assert threads(32, 8, 128, 1, 1056) == (128, 17, True)  # 64-token partitions
+    assert threads(32, 8, 128, 1, 32768) == (128, 32, True)  # 256 blocks
+    assert threads(32, 8, 128, 1, 8192, 128) == (128, 16, True)
