@@ -7,6 +7,9 @@ are DRAM traffic per second).
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one layer's cache, fp16.
 Calls are captured in a CUDA graph (ITERS launches per replay) so the GPU time is measured, not
 the CPU launch rate; timing is torch CUDA events, median over repeats after a warmup.
+Every launch reads the same KV, which at small batches stays in L2 (4 MB at batch 1 x 1K);
+`--cold` times each launch after a 128 MB copy that evicts it, as a served step's weight stream
+does, and reports that graph's time less the copies' alone.
 Also times the (untuned) prefill kernel for reference.
 """
 
@@ -75,20 +78,34 @@ def decode_inputs(batch: int, context: int, kvh: int, group: int, head_dim: int)
     return q, k, v, tables, sl
 
 
-def bench_decode(batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int):
+EVICT_BYTES = 128 << 20  # more than twice the H200's 60 MB L2 (a V100's is 6 MB)
+
+
+def bench_decode(
+    batch: int, context: int, kvh: int, group: int, head_dim: int, iters: int, cold: bool = False
+):
+    """Seconds per launch and the KV bytes it reads. cold: each launch after a copy of
+    EVICT_BYTES (evicting the KV from L2), timed as that graph less a graph of the copies."""
     from voltserve.kernels.decode_attention import paged_decode_attention_cuda
 
     q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     out = torch.empty_like(q)
-    t = time_graph(
-        lambda: paged_decode_attention_cuda(
-            q, k, v, tables, sl, head_dim**-0.5, out, max_seq_len=context
-        ),
-        iters=iters,
-        repeats=10,
-    )
+
+    def attend():
+        paged_decode_attention_cuda(q, k, v, tables, sl, head_dim**-0.5, out, max_seq_len=context)
+
     nbytes = 2 * batch * context * kvh * head_dim * 2
-    return t, nbytes
+    if not cold:
+        return time_graph(attend, iters=iters, repeats=10), nbytes
+    src = torch.empty(EVICT_BYTES // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+
+    def evict_then_attend():
+        dst.copy_(src)
+        attend()
+
+    both = time_graph(evict_then_attend, iters=iters, repeats=10)
+    return both - time_graph(lambda: dst.copy_(src), iters=iters, repeats=10), nbytes
 
 
 SWEEP_PARTITIONS = (32, 64, 128)  # small batches: parallel work comes from partitions
@@ -293,6 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--skip-prefill", action="store_true", help="leave out the prefill kernel's timing"
     )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each decode launch after a 128 MB copy that evicts its KV from L2 (as in a "
+        "served step), less the copies' own time",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
@@ -303,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in (int(x) for x in args.batches.split(",")):
             iters = 20 if batch * context <= 1 << 17 else 5
             t, nbytes = bench_decode(
-                batch, context, args.kv_heads, args.group, args.head_dim, iters
+                batch, context, args.kv_heads, args.group, args.head_dim, iters, args.cold
             )
             rows.append(
                 dict(
@@ -337,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             q_heads=args.kv_heads * args.group, kv_heads=args.kv_heads, head_dim=args.head_dim
         ),
         copy_bandwidth_GBps=copy_bw / 1e9,
+        kv_cold=args.cold,
         decode=rows,
         partitions={f"{r['batch']}x{r['context']}": r["partition"] for r in rows},
         prefill=prefill,

@@ -124,6 +124,8 @@ for stage in $STAGES; do
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
       run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
+      # batch 1 with the KV evicted from L2 before every launch, as in a served step
+      run bench_attention_b1_cold $PY load_tests/bench_attention.py --contexts 544,1056,4096 --batches 1 --skip-prefill --cold --out "$OUT/bench_attention_b1_cold.json"
       ;;
     attention-sweep)
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
