@@ -269,3 +269,50 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
             o1,
             paged_decode_attention_ref(q[:1].float(), k.float(), v.float(), tables[:1], sl1, scale),
         )
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (32, 4, 128)])
+def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
+    """Batch 1 under a server's 8K bound with the launcher's defaults (the online core at
+    ONLINE_THREADS: 8 warps a block, launch_with_threads), captured once and replayed with
+    contexts from 1 to the bound: the dynamic spread over the partitions, the in-kernel merge
+    and its counters at every length. Llama-3-8B, Qwen2.5-0.5B and Qwen3-30B-A3B heads."""
+    from voltserve.kernels.decode_attention import (
+        _COUNTERS,
+        ONLINE_THREADS,
+        _num_sms,
+        launch_with_threads,
+        paged_decode_attention_cuda,
+    )
+
+    bound = 8192
+    sms = _num_sms(torch.cuda.current_device())
+    cfg, _ = launch_with_threads(heads, kv_heads, head_dim, 1, bound, sms, None, None, None, None)
+    if sms >= kv_heads * cfg.split * 16:  # an H100/H200-sized grid: the 8-warp launch
+        assert cfg.online and cfg.num_threads == ONLINE_THREADS
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    k, v, tables = make_cache([bound], kv_heads, head_dim, gen)
+    q = torch.randn((1, heads, head_dim), generator=gen, device="cuda").half()
+    sl = torch.ones(1, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+
+    def step():
+        paged_decode_attention_cuda(q, k, v, tables, sl, scale, out, max_seq_len=bound)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile, and size the counters outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (1, 17, 140, 544, 1056, 2048, 4097, 8192):
+        sl.fill_(n)
+        q.copy_(torch.randn((1, heads, head_dim), generator=gen, device="cuda").half())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, sl, scale))
+        assert not _COUNTERS.get(q.device, 1).any(), "merge counters must be zero after a launch"
