@@ -95,17 +95,23 @@ def bench_decode(
         paged_decode_attention_cuda(q, k, v, tables, sl, head_dim**-0.5, out, max_seq_len=context)
 
     nbytes = 2 * batch * context * kvh * head_dim * 2
+    return time_launch(attend, iters, cold), nbytes
+
+
+def time_launch(fn, iters: int, cold: bool, repeats: int = 10) -> float:
+    """Seconds per fn() in a graph of `iters` calls (time_graph); cold: each call after a copy
+    of EVICT_BYTES that evicts its inputs from L2, less a graph of the copies alone."""
     if not cold:
-        return time_graph(attend, iters=iters, repeats=10), nbytes
+        return time_graph(fn, iters=iters, repeats=repeats)
     src = torch.empty(EVICT_BYTES // 2, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
 
-    def evict_then_attend():
+    def evict_then_call():
         dst.copy_(src)
-        attend()
+        fn()
 
-    both = time_graph(evict_then_attend, iters=iters, repeats=10)
-    return both - time_graph(lambda: dst.copy_(src), iters=iters, repeats=10), nbytes
+    both = time_graph(evict_then_call, iters=iters, repeats=repeats)
+    return both - time_graph(lambda: dst.copy_(src), iters=iters, repeats=repeats)
 
 
 SWEEP_PARTITIONS = (32, 64, 128)  # small batches: parallel work comes from partitions
@@ -132,7 +138,8 @@ WHOLE = -1
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
     """What to time at one point: the default launch at 1x and 8x bounds, then at small batches
     every short partition with the online and the block core (and 64 threads for partition 64:
-    it lost 6 us at 1K context on an H200 with the block core); at larger ones (a full grid with
+    it lost 6 us at 1K context on an H200 with the block core; 256 threads, online, for 128);
+    at larger ones (a full grid with
     one block per sequence and KV head) the whole context as one partition with the default
     registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, and,
     under an 8x bound (a server's max_model_len), the 1024- and 2048-token partitions. Each is a
@@ -144,7 +151,11 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     if batch <= SWEEP_SMALL_BATCH:
         for online in (True, False):
             out += [Variant(partition=p, online=online) for p in SWEEP_PARTITIONS]
-        return out + [Variant(partition=64, threads=64, online=True)]
+        # 8 warps: one KV block each in a 128-token partition (ONLINE_THREADS' form)
+        return out + [
+            Variant(partition=64, threads=64, online=True),
+            Variant(partition=128, threads=256, online=True),
+        ]
     return out + [
         Variant(partition=WHOLE, regs=128, online=False),
         Variant(partition=WHOLE, threads=256, regs=128, online=False),
@@ -153,14 +164,18 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     ]
 
 
-def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: Variant) -> dict:
+def sweep_job(
+    batch: int, context: int, kvh: int, group: int, head_dim: int, v: Variant, cold: bool = False
+) -> dict:
     """Build (compile and warm) one variant, then time it while holding the sweep's GPU lock
     (only one process times at a time; the others compile on the CPU meanwhile). The row has
     its time and its largest difference from the torch reference (a broken variant shows)."""
     from voltserve.kernels.attention_ref import paged_decode_attention_ref
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
+        _num_sms,
         decode_workspace,
+        launch_with_threads,
         num_partitions,
         paged_decode_attention_cuda,
     )
@@ -191,6 +206,13 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
         if n_part == 1:
             mode = "direct"
     mode += f"{v.bound}x"
+    threads = v.threads
+    if not v.partition:  # the default launch: the launcher's thread count
+        sms = _num_sms(torch.cuda.current_device())
+        cfg, _ = launch_with_threads(
+            kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None
+        )
+        threads = cfg.num_threads
 
     def call():
         paged_decode_attention_cuda(q, k, v_cache, wide, sl, scale, out, **kw)
@@ -198,12 +220,13 @@ def sweep_job(batch: int, context: int, kvh: int, group: int, head_dim: int, v: 
     call()  # the compile, outside the lock
     torch.cuda.synchronize()
     with _GPU_LOCK:
-        t = time_graph(call, iters=20, repeats=10)
+        t = time_launch(call, 20, cold)
     return dict(
         batch=batch,
         context=context,
         partition=kw.get("partition_size", 0),
-        threads=v.threads,
+        threads=threads,
+        kv_cold=cold,
         mode=mode,
         max_registers={-1: "default", None: "none"}.get(v.regs, str(v.regs)),
         core={None: "auto", True: "online", False: "block"}[v.online],
@@ -227,11 +250,15 @@ def sweep_decode(
     head_dim: int,
     jobs: int,
     partitions: tuple[int, ...] = (),
+    cold: bool = False,
 ):
     """Every sweep variant at every (batch, context) point, over `jobs` worker processes (each
-    builds its variants while another times; timing holds one lock). Rows print as measured."""
+    builds its variants while another times; timing holds one lock). Rows print as measured.
+    cold: each launch timed with its KV evicted from L2 (time_launch)."""
     work = [
-        (b, c, kvh, group, head_dim, v) for b, c in points for v in sweep_variants(b, partitions)
+        (b, c, kvh, group, head_dim, v, cold)
+        for b, c in points
+        for v in sweep_variants(b, partitions)
     ]
     rows = []
     if jobs <= 1:
@@ -313,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--cold",
         action="store_true",
-        help="time each decode launch after a 128 MB copy that evicts its KV from L2 (as in a "
-        "served step), less the copies' own time",
+        help="time each decode launch (the sweep's too) after a 128 MB copy that evicts its KV "
+        "from L2 (as in a served step), less the copies' own time",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -352,7 +379,9 @@ def main(argv: list[str] | None = None) -> None:
         tuple(int(x) for x in p.lower().split("x")) for p in filter(None, args.sweep.split(","))
     ]
     parts = tuple(int(x) for x in args.partitions.split(",") if x.strip())
-    sweep = sweep_decode(points, args.kv_heads, args.group, args.head_dim, args.jobs, parts)
+    sweep = sweep_decode(
+        points, args.kv_heads, args.group, args.head_dim, args.jobs, parts, args.cold
+    )
 
     result = dict(
         device=torch.cuda.get_device_name(),
