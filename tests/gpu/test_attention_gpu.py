@@ -50,6 +50,20 @@ CORES = {
 }
 
 
+def captured(step) -> torch.cuda.CUDAGraph:
+    """step() run once on a side stream (the compile, and the merge counters sized outside
+    capture), then captured in a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def check(out, ref):
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL)
@@ -236,14 +250,7 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
             **CORES.get(core, {}),
         )  # fmt: skip
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile, and size the counters outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for lens in ([1, 1], [640, 65], [1120, 0], [64, 1119], [17, 1024], [1120, 1120]):
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -300,14 +307,7 @@ def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
     def step():
         paged_decode_attention_cuda(q, k, v, tables, sl, scale, out, max_seq_len=bound)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile, and size the counters outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for n in (1, 17, 140, 544, 1056, 2048, 4097, 8192):
         sl.fill_(n)
         q.copy_(torch.randn((1, heads, head_dim), generator=gen, device="cuda").half())
