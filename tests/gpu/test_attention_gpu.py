@@ -203,14 +203,7 @@ def test_decode_cuda_graph_replay_with_new_seq_lens():
             q, k, v, tables, sl, D**-0.5, out, max_seq_len=max_len, workspace=ws
         )
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm up: compile and load the kernels outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for lens in ([1] * B, [5, 0, 513, 8192, 16, 17, 1024, 3000], [8192] * B, [0] * B):
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
