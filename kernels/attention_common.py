@@ -219,8 +219,9 @@ def next_pow2(n: int) -> int:
 
 def check_paged_cache(q, k_cache, v_cache, block_size: int, **int32_args) -> None:
     """The launchers' shared checks of a paged KV cache [blocks, kv_heads, block_size, D] against
-    q [..., H, D]: shapes, fp16 storage, contiguous caches, and int32 for every named tensor in
-    int32_args (block tables, sequence lengths, query offsets)."""
+    q [..., H, D]: shapes, fp16 storage, contiguous and 16-byte aligned caches (the kernels read
+    them in 16-byte vectors), and int32 for every named tensor in int32_args (block tables,
+    sequence lengths, query offsets)."""
     import torch
 
     D = q.shape[-1]
@@ -236,3 +237,5 @@ def check_paged_cache(q, k_cache, v_cache, block_size: int, **int32_args) -> Non
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")

@@ -928,12 +928,14 @@ def online_threads(cfg: DecodeConfig) -> int:
     return cfg.num_threads
 
 
+@functools.lru_cache(maxsize=1024)
 def launch_with_threads(
     H, kvh, D, B, max_seq_len, num_sms, cap, num_threads, partition_size, online
 ) -> tuple[DecodeConfig, int]:
     """launch_config at num_threads, or, when None, at 128 unless the online core's launch at
     ONLINE_THREADS (online_threads) stays online and one wave (one block per SM at ~250
-    registers a thread: a grid of more blocks than SMs would run in two)."""
+    registers a thread: a grid of more blocks than SMs would run in two). Cached: an eager
+    decode step asks again for the same shapes and bounds."""
     nt = num_threads or 128
     cfg, n_part = launch_config(H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online)
     if num_threads is None and online_threads(cfg) != nt:
@@ -1024,8 +1026,6 @@ def paged_decode_attention_cuda(
     B, H, D = q.shape
     kvh = k_cache.shape[1]
     check_paged_cache(q, k_cache, v_cache, BLOCK_SIZE, block_tables=block_tables, seq_lens=seq_lens)
-    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
-        raise ValueError("KV caches must be 16-byte aligned (16-byte vector loads)")
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     cap = None if workspace is None else workspace[2].shape[2]

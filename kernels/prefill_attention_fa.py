@@ -207,7 +207,7 @@ def paged_attention_fa_cuda(
     if B == 0 or T == 0 or max_query_len == 0:
         return out
     q = q.contiguous()
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), ("out", out)):  # the caches: check_paged_cache
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (16-byte vector loads and stores)")
     tile_q = ROWS // group

@@ -25,6 +25,8 @@ import pytest
 import torch
 from voltserve.kernels.attention_ref import paged_attention_ref
 
+from tests.gpu.test_attention_gpu import make_cache
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -38,21 +40,10 @@ CHUNKED = [(100, 37), (4096, 1000), (33, 1), (2000, 17), (17, 16), (64, 64), (15
 
 
 def make_batch(seq_lens, q_lens, num_kv_heads, group, head_dim, gen):
-    n_blocks = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
-    total = sum(n_blocks) + 3
-    shape = (total, num_kv_heads, BLOCK, head_dim)
-    k = torch.randn(shape, generator=gen, device="cuda").half()
-    v = torch.randn(shape, generator=gen, device="cuda").half()
-    perm = torch.randperm(total, generator=gen, device="cuda").int()
-    tables = torch.zeros((len(seq_lens), max(n_blocks) + 2), dtype=torch.int32, device="cuda")
-    pos = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[pos : pos + n]
-        pos += n
-        tail = seq_lens[b] % BLOCK
-        if tail:  # slots past the context hold garbage: the kernel must never use them
-            k[tables[b, n - 1], :, tail:] = float("nan")
-            v[tables[b, n - 1], :, tail:] = float("nan")
+    # The paged cache as the decode tests build it (slots past each context hold NaN: the
+    # kernel must never use them); tables two blocks wider than the longest context.
+    width = max((s + BLOCK - 1) // BLOCK for s in seq_lens) + 2
+    k, v, tables = make_cache(seq_lens, num_kv_heads, head_dim, gen, width)
     qsl = [0]
     for ql in q_lens:
         qsl.append(qsl[-1] + ql)
