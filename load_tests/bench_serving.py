@@ -503,6 +503,9 @@ def run_engine(
             [p.token_ids for p in warmup],
             SamplingParams(max_tokens=warmup[0].output_len, temperature=0.0, ignore_eos=True),
         )
+    from voltserve.shared import startup
+
+    startup.freeze_heap()  # as the executor process does after its start-up
     records = [RequestRecord(len(p.token_ids), p.output_len) for p in prompts]
     last_tok: dict[int, float] = {}
     pending = deque(range(len(prompts)))

@@ -14,6 +14,7 @@ stops instead of restarting the service, and repeats the reason.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -61,6 +62,23 @@ def progress(
 ) -> Iterable[T]:
     """A tqdm bar on stderr, refreshed at most every 2 s (also readable in container logs)."""
     return tqdm(items, desc=desc, total=total, unit=unit, mininterval=2.0, leave=False)
+
+
+def freeze_heap() -> int:
+    """Moves every object alive at the end of start-up (imported modules, the model, tokenizers,
+    compiled kernels, captured graphs) into the collector's permanent generation, and returns how
+    many. Those objects live as long as the process, yet every full collection walked them all:
+    with torch imported that is ~100 ms on a 2-core CPU, and at 256 running requests one such
+    pass stopped the executor for a 182 ms step among 19 ms decode steps (3ab8f04's serving run).
+    Called once by each service after its start-up, where it owns the process."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    logger.debug(
+        "start-up: %d objects out of the collector's passes (%.2f s)", n, time.perf_counter() - t0
+    )
+    return n
 
 
 # ---------------------------------------------------------------------------------------------

@@ -211,6 +211,7 @@ def main(argv: list[str]) -> None:
             lambda: metrics.status_fields(svc.loop_.latest_stats, [svc.loop_.queue_time]),
         )
 
+    startup.freeze_heap()
     try:
         run_until_signalled(svc)
     finally:

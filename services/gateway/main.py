@@ -111,6 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
+    startup.freeze_heap()
     logger.info("gateway %s listening on %s:%d", app["gw"].gateway_id, args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -92,6 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
         renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
     redis = streams.connect(args.redis_url)
     service = RendererService(redis, renderer)
+    startup.freeze_heap()
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

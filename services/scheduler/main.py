@@ -32,7 +32,7 @@ from voltserve.services.scheduler.failover import (
 from voltserve.services.scheduler.leader import LeaderLease
 from voltserve.services.scheduler.placement import Placement
 from voltserve.services.scheduler.registry import ExecutorInfo, ExecutorRegistry
-from voltserve.shared import metrics, streams
+from voltserve.shared import metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import (
     AbortRequest,
@@ -459,6 +459,8 @@ def main(argv: list[str]) -> None:
             scheduler_id=args.scheduler_id,
         )
     )
+
+    startup.freeze_heap()
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -138,6 +138,7 @@ def worker_main(
         time.sleep(2.0)
         raise
     if not compile_only:
+        startup.freeze_heap()
         runner.worker_loop()
     runner.tp.destroy()
 
