@@ -199,6 +199,29 @@ class Services:
         finally:
             r.close()
 
+    def hop_times(self, since_ms: int) -> dict[str, list[float]]:
+        """When each hop of the pipeline appended its messages since `since_ms` (wall clock):
+        the stream entry ids are the append times in ms. render: the gateway's appends; sched:
+        the renderer's hand-offs (and any aborts); exec: the scheduler's placements. Seconds
+        from since_ms, sorted."""
+        import redis
+        from voltserve.shared import streams
+
+        r = redis.Redis.from_url(self.url)
+        names = {
+            "render": streams.render_stream(),
+            "sched": streams.sched_stream(),
+            "exec": streams.exec_stream(EXECUTOR_ID),
+        }
+        try:
+            out = {}
+            for hop, stream in names.items():
+                entries = r.xrange(stream, min=f"{since_ms}-0", max="+")
+                out[hop] = sorted((int(eid.split(b"-")[0]) - since_ms) / 1e3 for eid, _ in entries)
+            return out
+        finally:
+            r.close()
+
     def stop(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -428,6 +451,32 @@ def summarize(
     return out
 
 
+def hop_summary(
+    hops: dict[str, list[float]], sends: list[float], firsts: list[float]
+) -> dict[str, Any]:
+    """Per hop of a burst (client send, gateway append, renderer hand-off, scheduler
+    placement, first token at the client): how many messages, and when the first, median and
+    last went, in ms from the burst's start. Where a burst waits shows as a hop whose median
+    lags the one before."""
+
+    def row(ts: list[float]) -> dict[str, Any]:
+        ts = sorted(ts)
+        if not ts:
+            return {"n": 0}
+        return {
+            "n": len(ts),
+            "first_ms": 1e3 * ts[0],
+            "median_ms": 1e3 * ts[len(ts) // 2],
+            "last_ms": 1e3 * ts[-1],
+        }
+
+    return (
+        {"client": row(sends)}
+        | {hop: row(ts) for hop, ts in hops.items()}
+        | {"first_token": row(firsts)}
+    )
+
+
 def print_table(m: dict[str, Any]) -> None:
     def f(x: Any, fmt: str = ".1f") -> str:
         return "-" if x is None else format(x, fmt)
@@ -449,6 +498,13 @@ def print_table(m: dict[str, Any]) -> None:
         f" ms; executor step {f(m['executor_step_interval_ms'])} ms; TTFT p50 "
         f"{f(m['median_ttft_ms'])} ms"
     )
+    print(f"{'hop':<12} {'n':>5} {'first ms':>9} {'median ms':>10} {'last ms':>8}")
+    for hop, h in m.get("hops", {}).items():
+        if h["n"]:
+            print(
+                f"{hop:<12} {h['n']:>5} {h['first_ms']:>9.1f} {h['median_ms']:>10.1f}"
+                f" {h['last_ms']:>8.1f}"
+            )
     print(f"{'process':<10} {'cpu %':>7} {'cpu s':>7} {'tok/cpu-s':>10}")
     for k in m["cpu_s"]:
         print(
@@ -512,6 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         spies = start_py_spy(args.py_spy, pids, workdir) if args.py_spy else []
         self0 = time.process_time()
+        wall_ms = int(time.time() * 1000)
         t0 = time.perf_counter()
         seeds = [args.seed * 1_000_003 + 1000 + i for i in range(args.clients)]
         records = asyncio.run(run_clients(svc.base_url, args, seeds, pool))
@@ -524,6 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu["client"] = time.process_time() - self0
         time.sleep(0.4)  # one more heartbeat carries the last step count
         steps1 = svc.executor_steps()
+        hops = svc.hop_times(wall_ms)
         steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
     finally:
         svc.stop()
@@ -531,6 +589,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m |= check_exact(records, pool, tok, args.output_len)
     rate, window = steady_rate(records, pool, tok, args.output_len)
     m |= {"steady_tokens_per_s": rate, "steady_window_s": window}
+    m["hops"] = hop_summary(
+        hops,
+        [r.start - t0 for r in records],
+        [r.first - t0 for r in records if r.first is not None],
+    )
     result = {
         "benchmark": "gateway_stream",
         "args": vars(args),

@@ -158,6 +158,8 @@ async def read_status(r: aioredis.Redis, status_key: str) -> dict[str, str]:
 # ---- the consumer loop ----------------------------------------------------------------------
 
 Handler = Callable[[bytes, Any], Awaitable[None]]
+# A batch handler takes every decoded message of one read at once: (msg_id, message) pairs.
+BatchHandler = Callable[[list[tuple[bytes, Any]]], Awaitable[None]]
 
 
 def default_claim_idle_ms() -> int:
@@ -171,7 +173,7 @@ async def consume(
     stream: str,
     group: str,
     consumer: str,
-    handler: Handler,
+    handler: Handler | BatchHandler,
     *,
     stop: asyncio.Event | None = None,
     count: int = 64,
@@ -180,6 +182,7 @@ async def consume(
     claim_interval_s: float | None = None,
     concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
+    batch: bool = False,
 ) -> None:
     """Run until `stop` is set: XREADGROUP new messages, `await handler(msg_id, message)` for each,
     XACK them afterwards (one XACK per batch read). Every `claim_interval_s`, XAUTOCLAIM messages
@@ -192,6 +195,11 @@ async def consume(
     after_batch, when given, is awaited after the handlers of a batch and before its XACK: a
     consumer that defers per-message writes to one round trip per batch makes them there, and
     they are durable before the messages are acknowledged.
+
+    batch=True passes `handler` every decodable message of a read at once (a BatchHandler), in
+    stream order, so it can make one round trip and one thread hop for the batch; it must turn
+    a bad message into its own reply. An exception from it propagates like one from
+    after_batch (the batch stays unacknowledged and is redelivered).
 
     A handler that raises is logged loudly and its message is acked anyway: a poison message
     must not be redelivered forever. Malformed payloads are treated the same way. Delivery is
@@ -211,7 +219,9 @@ async def consume(
                 resp = await r.xreadgroup(group, consumer, {stream: own_pending_id}, count=count)
                 entries = resp[0][1] if resp else []
                 own_pending_id = entries[-1][0] if entries else None
-                await _handle_all(r, stream, group, handler, entries, concurrency, after_batch)
+                await _handle_all(
+                    r, stream, group, handler, entries, concurrency, after_batch, batch
+                )
                 continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + claim_interval_s
@@ -225,10 +235,13 @@ async def consume(
                     count,
                     concurrency,
                     after_batch,
+                    batch,
                 )
             resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
             if resp:
-                await _handle_all(r, stream, group, handler, resp[0][1], concurrency, after_batch)
+                await _handle_all(
+                    r, stream, group, handler, resp[0][1], concurrency, after_batch, batch
+                )
         except asyncio.CancelledError:
             raise
         except ResponseError as e:
@@ -249,11 +262,12 @@ async def _autoclaim(
     stream: str,
     group: str,
     consumer: str,
-    handler: Handler,
+    handler: Handler | BatchHandler,
     idle_ms: int,
     count: int,
     concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
+    batch: bool = False,
 ) -> None:
     start = "0-0"
     while True:
@@ -265,7 +279,7 @@ async def _autoclaim(
             logger.warning(
                 "reclaimed %d message(s) from a dead consumer on %s", len(entries), stream
             )
-            await _handle_all(r, stream, group, handler, entries, concurrency, after_batch)
+            await _handle_all(r, stream, group, handler, entries, concurrency, after_batch, batch)
         if next_id in (b"0-0", "0-0"):
             return
         start = next_id
@@ -275,10 +289,11 @@ async def _handle_all(
     r: aioredis.Redis,
     stream: str,
     group: str,
-    handler: Handler,
+    handler: Handler | BatchHandler,
     entries: list[tuple[bytes, dict[bytes, bytes]]],
     concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
+    batch: bool = False,
 ) -> None:
     async def one(msg_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -292,6 +307,21 @@ async def _handle_all(
             logger.exception("handler failed on %s message %s; dropping it", stream, msg_id)
 
     if not entries:
+        return
+    if batch:
+        items = []
+        for msg_id, fields in entries:
+            if not fields:  # a deleted entry still in the PEL comes back with no fields
+                continue
+            try:
+                items.append((msg_id, decode_fields(fields)))
+            except Exception:
+                logger.exception("undecodable %s message %s; dropping it", stream, msg_id)
+        if items:
+            await handler(items)  # type: ignore[call-arg, arg-type]
+        if after_batch is not None:
+            await after_batch()
+        await r.xack(stream, group, *(m for m, _ in entries))
         return
     step = max(1, concurrency)
     for i in range(0, len(entries), step):

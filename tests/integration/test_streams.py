@@ -224,6 +224,55 @@ async def test_concurrent_handlers_handle_every_message_once_and_ack(redis_url):
     await r.aclose()
 
 
+async def test_batch_handler_gets_each_read_in_order_and_a_failed_batch_comes_back(redis_url):
+    """batch=True: the handler gets every decodable message of a read at once, in stream
+    order (a malformed entry is dropped and logged); after_batch runs before the XACK; a batch
+    whose handler raises stays pending and is handled again, whole, by the reclaim."""
+    print("seed", seed := random.randrange(2**31))
+    rng = random.Random(seed)
+    r = streams.connect(redis_url)
+    stream, group = f"t:{uuid.uuid4().hex}", "g"
+    sent = [rand_request() for _ in range(rng.randrange(5, 60))]
+    bad_at = rng.randrange(len(sent))
+    for i, m in enumerate(sent):
+        if i == bad_at:
+            await r.xadd(stream, {b"d": b"\xc1 not msgpack"})
+        await streams.xadd(r, stream, m)
+    batches: list[list] = []
+    acked_before: list[int] = []
+    fail_once = [True]
+
+    async def handler(items):
+        if fail_once[0]:
+            fail_once[0] = False
+            raise ConnectionError("redis went away mid-batch")
+        batches.append([msg for _, msg in items])
+
+    async def after_batch():
+        acked_before.append(await pending(r, stream, group))
+
+    stop, task = await run_consumer(
+        r,
+        stream,
+        group,
+        "c1",
+        handler,
+        batch=True,
+        after_batch=after_batch,
+        count=64,
+        claim_idle_ms=100,
+        claim_interval_s=0.05,
+    )
+    await wait_for(lambda: sum(map(len, batches)) >= len(sent))
+    stop.set()
+    await task
+    got = [m for b in batches for m in b]
+    assert got == sent  # once each, in order, the failed batch included
+    assert all(n > 0 for n in acked_before)  # after_batch ran while the batch was pending
+    assert await pending(r, stream, group) == 0
+    await r.aclose()
+
+
 async def test_appender_batches_concurrent_appends(redis_url):
     """StreamAppender: many coroutines append at once; every message lands exactly once with
     the id its caller got back, across streams; a message msgpack cannot encode raises in its
