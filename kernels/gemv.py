@@ -185,6 +185,21 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     # their outputs are not written.
     L.append("    Mx = x.shape[0]")
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
+    if rope:
+        # The epilogue's position, slot and rotation factors do not depend on the sums: loaded
+        # before the K loop, their two dependent round trips (position, then cos/sin) overlap
+        # the weight stream instead of adding to the kernel's tail, where every warp of the one
+        # wave waits for them at once. Lanes past the inputs read the last input's (unused).
+        L += [
+            "    lp = min(lane, Mx - 1)",
+            "    pos = positions[lp]",
+            "    slot = slots[lp]",
+            "    rc = float32(0.0)",
+            "    rs = float32(0.0)",
+            "    if head < n_q + n_kv:",
+            "        rc = round_like(cos_sin[pos, j], out)",
+            "        rs = round_like(cos_sin[pos, half + j], out)",
+        ]
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
 
@@ -249,13 +264,9 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
             "        a = round_like(a, out)",
             "        b = round_like(b, out)",
             "        if head < n_q + n_kv:",
-            "            pos = positions[lane]",
-            "            c = round_like(cos_sin[pos, j], out)",
-            "            s = round_like(cos_sin[pos, half + j], out)",
-            "            a, b = _rot1(a, b, c, s, out)",
+            "            a, b = _rot1(a, b, rc, rs, out)",
             "        out[lane, rw0] = a",
             "        out[lane, rw1] = b",
-            "        slot = slots[lane]",
             "        if head >= n_q and slot >= 0:",
             "            bs = k_cache.shape[2]",
             "            blk = slot // bs",

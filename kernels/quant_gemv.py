@@ -498,6 +498,19 @@ def _source(
         L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
     L.append("    Mx = x.shape[0]")
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
+    if rope:
+        # Loaded before the K loop, as gemv.py's qkv_rope does: the epilogue's two dependent
+        # round trips (position, then cos/sin) overlap the code stream instead of the tail.
+        L += [
+            "    lp = min(lane, Mx - 1)",
+            "    pos = positions[lp]",
+            "    slot = slots[lp]",
+            "    rc = float32(0.0)",
+            "    rs = float32(0.0)",
+            "    if head < n_q + n_kv:",
+            "        rc = round_like(cos_sin[pos, j], out)",
+            "        rs = round_like(cos_sin[pos, half + j], out)",
+        ]
     L += [f"    {a} = float32(0.0)" for a in acc]
     if ks == 1:
         L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
@@ -556,13 +569,9 @@ def _source(
             "        a = round_like(a, out)",
             "        b = round_like(b, out)",
             "        if head < n_q + n_kv:",
-            "            pos = positions[lane]",
-            "            c = round_like(cos_sin[pos, j], out)",
-            "            s = round_like(cos_sin[pos, half + j], out)",
-            "            a, b = _rot1(a, b, c, s, out)",
+            "            a, b = _rot1(a, b, rc, rs, out)",
             "        out[lane, rw0] = a",
             "        out[lane, rw1] = b",
-            "        slot = slots[lane]",
             "        if head >= n_q and slot >= 0:",
             "            bs = k_cache.shape[2]",
             "            blk = slot // bs",
