@@ -39,8 +39,9 @@ class RendererService:
         """One read's requests: one round trip to skip redeliveries, then one worker thread
         renders them all in stream order. A request per round trip and per thread hop, 32 at a
         time, had the renderer's ~20 threads and its event loop trading the GIL for each of a
-        burst's 256 requests (~0.5 ms a request on a 2-core CPU). Templates and tokenizers hold
-        the GIL, so more threads would not render faster; the thread keeps the loop free."""
+        burst's 256 requests (~0.5 ms a request on a 2-core CPU). Templates hold the GIL and so
+        does a single `encode`; Renderer.render_many tokenizes the batch's texts in one call,
+        which a fast tokenizer spreads over its own threads. The thread keeps the loop free."""
         reqs = []
         for _, msg in items:
             if isinstance(msg, RenderRequest):
@@ -59,19 +60,19 @@ class RendererService:
             self.rendered.append(msg.request_id)
 
     def _render_all(self, reqs: list[RenderRequest]) -> list[list[tuple[str, Any, int]]]:
-        return [self._render_one(msg) for msg in reqs]
+        return [
+            self._handoffs(msg, out)
+            for msg, out in zip(reqs, self.renderer.render_many(reqs), strict=True)
+        ]
 
-    def _render_one(self, msg: RenderRequest) -> list[tuple[str, Any, int]]:
-        try:
-            return [
-                (streams.sched_stream(), er, streams.WORK_MAXLEN)
-                for er in self.renderer.render(msg)
-            ]
-        except Exception as e:  # noqa: BLE001 - the client must get an answer, never a hang
-            if not isinstance(e, RenderFailed):
-                logger.exception("rendering %s failed", msg.request_id)
-                e = RenderFailed(500, f"internal error while rendering: {type(e).__name__}: {e}")
-            return [(streams.gw_stream(msg.gateway_id), error_for(msg, e), streams.OUTPUT_MAXLEN)]
+    def _handoffs(self, msg: RenderRequest, out: Any) -> list[tuple[str, Any, int]]:
+        if not isinstance(out, Exception):
+            return [(streams.sched_stream(), er, streams.WORK_MAXLEN) for er in out]
+        e = out
+        if not isinstance(e, RenderFailed):  # the client must get an answer, never a hang
+            logger.error("rendering %s failed", msg.request_id, exc_info=e)
+            e = RenderFailed(500, f"internal error while rendering: {type(e).__name__}: {e}")
+        return [(streams.gw_stream(msg.gateway_id), error_for(msg, e), streams.OUTPUT_MAXLEN)]
 
     async def after_batch(self) -> None:
         """The batch's hand-offs and done marks in one round trip, before the batch is acked.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,17 @@ def eos_token_ids(model: str, tokenizer: Any) -> list[int]:
             return [int(x) for x in eos]
     eos = getattr(tokenizer, "eos_token_id", None)
     return [eos] if isinstance(eos, int) else []
+
+
+@dataclass
+class _Staged:
+    """One request of a batch between its prompt and its token ids."""
+
+    where: str  # the request field errors name: "prompt" or "messages"
+    ids: list[int] | None = None
+    text: str = ""
+    special: bool = True  # add the tokenizer's special tokens when encoding text
+    error: Exception | None = None
 
 
 class RenderFailed(Exception):
@@ -151,16 +163,79 @@ class Renderer:
 
     def render(self, req: RenderRequest) -> list[EngineRequest]:
         """Raises RenderFailed (with the HTTP status) when the request cannot run."""
+        out = self.render_many([req])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def render_many(self, reqs: list[RenderRequest]) -> list[list[EngineRequest] | Exception]:
+        """render() for a batch, each request's result or its exception (RenderFailed for a
+        request that cannot run) in order. The batch's text prompts (and rendered chat
+        templates) are tokenized in one call per special-tokens setting: a fast tokenizer then
+        encodes them on its own threads, where one `encode` per request holds the GIL."""
+        staged: list[_Staged | Exception] = []
+        for req in reqs:
+            try:
+                staged.append(self._stage(req))
+            except Exception as e:  # noqa: BLE001 - reported per request, in order
+                staged.append(e)
+        for special in (True, False):
+            todo = [
+                st
+                for st in staged
+                if isinstance(st, _Staged) and st.ids is None and st.special == special
+            ]
+            if todo:
+                self._encode_texts(todo, special)
+        out: list[list[EngineRequest] | Exception] = []
+        for req, st in zip(reqs, staged, strict=True):
+            if isinstance(st, Exception):
+                out.append(st)
+                continue
+            try:
+                if st.error is not None:
+                    raise st.error
+                out.append(self._finish(req, st.ids or [], st.where))
+            except Exception as e:  # noqa: BLE001 - reported per request, in order
+                out.append(e)
+        return out
+
+    def _stage(self, req: RenderRequest) -> _Staged:
+        """The prompt as token ids, or as the text still to tokenize."""
         if req.kind == "chat":
-            ids = self.tokenize_chat(
+            text = self.chat_prompt(
                 req.messages or [], req.add_generation_prompt, req.chat_template_kwargs
             )
-            where = "messages"
-        elif req.kind == "completion":
-            ids = self.tokenize_prompt(req.prompt if req.prompt is not None else "")
-            where = "prompt"
-        else:
-            raise RenderFailed(400, f"unknown request kind {req.kind!r}")
+            # The template already wrote the special tokens (bos, role markers).
+            return _Staged("messages", text=text, special=False)
+        if req.kind == "completion":
+            prompt = req.prompt if req.prompt is not None else ""
+            if isinstance(prompt, str):
+                return _Staged("prompt", text=prompt, special=True)
+            return _Staged("prompt", ids=self.tokenize_prompt(prompt))
+        raise RenderFailed(400, f"unknown request kind {req.kind!r}")
+
+    def _encode_texts(self, todo: list[_Staged], special: bool) -> None:
+        texts = [st.text for st in todo]
+        try:
+            encoded = self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+        except Exception:  # noqa: BLE001 - one text's failure must not fail the others
+            encoded = None
+        for k, st in enumerate(todo):
+            try:
+                ids = (
+                    encoded[k]
+                    if encoded is not None
+                    else self.tokenizer.encode(st.text, add_special_tokens=special)
+                )
+                st.ids = list(ids)
+            except Exception as e:  # noqa: BLE001 - reported for its request
+                st.error = e
+                continue
+            if st.where == "prompt" and not st.ids:
+                st.error = RenderFailed(400, "prompt must not be empty", "prompt")
+
+    def _finish(self, req: RenderRequest, ids: list[int], where: str) -> list[EngineRequest]:
         try:
             params = SamplingParams.from_dict(dict(req.sampling))
         except (TypeError, ValueError) as e:

@@ -99,3 +99,51 @@ def test_context_length_rules(rng, renderer: Renderer) -> None:
     with pytest.raises(RenderFailed) as e:
         renderer.render(request(prompt=[renderer.vocab_size]))
     assert e.value.param == "prompt"
+
+
+def test_render_many_equals_one_by_one(rng, renderer: Renderer) -> None:
+    """A mixed batch (text and token-id completions, chat, and requests that cannot render)
+    gives each request what render() gives it alone, in order; the texts' ids equal the
+    tokenizer's own encode of each text."""
+    tok = renderer.tokenizer
+    reqs, want_ids = [], []
+    for i in range(rng.randrange(8, 24)):
+        kind = rng.choice(["text", "ids", "chat", "empty", "bad_id", "bad_kind"])
+        rid = f"r{i}"
+        if kind == "text":
+            text = words(rng, rng.randrange(1, 60))
+            reqs.append(request(request_id=rid, prompt=text))
+            want_ids.append(tok.encode(text, add_special_tokens=True))
+        elif kind == "ids":
+            ids = [rng.randrange(renderer.vocab_size) for _ in range(rng.randrange(1, 30))]
+            reqs.append(request(request_id=rid, prompt=ids))
+            want_ids.append(ids)
+        elif kind == "chat":
+            msgs = [{"role": "user", "content": words(rng, rng.randrange(1, 30))}]
+            reqs.append(request(request_id=rid, kind="chat", messages=msgs, prompt=None))
+            want_ids.append(tok.encode(renderer.chat_prompt(msgs), add_special_tokens=False))
+        elif kind == "empty":
+            reqs.append(request(request_id=rid, prompt=""))
+            want_ids.append(RenderFailed)
+        elif kind == "bad_id":
+            reqs.append(request(request_id=rid, prompt=[renderer.vocab_size]))
+            want_ids.append(RenderFailed)
+        else:
+            reqs.append(request(request_id=rid, kind="speech"))
+            want_ids.append(RenderFailed)
+    many = renderer.render_many(reqs)
+    assert len(many) == len(reqs)
+    for req, got, want in zip(reqs, many, want_ids, strict=True):
+        if want is RenderFailed:
+            assert isinstance(got, RenderFailed), (req.request_id, got)
+            with pytest.raises(RenderFailed) as e:
+                renderer.render(req)
+            assert (e.value.status, e.value.message) == (got.status, got.message)
+            continue
+        assert not isinstance(got, Exception), (req.request_id, got)
+        assert [er.request_id for er in got] == [f"{req.request_id}.0"]
+        assert got[0].prompt_token_ids == list(want)
+        alone = renderer.render(req)
+        assert alone[0].prompt_token_ids == got[0].prompt_token_ids
+        # Equal but the seed, which each render draws when the request gives none.
+        assert {**alone[0].sampling, "seed": 0} == {**got[0].sampling, "seed": 0}
