@@ -126,6 +126,43 @@ def tile_for(m: int, kind: str = PLAIN) -> tuple[int, int]:
     return (1, 8) if m <= 2 else (2, 4)
 
 
+# The qkv_rope kernels' shared lines (here and in quant_gemv.py), at one indent level inside
+# the kernel. Prologue: the epilogue's position, slot and rotation factors do not depend on the
+# sums, so they are loaded before the K loop, where their two dependent round trips (position,
+# then cos/sin) overlap the weight stream instead of adding to the kernel's tail (every warp of
+# the one wave waits for them at once). Lanes past the inputs read the last input's (unused).
+QKV_ROPE_PROLOGUE = [
+    "    lp = min(lane, Mx - 1)",
+    "    pos = positions[lp]",
+    "    slot = slots[lp]",
+    "    rc = float32(0.0)",
+    "    rs = float32(0.0)",
+    "    if head < n_q + n_kv:",
+    "        rc = round_like(cos_sin[pos, j], out)",
+    "        rs = round_like(cos_sin[pos, half + j], out)",
+]
+# Store (lane m < M, holding input m's pair sums a, b with the bias added): rounded as the
+# linear stores q/k/v, rotated as rotary.py rotates, written to out and (k, v) to the cache.
+QKV_ROPE_STORE = [
+    "        a = round_like(a, out)",
+    "        b = round_like(b, out)",
+    "        if head < n_q + n_kv:",
+    "            a, b = _rot1(a, b, rc, rs, out)",
+    "        out[lane, rw0] = a",
+    "        out[lane, rw1] = b",
+    "        if head >= n_q and slot >= 0:",
+    "            bs = k_cache.shape[2]",
+    "            blk = slot // bs",
+    "            off = slot - blk * bs",
+    "            if head < n_q + n_kv:",
+    "                k_cache[blk, head - n_q, off, j] = a",
+    "                k_cache[blk, head - n_q, off, j + half] = b",
+    "            else:",
+    "                v_cache[blk, head - n_q - n_kv, off, j] = a",
+    "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
+]
+
+
 def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     """The kernel for one (M, R, U), written out statement by statement.
 
@@ -186,20 +223,7 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
     L.append("    Mx = x.shape[0]")
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     if rope:
-        # The epilogue's position, slot and rotation factors do not depend on the sums: loaded
-        # before the K loop, their two dependent round trips (position, then cos/sin) overlap
-        # the weight stream instead of adding to the kernel's tail, where every warp of the one
-        # wave waits for them at once. Lanes past the inputs read the last input's (unused).
-        L += [
-            "    lp = min(lane, Mx - 1)",
-            "    pos = positions[lp]",
-            "    slot = slots[lp]",
-            "    rc = float32(0.0)",
-            "    rs = float32(0.0)",
-            "    if head < n_q + n_kv:",
-            "        rc = round_like(cos_sin[pos, j], out)",
-            "        rs = round_like(cos_sin[pos, half + j], out)",
-        ]
+        L += QKV_ROPE_PROLOGUE
     L += [f"    {a} = float32(0.0)" for a in acc]
     L += [f"    lc = lane * {LANE_ELEMS}", "    k0 = 0"]
 
@@ -259,25 +283,7 @@ def _source(M: int, R: int, U: int, kind: str = PLAIN) -> str:
                 "        out[lane, row0] = _silu_mul(round_like(a, out), round_like(b, out), out)",
             ]
             return "\n".join(L) + "\n"
-        L += [
-            "        # Rounded as the linear stores q/k/v, then rotated as rotary.py rotates.",
-            "        a = round_like(a, out)",
-            "        b = round_like(b, out)",
-            "        if head < n_q + n_kv:",
-            "            a, b = _rot1(a, b, rc, rs, out)",
-            "        out[lane, rw0] = a",
-            "        out[lane, rw1] = b",
-            "        if head >= n_q and slot >= 0:",
-            "            bs = k_cache.shape[2]",
-            "            blk = slot // bs",
-            "            off = slot - blk * bs",
-            "            if head < n_q + n_kv:",
-            "                k_cache[blk, head - n_q, off, j] = a",
-            "                k_cache[blk, head - n_q, off, j + half] = b",
-            "            else:",
-            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
-            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
-        ]
+        L += QKV_ROPE_STORE
         return "\n".join(L) + "\n"
     # Butterfly sums: every lane ends with every total; lane i writes output i = m * R + r.
     L.append("    mine = float32(0.0)")

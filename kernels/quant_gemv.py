@@ -106,7 +106,7 @@ from __future__ import annotations
 import torch
 from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
-from voltserve.kernels.gemv import _warp_sum
+from voltserve.kernels.gemv import QKV_ROPE_PROLOGUE, QKV_ROPE_STORE, _warp_sum
 from voltserve.kernels.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
 from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
 from voltserve.kernels.quant_common import (
@@ -499,18 +499,7 @@ def _source(
     L.append("    Mx = x.shape[0]")
     L += [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
     if rope:
-        # Loaded before the K loop, as gemv.py's qkv_rope does: the epilogue's two dependent
-        # round trips (position, then cos/sin) overlap the code stream instead of the tail.
-        L += [
-            "    lp = min(lane, Mx - 1)",
-            "    pos = positions[lp]",
-            "    slot = slots[lp]",
-            "    rc = float32(0.0)",
-            "    rs = float32(0.0)",
-            "    if head < n_q + n_kv:",
-            "        rc = round_like(cos_sin[pos, j], out)",
-            "        rs = round_like(cos_sin[pos, half + j], out)",
-        ]
+        L += QKV_ROPE_PROLOGUE
     L += [f"    {a} = float32(0.0)" for a in acc]
     if ks == 1:
         L += [f"    lw = lane * {WORDS_PER_CHUNK}", "    w0 = 0"]
@@ -566,23 +555,8 @@ def _source(
             "        if has_bias:",
             "            a += float32(bias[rw0])",
             "            b += float32(bias[rw1])",
-            "        a = round_like(a, out)",
-            "        b = round_like(b, out)",
-            "        if head < n_q + n_kv:",
-            "            a, b = _rot1(a, b, rc, rs, out)",
-            "        out[lane, rw0] = a",
-            "        out[lane, rw1] = b",
-            "        if head >= n_q and slot >= 0:",
-            "            bs = k_cache.shape[2]",
-            "            blk = slot // bs",
-            "            off = slot - blk * bs",
-            "            if head < n_q + n_kv:",
-            "                k_cache[blk, head - n_q, off, j] = a",
-            "                k_cache[blk, head - n_q, off, j + half] = b",
-            "            else:",
-            "                v_cache[blk, head - n_q - n_kv, off, j] = a",
-            "                v_cache[blk, head - n_q - n_kv, off, j + half] = b",
         ]
+        L += QKV_ROPE_STORE
         return "\n".join(L) + "\n"
     L.append("    mine = float32(0.0)")
     for i, a in enumerate(acc):
