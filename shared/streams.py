@@ -180,17 +180,12 @@ async def consume(
     block_ms: int = 200,
     claim_idle_ms: int | None = None,
     claim_interval_s: float | None = None,
-    concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
     batch: bool = False,
 ) -> None:
     """Run until `stop` is set: XREADGROUP new messages, `await handler(msg_id, message)` for each,
     XACK them afterwards (one XACK per batch read). Every `claim_interval_s`, XAUTOCLAIM messages
     idle longer than `claim_idle_ms` (their consumer died) and handle them the same way.
-
-    concurrency > 1 runs up to that many handlers of one batch at once (in arrival order as far
-    as they do not wait): a burst of requests then costs a few Redis round trips, not a few per
-    message. Only for handlers that tolerate reordering among the messages of one batch.
 
     after_batch, when given, is awaited after the handlers of a batch and before its XACK: a
     consumer that defers per-message writes to one round trip per batch makes them there, and
@@ -219,9 +214,7 @@ async def consume(
                 resp = await r.xreadgroup(group, consumer, {stream: own_pending_id}, count=count)
                 entries = resp[0][1] if resp else []
                 own_pending_id = entries[-1][0] if entries else None
-                await _handle_all(
-                    r, stream, group, handler, entries, concurrency, after_batch, batch
-                )
+                await _handle_all(r, stream, group, handler, entries, after_batch, batch)
                 continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + claim_interval_s
@@ -233,15 +226,12 @@ async def consume(
                     handler,
                     claim_idle_ms,
                     count,
-                    concurrency,
                     after_batch,
                     batch,
                 )
             resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
             if resp:
-                await _handle_all(
-                    r, stream, group, handler, resp[0][1], concurrency, after_batch, batch
-                )
+                await _handle_all(r, stream, group, handler, resp[0][1], after_batch, batch)
         except asyncio.CancelledError:
             raise
         except ResponseError as e:
@@ -265,7 +255,6 @@ async def _autoclaim(
     handler: Handler | BatchHandler,
     idle_ms: int,
     count: int,
-    concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
     batch: bool = False,
 ) -> None:
@@ -279,7 +268,7 @@ async def _autoclaim(
             logger.warning(
                 "reclaimed %d message(s) from a dead consumer on %s", len(entries), stream
             )
-            await _handle_all(r, stream, group, handler, entries, concurrency, after_batch, batch)
+            await _handle_all(r, stream, group, handler, entries, after_batch, batch)
         if next_id in (b"0-0", "0-0"):
             return
         start = next_id
@@ -291,7 +280,6 @@ async def _handle_all(
     group: str,
     handler: Handler | BatchHandler,
     entries: list[tuple[bytes, dict[bytes, bytes]]],
-    concurrency: int = 1,
     after_batch: Callable[[], Awaitable[None]] | None = None,
     batch: bool = False,
 ) -> None:
@@ -323,13 +311,8 @@ async def _handle_all(
             await after_batch()
         await r.xack(stream, group, *(m for m, _ in entries))
         return
-    step = max(1, concurrency)
-    for i in range(0, len(entries), step):
-        chunk = entries[i : i + step]
-        if len(chunk) == 1:
-            await one(*chunk[0])
-        else:
-            await asyncio.gather(*(one(m, f) for m, f in chunk))
+    for msg_id, fields in entries:
+        await one(msg_id, fields)
     if after_batch is not None:
         # A failure here propagates (consume logs and retries the read): the batch stays
         # unacknowledged, so its messages are redelivered rather than lost.

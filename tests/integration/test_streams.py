@@ -189,41 +189,6 @@ async def test_heartbeat_expires(redis_url, n):
     await r.aclose()
 
 
-async def test_concurrent_handlers_handle_every_message_once_and_ack(redis_url):
-    """concurrency > 1: handlers of one batch overlap (they wait on each other here), every
-    message is handled once, a failing handler's message is still acked."""
-    r = streams.connect(redis_url)
-    stream, group = f"t:{uuid.uuid4().hex}", "g"
-    sent = [rand_request() for _ in range(random.randrange(40, 120))]
-    bad = random.randrange(len(sent))
-    for m in sent:
-        await streams.xadd(r, stream, m)
-    got: list = []
-    running = 0
-    peak = 0
-
-    async def handler(msg_id, msg):
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        await asyncio.sleep(0.01)
-        running -= 1
-        if msg.request_id == sent[bad].request_id:
-            raise RuntimeError("boom")
-        got.append(msg)
-
-    stop, task = await run_consumer(r, stream, group, "c1", handler, concurrency=16)
-    await wait_for(lambda: len(got) == len(sent) - 1)
-    stop.set()
-    await task
-    assert sorted(m.request_id for m in got) == sorted(
-        m.request_id for i, m in enumerate(sent) if i != bad
-    )
-    assert 1 < peak <= 16
-    assert await pending(r, stream, group) == 0
-    await r.aclose()
-
-
 async def test_batch_handler_gets_each_read_in_order_and_a_failed_batch_comes_back(redis_url):
     """batch=True: the handler gets every decodable message of a read at once, in stream
     order (a malformed entry is dropped and logged); after_batch runs before the XACK; a batch
