@@ -450,6 +450,40 @@ def executor_steps(log_path: Path) -> list[dict[str, Any]]:
     return steps
 
 
+def scheduler_placements(log_path: Path) -> list[float]:
+    """When the scheduler placed each request on an executor (its DEBUG "placed ... on ..."
+    lines, s since the epoch): with the client's send times, where a burst waits before the
+    engine. Empty when the server did not log at debug level."""
+    import calendar
+
+    out = []
+    if not log_path.exists():
+        return out
+    for line in log_path.read_text(errors="replace").splitlines():
+        if 'msg="placed ' not in line or "logger=voltserve.services.scheduler" not in line:
+            continue
+        try:
+            ts, frac = line.split()[0].removeprefix("ts=").rstrip("Z").split(".")
+            out.append(calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%S")) + int(frac) / 1e3)
+        except ValueError:
+            continue
+    return out
+
+
+def placement_summary(placed: list[float]) -> dict[str, Any]:
+    """How many requests the scheduler placed in a run and when (ms after its first request
+    was sent): the first, the median and the last."""
+    if not placed:
+        return {"n": 0}
+    placed = sorted(placed)
+    return {
+        "n": len(placed),
+        "first_ms": 1e3 * placed[0],
+        "median_ms": 1e3 * placed[len(placed) // 2],
+        "last_ms": 1e3 * placed[-1],
+    }
+
+
 def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -928,7 +962,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     if not args.engine_only:
         try:
             phases = _http_phase(args, model_dir, prompts, arrivals, warmup, alt_prompts)
-            for key, (records, duration, name, steps) in phases.items():
+            for key, (records, duration, name, steps, placed) in phases.items():
                 result[key] = compute_metrics(records, duration, args.percentiles)
                 result[key]["served_model_name"] = name
                 result[key]["structured"] = key == "http_structured" or (
@@ -936,6 +970,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
                 )
                 # With `-- --log-level debug`: when the burst reached the engine, step by step.
                 result[key]["executor_steps"] = steps
+                result[key]["scheduler_placements"] = placement_summary(placed)
                 result[key]["requests"] = _records_json(records)
                 runs[key] = records
         except Exception as e:
@@ -1053,6 +1088,7 @@ def _http_phase(
                 run_http(base, name, run_prompts[key], arrivals, args, warmup, structured)
             )
     all_steps = executor_steps(log_path)
+    all_placed = scheduler_placements(log_path)
     out = {}
     bounds = [float("-inf"), *called[1:], float("inf")]
     for j, (key, _) in enumerate(kinds):
@@ -1063,7 +1099,9 @@ def _http_phase(
                 st = dict(st)
                 st["t"] = st.pop("ts") - start  # seconds since the first measured request
                 steps.append(st)
-        out[key] = (records, duration, name, steps)
+        # After the run's first send: the warm-up requests were placed before it.
+        placed = [t - start for t in all_placed if max(bounds[j], start) <= t < bounds[j + 1]]
+        out[key] = (records, duration, name, steps, placed)
     return out
 
 

@@ -283,6 +283,11 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
     assert sum(s["outputs"] for s in steps) == 2 * 4 + 8 * 8
     assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0
     assert all(s["t"] < d["http"]["duration_s"] + 5 for s in steps)
+    # The scheduler's placements (debug level) of the 8 measured requests, not the warm-ups.
+    placed = d["http"]["scheduler_placements"]
+    assert placed["n"] == 8, placed
+    assert 0 <= placed["first_ms"] <= placed["median_ms"] <= placed["last_ms"]
+    assert placed["last_ms"] < 1e3 * d["http"]["duration_s"]
     for name in ("http", "engine"):
         m = d[name]
         assert m["completed"] == 8 and m["failed"] == 0, m.get("errors")
