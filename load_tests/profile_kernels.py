@@ -11,6 +11,12 @@ random tokens, decodes `--warm-steps`, then profiles `--steps` steps and reports
 - gaps:   wall - busy: launch gaps inside the graphs and the host's share between them;
 - kernels: every kernel name with its launches and time per step, largest first.
 
+--prefill profiles prefill steps instead: each step is one new request of `--prompt-len`
+random tokens (max_tokens 1, so the step prefills it, samples and finishes it), as a lone
+prompt reaches an idle server. Such steps run eagerly (no CUDA graph), so their gaps are the
+host's launch work; --host-profile adds cProfile's view of the same steps (the functions with
+the most host time, per step), to see what the host spends it on.
+
     python load_tests/profile_kernels.py --model-dir /tmp/voltserve-moe-bench --batch-sizes 1 \
         --out results/profile_kernels_moe.json
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="a checkpoint folder or .gguf file")
     p.add_argument("--dtype", default="float16")
+    p.add_argument("--device", default="cuda", help="cuda (cpu: --prefill's smoke test only)")
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--warm-steps", type=int, default=8)
@@ -43,6 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--serve-args", default="", help="EngineConfig fields as k=v,k=v (e.g. quantization=awq)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill", action="store_true", help="profile lone prefill steps, not decode steps"
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="with --prefill: also cProfile the steps (host functions by time per step)",
+    )
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -65,7 +81,7 @@ def _config(args: argparse.Namespace):
     return EngineConfig(
         model=args.model_dir,
         dtype=args.dtype,
-        device="cuda",
+        device=args.device,
         max_model_len=max_model_len,
         max_num_seqs=max(max_batch, 8),
         max_num_batched_tokens=max(8192, args.prompt_len),
@@ -75,6 +91,11 @@ def _config(args: argparse.Namespace):
         seed=args.seed,
         **extra,
     )
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -88,6 +109,103 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
+
+
+def summarize(prof, steps: int, wall_ms: float) -> dict[str, Any]:
+    """The profiled steps' GPU kernels by name, and wall / busy / gap time per step."""
+    kernels: dict[str, list[float]] = {}
+    intervals: list[tuple[float, float]] = []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
+            name = ev.name
+        else:
+            name = ev.name.split("(")[0][:160]
+        r = ev.time_range
+        intervals.append((r.start, r.end))
+        kernels.setdefault(name, []).append(r.end - r.start)
+    rows = sorted(
+        (
+            {
+                "kernel": k,
+                "launches_per_step": len(v) / steps,
+                "us_per_step": sum(v) / steps,
+                "us_each": sum(v) / len(v),
+            }
+            for k, v in kernels.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )
+    busy = busy_us(intervals) / steps / 1000.0
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms,
+        "busy_ms_per_step": busy,
+        "gap_ms_per_step": wall_ms - busy,
+        "kernel_ms_per_step": sum(r["us_per_step"] for r in rows) / 1000.0,
+        "launches_per_step": sum(r["launches_per_step"] for r in rows),
+        "kernels": rows,
+    }
+
+
+def host_profile(run, steps: int, top: int) -> list[dict[str, Any]]:
+    """cProfile over `steps` calls of run(): the `top` functions by own time, per step."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        run()
+    sync()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({fn})",
+                "calls_per_step": ncalls / steps,
+                "own_ms_per_step": 1e3 * tottime / steps,
+                "cum_ms_per_step": 1e3 * cumtime / steps,
+            }
+        )
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return rows[:top]
+
+
+def profile_prefill(engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Lone prefill steps: one request of --prompt-len tokens each, max_tokens 1."""
+    from torch.profiler import ProfilerActivity, profile
+    from voltserve.shared.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    count = [0]
+
+    def run_one() -> None:
+        prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
+        engine.add_request(f"prefill-{count[0]}", prompt, params)
+        count[0] += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    cuda = args.device.startswith("cuda")
+    for _ in range(args.warm_steps):
+        run_one()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            run_one()
+        sync()  # the steps end with the sampled token on the host: wall time is host time
+        wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    out = {"prompt_len": args.prompt_len} | summarize(prof, args.steps, wall_ms)
+    if args.host_profile:
+        out["host_functions"] = host_profile(run_one, args.steps, args.top)
+    return out
 
 
 def profile_batch(engine, batch: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -113,49 +231,15 @@ def profile_batch(engine, batch: int, args: argparse.Namespace, vocab: int) -> d
             engine.step()
         stop.record()
         torch.cuda.synchronize()
-    wall_ms = start.elapsed_time(stop) / args.steps
-    kernels: dict[str, list[float]] = {}
-    intervals: list[tuple[float, float]] = []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
-            name = ev.name
-        else:
-            name = ev.name.split("(")[0][:160]
-        r = ev.time_range
-        intervals.append((r.start, r.end))
-        kernels.setdefault(name, []).append(r.end - r.start)
+    out = {"batch_size": batch} | summarize(prof, args.steps, start.elapsed_time(stop) / args.steps)
     while engine.has_unfinished_requests():
         engine.step()
-    rows = sorted(
-        (
-            {
-                "kernel": k,
-                "launches_per_step": len(v) / args.steps,
-                "us_per_step": sum(v) / args.steps,
-                "us_each": sum(v) / len(v),
-            }
-            for k, v in kernels.items()
-        ),
-        key=lambda r: -r["us_per_step"],
-    )
-    busy = busy_us(intervals) / args.steps / 1000.0
-    return {
-        "batch_size": batch,
-        "steps": args.steps,
-        "wall_ms_per_step": wall_ms,
-        "busy_ms_per_step": busy,
-        "gap_ms_per_step": wall_ms - busy,
-        "kernel_ms_per_step": sum(r["us_per_step"] for r in rows) / 1000.0,
-        "launches_per_step": sum(r["launches_per_step"] for r in rows),
-        "kernels": rows,
-    }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not (args.prefill and args.device == "cpu"):
         print("profile_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from voltserve.services.executor.engine import LLMEngine
@@ -163,6 +247,27 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(_config(args))
     vocab = engine.vocab_size
     result: dict[str, Any] = {"benchmark": "profile_kernels", "env": env_info(), "args": vars(args)}
+    if args.prefill:
+        r = profile_prefill(engine, args, vocab)
+        result["prefill"] = r
+        print(
+            f"prefill of {args.prompt_len} tokens: wall {r['wall_ms_per_step']:.3f} ms/step, GPU busy "
+            f"{r['busy_ms_per_step']:.3f}, gaps {r['gap_ms_per_step']:.3f}, "
+            f"{r['launches_per_step']:.0f} kernels"
+        )
+        for row in r["kernels"][: args.top]:
+            print(
+                f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x {row['us_each']:7.2f} us  "
+                f"{row['kernel'][:110]}"
+            )
+        for row in r.get("host_functions", []):
+            print(
+                f"  host {row['own_ms_per_step']:8.3f} ms own {row['cum_ms_per_step']:8.3f} cum "
+                f"{row['calls_per_step']:7.1f} calls  {row['function'][:100]}"
+            )
+        if args.out:
+            write_json(args.out, result)
+        return 0
     result["batches"] = []
     for b in args.batch_sizes:
         r = profile_batch(engine, b, args, vocab)

@@ -19,7 +19,8 @@
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry;
 # `gguf-b1`: Llama-3-8B as a llama.cpp Q4_K_M GGUF at batch 1 against its stored-bytes floor,
-# fp16 alongside as the anchor)
+# fp16 alongside as the anchor; `prefill-host`: a lone prompt's eager prefill step, GPU-busy
+# against wall time and the host functions behind the gap, 8B and 0.5B shapes)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -227,6 +228,14 @@ for stage in $STAGES; do
       run make_llama8b_q4km $PY load_tests/make_gguf_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-q4km/model.gguf --mix q4_k_m --device cuda
       run decode_b1_gguf_q4km $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km.json"
       run decode_b1_fp16 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_fp16.json"
+      ;;
+    prefill-host)
+      # A lone prompt's prefill step (eager, no graph) for the 8B and 0.5B shapes: wall against
+      # GPU-busy time, the kernels, and cProfile's host functions per step (PREFILL_LEN tokens).
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run prefill_host_llama8b $PY load_tests/profile_kernels.py --model-dir /tmp/voltserve-llama3-8b --prefill --host-profile --prompt-len "${PREFILL_LEN:-512}" --top 30 --out "$OUT/prefill_host_llama3-8b.json"
+      run make_qwen05b $PY load_tests/common.py make-checkpoint --preset qwen2.5-0.5b --out /tmp/voltserve-qwen2.5-0.5b --device cuda
+      run prefill_host_qwen05b $PY load_tests/profile_kernels.py --model-dir /tmp/voltserve-qwen2.5-0.5b --prefill --host-profile --prompt-len "${PREFILL_LEN:-512}" --top 30 --out "$OUT/prefill_host_qwen2.5-0.5b.json"
       ;;
     profile-serving)
       # The serving burst in-process, every step's wall time and plan, two steps' kernels by kind

@@ -472,3 +472,40 @@ def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path):
     # int4 g32 layers (~0.3 of fp16's bytes) beside the fp16 lm_head: well under fp16.
     assert 0 < d["model"]["read_per_token_bytes"] < 0.8 * fp16
     assert d["engine"]["decode_tok_s"] > 0
+
+
+def test_profile_kernels_prefill_cpu_smoke(tmp_path):
+    """profile_kernels.py --prefill --host-profile runs lone prefill steps end to end (on the CPU
+    only its host side means anything: no kernels are recorded) and reports the host functions
+    with the most time."""
+    out = tmp_path / "prefill.json"
+    _run(
+        [
+            "load_tests/profile_kernels.py",
+            "--model-dir",
+            str(_demo_model()),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prefill",
+            "--host-profile",
+            "--prompt-len",
+            "64",
+            "--warm-steps",
+            "1",
+            "--steps",
+            "3",
+            "--top",
+            "40",
+            "--out",
+            str(out),
+        ]
+    )
+    r = json.loads(out.read_text())["prefill"]
+    assert r["prompt_len"] == 64 and r["steps"] == 3
+    assert r["wall_ms_per_step"] > 0
+    assert r["kernels"] == [] and r["busy_ms_per_step"] == 0
+    fns = r["host_functions"]
+    assert 0 < len(fns) <= 40
+    assert all(f["own_ms_per_step"] >= 0 and f["calls_per_step"] > 0 for f in fns)
