@@ -228,7 +228,12 @@ class LLMEngine:
             try:
                 from voltserve.services.executor.grammar_state import GrammarState
 
-                state = GrammarState(fut.result(), req.stop_token_set, req.params.structured_after)
+                state = GrammarState(
+                    fut.result(),
+                    req.stop_token_set,
+                    req.params.structured_after,
+                    utf8=self._grammars().utf8_table(),
+                )
                 bad = state.catch_up(req.output_token_ids)
                 if bad is not None:
                     raise ValueError(

@@ -5,7 +5,8 @@ CompiledGrammar (per-state token masks precomputed, so filling a request's mask 
 cheap). Compiling a JSON schema takes milliseconds to a second, so it runs in a worker thread:
 the engine submits it when the request arrives and admits the request once the future is done;
 other requests keep stepping meanwhile. xgrammar's compiler keeps a cache keyed by the constraint,
-so a repeated schema compiles once.
+so a repeated schema compiles once. The vocabulary's UTF-8 table (utf8_guard.py) is built with
+the compiler: the grammar's masks alone let a string hold bytes that are not UTF-8.
 
 The vocabulary is the model's, not the tokenizer's: the lm_head may have more rows than the
 tokenizer has tokens (padded for the GEMMs), and the mask must cover every logit; xgrammar marks
@@ -21,6 +22,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from voltserve.services.executor.utf8_guard import Utf8Table
 from voltserve.shared.structured import compile_with
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class GrammarCompilerPool:
         # One submitting thread: xgrammar parallelises a compilation itself (max_threads).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._compiler = None
+        self._utf8 = None
         self._lock = threading.Lock()
 
     def _get_compiler(self):
@@ -75,10 +78,17 @@ class GrammarCompilerPool:
                     tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+                self._utf8 = Utf8Table.from_tokenizer_info(info)
                 logger.info(
                     "grammar compiler ready (%s vocabulary of %d)", info.vocab_type, info.vocab_size
                 )
             return self._compiler
+
+    def utf8_table(self) -> Utf8Table:
+        """The vocabulary's UTF-8 table (utf8_guard.py), built with the compiler."""
+        self._get_compiler()
+        assert self._utf8 is not None
+        return self._utf8
 
     def compile(self, constraint: dict[str, Any]):
         """Compile now, on the calling thread (ConstraintError when it cannot be built)."""

@@ -11,6 +11,10 @@ rejected; both keep `position` (output tokens seen) in step with the request's o
 
 A matcher that rejects a token the sampler drew under its own mask is a bug (the mask and the
 matcher disagree): `accept` returns False and the engine ends the request with an error.
+
+With a Utf8Table (utf8_guard.py) the constrained output also stays valid UTF-8: `fill` ANDs the
+tokens allowed after the output's bytes so far into the grammar's mask, and `accept` refuses a
+token that would break a character, as the matcher refuses one the grammar does not allow.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import logging
 from collections.abc import Sequence
 
 import numpy as np
+from voltserve.services.executor.utf8_guard import BOUNDARY, REJECT, Utf8Table
 
 logger = logging.getLogger(__name__)
 
 
 class GrammarState:
     def __init__(
-        self, compiled, stop_token_ids: Sequence[int], after: Sequence[int] | None = None
+        self,
+        compiled,
+        stop_token_ids: Sequence[int],
+        after: Sequence[int] | None = None,
+        utf8: Utf8Table | None = None,
     ) -> None:
         import xgrammar as xgr
 
@@ -38,6 +47,10 @@ class GrammarState:
         self.tokens: list[int] = []  # the output tokens seen, in order
         # Output index of the first constrained token (None: the marker has not appeared yet).
         self.start: int | None = None if self.after else 0
+        self.utf8 = utf8
+        # The UTF-8 state before each constrained token and after the last (rolled back with
+        # the matcher).
+        self.u8 = [BOUNDARY]
 
     @property
     def position(self) -> int:
@@ -59,8 +72,14 @@ class GrammarState:
             if len(self.tokens) >= len(a) and tuple(self.tokens[-len(a) :]) == a:
                 self.start = len(self.tokens)
             return True
+        nxt = BOUNDARY
+        if self.utf8 is not None:
+            nxt = self.utf8.advance(self.u8[-1], token)
+            if nxt == REJECT:
+                return False
         if not self.matcher.accept_token(token):
             return False
+        self.u8.append(nxt)
         self.tokens.append(token)
         return True
 
@@ -84,10 +103,12 @@ class GrammarState:
             undo = min(n, constrained)
             if undo:
                 self.matcher.rollback(undo)
+                del self.u8[-undo:]
             if keep < self.start:
                 # Back before the marker ended: the constraint is not active any more.
                 self.matcher.reset()
                 self.start = None
+                self.u8 = [BOUNDARY]
         del self.tokens[keep:]
 
     def fill(self, bitmask: np.ndarray, row: int) -> bool:
@@ -96,7 +117,14 @@ class GrammarState:
         if self.start is None:
             return False
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.restrict_utf8(bitmask, row)
         return True
+
+    def restrict_utf8(self, bitmask, row: int) -> None:
+        """AND into bitmask[row] (the grammar's mask, filled by `fill` or by xgrammar's batch
+        fill) the tokens that keep the output valid UTF-8."""
+        if self.utf8 is not None and not self.utf8.restrict(bitmask, row, self.u8[-1]):
+            logger.warning("no token keeps the output valid UTF-8 here: the grammar's mask alone")
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many leading draft tokens the grammar accepts in order (the engine truncates a

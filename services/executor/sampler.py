@@ -205,6 +205,8 @@ class Sampler:
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [g.matcher for g, _, _ in groups], host, list(range(M))
             )
+            for row, (g, _, _) in enumerate(groups):
+                g.restrict_utf8(host, row)
             idx = [i for _, i, _ in groups]
         else:
             m = 0
