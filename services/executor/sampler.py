@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.services.executor.grammar_state import restrict_utf8_rows
 from voltserve.services.executor.request import Request, SampledIds, SampledToken
 
 _M64 = (1 << 64) - 1
@@ -205,8 +206,7 @@ class Sampler:
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [g.matcher for g, _, _ in groups], host, list(range(M))
             )
-            for row, (g, _, _) in enumerate(groups):
-                g.restrict_utf8(host, row)
+            restrict_utf8_rows(host, [g for g, _, _ in groups])
             idx = [i for _, i, _ in groups]
         else:
             m = 0

@@ -97,7 +97,7 @@ class Utf8Table:
         bits[:, :vocab_size] = nxt >= 0
         packed = np.packbits(bits, axis=1, bitorder="little")  # token 8 k + i: bit i of byte k
         self.allowed = packed.view("<i4")
-        self._allowed_t = None  # its torch view, made on first use
+        self._touched_cache: dict[tuple[int, int, bool], tuple] = {}
 
     @classmethod
     def from_tokenizer_info(cls, info) -> Utf8Table:
@@ -115,16 +115,53 @@ class Utf8Table:
         """AND the tokens allowed in `state` into bitmask[row] (a torch or numpy int32 matrix of
         packed words). Leaves the row as it was and returns False where nothing would be left
         (the grammar then has the last word, so the sampler never faces an empty mask)."""
-        words = min(bitmask.shape[1], self.allowed.shape[1])
-        if isinstance(bitmask, np.ndarray):
-            cut = bitmask[row, :words] & self.allowed[state, :words]
-        else:
-            if self._allowed_t is None:
+        return self.restrict_rows(bitmask, [row], [state])[0]
+
+    def restrict_rows(self, bitmask, rows: Sequence[int], states: Sequence[int]) -> list[bool]:
+        """restrict() for several rows (a batch's masks each step); per row whether it was
+        restricted (False: nothing would have been left). Only the words of the mask where a
+        state forbids something are read and written: at a character boundary, where a request
+        almost always is, that is the few words holding the single-byte tokens."""
+        kept = [True] * len(rows)
+        by_state: dict[int, list[int]] = {}
+        for k, st in enumerate(states):
+            by_state.setdefault(int(st), []).append(k)
+        torch_mask = not isinstance(bitmask, np.ndarray)
+        for st, ks in by_state.items():
+            cols, allowed = self._touched(st, bitmask.shape[1], torch_mask)
+            if len(cols) == 0:
+                continue
+            if torch_mask:
                 import torch
 
-                self._allowed_t = torch.from_numpy(self.allowed)
-            cut = bitmask[row, :words] & self._allowed_t[state, :words]
-        if not cut.any():
-            return False
-        bitmask[row, :words] = cut
-        return True
+                idx = torch.as_tensor([rows[k] for k in ks], dtype=torch.int64)
+            else:
+                idx = np.asarray([rows[k] for k in ks], dtype=np.int64)
+            grammar = bitmask[idx[:, None], cols[None, :]]
+            cut = grammar & allowed[None, :]
+            empty = ~cut.any(1)
+            for j in np.flatnonzero(np.asarray(empty)):
+                # Nothing left in the touched words: is anything allowed elsewhere in the row?
+                row = int(idx[j])
+                rest = bitmask[row].clone() if torch_mask else bitmask[row].copy()
+                rest[cols] = 0
+                if not rest.any():
+                    cut[j] = grammar[j]
+                    kept[ks[j]] = False
+            bitmask[idx[:, None], cols[None, :]] = cut
+        return kept
+
+    def _touched(self, state: int, words: int, as_torch: bool):
+        """The mask words in which `state` forbids a token, and its allowed bits there."""
+        key = (state, words, as_torch)
+        hit = self._touched_cache.get(key)
+        if hit is None:
+            row = self.allowed[state, :words]
+            cols = np.flatnonzero(row != -1)
+            vals = row[cols]
+            if as_torch:
+                import torch
+
+                cols, vals = torch.from_numpy(cols), torch.from_numpy(vals.copy())
+            hit = self._touched_cache[key] = (cols, vals)
+        return hit

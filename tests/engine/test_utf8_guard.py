@@ -94,6 +94,17 @@ def test_packed_masks_and_restrict(rng, as_torch):
     # Nothing allowed would be left: the row stays as the grammar filled it.
     assert not table.restrict(none, 0, state)
     assert not np.asarray(none).any()
+    # Several rows at once (the batch fill): each row as restrict() alone leaves it.
+    states = [rng.randrange(NUM_STATES) for _ in range(3)]
+    grammar = np.array([[rng.getrandbits(32) - 2**31 for _ in range(W)] for _ in range(3)])
+    grammar = grammar.astype(np.int32)
+    grammar[1] = 0  # a row with nothing allowed
+    many = torch.from_numpy(grammar.copy()) if as_torch else grammar.copy()
+    kept = table.restrict_rows(many, [0, 1, 2], states)
+    for r in range(3):
+        one = grammar.copy()
+        assert bool(kept[r]) == table.restrict(one, r, states[r])
+        np.testing.assert_array_equal(np.asarray(many[r]), one[r])
 
 
 def test_constrained_string_cannot_hold_an_overlong_sequence():
