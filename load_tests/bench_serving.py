@@ -425,22 +425,32 @@ def _stop(proc: subprocess.Popen) -> None:
 STEP_FIELDS = ("step", "ms", "added", "running", "waiting", "outputs")
 
 
+def _log_lines(log_path: Path, *needles: str):
+    """The server log's lines holding every needle, with their timestamp (s since the epoch);
+    nothing when there is no log."""
+    import calendar
+
+    if not log_path.exists():
+        return
+    for line in log_path.read_text(errors="replace").splitlines():
+        if not all(n in line for n in needles) or not line.startswith("ts="):
+            continue
+        try:
+            ts, frac = line.split()[0].removeprefix("ts=").rstrip("Z").split(".")
+            t = calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%S")) + int(frac) / 1e3
+        except ValueError:
+            continue
+        yield t, line
+
+
 def executor_steps(log_path: Path) -> list[dict[str, Any]]:
     """The executor's per-step DEBUG lines (`voltserve serve --log-level debug`) of a server log:
     ts (s, epoch), step, ms, added (requests that reached the engine before the step), running,
     waiting, outputs. Empty when the server did not log at debug level."""
-    import calendar
-
     steps = []
-    if not log_path.exists():
-        return steps
-    for line in log_path.read_text(errors="replace").splitlines():
-        if " msg=step " not in line or "logger=voltserve.services.executor" not in line:
-            continue
+    for t, line in _log_lines(log_path, " msg=step ", "logger=voltserve.services.executor"):
         kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
         try:
-            ts, frac = kv["ts"].rstrip("Z").split(".")
-            t = calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%S")) + int(frac) / 1e3
             row: dict[str, Any] = {"ts": t}
             for k in STEP_FIELDS:
                 row[k] = float(kv[k]) if k == "ms" else int(kv[k])
@@ -454,20 +464,8 @@ def scheduler_placements(log_path: Path) -> list[float]:
     """When the scheduler placed each request on an executor (its DEBUG "placed ... on ..."
     lines, s since the epoch): with the client's send times, where a burst waits before the
     engine. Empty when the server did not log at debug level."""
-    import calendar
-
-    out = []
-    if not log_path.exists():
-        return out
-    for line in log_path.read_text(errors="replace").splitlines():
-        if 'msg="placed ' not in line or "logger=voltserve.services.scheduler" not in line:
-            continue
-        try:
-            ts, frac = line.split()[0].removeprefix("ts=").rstrip("Z").split(".")
-            out.append(calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%S")) + int(frac) / 1e3)
-        except ValueError:
-            continue
-    return out
+    needles = ('msg="placed ', "logger=voltserve.services.scheduler")
+    return [t for t, _ in _log_lines(log_path, *needles)]
 
 
 def placement_summary(placed: list[float]) -> dict[str, Any]:
