@@ -22,6 +22,7 @@ Counter names are given without the "_total" suffix: prometheus_client appends i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -421,15 +422,41 @@ class RequestMetrics:
         self.e2e.labels(*lab).observe(end - t.arrival_time)
         self.prompt_tokens.labels(*lab).observe(t.num_prompt_tokens)
         self.generation_tokens.labels(*lab).observe(t.num_generation_tokens)
-        for gap, count in t.pending_itl:
-            h = self.itl.labels(*lab)
-            for _ in range(count):
-                h.observe(gap)
+        if t.pending_itl:
+            observe_many(self.itl.labels(*lab), t.pending_itl)
         t.pending_itl.clear()
         self.success.labels(*lab, finished_reason).inc()
 
     def observe_error(self, model_name: str, status: int) -> None:
         self.errors.labels(model_name, str(status)).inc()
+
+
+def observe_many(h: Any, samples: Iterable[tuple[float, int]]) -> None:
+    """h.observe(value) `count` times for each (value, count): a request's inter-token gaps at
+    its end, one bucket increment per bucket rather than one locked observation per token
+    (which was ~8% of a busy gateway's time at 256 streams and 5 ms steps). The bucket of a
+    value is the first upper bound >= it, as Histogram.observe picks it. A histogram child
+    without the fields this reads gets plain observe calls."""
+    bounds = getattr(h, "_upper_bounds", None)
+    buckets = getattr(h, "_buckets", None)
+    total = getattr(h, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value, count in samples:
+            for _ in range(count):
+                h.observe(value)
+        return
+    counts = [0] * len(bounds)
+    acc = 0.0
+    for value, count in samples:
+        if value != value:  # NaN: observe() adds it to the sum and to no bucket
+            acc += value
+            continue
+        counts[bisect.bisect_left(bounds, value)] += count
+        acc += value * count
+    total.inc(acc)
+    for i, c in enumerate(counts):
+        if c:
+            buckets[i].inc(c)
 
 
 @dataclass

@@ -3,7 +3,7 @@ text out, compared value by value."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from voltserve.shared.metrics import (
     STATUS_FIELDS,
@@ -14,6 +14,7 @@ from voltserve.shared.metrics import (
     StatusHistogram,
     StatusSnapshot,
     metric_names,
+    observe_many,
     status_fields,
     token_buckets,
 )
@@ -88,6 +89,34 @@ def test_request_timer_and_metrics(rng) -> None:
         if c:
             key = ("vllm:request_success_total", tuple(sorted((*lab, ("finished_reason", r)))))
             assert got[key] == c
+
+
+def test_observe_many_equals_one_observe_per_sample(rng) -> None:
+    """The batched ITL observation gives the buckets and count Histogram.observe gives, value by
+    value (values on a bucket's bound included), and the sum up to float rounding."""
+    bounds = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0]
+    pairs = []
+    for _ in range(rng.randint(1, 200)):
+        value = rng.choice([rng.choice(bounds), rng.random() * 2, 0.0, rng.random() * 1e-3])
+        pairs.append((value, rng.randint(1, 4)))
+    regs = []
+    for batched in (False, True):
+        reg = CollectorRegistry()
+        h = Histogram("t_itl", "d", ["m"], buckets=bounds, registry=reg).labels("x")
+        if batched:
+            observe_many(h, pairs)
+        else:
+            for value, count in pairs:
+                for _ in range(count):
+                    h.observe(value)
+        regs.append(samples(reg))
+    one, many = regs
+    assert one.keys() == many.keys()
+    for key, v in one.items():
+        if key[0].endswith("_sum"):
+            assert abs(v - many[key]) <= 1e-9 * max(1.0, abs(v)), key
+        elif not key[0].endswith("_created"):
+            assert many[key] == v, key
 
 
 def test_token_buckets_and_names() -> None:
