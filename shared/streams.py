@@ -306,13 +306,11 @@ async def _handle_all(
             except Exception:
                 logger.exception("undecodable %s message %s; dropping it", stream, msg_id)
         if items:
+            # Not caught: a failure leaves the batch unacknowledged, as after_batch's does.
             await handler(items)  # type: ignore[call-arg, arg-type]
-        if after_batch is not None:
-            await after_batch()
-        await r.xack(stream, group, *(m for m, _ in entries))
-        return
-    for msg_id, fields in entries:
-        await one(msg_id, fields)
+    else:
+        for msg_id, fields in entries:
+            await one(msg_id, fields)
     if after_batch is not None:
         # A failure here propagates (consume logs and retries the read): the batch stays
         # unacknowledged, so its messages are redelivered rather than lost.

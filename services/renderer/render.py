@@ -139,25 +139,19 @@ class Renderer:
         # The template already wrote the special tokens (bos, role markers).
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def tokenize_prompt(
-        self, prompt: str | list[int], add_special_tokens: bool = True
-    ) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RenderFailed(
-                    400,
-                    f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})",
-                    "prompt",
-                )
-            ids = list(prompt)
-        else:
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """A completion prompt given as token ids, checked against the vocabulary (text prompts
+        are tokenized a batch at a time by render_many)."""
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise RenderFailed(400, "prompt must be a string or a list of token ids", "prompt")
-        if not ids:
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RenderFailed(
+                400, f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        if not prompt:
             raise RenderFailed(400, "prompt must not be empty", "prompt")
-        return ids
+        return list(prompt)
 
     # ---- the whole request -----------------------------------------------------------------
 
@@ -212,7 +206,7 @@ class Renderer:
             prompt = req.prompt if req.prompt is not None else ""
             if isinstance(prompt, str):
                 return _Staged("prompt", text=prompt, special=True)
-            return _Staged("prompt", ids=self.tokenize_prompt(prompt))
+            return _Staged("prompt", ids=self.prompt_ids(prompt))
         raise RenderFailed(400, f"unknown request kind {req.kind!r}")
 
     def _encode_texts(self, todo: list[_Staged], special: bool) -> None:
