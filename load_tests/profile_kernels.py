@@ -237,6 +237,18 @@ def profile_batch(engine, batch: int, args: argparse.Namespace, vocab: int) -> d
     return out
 
 
+def print_summary(what: str, r: dict[str, Any], top: int) -> None:
+    print(
+        f"{what}: wall {r['wall_ms_per_step']:.3f} ms/step, GPU busy {r['busy_ms_per_step']:.3f}, "
+        f"gaps {r['gap_ms_per_step']:.3f}, {r['launches_per_step']:.0f} kernels"
+    )
+    for row in r["kernels"][:top]:
+        print(
+            f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x {row['us_each']:7.2f} us  "
+            f"{row['kernel'][:110]}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available() and not (args.prefill and args.device == "cpu"):
@@ -248,40 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.vocab_size
     result: dict[str, Any] = {"benchmark": "profile_kernels", "env": env_info(), "args": vars(args)}
     if args.prefill:
-        r = profile_prefill(engine, args, vocab)
-        result["prefill"] = r
-        print(
-            f"prefill of {args.prompt_len} tokens: wall {r['wall_ms_per_step']:.3f} ms/step, GPU busy "
-            f"{r['busy_ms_per_step']:.3f}, gaps {r['gap_ms_per_step']:.3f}, "
-            f"{r['launches_per_step']:.0f} kernels"
-        )
-        for row in r["kernels"][: args.top]:
-            print(
-                f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x {row['us_each']:7.2f} us  "
-                f"{row['kernel'][:110]}"
-            )
+        r = result["prefill"] = profile_prefill(engine, args, vocab)
+        print_summary(f"prefill of {args.prompt_len} tokens", r, args.top)
         for row in r.get("host_functions", []):
             print(
                 f"  host {row['own_ms_per_step']:8.3f} ms own {row['cum_ms_per_step']:8.3f} cum "
                 f"{row['calls_per_step']:7.1f} calls  {row['function'][:100]}"
             )
-        if args.out:
-            write_json(args.out, result)
-        return 0
-    result["batches"] = []
-    for b in args.batch_sizes:
-        r = profile_batch(engine, b, args, vocab)
-        r["max_num_batched_tokens"] = engine.config.max_num_batched_tokens
-        result["batches"].append(r)
-        print(
-            f"batch {b}: wall {r['wall_ms_per_step']:.3f} ms/step, GPU busy {r['busy_ms_per_step']:.3f}, "
-            f"gaps {r['gap_ms_per_step']:.3f}, {r['launches_per_step']:.0f} kernels"
-        )
-        for row in r["kernels"][: args.top]:
-            print(
-                f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x {row['us_each']:7.2f} us  "
-                f"{row['kernel'][:110]}"
-            )
+    else:
+        result["batches"] = []
+        for b in args.batch_sizes:
+            r = profile_batch(engine, b, args, vocab)
+            r["max_num_batched_tokens"] = engine.config.max_num_batched_tokens
+            result["batches"].append(r)
+            print_summary(f"batch {b}", r, args.top)
     if args.out:
         write_json(args.out, result)
     return 0
