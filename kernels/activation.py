@@ -26,7 +26,6 @@ from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
-    dev,
     float32,
     launch,
     round_like,
@@ -94,7 +93,7 @@ def silu_and_mul_cuda(x: torch.Tensor, out: torch.Tensor | None = None) -> torch
             silu_and_mul_kernel,
             grid_for(T, inter),
             BLOCK,
-            (dev(x), dev(out), vec),
+            (x, out, vec),
             current_stream(),
         )
     return out

@@ -11,8 +11,6 @@
 - `st_u32x4(arr, i, w0, w1, w2, w3)`: the matching 16-byte store of four such words into
   arr[i:i+8] (a register-staged copy: load now, store after other work).
 - `shfl_xor(value, lane_mask)`: warp butterfly exchange of a float32 (full mask).
-- `as_numba(t)`: a torch CUDA tensor as a numba device array without a stream sync, so
-  launches stay CUDA-graph capturable.
 
 The CUDA simulator (NUMBA_ENABLE_CUDASIM=1, the CPU test path) has neither LLVM intrinsics nor
 warp shuffles, so under it both helpers are plain Python: the load slices the array, and the
@@ -26,7 +24,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import config, cuda
+from numba import config
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF
@@ -195,19 +193,6 @@ else:
             return shfl_bfly_ir(builder, a, b)
 
         return sig, codegen
-
-
-def as_numba(t):
-    """A torch CUDA tensor as a numba device array, without synchronising on its stream (a sync
-    inside CUDA-graph capture is an error)."""
-    return cuda.from_cuda_array_interface(t.__cuda_array_interface__, owner=t, sync=False)
-
-
-def torch_stream():
-    """torch's current CUDA stream as a numba stream, so kernels order with torch's work."""
-    import torch
-
-    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
 def next_pow2(n: int) -> int:

@@ -50,17 +50,15 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int32, int64
 from voltserve.kernels.attention_common import (
-    as_numba,
     check_paged_cache,
     half_hi,
     half_lo,
     ld_u32x4,
     next_pow2,
     shfl_xor,
-    torch_stream,
 )
 from voltserve.kernels.compile_cache import cached, cached_factory
-from voltserve.kernels.numba_common import SIM, named_kernel
+from voltserve.kernels.numba_common import SIM, current_stream, launch, named_kernel
 
 BLOCK_SIZE = 16  # tokens per KV block (fixed by the block manager)
 DEFAULT_PARTITION = 512
@@ -1051,30 +1049,30 @@ def paged_decode_attention_cuda(
         raise ValueError(f"workspace holds {workspace[2].shape[2]} partitions, need {n_part}")
     if B == 0:
         return out
-    stream = torch_stream()
-    ml, es, tmp = (as_numba(t) for t in workspace)
-    sl = as_numba(seq_lens)
+    stream = current_stream()
+    ml, es, tmp = workspace
+    sl = seq_lens
     grid = (n_part, kvh * cfg.split, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
     counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
-    decode_kernel(cfg, mode, max_registers)[grid, cfg.num_threads, stream](
-        as_numba(out),
-        as_numba(q),
-        as_numba(k_cache.view(-1)),
-        as_numba(v_cache.view(-1)),
-        as_numba(block_tables),
+    args = (
+        out,
+        q,
+        k_cache.view(-1),
+        v_cache.view(-1),
+        block_tables,
         sl,
         float(scale),
         kvh,
         ml,
         es,
         tmp,
-        as_numba(counters),
+        counters,
     )
+    launch(decode_kernel(cfg, mode, max_registers), grid, cfg.num_threads, args, stream)
     if mode == "split":
-        decode_reduce_kernel[(H, B), REDUCE_THREADS, stream](
-            as_numba(out), ml, es, tmp, sl, cfg.partition
-        )
+        args = (out, ml, es, tmp, sl, cfg.partition)
+        launch(decode_reduce_kernel, (H, B), REDUCE_THREADS, args, stream)
     return out
 
 

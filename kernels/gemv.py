@@ -60,7 +60,6 @@ from voltserve.kernels.compile_cache import cached_factory  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     SIM,
     current_stream,
-    dev,
     float32,
     launch,
     named_kernel,
@@ -413,7 +412,7 @@ def launch_gemv(x, w, bias, out, kind: str = PLAIN, extra: tuple = ()) -> torch.
         gemv_kernel(M, kind),
         grid_for(M, rows if kind == PLAIN else rows // 2, kind),
         THREADS,
-        (dev(x), dev(w), dev(b), dev(out), has_bias, *extra),
+        (x, w, b, out, has_bias, *extra),
         current_stream(),
     )
     return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from voltserve.kernels.gemv import QKV_ROPE, launch_gemv, supports
-from voltserve.kernels.numba_common import dev
 from voltserve.kernels.rotary_cache import rotary_and_cache_ref
 
 
@@ -121,11 +120,11 @@ def launch_qkv_rope(x, w, bias, rope_args: tuple, out=None) -> torch.Tensor:
     cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv)."""
     positions, cos_sin_cache, k_cache, v_cache, slot_mapping, n_q, n_kv = rope_args
     extra = (
-        dev(positions),
-        dev(cos_sin_cache),
-        dev(k_cache),
-        dev(v_cache),
-        dev(slot_mapping),
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
         int(n_q),
         int(n_kv),
     )

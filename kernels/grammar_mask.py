@@ -47,7 +47,7 @@ def apply_token_bitmask_ref(
 import math  # noqa: E402
 
 from numba import cuda, uint32  # noqa: E402
-from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
+from voltserve.kernels.numba_common import current_stream, launch  # noqa: E402
 
 MASK_BLOCK = 256
 _NEG_INF = -math.inf
@@ -82,6 +82,6 @@ def apply_token_bitmask_cuda(
         apply_token_bitmask_kernel,
         grid,
         MASK_BLOCK,
-        (dev(logits), dev(bitmask), dev(rows)),
+        (logits, bitmask, rows),
         current_stream(),
     )

@@ -35,7 +35,7 @@ def reshape_and_cache_ref(
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
-from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
+from voltserve.kernels.numba_common import current_stream, launch  # noqa: E402
 from voltserve.kernels.vec_io import VEC, ld8, st8, vec_ok  # noqa: E402
 
 BLOCK = 128
@@ -93,6 +93,6 @@ def reshape_and_cache_cuda(
             reshape_and_cache_kernel,
             key.shape[0],
             BLOCK,
-            (dev(key), dev(value), dev(k_cache), dev(v_cache), dev(slot_mapping), vec),
+            (key, value, k_cache, v_cache, slot_mapping, vec),
             current_stream(),
         )

@@ -28,7 +28,7 @@ from numba import cuda
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.gemv import _warp_sum
-from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
+from voltserve.kernels.numba_common import SIM, current_stream, float32, launch, round_like
 from voltserve.kernels.vec_io import VEC, dot8, ld8
 
 MAX_TOKENS = 8
@@ -190,19 +190,19 @@ def moe_decode(
     h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     stream = current_stream()
-    ids = dev(topk_ids)
+    ids = topk_ids
     launch(
         moe_decode_gate_up_kernel,
         gate_up_grid(T * k, inter),
         32 * WARPS,
-        (dev(x), dev(w13), ids, dev(h)),
+        (x, w13, ids, h),
         stream,
     )
     launch(
         moe_decode_down_kernel,
         down_grid(T, H),
         32 * WARPS,
-        (dev(h), dev(w2), ids, dev(topk_weights), dev(out)),
+        (h, w2, ids, topk_weights, out),
         stream,
     )
     return out

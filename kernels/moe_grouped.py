@@ -30,7 +30,7 @@ from numba import cuda
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.moe_routing import moe_align_ref
-from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
+from voltserve.kernels.numba_common import current_stream, float32, launch, round_like
 from voltserve.kernels.vec_io import VEC, ZERO8, ld8
 
 BM = 16  # sorted rows per tile
@@ -266,19 +266,19 @@ def moe_grouped(
     h_sorted = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((P, H), dtype=torch.float32, device=x.device)
     stream = current_stream()
-    meta = (dev(order), dev(expert_start), dev(tile_first), dev(tile_expert))
+    meta = (order, expert_start, tile_first, tile_expert)
     launch(
         moe_grouped_gate_up_kernel,
         (tiles, (inter + BN_PAIRS - 1) // BN_PAIRS),
         THREADS,
-        (dev(x), dev(w13), *meta, k, dev(h_sorted)),
+        (x, w13, *meta, k, h_sorted),
         stream,
     )
     launch(
         moe_grouped_down_kernel,
         (tiles, (H + BN - 1) // BN),
         THREADS,
-        (dev(h_sorted), dev(w2), *meta, dev(topk_weights.reshape(-1)), dev(y_pairs)),
+        (h_sorted, w2, *meta, topk_weights.reshape(-1), y_pairs),
         stream,
     )
     return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -36,7 +36,7 @@ from dataclasses import replace
 import torch
 from numba import cuda
 from voltserve.kernels.compile_cache import cached_factory
-from voltserve.kernels.numba_common import SIM, current_stream, dev, launch
+from voltserve.kernels.numba_common import SIM, current_stream, launch
 from voltserve.kernels.quant_gemv import (
     FORMS,
     GATE_UP,
@@ -304,12 +304,12 @@ def moe_quant_decode(
         grid(GATE_UP, w13.bits, inter, T * k),
         32 * WARPS,
         (
-            dev(x),
-            dev(w13.qweight),
-            dev(w13.scales),
-            dev(w13.offsets),
-            dev(ids),
-            dev(h),
+            x,
+            w13.qweight,
+            w13.scales,
+            w13.offsets,
+            ids,
+            h,
             w13.group_shift,
         ),
         stream,
@@ -319,13 +319,13 @@ def moe_quant_decode(
         grid(DOWN, w2.bits, H, T),
         32 * WARPS,
         (
-            dev(h),
-            dev(w2.qweight),
-            dev(w2.scales),
-            dev(w2.offsets),
-            dev(ids),
-            dev(wts),
-            dev(out),
+            h,
+            w2.qweight,
+            w2.scales,
+            w2.offsets,
+            ids,
+            wts,
+            out,
             w2.group_shift,
         ),
         stream,

@@ -107,7 +107,6 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     NEG_INF,
     SIM,
     current_stream,
-    dev,
     float32,
     int32,
     launch,
@@ -314,7 +313,7 @@ def moe_topk_cuda(
         moe_topk_kernel,
         topk_grid(T),
         TOPK_THREADS,
-        (dev(x), dev(weights), dev(ids), bool(renormalize), round_weights),
+        (x, weights, ids, bool(renormalize), round_weights),
         current_stream(),
     )
     return weights, ids

@@ -30,7 +30,7 @@ from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.moe_grouped import BM, _tile_of
 from voltserve.kernels.moe_routing import moe_align_ref
-from voltserve.kernels.numba_common import SIM, current_stream, dev, float32, launch, round_like
+from voltserve.kernels.numba_common import SIM, current_stream, float32, launch, round_like
 
 WMMA_CU = str(Path(__file__).with_name("wmma_ptx.cu"))
 CUDA_SOURCES: tuple[str, ...] = (WMMA_CU,)
@@ -173,12 +173,12 @@ def moe_wmma(
     h_sorted = torch.empty((P + BM, inter), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((P, H), dtype=torch.float32, device=x.device)
     stream = current_stream()
-    meta = (dev(expert_start), dev(tile_first), dev(tile_expert))
+    meta = (expert_start, tile_first, tile_expert)
     launch(
         moe_wmma_gate_up_kernel,
         (tiles, -(-inter // (PAIRS * WARPS))),
         32 * WARPS,
-        (dev(x_sorted.view(-1)), dev(w13.view(-1)), *meta, dev(h_sorted), H),
+        (x_sorted.view(-1), w13.view(-1), *meta, h_sorted, H),
         stream,
     )
     launch(
@@ -186,12 +186,12 @@ def moe_wmma(
         (tiles, -(-H // (TILE_N * WARPS))),
         32 * WARPS,
         (
-            dev(h_sorted.view(-1)),
-            dev(w2.view(-1)),
-            dev(order),
+            h_sorted.view(-1),
+            w2.view(-1),
+            order,
             *meta,
-            dev(topk_weights.reshape(-1)),
-            dev(y_pairs),
+            topk_weights.reshape(-1),
+            y_pairs,
             inter,
         ),
         stream,

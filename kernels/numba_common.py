@@ -218,17 +218,31 @@ def nvvm_inlined(fn: Any) -> Any:
     return cuda.jit(device=True, forceinline=True)(fn.py_func)
 
 
-def dev(t: Any) -> Any:
-    """A torch CUDA tensor as a numba device array, without a stream sync (graph-capture safe)."""
-    return cuda.as_cuda_array(t.detach(), sync=False)
+def launch(kernel: Any, grid: Any, block: Any, args: tuple, stream: Any = None) -> None:
+    """kernel[grid, block, stream](*args) with torch CUDA tensors as array arguments.
 
-
-def launch(kernel: Any, grid: Any, block: int, args: tuple, stream: Any = None) -> None:
-    """kernel[grid, block, stream](*args). Tests call this with numpy arrays in the simulator."""
-    if stream is None:
+    After the first launch of a kernel with an argument signature, fast_launch.LAUNCHER
+    launches it without numba's per-launch argument handling (see fast_launch.py); until then,
+    and for kernels it has no plan for, tensors are wrapped as numba device arrays without a
+    stream sync (graph-capture safe) and numba launches. Tests call this with numpy arrays in
+    the simulator."""
+    if SIM:
         kernel[grid, block](*args)
+        return
+    import torch
+    from voltserve.kernels.fast_launch import LAUNCHER
+
+    if LAUNCHER.launch(kernel, grid, block, args, stream):
+        return
+    nargs = tuple(
+        cuda.as_cuda_array(a.detach(), sync=False) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+    if stream is None:
+        kernel[grid, block](*nargs)
     else:
-        kernel[grid, block, stream](*args)
+        kernel[grid, block, stream](*nargs)
+    LAUNCHER.learn(kernel, args, nargs)
 
 
 def block_for(n: int, per_thread: int, lo: int = 32, hi: int = 1024) -> int:
@@ -246,7 +260,6 @@ __all__ = [
     "float_key",
     "round_like",
     "current_stream",
-    "dev",
     "launch",
     "block_for",
     "float16",

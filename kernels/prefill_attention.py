@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int64
 from numba.core.types import float16
-from voltserve.kernels.attention_common import as_numba, check_paged_cache, ld_f16x8, torch_stream
+from voltserve.kernels.attention_common import check_paged_cache, ld_f16x8
 from voltserve.kernels.compile_cache import cached_factory
+from voltserve.kernels.numba_common import current_stream, launch
 
 BLOCK_SIZE = 16
 TX = 8  # threads along the key / dim axis of a tile
@@ -269,17 +270,18 @@ def paged_attention_cuda(
         return out
     q = q.contiguous()
     grid = ((max_query_len + cfg.tile_q - 1) // cfg.tile_q, kvh, B)
-    prefill_kernel(cfg)[grid, cfg.num_threads, torch_stream()](
-        as_numba(out),
-        as_numba(q),
-        as_numba(k_cache.view(-1)),
-        as_numba(v_cache.view(-1)),
-        as_numba(block_tables.contiguous()),
-        as_numba(seq_lens),
-        as_numba(query_start_loc),
+    args = (
+        out,
+        q,
+        k_cache.view(-1),
+        v_cache.view(-1),
+        block_tables.contiguous(),
+        seq_lens,
+        query_start_loc,
         float(scale),
         kvh,
     )
+    launch(prefill_kernel(cfg), grid, cfg.num_threads, args, current_stream())
     return out
 
 

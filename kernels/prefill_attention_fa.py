@@ -68,7 +68,7 @@ from pathlib import Path
 from numba import cuda, float32, int32
 from voltserve.kernels.attention_common import check_paged_cache
 from voltserve.kernels.compile_cache import cached_factory
-from voltserve.kernels.numba_common import SIM
+from voltserve.kernels.numba_common import SIM, current_stream, launch
 
 FA_CU = str(Path(__file__).with_name("prefill_attention_fa.cu"))
 # CUDA C++ files the kernels of this module link; `voltserve check-kernels` compiles them too.
@@ -183,7 +183,6 @@ def paged_attention_fa_cuda(
     query_start_loc (a host sync). Raises ValueError for a shape this kernel does not cover
     (fa_group); `paged_attention_cuda` sends those to the CUDA-core kernel."""
     import torch
-    from voltserve.kernels.numba_common import current_stream, dev
 
     T, H, D = q.shape
     kvh = k_cache.shape[1]
@@ -212,18 +211,19 @@ def paged_attention_fa_cuda(
             raise ValueError(f"{name} must be 16-byte aligned (16-byte vector loads and stores)")
     tile_q = ROWS // group
     grid = ((max_query_len + tile_q - 1) // tile_q, kvh, B)
-    prefill_fa_kernel(D)[grid, NUM_THREADS, current_stream()](
-        dev(out.view(-1)),
-        dev(q.view(-1)),
-        dev(k_cache.view(-1)),
-        dev(v_cache.view(-1)),
-        dev(block_tables.contiguous()),
-        dev(seq_lens.contiguous()),
-        dev(query_start_loc.contiguous()),
+    args = (
+        out.view(-1),
+        q.view(-1),
+        k_cache.view(-1),
+        v_cache.view(-1),
+        block_tables.contiguous(),
+        seq_lens.contiguous(),
+        query_start_loc.contiguous(),
         float(scale),
         kvh,
         group,
     )
+    launch(prefill_fa_kernel(D), grid, NUM_THREADS, args, current_stream())
     return out
 
 

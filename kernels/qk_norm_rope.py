@@ -76,7 +76,6 @@ from voltserve.kernels.attention_common import shfl_xor  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
-    dev,
     float32,
     launch,
     round_like,
@@ -248,12 +247,14 @@ def covers(impl: dict[str, str], *args) -> bool:
 
 def kernel_args(
     positions, q, k, v, q_weight, k_weight, eps: float, head_dim: int, cos_sin_cache, k_cache,
-    v_cache, slot_mapping, as_array=dev,
+    v_cache, slot_mapping, as_array=None,
 ) -> tuple:  # fmt: skip
     """The kernel's arguments, in order (`as_array` maps each tensor; tests pass a simulator
-    view)."""
+    view; launches take the tensors themselves)."""
     arrays = (positions, q, k, v, q_weight, k_weight)
     tail = (cos_sin_cache, k_cache, v_cache, slot_mapping)
+    if as_array is None:
+        return (*arrays, np.float32(eps), int(head_dim), *tail)
     return (
         *(as_array(a) for a in arrays),
         np.float32(eps),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from numba import cuda
-from voltserve.kernels.numba_common import current_stream, dev, float32, launch
+from voltserve.kernels.numba_common import current_stream, float32, launch
 from voltserve.kernels.quant_common import ld_w4
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 from voltserve.kernels.vec_io import st8
@@ -117,7 +117,7 @@ def dequantize_into(w: GroupQuantWeight, out: torch.Tensor) -> torch.Tensor:
         _KERNELS[w.bits],
         grid_for(w),
         THREADS,
-        (dev(w.qweight), dev(w.scales), dev(w.offsets), dev(out), w.group_shift),
+        (w.qweight, w.scales, w.offsets, out, w.group_shift),
         current_stream(),
     )
     return out

@@ -44,7 +44,7 @@ import torch
 from numba import cuda, float32, uint32
 from numba.core.types import float16
 from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
-from voltserve.kernels.numba_common import SIM, current_stream, dev, launch
+from voltserve.kernels.numba_common import SIM, current_stream, launch
 from voltserve.kernels.quant_common import bits_f32, fold, ld_w4, st_h8
 from voltserve.kernels.quant_pack import GroupQuantWeight
 from voltserve.kernels.wmma_inline import ZERO_C, load_b_col, mma, store_c
@@ -480,13 +480,13 @@ def quant_gemm_tc_cuda(
         (tiles_n, tiles_m, S),
         cfg.threads,
         (
-            dev(x.view(-1)),
-            dev(w.qweight),
-            dev(w.scales),
-            dev(w.offsets),
-            dev(b),
-            dev(out),
-            dev(part),
+            x.view(-1),
+            w.qweight,
+            w.scales,
+            w.offsets,
+            b,
+            out,
+            part,
             has_bias,
             w.group_shift,
             T,
@@ -499,7 +499,7 @@ def quant_gemm_tc_cuda(
             qgemm_reduce_kernel,
             -(-T * N // 256),
             256,
-            (dev(part), dev(b), dev(out), has_bias, S),
+            (part, b, out, has_bias, S),
             stream,
         )
     return out

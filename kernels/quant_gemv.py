@@ -108,7 +108,7 @@ from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.gemv import QKV_ROPE_PROLOGUE, QKV_ROPE_STORE, _warp_sum
 from voltserve.kernels.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
-from voltserve.kernels.numba_common import current_stream, dev, float32, launch, round_like
+from voltserve.kernels.numba_common import current_stream, float32, launch, round_like
 from voltserve.kernels.quant_common import (
     D_SCALE,
     ZERO_W4,
@@ -793,12 +793,12 @@ def launch_qgemv(
         grid_for(M, rows if kind == PLAIN else rows // 2, w.bits, kind, tile),
         THREADS,
         (
-            dev(x),
-            dev(w.qweight),
-            dev(w.scales),
-            dev(w.offsets),
-            dev(b),
-            dev(out),
+            x,
+            w.qweight,
+            w.scales,
+            w.offsets,
+            b,
+            out,
             has_bias,
             w.group_shift,
             *extra,
@@ -923,11 +923,11 @@ def quant_qkv_rope_cuda(
     if not supports_qkv_rope(x, w, *args):
         return quant_qkv_rope_ref(x, w, bias, *args, out=out)
     extra = (
-        dev(positions),
-        dev(cos_sin_cache),
-        dev(k_cache),
-        dev(v_cache),
-        dev(slot_mapping),
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
         int(n_q),
         int(n_kv),
     )

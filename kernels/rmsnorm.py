@@ -41,7 +41,6 @@ from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     block_sum,
     current_stream,
-    dev,
     float32,
     launch,
     round_like,
@@ -295,7 +294,7 @@ def rms_norm_cuda(
             rms_norm_1c_kernel,
             x.shape[0],
             one_chunk_block(x.shape[1]),
-            (dev(x), dev(weight), dev(out), np.float32(eps)),
+            (x, weight, out, np.float32(eps)),
             current_stream(),
         )
     elif x.shape[0]:
@@ -303,7 +302,7 @@ def rms_norm_cuda(
             rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(weight), dev(out), np.float32(eps), vec),
+            (x, weight, out, np.float32(eps), vec),
             current_stream(),
         )
     return out
@@ -319,7 +318,7 @@ def fused_add_rms_norm_cuda(
             fused_add_rms_norm_1c_kernel,
             x.shape[0],
             one_chunk_block(x.shape[1]),
-            (dev(x), dev(residual), dev(weight), np.float32(eps)),
+            (x, residual, weight, np.float32(eps)),
             current_stream(),
         )
     elif x.shape[0]:
@@ -327,6 +326,6 @@ def fused_add_rms_norm_cuda(
             fused_add_rms_norm_kernel,
             x.shape[0],
             block_size(x.shape[0], x.shape[1]),
-            (dev(x), dev(residual), dev(weight), np.float32(eps), vec),
+            (x, residual, weight, np.float32(eps), vec),
             current_stream(),
         )

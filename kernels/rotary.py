@@ -131,7 +131,6 @@ from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     current_stream,
-    dev,
     float32,
     launch,
     round_like,
@@ -259,11 +258,11 @@ def rotary_args(positions, q, k, head_dim: int, cos_sin_cache, is_neox: bool) ->
     half = cos_sin_cache.shape[1] // 2
     vec = half % VEC == 0 and head_dim % VEC == 0 and vec_ok(q2, k2, cos_sin_cache)
     return (
-        dev(positions),
-        dev(q2),
-        dev(k2),
+        positions,
+        q2,
+        k2,
         int(head_dim),
-        dev(cos_sin_cache),
+        cos_sin_cache,
         bool(is_neox),
         vec,
     )

@@ -51,7 +51,7 @@ def rotary_and_cache_ref(
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
-from voltserve.kernels.numba_common import current_stream, dev, launch  # noqa: E402
+from voltserve.kernels.numba_common import current_stream, launch  # noqa: E402
 from voltserve.kernels.vec_io import vec_ok  # noqa: E402
 
 BLOCK = 128
@@ -133,11 +133,11 @@ def rotary_and_cache_cuda(
         BLOCK,
         (
             *rotary_args(positions, q, k, head_dim, cos_sin_cache, is_neox),
-            dev(key),
-            dev(value),
-            dev(k_cache),
-            dev(v_cache),
-            dev(slot_mapping),
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
             vec_cache,
         ),
         current_stream(),

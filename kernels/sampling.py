@@ -184,7 +184,6 @@ from voltserve.kernels.numba_common import (  # noqa: E402
     block_max,
     block_sum,
     current_stream,
-    dev,
     float32,
     float_key,
     int32,
@@ -464,14 +463,14 @@ def sample_cuda(
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
         args = (
-            dev(logits),
-            dev(temperature),
-            dev(top_k),
-            dev(top_p),
-            dev(min_p),
-            dev(seeds),
-            dev(positions),
-            dev(out),
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seeds,
+            positions,
+            out,
         )
         launch(sample_kernel, B, SAMPLE_BLOCK, args, current_stream())
     return out
@@ -483,7 +482,7 @@ def argmax_cuda(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        launch(argmax_kernel, B, SAMPLE_BLOCK, (dev(logits), dev(out)), current_stream())
+        launch(argmax_kernel, B, SAMPLE_BLOCK, (logits, out), current_stream())
     return out
 
 
@@ -501,11 +500,11 @@ def apply_penalties_cuda(
     if B:
         grid = (B, (V + PENALTY_BLOCK - 1) // PENALTY_BLOCK)
         args = (
-            dev(logits),
-            dev(prompt_mask),
-            dev(output_counts),
-            dev(repetition),
-            dev(presence),
-            dev(frequency),
+            logits,
+            prompt_mask,
+            output_counts,
+            repetition,
+            presence,
+            frequency,
         )
         launch(apply_penalties_kernel, grid, PENALTY_BLOCK, args, current_stream())

@@ -18,7 +18,7 @@ pytestmark = [
 @pytest.mark.parametrize("k", [16, 64])
 @pytest.mark.parametrize("b_col", [0, 1])
 def test_wmma_tile(k, b_col):
-    from voltserve.kernels.numba_common import current_stream, dev
+    from voltserve.kernels.numba_common import current_stream, launch
     from voltserve.kernels.wmma_ptx import wmma_gemm16_kernel
 
     seed = torch.seed() % 2**31
@@ -28,9 +28,8 @@ def test_wmma_tile(k, b_col):
     b = (torch.rand((k, 16), generator=gen, device="cuda") * 2 - 1).half()
     b_in = b.t().contiguous() if b_col else b  # column-major b == row-major b^T
     d = torch.full((16, 16), float("nan"), device="cuda")
-    wmma_gemm16_kernel[1, 32, current_stream()](
-        dev(d.view(-1)), dev(a.view(-1)), dev(b_in.view(-1)), k, b_col
-    )
+    args = (d.view(-1), a.view(-1), b_in.view(-1), k, b_col)
+    launch(wmma_gemm16_kernel, 1, 32, args, current_stream())
     torch.cuda.synchronize()
     ref = a.float() @ b.float()
     err = (d - ref).abs().max().item()

@@ -188,7 +188,6 @@ def test_rms_norm_launchers_pass_eps_as_the_registered_type(monkeypatch):
     seen = []
     monkeypatch.setattr(rmsnorm, "launch", lambda k, g, b, args, s: seen.append((k, args)))
     monkeypatch.setattr(rmsnorm, "current_stream", lambda: None)
-    monkeypatch.setattr(rmsnorm, "dev", lambda t: t)
     w = torch.ones(64)
     for rows in (2, 300):  # the one-chunk kernels (decode) and the general ones
         x = torch.randn(rows, 64)

@@ -13,7 +13,6 @@ from voltserve.kernels import gemv
 @pytest.fixture
 def recorded(monkeypatch):
     calls = []
-    monkeypatch.setattr(gemv, "dev", lambda t: t)
     monkeypatch.setattr(gemv, "current_stream", lambda: "stream")
     monkeypatch.setattr(gemv, "launch", lambda *a: calls.append(a))
     return calls
