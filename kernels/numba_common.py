@@ -21,6 +21,9 @@ from numba.core.types import float16
 from numba.cuda.core import config
 
 SIM: bool = bool(config.ENABLE_CUDASIM)
+# Latency-bound kernels (batch-1 decode: one wave of a few dozen blocks) launch small grids on
+# purpose; numba's low-occupancy warning fired for them on every numba launch, filling the logs.
+config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
 
