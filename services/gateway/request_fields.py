@@ -77,3 +77,13 @@ def check_fields(body: dict, kind: str) -> None:
         )
     if body.get("store"):
         raise bad_request("store is not supported: this server keeps no completions", "store")
+    # The opaque labels have no effect here, but a malformed one is still the client's error
+    # (OpenAI's types: a string, and string keys to string values).
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request(f"user must be a string, got {type(user).__name__}", "user")
+    meta = body.get("metadata")
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise bad_request("metadata must be an object of string values", "metadata")

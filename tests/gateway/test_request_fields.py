@@ -50,6 +50,18 @@ def test_store_true_is_refused_and_false_accepted():
     _chat({**CHAT, "store": False, "metadata": {"k": "v"}})
 
 
+@pytest.mark.parametrize(
+    "field, value", [("user", 5), ("user", ["a"]), ("metadata", "x"), ("metadata", {"k": 1})]
+)
+def test_malformed_labels_are_refused(field, value):
+    with pytest.raises(APIError) as e:
+        _chat({**CHAT, field: value})
+    assert e.value.status == 400 and e.value.param == field
+    with pytest.raises(APIError) as e:
+        _completion({**COMPLETION, "user": 5})
+    assert e.value.param == "user"
+
+
 def test_several_unknown_fields_are_all_named():
     with pytest.raises(APIError) as e:
         _chat({**CHAT, "zeta": 1, "alpha": 2})
