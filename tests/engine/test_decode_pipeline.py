@@ -146,9 +146,12 @@ def test_pipelined_engine_admits_after_going_idle(monkeypatch, rng) -> None:
     runner.pipeline = DecodePipeline(runner)
     piped, eager = LLMEngine(cfg, runner), LLMEngine(cfg)
     V = len(tokenizer())
-    for n in (1, 3, 1):
+    # The last round decodes at least 8 tokens, so some step is launched ahead and used on
+    # every draw (with max_tokens 2 nothing follows the one decode step: nothing to pipeline).
+    for n, least in ((1, 2), (3, 2), (1, 8)):
         prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 20))] for _ in range(n)]
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 20), ignore_eos=True)
+        max_tokens = rng.randint(least, 20)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         assert piped.generate(prompts, params) == eager.generate(prompts, params)
         assert piped.check_all_free()
     assert runner.pipeline.used > 0
