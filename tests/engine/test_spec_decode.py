@@ -146,10 +146,10 @@ def test_greedy_ngram_equals_spec_off_and_transformers(seed):
 
 
 @functools.cache
-def _recorded(seed: int):
+def _recorded(seed: int, lengths: tuple[int, int] = (3, 40)):
     """Prompts, their greedy outputs (speculation off, engine) and the oracle's continuations."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(5)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(*lengths))] for _ in range(5)]
     base = engine()
     outs = base.generate(prompts, greedy(30))
     return prompts, outs
@@ -166,7 +166,8 @@ def _recorded(seed: int):
     ids=["batch", "batch-corrupt", "chunked", "preempt"],
 )
 def test_greedy_oracle_equals_spec_off(seed, kw, corrupt):
-    prompts, outs = _recorded(seed)
+    # preempt: 11-16-token prompts need 2 blocks each (10 > 9) by decode step 6, before any ends
+    prompts, outs = _recorded(seed, (11, 17) if "num_kv_blocks" in kw else (3, 40))
     assert outs == reference(tuple(map(tuple, prompts)), 30)
     eng = engine({"method": "ngram", "num_speculative_tokens": 4}, **kw)
     ids = [f"generate-1-{i}" for i in range(len(prompts))]
@@ -369,7 +370,8 @@ def test_cli_flag_validated(capsys):
     ids=["self-chunked", "other-preempt"],
 )
 def test_draft_model_greedy_equals_spec_off(seed, draft, kw):
-    prompts, outs = _recorded(seed)
+    # preempt: 11-16-token prompts need 2 blocks each (10 > 9) by decode step 6, before any ends
+    prompts, outs = _recorded(seed, (11, 17) if "num_kv_blocks" in kw else (3, 40))
     spec = {"method": "draft_model", "model": str(checkpoint(draft)), "num_speculative_tokens": 3}
     eng = engine(spec, **kw)
     assert eng.runner.draft is not None and eng.runner.draft_kv_caches
