@@ -111,6 +111,15 @@ def _tensor_key(t: Any) -> tuple:
     )
 
 
+def _plan_key(kernel: Any, args: tuple) -> tuple:
+    """(kernel, current device, each argument's signature): what a plan is looked up by."""
+    import torch
+
+    return (kernel, torch.cuda.current_device()) + tuple(
+        _tensor_key(a) if isinstance(a, torch.Tensor) else type(a) for a in args
+    )
+
+
 @dataclass
 class _Plan:
     """One kernel and argument signature: the function handle and the parameter packing."""
@@ -143,12 +152,7 @@ class FastLauncher:
         numba and then calls `learn`)."""
         if self.bypassed:
             return False
-        import torch
-
-        key = (kernel, torch.cuda.current_device()) + tuple(
-            _tensor_key(a) if isinstance(a, torch.Tensor) else type(a) for a in args
-        )
-        plan = self.plans.get(key)
+        plan = self.plans.get(_plan_key(kernel, args))
         if plan is None:
             return False
         values: list[Any] = []
@@ -172,11 +176,7 @@ class FastLauncher:
     def learn(self, kernel: Any, args: tuple, numba_args: tuple) -> None:
         """After a numba launch of `kernel` with `numba_args` (tensors converted), make the plan
         for this signature, or remember that it gets none."""
-        import torch
-
-        key = (kernel, torch.cuda.current_device()) + tuple(
-            _tensor_key(a) if isinstance(a, torch.Tensor) else type(a) for a in args
-        )
+        key = _plan_key(kernel, args)
         if self.bypassed or key in self.plans:
             return
         self.plans[key] = self._make_plan(kernel, args, numba_args)
