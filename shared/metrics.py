@@ -422,8 +422,12 @@ class RequestMetrics:
         self.e2e.labels(*lab).observe(end - t.arrival_time)
         self.prompt_tokens.labels(*lab).observe(t.num_prompt_tokens)
         self.generation_tokens.labels(*lab).observe(t.num_generation_tokens)
+        # The child is made even with no gaps (a one-token request) so that every series a
+        # finished request touches is exposed, at count 0 where nothing was observed, as vLLM's
+        # per-engine children are, rather than missing until some request has two tokens.
+        itl = self.itl.labels(*lab)
         if t.pending_itl:
-            observe_many(self.itl.labels(*lab), t.pending_itl)
+            observe_many(itl, t.pending_itl)
         t.pending_itl.clear()
         self.success.labels(*lab, finished_reason).inc()
 
