@@ -62,9 +62,14 @@ _ALIGN = None if SIM else 128  # shared tiles: wmma wants 32-byte aligned tile s
 class TileConfig:
     wgm: int  # warps along M
     wgn: int  # warps along N
-    wm: int  # fragments per warp along M
-    wn: int  # fragments per warp along N
+    wm: int  # fragments per warp along M (1, 2)
+    wn: int  # fragments per warp along N (1, 2, 4)
     bk: int  # K step, a multiple of 16
+    # K steps whose loads are in flight in registers while a step's products run: 1 issues step
+    # s + 1's loads during step s; 2 also step s + 2's, so a weight load has two steps' products
+    # to arrive in instead of one (the loop is latency-bound on that round trip at decode-sized
+    # row counts: each step's tile is a few KB).
+    stages: int = 1
 
     @property
     def warps(self) -> int:
@@ -82,6 +87,15 @@ class TileConfig:
     def bn(self) -> int:
         return 16 * self.wgn * self.wn
 
+    @property
+    def name(self) -> str:
+        return f"m{self.bm}n{self.bn}k{self.bk}w{self.wgm}x{self.wgn}f{self.wm}x{self.wn}s{self.stages}"
+
+    def shared_bytes(self) -> int:
+        """The three static shared tiles (A, B fp16; the f32 staging tile): at most 48 KiB."""
+        ld = self.bk + PAD
+        return 2 * (self.bm * ld + self.bn * ld) + 4 * self.warps * 16 * LDS
+
 
 # Row tiles by row count (`config_for`), with ptxas's registers a thread for sm_70 (the
 # registered instances): 16 rows 4 warps (int4 80), 32 rows 8 warps of one fragment each (int8
@@ -95,6 +109,34 @@ CONFIGS = {
     32: TileConfig(2, 4, 1, 1, 64),
     64: TileConfig(2, 4, 2, 1, 64),
     128: TileConfig(4, 4, 2, 1, 64),
+}
+
+
+# Tiles timed beside the defaults (`bench_quant_linear.py --tc-configs`), by the CONFIGS row tile
+# whose row counts they serve: wider weight tiles (BN 128, 256: more code bytes per K step and
+# each x tile used by more weight rows) and two stages of loads in flight.
+CANDIDATES = {
+    16: (
+        TileConfig(1, 4, 1, 1, 64, 2),
+        TileConfig(1, 4, 1, 2, 64, 2),
+        TileConfig(1, 4, 1, 4, 64, 2),
+    ),
+    32: (
+        TileConfig(2, 4, 1, 1, 64, 2),
+        TileConfig(2, 4, 1, 2, 64, 1),
+        TileConfig(2, 4, 1, 2, 64, 2),
+    ),
+    64: (
+        TileConfig(2, 4, 2, 1, 64, 2),
+        TileConfig(2, 4, 2, 2, 64, 1),
+        TileConfig(2, 4, 2, 2, 64, 2),
+        TileConfig(2, 2, 2, 4, 64, 2),
+    ),
+    128: (
+        TileConfig(4, 4, 2, 1, 64, 2),
+        TileConfig(4, 2, 2, 4, 64, 1),
+        TileConfig(4, 2, 2, 4, 64, 2),
+    ),
 }
 
 
@@ -113,9 +155,10 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
     part flat fp32 [S * T * N] (split-K partials; unused when gridDim.z == 1), has_bias,
     group_shift, T, steps per split."""
     WGN, WM, WN = cfg.wgn, cfg.wm, cfg.wn
-    BM, BK = cfg.bm, cfg.bk
-    WARPS, THREADS = cfg.warps, cfg.threads
-    assert cfg.bn == BN and BK % 16 == 0 and 1 <= WM <= 2 and 1 <= WN <= 2
+    BM, BN, BK = cfg.bm, cfg.bn, cfg.bk
+    WARPS, THREADS, STAGES = cfg.warps, cfg.threads, cfg.stages
+    assert BK % 16 == 0 and 1 <= WM <= 2 and WN in (1, 2, 4) and STAGES in (1, 2)
+    assert cfg.shared_bytes() <= 48 * 1024, (cfg, cfg.shared_bytes())
     LDA = LDB = BK + PAD
     A_SIZE = BM * LDA  # shared array sizes must be compile-time constants
     B_SIZE = BN * LDB
@@ -332,22 +375,32 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
         a_off = wm_ * 16 * WM * LDA  # this warp's first A row, first B (weight) row
         b_off = wn_ * 16 * WN * LDB
         # The warp's accumulators (fragment (i, j) = c_ij), in registers for the whole K loop.
-        c00 = c01 = c10 = c11 = ZERO_C
+        c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = ZERO_C
 
-        # Registers of the step in flight: x chunks, code chunks with their scales/offsets.
-        xa = (ZW, ZW, ZW, ZW, ZW, ZW, ZW, ZW)
-        bq = (ZB, ZB, ZB, ZB)
+        # Registers of the steps in flight: x chunks, code chunks with their scales/offsets
+        # (xa, bq: the next step to store; xb, bb: the one after, with two stages).
+        xa = xb = (ZW, ZW, ZW, ZW, ZW, ZW, ZW, ZW)
+        bq = bb = (ZB, ZB, ZB, ZB)
         if s0 < s1:
             xa = load_x_all(x, T, K, m0, s0 * BK, tid)
             bq = load_b_all(qw, scales, offsets, n0, s0 * BK, K, gshift, tid)
+        if STAGES > 1 and s0 + 1 < s1:
+            xb = load_x_all(x, T, K, m0, (s0 + 1) * BK, tid)
+            bb = load_b_all(qw, scales, offsets, n0, (s0 + 1) * BK, K, gshift, tid)
 
         for s in range(s0, s1):
             # 1. this step's registers into the tiles (B dequantised once for all warps)
             store_x_all(a_s, tid, xa)
             store_b_all(b_s, tid, bq)
             cuda.syncthreads()
-            # 2. the next step's loads, in flight during this step's products
-            if s + 1 < s1:
+            # 2. the loads STAGES steps ahead, in flight during this step's products
+            if STAGES > 1:
+                xa = xb
+                bq = bb
+                if s + 2 < s1:
+                    xb = load_x_all(x, T, K, m0, (s + 2) * BK, tid)
+                    bb = load_b_all(qw, scales, offsets, n0, (s + 2) * BK, K, gshift, tid)
+            elif s + 1 < s1:
                 xa = load_x_all(x, T, K, m0, (s + 1) * BK, tid)
                 bq = load_b_all(qw, scales, offsets, n0, (s + 1) * BK, K, gshift, tid)
             # 3. tensor cores: the warp's WM x WN fragments over the step's k-slices, up to K
@@ -364,16 +417,31 @@ def qgemm_kernel(cfg: TileConfig, bits: int):
                     c01 = mma(c01, fa0, fb)
                     if WM > 1:
                         c11 = mma(c11, fa1, fb)
+                if WN > 2:
+                    fb = load_b_col(b_s, b_off + 32 * LDB + kk, LDB)
+                    c02 = mma(c02, fa0, fb)
+                    if WM > 1:
+                        c12 = mma(c12, fa1, fb)
+                    fb = load_b_col(b_s, b_off + 48 * LDB + kk, LDB)
+                    c03 = mma(c03, fa0, fb)
+                    if WM > 1:
+                        c13 = mma(c13, fa1, fb)
             cuda.syncthreads()  # 4. every warp is done with the tiles
 
         # Epilogue: fragment by fragment through this warp's staging tile.
         write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 0, c00)
         if WN > 1:
             write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 1, c01)
+        if WN > 2:
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 2, c02)
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 0, 3, c03)
         if WM > 1:
             write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 0, c10)
         if WM > 1 and WN > 1:
             write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 1, c11)
+        if WM > 1 and WN > 2:
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 2, c12)
+            write_frag(st_s, out, part, bias, has_bias, T, N, m0, n0, warp, wm_, wn_, 1, 3, c13)
 
     # 512 threads a block leave 128 registers a thread (65536 an SM): more fails the launch.
     opts = {"max_registers": 65536 // THREADS} if THREADS > 256 and not SIM else {}
@@ -462,7 +530,7 @@ def quant_gemm_tc_cuda(
     if x.data_ptr() % 16:  # a view at an odd offset: the 16-byte chunk loads need alignment
         x = x.clone()
     cfg = cfg or config_for(T)
-    tiles_n, tiles_m = -(-N // BN), -(-T // cfg.bm)
+    tiles_n, tiles_m = -(-N // cfg.bn), -(-T // cfg.bm)
     k_steps = -(-K // cfg.bk)
     S = (
         split

@@ -25,6 +25,8 @@ call streams from HBM), timed with events, median of 7.
                         *_{form}_gate_up; with --tiles its tile sweep at 1 row; half2 is the
                         int4 default at 1-2 fp16 rows and falls back to factored for int8)
         [--factored]   (the same as --forms factored)
+        [--tc-configs]   (also quant_gemm_tc.CANDIDATES forced at rows above 8: impl
+                        *_tc_<TileConfig.name>)
 """
 
 # Every lambda below is timed (called) before its loop variables change:
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> None:
         "forced at rows <= 8 next to the default one",
     )
     ap.add_argument("--factored", action="store_true", help="the same as --forms factored")
+    ap.add_argument(
+        "--tc-configs",
+        action="store_true",
+        help="also time quant_gemm_tc.CANDIDATES (wider tiles, two load stages) forced at rows "
+        "above 8: impl *_tc_<TileConfig.name>",
+    )
     ap.add_argument(
         "--no-tc",
         action="store_true",
@@ -277,6 +285,20 @@ def main(argv: list[str] | None = None) -> None:
                         if 2 < rows <= 2048 and auto != "tc" and not args.no_tc:
                             t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
                             record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
+                        if args.tc_configs and 8 < rows <= 2048 and not args.no_tc:
+                            from voltserve.kernels.quant_gemm_tc import CANDIDATES, config_for
+
+                            for cfg in CANDIDATES[config_for(rows).bm]:
+                                t = timed(
+                                    lambda w, cfg=cfg: quant_gemm_tc_cuda(x, w, None, out, cfg=cfg),
+                                    ws,
+                                )
+                                record(
+                                    **base,
+                                    impl=f"{name}_tc_{cfg.name}",
+                                    time_us=t * 1e6,
+                                    of_floor=floor / t,
+                                )
                         if rows > 8 and auto != "dequant":
                             from voltserve.kernels.quant_linear import _dequant_linear
 

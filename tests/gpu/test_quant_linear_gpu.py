@@ -235,17 +235,23 @@ def test_tc_every_tile_config(bits, g, rows):
     check(out, x, w, b)
 
 
+def _candidates():
+    from voltserve.kernels.quant_gemm_tc import CANDIDATES
+
+    return [c for cs in CANDIDATES.values() for c in cs]
+
+
 @pytest.mark.parametrize(
     "cfg",
-    [(1, 4, 1, 1, 128), (2, 2, 2, 2, 128), (4, 2, 2, 2, 64)],
-    ids=["w11_bk128", "w22_bk128", "8warps_w22"],
+    [(1, 4, 1, 1, 128), (2, 2, 2, 2, 128), (4, 2, 2, 2, 64), *_candidates()],
+    ids=["w11_bk128", "w22_bk128", "8warps_w22", *(c.name for c in _candidates())],
 )
 def test_tc_other_tile_configs(cfg):
     """Tile configs the defaults do not use: K steps of 128 (K = 4160 ends in a half-filled step,
     the K tail) and 2 x 2 fragments a warp; a partial row tile, with and without split-K."""
     from voltserve.kernels.quant_gemm_tc import TileConfig, quant_gemm_tc_cuda
 
-    cfg = TileConfig(*cfg)
+    cfg = cfg if isinstance(cfg, TileConfig) else TileConfig(*cfg)
     w = weight(4160, 4096, 4, 64)
     x = torch.randn(cfg.bm - 3, 4160, device=DEV, dtype=torch.float16)
     b = torch.randn(4096, device=DEV, dtype=torch.float16)

@@ -31,7 +31,7 @@ def run(x, w, bias, split, cfg=None):
     b = bias if bias is not None else w.scales[:, 0].contiguous()
     launch(
         tc.qgemm_kernel(cfg, w.bits),
-        (-(-N // tc.BN), -(-T // cfg.bm), S),
+        (-(-N // cfg.bn), -(-T // cfg.bm), S),
         cfg.threads,
         (
             x.reshape(-1).numpy(),
@@ -74,6 +74,13 @@ CASES = [
     (130, 64, 64, 8, 64, False, 1, None),  # two 128-row tiles (the second 2 rows), int8 split
     (9, 70, 192, 4, 32, True, 2, BK128_W11),  # K tail: the second split is the tail alone
     (33, 64, 64, 8, 32, False, 1, BK128_W22),  # one half-filled step, 2 x 2 fragments
+    # Two load stages and wider weight tiles (quant_gemm_tc.CANDIDATES): 1 x 4 fragments a warp
+    # (BN 256, a partial column tile), a 3-step K with stages 2 (the third load issued in step
+    # 1), split-K slices of 2 steps, BN 128 at 128 rows.
+    (20, 130, 128, 4, 32, True, 1, tc.TileConfig(1, 4, 1, 4, 64, 2)),
+    (40, 200, 192, 8, 32, False, 1, tc.TileConfig(2, 4, 1, 2, 64, 2)),
+    (64, 140, 256, 4, 64, True, 2, tc.TileConfig(2, 2, 2, 4, 64, 2)),
+    (100, 130, 128, 4, 16, False, 1, tc.TileConfig(4, 2, 2, 4, 64, 1)),
 ]
 
 
@@ -106,11 +113,14 @@ def test_split_and_config_rules():
         128,
         128,
     ]
-    for cfg in tc.CONFIGS.values():
-        assert cfg.bn == tc.BN and cfg.bk % 16 == 0
+    candidates = [c for cs in tc.CANDIDATES.values() for c in cs]
+    for cfg in [*tc.CONFIGS.values(), *candidates]:
+        assert cfg.bk % 16 == 0 and cfg.wn in (1, 2, 4) and cfg.stages in (1, 2)
         lda = ldb = cfg.bk + tc.PAD  # the three shared tiles stay under 48 KiB (static)
-        shared = 2 * (cfg.bm * lda + tc.BN * ldb) + 4 * cfg.warps * 16 * tc.LDS
-        assert shared <= 48 * 1024, (cfg, shared)
+        shared = 2 * (cfg.bm * lda + cfg.bn * ldb) + 4 * cfg.warps * 16 * tc.LDS
+        assert shared == cfg.shared_bytes() <= 48 * 1024, (cfg, shared)
+    for bm, cs in tc.CANDIDATES.items():
+        assert all(c.bm == bm for c in cs), bm
     assert [tc.config_for(t).threads for t in (16, 32, 64, 256)] == [128, 256, 256, 512]
     assert tc.split_for(tiles=600, k_steps=64, sms=132) == 1
     assert tc.split_for(tiles=64, k_steps=64, sms=132) == 5
