@@ -117,6 +117,26 @@ class _RejectedProposer(Proposer):
         return [[self.token, self.token] for _ in requests]
 
 
+class _OneCleanOracle(OracleProposer):
+    """OracleProposer whose first proposal for request `clean` is never corrupted, so that at
+    least one proposed token is accepted on every draw (with corruption alone, every proposal
+    could be corrupted: a draw where nothing is accepted, rare but possible)."""
+
+    def __init__(self, clean: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.clean = clean
+        self.clean_done = False
+
+    def propose(self, requests):
+        out = super().propose(requests)
+        for i, r in enumerate(requests):
+            if r.request_id == self.clean and not self.clean_done:
+                n = len(r.output_token_ids)
+                out[i] = list(self.continuations[r.request_id][n : n + self.k])
+                self.clean_done = bool(out[i])
+        return out
+
+
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
 def test_constrained_ngram_equals_spec_off(base, tok, rng, greedy):
     prompts = prompts_for(tok, rng, 6)
@@ -140,8 +160,10 @@ def test_oracle_proposals_truncated_and_accepted(base, tok, rng):
     ids = [f"o-{i}" for i in range(6)]
     want = collect(base, prompts, params, ids)
     eng = make_engine(NGRAM)
-    eng.proposer = OracleProposer(
-        3, {rid: want[rid][0] for rid in ids}, 0.3, eng.vocab_size, rng.randrange(1 << 30)
+    # o-0 is a regex request: at least two output tokens (digits are tokens of their own) and
+    # the end, so its first decode step proposes its second token, uncorrupted.
+    eng.proposer = _OneCleanOracle(
+        "o-0", 3, {rid: want[rid][0] for rid in ids}, 0.3, eng.vocab_size, rng.randrange(1 << 30)
     )
     got = collect(eng, prompts, params, ids)
     assert got == want
@@ -186,8 +208,9 @@ def test_mixed_batch_constrained_and_unconstrained(base, tok, rng):
     ids = [f"m-{i}" for i in range(n)]
     want = collect(base, prompts, params, ids)
     eng = make_engine(NGRAM)
-    eng.proposer = OracleProposer(
-        3, {rid: want[rid][0] for rid in ids}, 0.2, eng.vocab_size, rng.randrange(1 << 30)
+    # m-1 is plain greedy with ignore_eos: 20 tokens, its first proposal uncorrupted.
+    eng.proposer = _OneCleanOracle(
+        "m-1", 3, {rid: want[rid][0] for rid in ids}, 0.2, eng.vocab_size, rng.randrange(1 << 30)
     )
     got = collect(eng, prompts, params, ids)
     assert got == want
