@@ -120,6 +120,7 @@ CANDIDATES = {
         TileConfig(1, 4, 1, 1, 64, 2),
         TileConfig(1, 4, 1, 2, 64, 2),
         TileConfig(1, 4, 1, 4, 64, 2),
+        TileConfig(1, 4, 1, 2, 128, 1),
     ),
     32: (
         TileConfig(2, 4, 1, 1, 64, 2),
@@ -131,6 +132,7 @@ CANDIDATES = {
         TileConfig(2, 4, 2, 2, 64, 1),
         TileConfig(2, 4, 2, 2, 64, 2),
         TileConfig(2, 2, 2, 4, 64, 2),
+        TileConfig(2, 4, 2, 1, 128, 1),
     ),
     128: (
         TileConfig(4, 4, 2, 1, 64, 2),
