@@ -8,8 +8,9 @@ fragments stay in registers for the whole K loop and are stored once, in the epi
 accumulators went through a per-thread local array on every step, and the call's ABI made the
 caller's live registers and the callee's add up, 174 registers for the 64-row tile.)
 
-A thread block of 4, 8 or 16 warps owns a BM x BN = (16|32|64|128) x 64 output tile (`CONFIGS`,
-by row count: `config_for`) and walks K in steps of BK = 64. Per step:
+A thread block of 4, 8 or 16 warps owns a BM x BN output tile, BM = 16, 32, 64 or 128 by row
+count (`CONFIGS`, `config_for`), BN = 64 in the defaults (128 or 256 in `CANDIDATES`: 2 or 4
+fragments a warp along N), and walks K in steps of BK = 64. Per step:
   1. each thread stores the step's words it holds in registers: x chunks into the A tile
      (16-byte copies, fp16), and its 16-byte chunks of code words (int4: 32 codes of one weight
      row; int8: 16) dequantised with the group's folded (S, O) (quant_common.py) into the B tile
@@ -18,6 +19,7 @@ by row count: `config_for`) and walks K in steps of BK = 64. Per step:
      threads share a chunk, each dequantising its part;
   2. barrier; the loads of the NEXT step are issued into registers (so their latency overlaps
      this step's tensor-core work: the weight stream stays in flight; SM70 has no cp.async);
+     with `stages=2`, those of the step after it, the next step's already being in registers;
   3. each warp runs its WM x WN fragments over the step's k-slices;
   4. barrier.
 The 128-row tile serves 65..256 rows: every dequantised weight tile feeds 128 rows, so at 256
