@@ -52,7 +52,6 @@ from voltserve.kernels.quant_pack import GroupQuantWeight
 from voltserve.kernels.wmma_inline import ZERO_C, load_b_col, mma, store_c
 from voltserve.kernels.wmma_inline import load_a as load_a_frag
 
-BN = 64
 PAD = 8  # tile rows padded by 8 elements: rows start in different banks
 LDS = 20  # staging tile leading dim (f32), a multiple of 4
 MAX_SPLIT = 8

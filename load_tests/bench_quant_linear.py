@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
     from voltserve.kernels.dispatch import KernelDispatch
-    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+    from voltserve.kernels.quant_gemm_tc import CANDIDATES, config_for, quant_gemm_tc_cuda
     from voltserve.kernels.quant_gemv import quant_gemv_cuda, quant_gemv_gate_up_cuda
     from voltserve.kernels.quant_linear import (
         quant_gate_up_silu,
@@ -286,8 +286,6 @@ def main(argv: list[str] | None = None) -> None:
                             t = timed(lambda w: quant_gemm_tc_cuda(x, w, None, out), ws)
                             record(**base, impl=f"{name}_tc", time_us=t * 1e6, of_floor=floor / t)
                         if args.tc_configs and 8 < rows <= 2048 and not args.no_tc:
-                            from voltserve.kernels.quant_gemm_tc import CANDIDATES, config_for
-
                             for cfg in CANDIDATES[config_for(rows).bm]:
                                 t = timed(
                                     lambda w, cfg=cfg: quant_gemm_tc_cuda(x, w, None, out, cfg=cfg),
