@@ -1051,17 +1051,16 @@ def paged_decode_attention_cuda(
         return out
     stream = current_stream()
     ml, es, tmp = workspace
-    sl = seq_lens
     grid = (n_part, kvh * cfg.split, B)
     # Only the merge mode reads the counters; the others get any int32 array of the right type.
-    counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else sl
+    counters = _COUNTERS.get(q.device, grid[1] * B) if mode == "merge" else seq_lens
     args = (
         out,
         q,
         k_cache.view(-1),
         v_cache.view(-1),
         block_tables,
-        sl,
+        seq_lens,
         float(scale),
         kvh,
         ml,
@@ -1071,7 +1070,7 @@ def paged_decode_attention_cuda(
     )
     launch(decode_kernel(cfg, mode, max_registers), grid, cfg.num_threads, args, stream)
     if mode == "split":
-        args = (out, ml, es, tmp, sl, cfg.partition)
+        args = (out, ml, es, tmp, seq_lens, cfg.partition)
         launch(decode_reduce_kernel, (H, B), REDUCE_THREADS, args, stream)
     return out
 
