@@ -34,10 +34,12 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import env_info, write_json  # noqa: E402
 from load_tests.sse import InStreamError, sse_json  # noqa: E402
 from load_tests.synthetic_executor import expected_tokens  # noqa: E402
+from voltserve.cli import command as voltserve_command  # noqa: E402
 
 logger = logging.getLogger("bench_gateway_stream")
 
@@ -121,12 +123,13 @@ class Services:
         self.port = _free_port()
         m = str(model)
         try:
-            vc = ["-m", "voltserve.cli"]
+            vc = voltserve_command()
             self._spawn("scheduler", [*vc, "scheduler", "--redis-url", self.url])
             self._spawn("renderer", [*vc, "renderer", "--redis-url", self.url, "--model", m])
             self._spawn(
                 "executor",
                 [
+                    sys.executable,
                     str(ROOT / "load_tests" / "synthetic_executor.py"),
                     "--redis-url",
                     self.url,
@@ -157,7 +160,7 @@ class Services:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
         self.procs[name] = subprocess.Popen(
-            [sys.executable, *argv], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
         log.close()
 

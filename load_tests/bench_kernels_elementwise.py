@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import measure_copy_bandwidth  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # per rotation: > 8x the H100/H200 L2 (50-60 MB)

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 
 from load_tests.bench_attention import time_graph  # noqa: E402
 from load_tests.common import env_info, measure_copy_bandwidth, write_json  # noqa: E402

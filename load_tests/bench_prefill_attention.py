@@ -23,12 +23,12 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 
 BLOCK = 16
 KERNELS = ("flash", "sdpa", "numba_cuda_core")

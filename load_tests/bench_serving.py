@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
     checkpoint_matches,
@@ -60,6 +61,7 @@ from load_tests.common import (  # noqa: E402
     write_json,
 )
 from load_tests.sse import InStreamError, sse_json  # noqa: E402
+from voltserve.cli import command as voltserve_command
 
 logger = logging.getLogger("bench_serving")
 
@@ -375,7 +377,7 @@ def launched_server(
     import urllib.request
 
     port = free_port()
-    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(model_dir)]
+    cmd = [*voltserve_command(), "serve", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *serve_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115 - closed below

@@ -32,7 +32,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
     checkpoint_matches,
@@ -41,6 +42,7 @@ from load_tests.common import (  # noqa: E402
     write_json,
     write_random_checkpoint,
 )
+from voltserve.cli import command as voltserve_command  # noqa: E402
 
 logger = logging.getLogger("bench_startup")
 
@@ -92,7 +94,7 @@ def one_run(
         env["VOLTSERVE_KERNEL_CACHE"] = "0"
         env["VOLTSERVE_COMPILE_JOBS"] = "1"
     port = free_port()
-    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(model_dir)]
+    cmd = [*voltserve_command(), "serve", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *serve_args]
     logger.info("%s run: %s (log %s)", kind, " ".join(cmd), log)
     result: dict[str, Any] = {"kind": kind, "cache_dir": str(cache_dir), "log": str(log)}

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -44,7 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from voltserve.services.executor.cuda_graphs import CudaGraphRunner  # noqa: E402
 from voltserve.services.executor.engine import LLMEngine  # noqa: E402
 from voltserve.services.executor.service import EngineLoop  # noqa: E402

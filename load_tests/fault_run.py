@@ -17,12 +17,12 @@ import random
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 
-from serve_stack import ServeStack  # noqa: E402
-from soak import add_common_flags, run  # noqa: E402
+from load_tests.serve_stack import ServeStack  # noqa: E402
+from load_tests.soak import add_common_flags, run  # noqa: E402
 
 
 def chaos_factory(interval_s: float, seed: int, max_kills: int):

@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.gguf_pack import Q4_K_M_FILE_TYPE, q4_k_m_type, quantize_k  # noqa: E402
 
 MIXES = ("q4_k_m",)

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
     checkpoint_matches,

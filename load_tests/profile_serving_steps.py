@@ -28,7 +28,6 @@ import logging
 import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -39,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.bench_serving import engine_config_from_serve_args, random_ids  # noqa: E402
 from load_tests.common import (  # noqa: E402
     PRESETS,

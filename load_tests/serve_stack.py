@@ -10,11 +10,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from voltserve.cli import command as voltserve_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 def ensure_demo_model(path: Path) -> Path:
     if not (path / "config.json").is_file():
         subprocess.run(
-            [sys.executable, "-m", "voltserve.cli", "make-demo-model", str(path)],
+            [*voltserve_command(), "make-demo-model", str(path)],
             check=True,
             capture_output=True,
             timeout=600,
@@ -101,7 +102,7 @@ class ServeStack:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(self.model)]
+        argv = [*voltserve_command(), "serve", "--model", str(self.model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *self.extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
         with open(self.log_path, "ab") as log:

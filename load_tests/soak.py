@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 
-from serve_stack import (  # noqa: E402
+from load_tests.serve_stack import (  # noqa: E402
     REPO_ROOT,
     ServeStack,
     ensure_demo_model,
@@ -31,7 +32,7 @@ from serve_stack import (  # noqa: E402
     metric_sum,
     scrape,
 )
-from traffic import kv_all_free, rss_flat, run_traffic  # noqa: E402
+from load_tests.traffic import kv_all_free, rss_flat, run_traffic  # noqa: E402
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:
+    import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from voltserve.services.executor.main import run_until_signalled, service_config  # noqa: E402
 from voltserve.services.executor.request import RequestOutput  # noqa: E402
 from voltserve.services.executor.service import ExecutorService  # noqa: E402

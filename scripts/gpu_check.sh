@@ -63,10 +63,15 @@ if [ "$need_wheels" = 1 ]; then
   fi
 fi
 
-# 2. `import voltserve.*` from this checkout without installing it (voltserve/__init__.py maps
-#    the root folders when it runs from a source tree).
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
-VS="$PY -m voltserve.cli"
+# 2. `import voltserve.*` from this checkout without installing it: a folder holding only a link
+#    to voltserve/ goes on PYTHONPATH (voltserve/__init__.py maps the root folders when it runs
+#    from a source tree). The root itself never does: its kernels/, shared/ and services/
+#    folders would shadow packages of those names. Modules run with -P (no working directory on
+#    sys.path) for the same reason; scripts run as files have their own folder there instead.
+SRC_MAP=/tmp/voltserve-src
+mkdir -p "$SRC_MAP" && ln -sfn "$REPO/voltserve" "$SRC_MAP/voltserve"
+export PYTHONPATH=$SRC_MAP${PYTHONPATH:+:$PYTHONPATH}
+VS="$PY -P -m voltserve.cli"
 
 run() {  # run NAME CMD...: log to OUT/NAME.log, keep going on failure
   local name=$1; shift
@@ -115,12 +120,12 @@ for stage in $STAGES; do
       # GPU_TEST_K: a pytest -k expression (e.g. "factored or qk_norm").
       # Each test process compiles missing kernels in VOLTSERVE_COMPILE_JOBS worker processes:
       # two each, as pytest-xdist already runs several.
-      run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      run tests env VOLTSERVE_COMPILE_JOBS=${VOLTSERVE_COMPILE_JOBS:-2} $PY -P -m pytest -q --timeout 600 $XDIST ${GPU_TESTS:-tests/gpu tests/kernels} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       ;;
     prompt-logprobs)
       # Prompt logprobs computed in prefill on the GPU (fp32 and fp16, chunked, prefix-cache
       # hit) against transformers; part of `tests` too, alone here for a quick check.
-      run prompt_logprobs $PY -m pytest -q --timeout 600 tests/gpu/test_prompt_logprobs_gpu.py -p no:cacheprovider
+      run prompt_logprobs $PY -P -m pytest -q --timeout 600 tests/gpu/test_prompt_logprobs_gpu.py -p no:cacheprovider
       ;;
     attention)
       run bench_attention $PY load_tests/bench_attention.py --out "$OUT/bench_attention.json"
@@ -155,7 +160,7 @@ for stage in $STAGES; do
       # target Volta).
       if [ "$stage" != quant-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
-        run quant_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_quant_linear_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+        run quant_tests $PY -P -m pytest -q --timeout 900 $XDIST tests/gpu/test_quant_linear_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != quant-tests ]; then
         run bench_quant_linear $PY load_tests/bench_quant_linear.py --rows "${QUANT_ROWS:-1,2,4,8,16,64,256,2048,8192}" --models "${QUANT_MODELS:-llama}" $([ "${QUANT_TILES:-0}" = 1 ] && echo --tiles) ${QUANT_BENCH_ARGS:-} --out "$OUT/bench_quant_linear.json"
@@ -169,7 +174,7 @@ for stage in $STAGES; do
     quant-models)
       # Quantized checkpoints (AWQ, GPTQ, compressed-tensors, GGUF Q4_K_M) through the GPU
       # runner: fp32 greedy equals transformers, fp16 graphs equal eager, --max-gpu-memory.
-      run quant_models $PY -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
+      run quant_models $PY -P -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
       ;;
     serving-awq-16g)
       # Llama-3-8B as AutoAWQ int4 g128 (quantized from the random-weight checkpoint) served under
@@ -195,7 +200,7 @@ for stage in $STAGES; do
       # the Llama-3-8B benchmark (cost curve and forced acceptance with an engine per k,
       # n-gram, draft model, EAGLE head, each saying whether its verify steps ran in graphs;
       # spec off anchor).
-      run spec_tests $PY -m pytest -q --timeout 900 tests/gpu/test_spec_gpu.py -p no:cacheprovider
+      run spec_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_spec_gpu.py -p no:cacheprovider
       run bench_spec $PY load_tests/bench_spec.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --out "$OUT/spec_llama3-8b.json"
       ;;
     decode-b1)
@@ -268,9 +273,9 @@ for stage in $STAGES; do
       # start ~1, the burst ~0.4): ~6-7 min; MOE_WMMA=1 adds ~1.
       if [ "$stage" != moe-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
-        run moe_tests $PY -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+        run moe_tests $PY -P -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
         # the fused int4/int8 expert kernels (kernels/moe_quant_decode.py) at Qwen3-30B-A3B shapes
-        run moe_quant_tests $PY -m pytest -q --timeout 900 tests/gpu/test_moe_quant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+        run moe_quant_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_moe_quant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != moe-tests ]; then
         # The checkpoint is kept (MOE_DIR; its int4 copy next to it) for the WMMA run, which
@@ -305,9 +310,9 @@ for stage in $STAGES; do
       # then Llama-3-8B fp16 TP=2 vs TP=1: all-reduce latency, batch-1 tok/s against the floor,
       # batch 64/256 step time (~8 min; the first run writes the checkpoint).
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-      run tp_tests $PY -m pytest -q --timeout 900 tests/gpu/test_tp_gpu.py -p no:cacheprovider
+      run tp_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_tp_gpu.py -p no:cacheprovider
       # quantized (AWQ, GPTQ act-order, GGUF Q4_K_M) and MoE checkpoints: TP=2 tracks TP=1 in fp16
-      run tp_quant_tests $PY -m pytest -q --timeout 900 tests/gpu/test_tp_quant_gpu.py -p no:cacheprovider
+      run tp_quant_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_tp_quant_gpu.py -p no:cacheprovider
       run bench_tp $PY load_tests/bench_tp.py --model-dir /tmp/voltserve-llama3-8b --gpus "${TP_GPUS:-0,1}" --out "$OUT/bench_tp.json"
       ;;
     tp-serving)
@@ -323,7 +328,7 @@ for stage in $STAGES; do
       # ITL difference. STRUCTURED_TEMP: sampling temperature of both runs (default 0: greedy,
       # where the plain run keeps the pipelined argmax path that a constrained request leaves).
       if $PY -c 'import xgrammar' 2>/dev/null; then
-        run structured_tests $PY -m pytest -q --timeout 600 tests/gpu/test_grammar_mask_gpu.py -p no:cacheprovider
+        run structured_tests $PY -P -m pytest -q --timeout 600 tests/gpu/test_grammar_mask_gpu.py -p no:cacheprovider
         run serving_structured $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --text-tokenizer --num-prompts "${STRUCTURED_PROMPTS:-256}" --input-len 1024 --output-len 256 --temperature "${STRUCTURED_TEMP:-0}" --compare-structured --out "$OUT/serving_structured_llama3-8b.json"
       else
         echo "structured: xgrammar does not import (add its wheel to $WHEELS)" | tee -a "$OUT/summary.txt"

@@ -30,6 +30,8 @@ from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.shared import startup
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
+from voltserve.cli import command as voltserve_command
+
 logger = logging.getLogger("voltserve.launcher")
 
 # A child restarted this many times within RESTART_WINDOW_S is considered broken: stop all.
@@ -56,7 +58,7 @@ class Child:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.error_file)
             env[startup.ERROR_FILE_ENV] = self.error_file
-        cmd = [sys.executable, "-m", "voltserve.cli", *self.argv]
+        cmd = [*voltserve_command(), *self.argv]
         self.proc = subprocess.Popen(cmd, env=env)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,25 @@ else:
     _cache_dir = tempfile.mkdtemp(prefix="voltserve-test-cache-")
     os.environ["VOLTSERVE_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-# Make the repository root importable so tests can share helpers as `tests.<module>`
-# (tests/checkpoints.py, tests/engine/kv_echo_runner.py).
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# Tests share helpers as `tests.<module>` (tests/checkpoints.py, tests/engine/kv_echo_runner.py)
+# and import benchmark scripts as `load_tests.<script>`, yet the repository root is never put on
+# sys.path: its kernels/, shared/ and services/ folders would shadow packages of those names
+# (Hugging Face's `kernels`, which transformers imports). The two folders become packages by
+# name instead; voltserve itself comes from its install. pytest runs in importlib mode
+# (pyproject.toml), so it inserts no folder of its own either.
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _folder_package(name: str, folder: Path) -> None:
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        sys.modules[name] = module
+    module.__path__ = [str(folder)]
+
+
+_folder_package("tests", _ROOT / "tests")
+_folder_package("load_tests", _ROOT / "load_tests")
 
 SEED_ENV = "VOLTSERVE_TEST_SEED"
 

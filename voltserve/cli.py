@@ -28,6 +28,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def command(*args: str) -> list[str]:
+    """The argv that runs `voltserve ARGS` in a new process of this interpreter. -P keeps the
+    working directory off the child's sys.path: in a checkout, the root's kernels/, shared/ and
+    services/ folders would shadow packages of those names (Hugging Face's `kernels`, which
+    transformers imports)."""
+    return [sys.executable, "-P", "-m", "voltserve.cli", *args]
+
+
 def usage() -> str:
     lines = ["usage: voltserve <command> [options]", "", "commands:"]
     lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]

@@ -24,6 +24,8 @@ print("frozen", n)
 
 
 def test_freeze_heap_moves_live_objects_out_of_collections():
-    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-P", "-c", CHILD], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("frozen ")

@@ -11,6 +11,8 @@ from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.sharding import TPSplitError, narrow, split_range
 from voltserve.services.launcher import gpu_groups
 
+from voltserve.cli import command as voltserve_command
+
 
 def arch(heads=32, kv=8, inter=14336, vocab=128256) -> ModelArch:
     return ModelArch("LlamaForCausalLM", vocab, 4096, inter, 2, heads, kv, 128, 1e-5, 8192)
@@ -89,11 +91,10 @@ def test_serve_refuses_more_gpus_than_visible(tmp_path):
     """Before any service starts: -tp 2 with one visible GPU."""
     import os
     import subprocess
-    import sys
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     r = subprocess.run(
-        [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tmp_path)]
+        [*voltserve_command(), "serve", "--model", str(tmp_path)]
         + ["--device", "cuda", "--tensor-parallel-size", "2"],
         env=env,
         capture_output=True,

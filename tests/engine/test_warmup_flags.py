@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 from voltserve.services import launcher
 from voltserve.services.executor import main as executor_main
+
+from voltserve.cli import command as voltserve_command
 
 
 def test_warmup_engine_config_is_the_first_executors():
@@ -37,8 +38,7 @@ def test_warmup_without_a_gpu_has_nothing_to_compile(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
-        [sys.executable, "-m", "voltserve.cli", "warmup", "--model", str(tmp_path), "--device"]
-        + ["cpu"],
+        [*voltserve_command(), "warmup", "--model", str(tmp_path), "--device"] + ["cpu"],
         capture_output=True,
         text=True,
         env=env,
@@ -47,7 +47,7 @@ def test_warmup_without_a_gpu_has_nothing_to_compile(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nothing to compile" in proc.stdout
     missing = subprocess.run(
-        [sys.executable, "-m", "voltserve.cli", "warmup", "--model", str(tmp_path / "no")],
+        [*voltserve_command(), "warmup", "--model", str(tmp_path / "no")],
         capture_output=True,
         text=True,
         env=env,

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tests.checkpoints import checkpoint
+from voltserve.cli import command as voltserve_command
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-REPO = Path(__file__).resolve().parents[2]
 
 KERNELS_SCRIPT = textwrap.dedent(
     """
@@ -80,9 +80,8 @@ ENGINE_SCRIPT = textwrap.dedent(
 def run(script: str, cache: Path, *args: str) -> dict:
     env = dict(os.environ)
     env["VOLTSERVE_CACHE_DIR"] = str(cache)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-P", "-c", script, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -124,9 +123,8 @@ def test_warmup_fills_the_cache_that_an_engine_with_the_same_flags_loads(tmp_pat
     model = str(checkpoint("llama"))
     env = dict(os.environ)
     env["VOLTSERVE_CACHE_DIR"] = str(cache)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     # ENGINE_SCRIPT's engine: fp16, max_model_len 256, decode graphs for 1..16 sequences.
-    cmd = [sys.executable, "-m", "voltserve.cli", "warmup", "--model", model, "--device", "cuda"]
+    cmd = [*voltserve_command(), "warmup", "--model", model, "--device", "cuda"]
     cmd += ["--dtype", "float16", "--max-model-len", "256", "--max-num-seqs", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

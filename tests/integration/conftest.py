@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from checkpoints import checkpoint
 
+from tests.checkpoints import checkpoint
 from tests.ports import free_port
+from voltserve.cli import command as voltserve_command
 
 # Aggressive timeouts so fault tests finish fast on a 2-core box.
 HEARTBEAT_TTL_S = 2.0
@@ -79,7 +80,7 @@ class Stack:
         self.argvs[name] = argv
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "voltserve.cli", *argv],
+            [*voltserve_command(), *argv],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

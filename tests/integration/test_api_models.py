@@ -8,8 +8,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from checkpoints import checkpoint
 from transformers import AutoTokenizer
+
+from tests.checkpoints import checkpoint
 
 from .conftest import start_stack
 from .test_api import hf_greedy

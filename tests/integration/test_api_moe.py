@@ -13,8 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from checkpoints import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.checkpoints import checkpoint
 
 from .conftest import start_stack
 

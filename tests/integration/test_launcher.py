@@ -6,10 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from voltserve.cli import command as voltserve_command
 
 from .conftest import free_port
 
@@ -28,6 +29,12 @@ def children(pid: int) -> dict[int, str]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def _command(cmdline: str) -> str:
+    """The voltserve command a child runs (`... -m voltserve.cli executor ...` -> executor)."""
+    words = cmdline.split()
+    return words[words.index("voltserve.cli") + 1]
 
 
 def get(url: str, timeout: float = 2) -> tuple[int, bytes]:
@@ -64,7 +71,7 @@ def test_serve_restarts_a_dead_executor_and_stops_cleanly(tiny_model, tmp_path):
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tiny_model)]
+        [*voltserve_command(), "serve", "--model", str(tiny_model)]
         + ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
         + ["--device", "cpu", "--num-kv-blocks", "128", "--heartbeat-ttl", "2"],
         env=env,
@@ -77,7 +84,7 @@ def test_serve_restarts_a_dead_executor_and_stops_cleanly(tiny_model, tmp_path):
         first = complete(base, [5, 6, 7, 8, 9])
         assert first["usage"]["completion_tokens"] == 5
         kids = children(proc.pid)
-        names = sorted(c.split()[3] for c in kids.values() if "voltserve.cli" in c)
+        names = sorted(_command(c) for c in kids.values() if "voltserve.cli" in c)
         assert names == ["executor", "gateway", "renderer", "scheduler"], kids
         assert any("valkey" in c for c in kids.values()), kids  # the embedded server
         (exec_pid,) = [p for p, c in kids.items() if " executor " in c]

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import random
 
-from checkpoints import checkpoint
 from voltserve.services.renderer.main import RendererService, done_key
 from voltserve.services.renderer.render import Renderer
 from voltserve.shared import streams
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
+
+from tests.checkpoints import checkpoint
 
 
 async def test_handle_batch_renders_in_order_skips_done_and_reports_bad(redis_url):

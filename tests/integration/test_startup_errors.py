@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from checkpoints import copy_checkpoint
 from voltserve.services import launcher
 from voltserve.services.executor.loader import ModelLoadError, read_hf_config
+
+from tests.checkpoints import copy_checkpoint
+from voltserve.cli import command as voltserve_command
 
 from .conftest import free_port
 
@@ -23,7 +24,7 @@ def serve(model: Path | str, timeout: float = 180) -> tuple[int, str, float]:
     """(exit status, stderr + stdout, seconds) of a `voltserve serve` on the CPU."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(model)]
+    cmd = [*voltserve_command(), "serve", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(free_port()), "--device", "cpu"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -12,8 +12,9 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from scripted_model import piece_id, scripted_checkpoint
 from voltserve.services.gateway.tools import HAS_STRUCTURED
+
+from tests.scripted_model import piece_id, scripted_checkpoint
 
 from .conftest import Stack
 

@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ import openai
 import pytest
 
 from tests.checkpoints import greedy_tokens
+from voltserve.cli import command as voltserve_command
 
 from .conftest import Valkey, free_port, start_stack
 from .test_faults import client, reference_batch, routes_on, stream_completion
@@ -62,7 +62,7 @@ async def test_serve_tensor_parallel_2_matches_transformers(tiny_model, tmp_path
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
-    argv = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tiny_model)]
+    argv = [*voltserve_command(), "serve", "--model", str(tiny_model)]
     argv += ["--tensor-parallel-size", "2", "--device", "cpu", "--port", str(port)]
     argv += ["--host", "127.0.0.1", "--redis-url", valkey.url, "--served-model-name", "tiny"]
     argv += ["--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning"]

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from voltserve.cli import command as voltserve_command
 
 
 @dataclass
@@ -79,7 +80,7 @@ def cc70_check(tmp_path_factory: pytest.TempPathFactory) -> CheckRun:
     out = tmp_path_factory.mktemp("cc70")
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)  # must compile for real, not simulate
-    cmd = [sys.executable, "-m", "voltserve.cli", "check-kernels", "--cc", "7.0"]
+    cmd = [*voltserve_command(), "check-kernels", "--cc", "7.0"]
     cmd += ["--json", str(out / "results.json"), "--ptx-dir", str(out / "ptx")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHECK_TIMEOUT_S)
     path = out / "results.json"

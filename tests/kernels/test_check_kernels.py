@@ -50,7 +50,7 @@ def test_check_kernels_reports_a_failing_kernel(tmp_path):
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL activation.silu_and_mul_kernel" in proc.stdout

@@ -28,7 +28,6 @@ from voltserve.kernels.compile_cache import (
 )
 
 PROBE = Path(__file__).with_name("compile_cache_probe.py")
-REPO = Path(__file__).resolve().parents[2]
 
 # Compiling for cc 7.0 without a GPU is CI's job (CUDA 12 NVVM from pip); GPU hosts here run a
 # CUDA 13 toolkit, which dropped Volta (tests/gpu/test_compile_cache_gpu.py covers them).
@@ -104,7 +103,6 @@ def probe(module: Path, cache: Path, cc: str = "7.0", *names: str, check: bool =
 def probe_env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["VOLTSERVE_CACHE_DIR"] = str(cache)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -122,7 +122,11 @@ def lto_link() -> dict:
     env.pop("NUMBA_ENABLE_CUDASIM", None)  # must compile for real, not simulate
     env["NUMBA_ENABLE_CUDASIM"] = "0"
     proc = subprocess.run(
-        [sys.executable, "-c", _LTO_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-P", "-c", _LTO_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

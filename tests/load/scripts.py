@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def run_main(script: str, argv: list[str]) -> object:

@@ -7,13 +7,11 @@ subprocess would import torch and transformers again."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from load_tests import bench_moe  # noqa: E402
 from tests.load.scripts import run_main  # noqa: E402

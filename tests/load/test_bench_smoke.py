@@ -13,14 +13,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from load_tests import bench_moe, bench_serving, common  # noqa: E402
 from tests import checkpoints  # noqa: E402

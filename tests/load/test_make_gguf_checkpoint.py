@@ -8,7 +8,6 @@ GGUF file with its floor counted from the bytes the file stores. CPU only, secon
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from load_tests import common  # noqa: E402
 from load_tests import make_gguf_checkpoint as mg  # noqa: E402

@@ -4,11 +4,9 @@ every case. Timings are not checked (they say nothing on a CI box); the shape of
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from load_tests import bench_step_overhead as bench  # noqa: E402
 

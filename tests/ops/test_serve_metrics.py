@@ -4,16 +4,14 @@ sent. Random prompts and budgets each run; real services, real (embedded) valkey
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "load_tests"))
 
-from serve_stack import (  # noqa: E402
+from load_tests.serve_stack import (  # noqa: E402
     ServeStack,
     executor_statuses,
     http_json,

@@ -6,12 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from checkpoints import checkpoint
 from jinja2.exceptions import SecurityError
 from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError
 from voltserve.services.renderer.render import Renderer, RenderFailed
 from voltserve.shared.protocol import RenderRequest
 from voltserve.shared.sampling_params import SamplingParams
+
+from tests.checkpoints import checkpoint
 
 
 @pytest.fixture(scope="module")
