@@ -58,6 +58,7 @@ from voltserve.kernels.attention_common import (
     shfl_xor,
 )
 from voltserve.kernels.compile_cache import cached, cached_factory
+from voltserve.kernels.launch_geometry import sm_count
 from voltserve.kernels.numba_common import SIM, current_stream, launch, named_kernel
 
 BLOCK_SIZE = 16  # tokens per KV block (fixed by the block manager)
@@ -969,13 +970,6 @@ def _narrow_online(H, kvh, D, B, max_seq_len, sms, cap, num_threads, fixed_parti
     return cfg, n_part, False
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_workspace(B: int, H: int, partitions: int, D: int, device):
     """(max_logits [B, H, P], exp_sums [B, H, P], tmp_out [B, H, P, D]) fp32 for P partitions
     (P = MERGE_MAX_PARTITIONS selects the in-kernel merge, see paged_decode_attention_cuda)."""
@@ -1027,7 +1021,7 @@ def paged_decode_attention_cuda(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     cap = None if workspace is None else workspace[2].shape[2]
-    sms = _num_sms(q.device.index or 0)
+    sms = sm_count(q.device)
     cfg, n_part = launch_with_threads(
         H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online
     )

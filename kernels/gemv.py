@@ -57,6 +57,7 @@ def gemv_gate_up_ref(
 from numba import cuda  # noqa: E402
 from voltserve.kernels.activation import _silu_mul  # noqa: E402
 from voltserve.kernels.compile_cache import cached_factory  # noqa: E402
+from voltserve.kernels.launch_geometry import on_gpu  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     SIM,
     current_stream,
@@ -378,7 +379,7 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when the kernel covers this product (else use gemv_ref): CUDA tensors of one dtype,
     1 <= M <= 8, K a multiple of 8, unit stride along K, 16-byte aligned rows."""
     return (
-        x.is_cuda
+        on_gpu(x)
         and x.dim() == 2
         and w.dim() == 2
         and x.dtype == w.dtype

@@ -25,6 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 from voltserve.kernels.activation import silu_and_mul_ref
+from voltserve.kernels.launch_geometry import on_gpu
 
 
 def moe_experts_ref(
@@ -80,7 +81,7 @@ def _aligned(t: torch.Tensor) -> bool:
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """True when the kernels cover these tensors (else the reference runs)."""
     return (
-        x.is_cuda
+        on_gpu(x)
         and x.dim() == 2
         and w13.dim() == 3
         and w2.dim() == 3

@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 from numba import cuda
 from voltserve.kernels.compile_cache import cached_factory
+from voltserve.kernels.launch_geometry import MAX_GRID_YZ, on_gpu
 from voltserve.kernels.numba_common import SIM, current_stream, launch
 from voltserve.kernels.quant_gemv import (
     FORMS,
@@ -66,7 +67,7 @@ MAX_TOKENS = 8  # up to here the fused kernels always serve (decode)
 # 603b3f2 on an H200 (8 layers of that shape): the dequantizing path took 123.8 / 127.2 ms a
 # step at batch 64 / 256 against 6.6 / 10.1 ms for fp16 experts.
 PAIRS_PER_EXPERT = 8
-MAX_PROGRAMS = 65535  # the launch grid's y dimension (pairs for gate_up)
+MAX_PROGRAMS = MAX_GRID_YZ  # pairs (gate_up) / tokens (down) go on the grid's y dimension
 
 
 def fused_pays(tokens: int, k: int, num_experts: int) -> bool:
@@ -250,7 +251,7 @@ def moe_quant_experts_ref(
 def _weight_ok(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
     P = 32 // w.bits
     return (
-        w.qweight.is_cuda
+        on_gpu(w.qweight)
         and w.perm is None
         and w.bits in (4, 8)
         and w.scales.dtype == dtype
@@ -267,7 +268,7 @@ def supports(x: torch.Tensor, w13: GroupQuantWeight, w2: GroupQuantWeight, k: in
     H = x.shape[1] if x.dim() == 2 else -1
     inter = w2.in_features
     return (
-        x.is_cuda
+        on_gpu(x)
         and x.dim() == 2
         and x.dtype in (torch.float16, torch.float32)
         and w13.in_features == H

@@ -102,6 +102,7 @@ import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.compile_cache import cached  # noqa: E402
+from voltserve.kernels.launch_geometry import on_gpu  # noqa: E402
 from voltserve.kernels.numba_common import (  # noqa: E402
     FULL_MASK,
     NEG_INF,
@@ -296,7 +297,7 @@ def moe_topk_cuda(
     x = router_logits
     round_weights = weights_dtype is not None and weights_dtype != torch.float32
     ok = (
-        x.is_cuda
+        on_gpu(x)
         and x.dim() == 2
         and x.dtype in moe_topk_cuda_dtypes
         and x.is_contiguous()

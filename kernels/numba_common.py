@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64
 from numba.core.types import float16
 from numba.cuda.core import config
+from voltserve.kernels.launch_geometry import check, record, recording_active
 
 SIM: bool = bool(config.ENABLE_CUDASIM)
 # Latency-bound kernels (batch-1 decode: one wave of a few dozen blocks) launch small grids on
@@ -188,7 +189,10 @@ _streams: dict[int, Any] = {}  # torch stream handle -> numba external stream (a
 
 
 def current_stream() -> Any:
-    """numba's view of torch's current CUDA stream, created once per torch stream."""
+    """numba's view of torch's current CUDA stream, created once per torch stream (None inside
+    a launch recording, which runs nothing)."""
+    if recording_active():
+        return None
     import torch
 
     handle = torch.cuda.current_stream().cuda_stream
@@ -224,11 +228,16 @@ def nvvm_inlined(fn: Any) -> Any:
 def launch(kernel: Any, grid: Any, block: Any, args: tuple, stream: Any = None) -> None:
     """kernel[grid, block, stream](*args) with torch CUDA tensors as array arguments.
 
-    After the first launch of a kernel with an argument signature, fast_launch.LAUNCHER
-    launches it without numba's per-launch argument handling (see fast_launch.py); until then,
-    and for kernels it has no plan for, tensors are wrapped as numba device arrays without a
-    stream sync (graph-capture safe) and numba launches. Tests call this with numpy arrays in
-    the simulator."""
+    The geometry is checked first (launch_geometry.check: a grid or block past the CUDA limits
+    raises LaunchGeometryError naming the kernel and the dimension, here and in the simulator);
+    inside a launch_geometry.recording() the launch is recorded and not run. After the first
+    launch of a kernel with an argument signature, fast_launch.LAUNCHER launches it without
+    numba's per-launch argument handling (see fast_launch.py); until then, and for kernels it
+    has no plan for, tensors are wrapped as numba device arrays without a stream sync (graph-
+    capture safe) and numba launches. Tests call this with numpy arrays in the simulator."""
+    grid, block = check(kernel, grid, block)
+    if record(kernel, grid, block, args):
+        return
     if SIM:
         kernel[grid, block](*args)
         return

@@ -46,6 +46,7 @@ import torch
 from numba import cuda, float32, uint32
 from numba.core.types import float16
 from voltserve.kernels.attention_common import ld_u32x4, st_u32x4
+from voltserve.kernels.launch_geometry import on_gpu, recording_active, sm_count
 from voltserve.kernels.numba_common import SIM, current_stream, launch
 from voltserve.kernels.quant_common import bits_f32, fold, ld_w4, st_h8
 from voltserve.kernels.quant_pack import GroupQuantWeight
@@ -480,15 +481,10 @@ qgemm_int8_m128 = qgemm_kernel(CONFIGS[128], 8)
 # Host side
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
     return (
-        not SIM
-        and w.qweight.is_cuda
+        (not SIM or recording_active())  # the simulator has no WMMA; a recording runs nothing
+        and on_gpu(w.qweight)
         and dtype == torch.float16
         and w.scales.dtype == torch.float16
         and w.in_features % K_ALIGN == 0
@@ -538,7 +534,7 @@ def quant_gemm_tc_cuda(
     S = (
         split
         if split is not None
-        else split_for(tiles_n * tiles_m, k_steps, _sm_count(x.device.index or 0), cfg.warps)
+        else split_for(tiles_n * tiles_m, k_steps, sm_count(x.device), cfg.warps)
     )
     steps = -(-k_steps // S)
     S = -(-k_steps // steps)  # no empty slices

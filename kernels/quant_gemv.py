@@ -108,6 +108,7 @@ from numba import cuda, uint32
 from voltserve.kernels.activation import _silu_mul
 from voltserve.kernels.gemv import QKV_ROPE_PROLOGUE, QKV_ROPE_STORE, _warp_sum
 from voltserve.kernels.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
+from voltserve.kernels.launch_geometry import on_gpu
 from voltserve.kernels.numba_common import current_stream, float32, launch, round_like
 from voltserve.kernels.quant_common import (
     D_SCALE,
@@ -743,7 +744,7 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
     """True when the kernel covers w (else quant_linear takes another path)."""
     P = 32 // w.bits
     return (
-        w.qweight.is_cuda
+        on_gpu(w.qweight)
         and dtype in DTYPES
         and w.scales.dtype == dtype
         and w.in_features % (WORDS_PER_CHUNK * P) == 0
@@ -757,14 +758,14 @@ def supports_weight(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
 def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
     """x, or a fresh contiguous copy when its rows are not 16-byte aligned (a view at an odd
     offset or stride): a few KB at decode, cheaper than any fallback."""
-    if x.is_cuda and x.dim() == 2 and (x.stride(-1) != 1 or not _aligned(x, 8)):
+    if on_gpu(x) and x.dim() == 2 and (x.stride(-1) != 1 or not _aligned(x, 8)):
         return x.contiguous() if not x.is_contiguous() else x.clone()
     return x
 
 
 def supports(x: torch.Tensor, w: GroupQuantWeight) -> bool:
     return (
-        x.is_cuda
+        on_gpu(x)
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_M
         and x.shape[1] == w.in_features

@@ -40,6 +40,7 @@ import os
 import torch
 import torch.nn.functional as F
 from voltserve.kernels.activation import silu_and_mul_ref
+from voltserve.kernels.launch_geometry import on_gpu
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
 
 GEMV_MAX_ROWS = 8  # the GEMV kernels' limit
@@ -162,7 +163,7 @@ def quant_linear_cuda(
 ) -> torch.Tensor:
     """quant_linear_ref's meaning on CUDA tensors, the kernel picked by the row count
     (`quant_path`). ops: where the dequantize path keeps its scratch (None: a fresh one)."""
-    if not x.is_cuda:
+    if not on_gpu(x):
         y = quant_linear_ref(x, w, bias)
         return y if out is None else out.copy_(y)
     path = quant_path(x.shape[0], x.dtype, w)

@@ -173,12 +173,12 @@ def sweep_job(
     from voltserve.kernels.attention_ref import paged_decode_attention_ref
     from voltserve.kernels.decode_attention import (
         MERGE_MAX_PARTITIONS,
-        _num_sms,
         decode_workspace,
         launch_with_threads,
         num_partitions,
         paged_decode_attention_cuda,
     )
+    from voltserve.kernels.launch_geometry import device_sms
 
     torch.manual_seed(batch * 7919 + context)
     q, k, v_cache, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
@@ -208,7 +208,7 @@ def sweep_job(
     mode += f"{v.bound}x"
     threads = v.threads
     if not v.partition:  # the default launch: the launcher's thread count
-        sms = _num_sms(torch.cuda.current_device())
+        sms = device_sms(torch.cuda.current_device())
         cfg, _ = launch_with_threads(
             kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None
         )
@@ -287,9 +287,10 @@ def sweep_line(r: dict) -> str:
 
 def partition_for(batch: int, context: int, kvh: int, group: int, head_dim: int) -> int:
     """The partition size the launcher picks for this point (reported next to its time)."""
-    from voltserve.kernels.decode_attention import _num_sms, default_partition
+    from voltserve.kernels.decode_attention import default_partition
+    from voltserve.kernels.launch_geometry import device_sms
 
-    sms = _num_sms(torch.cuda.current_device())
+    sms = device_sms(torch.cuda.current_device())
     return default_partition(kvh * group, kvh, head_dim, batch, context, sms)
 
 

@@ -280,13 +280,13 @@ def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
     from voltserve.kernels.decode_attention import (
         _COUNTERS,
         ONLINE_THREADS,
-        _num_sms,
         launch_with_threads,
         paged_decode_attention_cuda,
     )
+    from voltserve.kernels.launch_geometry import device_sms
 
     bound = 8192
-    sms = _num_sms(torch.cuda.current_device())
+    sms = device_sms(torch.cuda.current_device())
     cfg, _ = launch_with_threads(heads, kv_heads, head_dim, 1, bound, sms, None, None, None, None)
     if sms >= kv_heads * cfg.split * 16:  # an H100/H200-sized grid: the 8-warp launch
         assert cfg.online and cfg.num_threads == ONLINE_THREADS

@@ -1,6 +1,9 @@
 """The dequantize kernel (kernels/quant_dequant.py, the prefill path's scratch fill) against
 quant_pack.dequantize in the CUDA simulator: int4 and int8, groups 16 / 32 / K, fp16 and fp32,
-a NaN-poisoned output. Seeded: printed, VOLTSERVE_TEST_SEED overrides it."""
+a NaN-poisoned output, launched with the production grid (`grid_for`) and block. A lowered grid
+limit puts more rows than rows of blocks, so blocks stride over the rows as they do on a GPU
+past 65,535 rows (a vocabulary-sized weight). Seeded: printed, VOLTSERVE_TEST_SEED overrides
+it."""
 
 from __future__ import annotations
 
@@ -18,28 +21,31 @@ SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
 
 
 @pytest.mark.parametrize(
-    "bits,g,K,dtype",
+    "bits,g,K,dtype,N,limit",
     [
-        (4, 16, 64, torch.float32),
-        (4, 32, 160, torch.float16),
-        (8, 16, 48, torch.float16),
-        (8, 48, 48, torch.float32),
+        (4, 16, 64, torch.float32, 3, None),
+        (4, 32, 160, torch.float16, 3, None),
+        (8, 16, 48, torch.float16, 3, None),
+        (8, 48, 48, torch.float32, 3, None),
+        # rows past the grid's y limit: 7 rows on 2 and 3 rows of blocks
+        (4, 32, 64, torch.float16, 7, 2),
+        (8, 16, 32, torch.float32, 7, 3),
     ],
 )
-def test_dequant_kernel_matches_reference(bits, g, K, dtype):
+def test_dequant_kernel_matches_reference(bits, g, K, dtype, N, limit):
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
     gen = torch.Generator().manual_seed(SEED + K + bits)
-    N = 3
     codes = torch.randint(0, 2**bits, (N, K), generator=gen, dtype=torch.uint8)
     s = torch.rand(N, K // g, generator=gen) * 0.1
     o = torch.randn(N, K // g, generator=gen)
     w = pack_group_quant(codes, s, o, bits, g, dtype)
     out = torch.full((N, K), float("nan"), dtype=dtype)
-    chunks = -(-w.qweight.shape[1] // 4)
+    grid = quant_dequant.grid_for(w) if limit is None else quant_dequant.grid_for(w, limit)
+    assert grid[1] == (N if limit is None else limit)
     launch(
         quant_dequant._KERNELS[bits],
-        (chunks, N),  # one thread per block in the simulator is enough and fast
-        1,
+        grid,
+        quant_dequant.THREADS,
         (w.qweight.numpy(), w.scales.numpy(), w.offsets.numpy(), out.numpy(), w.group_shift),
     )
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"

@@ -302,24 +302,6 @@ def _dequantize(w: GroupQuantWeight, kernel: bool) -> torch.Tensor:
         from voltserve.kernels import quant_dequant
 
         out = torch.empty((w.out_features, w.in_features), dtype=w.dtype, device=w.qweight.device)
-        # In slabs of rows: a launch's grid has one row of blocks per weight row, and the
-        # stacked experts (E * 2I rows) pass the grid's 65535 limit.
-        slabs = []
-        for r0 in range(0, w.out_features, _SLAB_ROWS):
-            r1 = min(w.out_features, r0 + _SLAB_ROWS)
-            part = replace(
-                w,
-                out_features=r1 - r0,
-                qweight=w.qweight[r0:r1],
-                scales=w.scales[r0:r1],
-                offsets=w.offsets[r0:r1],
-            )
-            slabs.append((part, out[r0:r1]))
-        if all(quant_dequant.supports(part, o) for part, o in slabs):
-            for part, o in slabs:
-                quant_dequant.dequantize_into(part, o)
-            return out
+        if quant_dequant.supports(w, out):
+            return quant_dequant.dequantize_into(w, out)
     return dequantize(w)
-
-
-_SLAB_ROWS = 32768
