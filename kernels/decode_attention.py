@@ -1084,7 +1084,7 @@ class MergeCounters:
 
         arr = self._arrays.get(device)
         if arr is None or arr.numel() < n:
-            if torch.cuda.is_current_stream_capturing():
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "decode attention: merge counters must be allocated before CUDA-graph "
                     "capture; run the same batch size once eagerly first"

@@ -147,9 +147,17 @@ class FastLauncher:
     bypassed: int = 0
     _driver: Any = None
 
-    def launch(self, kernel: Any, grid: Any, block: Any, args: tuple, stream: Any) -> bool:
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple,
+        stream: Any,
+    ) -> bool:
         """Launch from a plan; False when there is none yet (the caller launches through
-        numba and then calls `learn`)."""
+        numba and then calls `learn`). grid and block: (x, y, z), as numba_common.launch has
+        checked them (launch_geometry.check)."""
         if self.bypassed:
             return False
         plan = self.plans.get(_plan_key(kernel, args))
@@ -161,8 +169,8 @@ class FastLauncher:
                 values.extend(tensor_params(a))
             else:
                 values.append(a)
-        gx, gy, gz = _dim3(grid)
-        bx, by, bz = _dim3(block)
+        gx, gy, gz = grid
+        bx, by, bz = block
         with plan.lock:
             plan.fmt.pack_into(plan.buf, 0, *values)
             (err,) = self._driver.cuLaunchKernel(
@@ -226,13 +234,6 @@ class FastLauncher:
             yield
         finally:
             self.bypassed -= 1
-
-
-def _dim3(d: Any) -> tuple[int, int, int]:
-    if not isinstance(d, (tuple, list)):
-        return int(d), 1, 1
-    d = tuple(d) + (1, 1)
-    return int(d[0]), int(d[1]), int(d[2])
 
 
 def _stream_handle(stream: Any) -> int:

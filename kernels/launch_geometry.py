@@ -1,6 +1,7 @@
 """Launch geometry: the CUDA limits every kernel launch must respect, the check that
 `numba_common.launch` applies to each launch (on a GPU and in numba's simulator alike), the one
-helper that places a count that may pass a grid dimension's limit, and a recording mode for tests.
+function that places a count that may pass a grid dimension's limit, and a recording mode for
+tests.
 
 Limits (every compute capability from 3.0 on, so V100 through H200): gridDim.x up to 2^31 - 1,
 gridDim.y and gridDim.z up to 65,535, every grid dimension at least 1; blockDim.x and .y up to
@@ -11,12 +12,12 @@ shared memory is bounded at compile time (ptxas refuses more than 48 KiB) and no
 dynamic shared memory, so shared memory needs no check at launch.
 
 Placing a count: gridDim.x takes any count a model has (vocabularies, tokens x heads). A count
-that goes on y or z and can pass 65,535 (a weight's rows: vocabularies reach 262,144) goes
-through `spread`, which caps it at the limit; the kernel strides over the rest
-(`for row in range(cuda.blockIdx.y, n, cuda.gridDim.y)`), so up to the limit the grid and each
-block's work are what they would be without the cap. Other y / z counts (the batch, heads, tile
-counts of one prompt) stay far below the limit at every supported shape; `check` refuses a
-launch where one does not.
+that goes on y and can pass 65,535 (a weight's rows: vocabularies reach 262,144) goes through
+`fold_yz`, which spreads it over y and z; the kernel's item is `blockIdx.z * gridDim.y +
+blockIdx.y` (blocks past the count return at once). Up to 65,535 that is gridDim.z = 1 and the
+grid is the unfolded one; the linear block order (x fastest, then y, then z) is the same either
+way. Other y / z counts (the batch, heads, tile counts of one prompt) stay far below the limit at
+every supported shape; `check` refuses a launch where one does not.
 
 Recording (tests): inside `recording()`, a launch through `numba_common.launch` is checked,
 appended to the yielded list as a `Launch` (the kernel's name, grid, block and each argument's
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,35 +56,47 @@ class LaunchGeometryError(ValueError):
 
 def dim3(d: Any) -> Dim3:
     """(x, y, z) of a launch dimension given as an int or a tuple of up to three ints."""
+    if type(d) is int:
+        return d, 1, 1
     if isinstance(d, (tuple, list)):
-        if not 1 <= len(d) <= 3:
-            raise LaunchGeometryError(f"a launch dimension has 1 to 3 entries, got {d!r}")
-        t = tuple(int(v) for v in d) + (1, 1)
-        return t[0], t[1], t[2]
+        n = len(d)
+        if n == 3:
+            return int(d[0]), int(d[1]), int(d[2])
+        if n == 2:
+            return int(d[0]), int(d[1]), 1
+        if n == 1:
+            return int(d[0]), 1, 1
+        raise LaunchGeometryError(f"a launch dimension has 1 to 3 entries, got {d!r}")
     return int(d), 1, 1
 
 
 def kernel_name(kernel: Any) -> str:
-    """`module.function` of a numba kernel (its Python function), for errors and records."""
+    """`module.qualified_name` of a numba kernel's Python function (a kernel generated from
+    source, which has no module, is named by its source's label), for errors and records."""
     fn = getattr(kernel, "py_func", kernel)
-    module = str(getattr(fn, "__module__", "") or "").rsplit(".", 1)[-1]
-    name = getattr(fn, "__name__", None) or type(kernel).__name__
-    return f"{module}.{name}" if module else name
+    qual = getattr(fn, "__qualname__", None) or type(kernel).__name__
+    module = str(getattr(fn, "__module__", None) or "").rsplit(".", 1)[-1]
+    if module:
+        return f"{module}.{qual}"
+    code = getattr(fn, "__code__", None)
+    return f"{qual} {code.co_filename}" if code is not None else qual
 
 
 def check(kernel: Any, grid: Any, block: Any) -> tuple[Dim3, Dim3]:
     """(grid, block) as (x, y, z) triples, or LaunchGeometryError naming the kernel and the
-    first dimension past its limit. Cheap: it runs on every launch."""
+    first dimension past its limit. Cheap (about a microsecond): it runs on every launch."""
     g = dim3(grid)
     b = dim3(block)
+    gx, gy, gz = g
+    bx, by, bz = b
     if (
-        0 < g[0] <= MAX_GRID_X
-        and 0 < g[1] <= MAX_GRID_YZ
-        and 0 < g[2] <= MAX_GRID_YZ
-        and 0 < b[0] <= MAX_BLOCK_XY
-        and 0 < b[1] <= MAX_BLOCK_XY
-        and 0 < b[2] <= MAX_BLOCK_Z
-        and b[0] * b[1] * b[2] <= MAX_THREADS_PER_BLOCK
+        0 < gx <= MAX_GRID_X
+        and 0 < gy <= MAX_GRID_YZ
+        and 0 < gz <= MAX_GRID_YZ
+        and 0 < bx
+        and 0 < by
+        and 0 < bz <= MAX_BLOCK_Z
+        and bx * by * bz <= MAX_THREADS_PER_BLOCK  # so x and y are within MAX_BLOCK_XY too
     ):
         return g, b
     raise LaunchGeometryError(f"kernel {kernel_name(kernel)}: {_violation(g, b)}")
@@ -105,13 +119,15 @@ def _violation(g: Dim3, b: Dim3) -> str:
     )
 
 
-def spread(count: int, limit: int = MAX_GRID_YZ) -> int:
-    """Blocks along grid y or z for `count` items: count itself up to `limit`, past it `limit`
-    (the kernel strides by gridDim over the rest). `limit` is a parameter so that simulator
-    tests can force the strided case at small shapes."""
+def fold_yz(count: int, limit: int = MAX_GRID_YZ) -> tuple[int, int]:
+    """(gridDim.y, gridDim.z) for `count` items on y: (count, 1) up to `limit`, past it `limit`
+    rows of blocks in as many z slices as it takes (the kernel's item is blockIdx.z * gridDim.y
+    + blockIdx.y; those past count return). `limit` is a parameter so that simulator tests can
+    fold at small shapes."""
     if count < 1 or limit < 1:
-        raise ValueError(f"spread: count {count} and limit {limit} must be at least 1")
-    return min(count, limit)
+        raise ValueError(f"fold_yz: count {count} and limit {limit} must be at least 1")
+    y = min(count, limit)
+    return y, -(-count // y)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,10 +220,9 @@ def _parameters(fn: Any) -> tuple[str, ...]:
 
 
 def _arg(name: str, a: Any) -> Arg:
-    shape = getattr(a, "shape", None)
-    if shape is not None and hasattr(a, "dtype"):
-        return Arg(name, tuple(int(s) for s in shape), str(a.dtype).removeprefix("torch."))
-    return Arg(name, None, type(a).__name__, a)
+    if isinstance(a, numbers.Number):  # Python and NumPy scalars
+        return Arg(name, None, type(a).__name__, a)
+    return Arg(name, tuple(int(s) for s in a.shape), str(a.dtype).removeprefix("torch."))
 
 
 def on_gpu(t: Any) -> bool:
@@ -244,11 +259,11 @@ __all__ = [
     "check",
     "device_sms",
     "dim3",
+    "fold_yz",
     "kernel_name",
     "on_gpu",
     "record",
     "recording",
     "recording_active",
     "sm_count",
-    "spread",
 ]

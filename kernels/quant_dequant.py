@@ -3,11 +3,11 @@ path (quant_linear.py) writes one layer into a reused scratch buffer and hands i
 Reference: `dequantize` (quant_pack.py), codes * scale + offset in fp32, rounded once.
 
 One thread per 16 bytes of codes (4 words: 32 int4 / 16 int8 codes), grid (blocks along a row,
-rows): gridDim.y is capped at 65,535 (launch_geometry.spread) and a block strides over the rows
-past it (vocabularies reach 262,144 rows: a Q6_K / Q8_0 lm_head, GGUF token_embd). A thread does
-a 16-byte load, exact float codes (c is an integer below 256, so float32(c) is exact), one
-multiply-add per code, and 16-byte stores of 8 outputs (vec_io.st8). K must be a multiple of 32
-(int4) / 16 (int8) and out 16-byte aligned rows (`supports`); otherwise the torch reference.
+rows): the rows fold over gridDim.y and .z past gridDim.y's 65,535 (launch_geometry.fold_yz; a
+Q6_K / Q8_0 lm_head has a vocabulary's rows, up to 262,144). A thread does a 16-byte load,
+exact float codes (c is an integer below 256, so float32(c) is exact), one multiply-add per
+code, and 16-byte stores of 8 outputs (vec_io.st8). K must be a multiple of 32 (int4) / 16
+(int8) and out 16-byte aligned rows (`supports`); otherwise the torch reference.
 The kernel is write-bound (2 bytes out per code): ~ (N * K * (2 + bits / 8)) / bandwidth.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 from numba import cuda
-from voltserve.kernels.launch_geometry import MAX_GRID_YZ, on_gpu, spread
+from voltserve.kernels.launch_geometry import MAX_GRID_YZ, fold_yz, on_gpu
 from voltserve.kernels.numba_common import current_stream, float32, launch, named_kernel
 from voltserve.kernels.quant_common import ld_w4
 from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize
@@ -34,54 +34,54 @@ def _make(bits: int):
         return float32((u >> ((e & 1) * 16 + (e >> 1) * bits)) & MASK)
 
     def kernel(qw, scales, offsets, out, gshift):
+        row = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y  # launch_geometry.fold_yz
         c = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * 4  # first word
         W = qw.shape[1]
-        if c >= W:
+        if c >= W or row >= qw.shape[0]:
             return
         G = scales.shape[1]
-        for row in range(cuda.blockIdx.y, qw.shape[0], cuda.gridDim.y):
-            u = ld_w4(qw, (row, c))
-            if P == 8:
-                for q in range(4):
-                    g = min(((c + q) * P) >> gshift, G - 1)
-                    s = float32(scales[row, g])
-                    o = float32(offsets[row, g])
-                    w = u[q]
-                    st8(
-                        out,
-                        (row, (c + q) * P),
-                        (
-                            code(w, 0) * s + o,
-                            code(w, 1) * s + o,
-                            code(w, 2) * s + o,
-                            code(w, 3) * s + o,
-                            code(w, 4) * s + o,
-                            code(w, 5) * s + o,
-                            code(w, 6) * s + o,
-                            code(w, 7) * s + o,
-                        ),
-                    )
-            else:
-                for t in range(2):  # two words (8 int8 codes) per store; one group (g >= 16)
-                    g = min(((c + 2 * t) * P) >> gshift, G - 1)
-                    s = float32(scales[row, g])
-                    o = float32(offsets[row, g])
-                    w0 = u[2 * t]
-                    w1 = u[2 * t + 1]
-                    st8(
-                        out,
-                        (row, (c + 2 * t) * P),
-                        (
-                            code(w0, 0) * s + o,
-                            code(w0, 1) * s + o,
-                            code(w0, 2) * s + o,
-                            code(w0, 3) * s + o,
-                            code(w1, 0) * s + o,
-                            code(w1, 1) * s + o,
-                            code(w1, 2) * s + o,
-                            code(w1, 3) * s + o,
-                        ),
-                    )
+        u = ld_w4(qw, (row, c))
+        if P == 8:
+            for q in range(4):
+                g = min(((c + q) * P) >> gshift, G - 1)
+                s = float32(scales[row, g])
+                o = float32(offsets[row, g])
+                w = u[q]
+                st8(
+                    out,
+                    (row, (c + q) * P),
+                    (
+                        code(w, 0) * s + o,
+                        code(w, 1) * s + o,
+                        code(w, 2) * s + o,
+                        code(w, 3) * s + o,
+                        code(w, 4) * s + o,
+                        code(w, 5) * s + o,
+                        code(w, 6) * s + o,
+                        code(w, 7) * s + o,
+                    ),
+                )
+        else:
+            for t in range(2):  # two words (8 int8 codes) per store; one group (g >= 16)
+                g = min(((c + 2 * t) * P) >> gshift, G - 1)
+                s = float32(scales[row, g])
+                o = float32(offsets[row, g])
+                w0 = u[2 * t]
+                w1 = u[2 * t + 1]
+                st8(
+                    out,
+                    (row, (c + 2 * t) * P),
+                    (
+                        code(w0, 0) * s + o,
+                        code(w0, 1) * s + o,
+                        code(w0, 2) * s + o,
+                        code(w0, 3) * s + o,
+                        code(w1, 0) * s + o,
+                        code(w1, 1) * s + o,
+                        code(w1, 2) * s + o,
+                        code(w1, 3) * s + o,
+                    ),
+                )
 
     return cuda.jit(named_kernel(kernel, __name__, f"dequant_int{bits}_kernel"))
 
@@ -91,11 +91,12 @@ dequant_int8_kernel = _make(8)
 _KERNELS = {4: dequant_int4_kernel, 8: dequant_int8_kernel}
 
 
-def grid_for(w: GroupQuantWeight, limit: int = MAX_GRID_YZ) -> tuple[int, int]:
-    """(blocks along a row, blocks along the rows): one block row per weight row up to `limit`
-    (the CUDA grid's y limit; tests lower it to reach the strided case at small shapes)."""
+def grid_for(w: GroupQuantWeight, limit: int = MAX_GRID_YZ) -> tuple[int, int, int]:
+    """(blocks along a row, then the rows folded over y and z): one row of blocks per weight
+    row, y holding up to `limit` of them (the CUDA grid's; tests lower it to fold small
+    shapes)."""
     chunks = -(-w.qweight.shape[1] // 4)
-    return (-(-chunks // THREADS), spread(w.out_features, limit))
+    return (-(-chunks // THREADS), *fold_yz(w.out_features, limit))
 
 
 def supports(w: GroupQuantWeight, out: torch.Tensor) -> bool:

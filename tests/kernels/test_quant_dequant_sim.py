@@ -1,9 +1,9 @@
 """The dequantize kernel (kernels/quant_dequant.py, the prefill path's scratch fill) against
 quant_pack.dequantize in the CUDA simulator: int4 and int8, groups 16 / 32 / K, fp16 and fp32,
 a NaN-poisoned output, launched with the production grid (`grid_for`) and block. A lowered grid
-limit puts more rows than rows of blocks, so blocks stride over the rows as they do on a GPU
-past 65,535 rows (a vocabulary-sized weight). Seeded: printed, VOLTSERVE_TEST_SEED overrides
-it."""
+limit folds the rows over gridDim.y and .z as a GPU launch does past 65,535 rows (a
+vocabulary-sized weight), with idle blocks past the last row. Seeded: printed,
+VOLTSERVE_TEST_SEED overrides it."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
         (4, 32, 160, torch.float16, 3, None),
         (8, 16, 48, torch.float16, 3, None),
         (8, 48, 48, torch.float32, 3, None),
-        # rows past the grid's y limit: 7 rows on 2 and 3 rows of blocks
+        # rows past the grid's y limit: 7 rows folded as 2 x 4 and 3 x 3 (one and two idle)
         (4, 32, 64, torch.float16, 7, 2),
         (8, 16, 32, torch.float32, 7, 3),
+        (4, 16, 32, torch.float32, 6, 3),  # 3 x 2, none idle
     ],
 )
 def test_dequant_kernel_matches_reference(bits, g, K, dtype, N, limit):
@@ -41,7 +42,10 @@ def test_dequant_kernel_matches_reference(bits, g, K, dtype, N, limit):
     w = pack_group_quant(codes, s, o, bits, g, dtype)
     out = torch.full((N, K), float("nan"), dtype=dtype)
     grid = quant_dequant.grid_for(w) if limit is None else quant_dequant.grid_for(w, limit)
-    assert grid[1] == (N if limit is None else limit)
+    if limit is None:
+        assert grid[1:] == (N, 1)
+    else:
+        assert grid[1] == limit and grid[2] == -(-N // limit)
     launch(
         quant_dequant._KERNELS[bits],
         grid,
