@@ -19,7 +19,8 @@ pytestmark = [
 
 DEV = "cuda"
 # (K, N): Llama-3-8B qkv, o_proj, gate_up, down; Qwen2.5-7B qkv (with bias), o_proj, gate_up,
-# down. (lm_head stays fp16 in every quantized checkpoint.)
+# down. (The safetensors formats keep lm_head fp16; a GGUF Q6_K / Q8_0 one at vocabulary sizes
+# is in test_launch_geometry_gpu.py.)
 LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 QWEN = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)]
 ROWS = [1, 3, 8, 17, 64, 255, 256, 2048, 8192]

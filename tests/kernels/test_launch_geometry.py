@@ -79,9 +79,9 @@ def one(launches: list[lg.Launch], name: str) -> lg.Launch:
 
 
 def test_an_oversized_grid_is_refused_naming_the_kernel_and_dimension() -> None:
-    """What the issue saw: the dequantize kernel with a weight's 128,256 rows on gridDim.y. The
-    check runs before the launch, in the simulator as on a GPU (the simulator itself would run
-    it), and inside a recording."""
+    """The launch a Q6_K lm_head of 128,256 rows made when the dequantize kernel put a weight's
+    rows on gridDim.y (the driver answered CUDA_ERROR_INVALID_VALUE). The check refuses it
+    before the launch, in the simulator (which would not) as on a GPU, and inside a recording."""
     from voltserve.kernels import quant_dequant
 
     args = (t(128_256, 512, dtype=I32), t(128_256, 256), t(128_256, 256), t(128_256, 4096), 4)
@@ -233,6 +233,26 @@ def test_quant_linear_every_path_at_model_shapes(fmt: str) -> None:
             _check_quant_launches(launches, path, w, T)
             seen.add(path)
     assert seen == {"gemv", "tc", "dequant"}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quant_fused_decode_gemvs(fmt: str) -> None:
+    """The decode GEMV's gate_up (SiLU epilogue) and qkv_rope (rotary and the KV write) kinds."""
+    from voltserve.kernels import quant_gemv
+
+    bits, group, act_order = FORMATS[fmt]
+    for hidden, T in itertools.product(HIDDENS, GEMV_ROWS):
+        x = t(T, hidden)
+        for inter in INTERS:
+            w = quant_weight(2 * inter, hidden, bits, group or hidden, act_order=act_order)
+            launches = recorded("gate_up", quant_gemv.quant_gemv_gate_up_cuda, x, w)
+            assert launches[0].arg("out").shape == (T, inter)
+        n_q, n_kv, D = hidden // 128, 8, 128
+        w = quant_weight((n_q + 2 * n_kv) * D, hidden, bits, group or hidden)
+        cache = (t(4096, n_kv, 16, D), t(4096, n_kv, 16, D))
+        rope = (t(T, dtype=I64), t(131_072, D, dtype=F32), *cache, t(T, dtype=I64), n_q, n_kv)
+        launches = recorded("qkv_rope", quant_gemv.quant_qkv_rope_cuda, x, w, None, *rope)
+        assert launches[0].arg("out").shape == (T, w.out_features)
 
 
 @pytest.mark.parametrize("fmt", ["gguf Q6_K", "gguf Q8_0", "gguf Q4_K", "awq int4 g128"])
