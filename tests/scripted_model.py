@@ -67,14 +67,17 @@ QWEN_TOOLS_TEMPLATE = """\
 
 
 @functools.cache
-def scripted_checkpoint(root: str) -> Path:
+def scripted_checkpoint(root: str, replies: tuple[tuple[str, ...], ...] | None = None) -> Path:
+    """The checkpoint in root. replies: the reply table (default REPLIES); the first reply is
+    the one said without a bias. A piece may appear in one reply only."""
     import torch
     from tokenizers import AddedToken
     from transformers import AutoModelForCausalLM
     from voltserve.services.executor.demo_model import build_tokenizer, write_checkpoint
 
     tok = build_tokenizer(vocab_size=384)
-    pieces = sorted({p for reply in REPLIES.values() for p in reply})
+    table = [list(r) for r in replies] if replies else list(REPLIES.values())
+    pieces = sorted({p for reply in table for p in reply})
     tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
     tok.chat_template = QWEN_TOOLS_TEMPLATE
     out = Path(root) / "scripted-qwen2"
@@ -113,8 +116,8 @@ def scripted_checkpoint(root: str) -> Path:
         W = model.lm_head.weight
         W.zero_()
         scale = 1.0 / H**0.5  # RMSNorm turns a one-hot row into sqrt(H) on its coordinate
-        W[ids[REPLIES["tool"][0]], coord[newline[0]]] = FIRST_MARGIN * scale
-        for reply in REPLIES.values():
+        W[ids[table[0][0]], coord[newline[0]]] = FIRST_MARGIN * scale
+        for reply in table:
             seq = [ids[p] for p in reply] + [eos]
             for a, b in zip(seq, seq[1:]):
                 W[b, coord[a]] = NEXT_MARGIN * scale

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from voltserve.services.gateway import params, routes
+from voltserve.services.gateway import anthropic_errors, params, protocol_routes, routes
 from voltserve.services.gateway.auth import check_api_key
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.state import GatewayState
@@ -185,12 +185,17 @@ async def _background(app: web.Application) -> Any:
 
 
 def build_app(gw: GatewayState) -> web.Application:
-    app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
+    # Anthropic's error shape on its routes is a rewrite of what `middleware` answers.
+    app = web.Application(
+        middlewares=[anthropic_errors.middleware, middleware], client_max_size=MAX_BODY_BYTES
+    )
     app["gw"] = gw
     app["started"] = int(time.time())
     app.cleanup_ctx.append(_background)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/responses", protocol_routes.responses)
+    app.router.add_post("/v1/messages", protocol_routes.messages)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -1,4 +1,5 @@
-"""Bearer-token check (--api-key). Health and metrics stay open for probes and scrapers."""
+"""API key check (--api-key): `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's
+clients send it. Health and metrics stay open for probes and scrapers."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
 def check_api_key(request: web.Request, api_key: str | None) -> None:
     if not api_key or request.path in OPEN_PATHS or request.method == "OPTIONS":
         return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    keys = [token] if scheme.lower() == "bearer" else []
+    keys += request.headers.getall("x-api-key", [])
+    if not any(hmac.compare_digest(k.strip().encode(), api_key.encode()) for k in keys):
         raise APIError(
             401, "Invalid or missing API key.", type="authentication_error", code="invalid_api_key"
         )

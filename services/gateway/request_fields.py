@@ -64,17 +64,22 @@ CHAT_FIELDS = _COMMON | {
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 
-def check_fields(body: dict, kind: str) -> None:
-    """400 for the first field `kind` ("chat" | "completion") does not understand."""
-    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
-    unknown = sorted(k for k in body if k not in known)
+def refuse_unknown(obj: dict, known: frozenset[str], where: str = "") -> None:
+    """400 naming the first key of `obj` not in `known`; `where` prefixes the name of a nested
+    object's keys ("input[2]" gives "input[2].foo")."""
+    unknown = sorted(str(k) for k in obj if k not in known)
     if unknown:
-        name = unknown[0]
+        name = f"{where}.{unknown[0]}" if where else unknown[0]
         raise bad_request(
             f"unrecognized request argument {name!r}: this server does not support it"
             + (f" (also unrecognized: {unknown[1:]})" if len(unknown) > 1 else ""),
             name,
         )
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """400 for the first field `kind` ("chat" | "completion") does not understand."""
+    refuse_unknown(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     if body.get("store"):
         raise bad_request("store is not supported: this server keeps no completions", "store")
     # The opaque labels have no effect here, but a malformed one is still the client's error
