@@ -339,6 +339,7 @@ HI = [{"role": "user", "content": "hi"}]
         ({"messages": HI}, "max_tokens"),
         ({"messages": HI, "max_tokens": 4, "frobnicate": 1}, "frobnicate"),
         ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "max_tokens": 100_000}, "maximum context length"),
         ({"messages": HI, "max_tokens": 4, "temperature": 1.5}, "temperature"),
         ({"messages": HI, "max_tokens": 4, "top_k": 0}, "top_k"),
         ({"messages": HI, "max_tokens": 4, "stop_sequences": ["x"] * 17}, "stop_sequences"),

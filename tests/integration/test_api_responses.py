@@ -337,6 +337,12 @@ def test_text_format_json_schema_is_parsed(client, rng) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": []}, "input"),
+        # Refused by the renderer, named the Responses way.
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+            "text.format",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(client, extra, param) -> None:
