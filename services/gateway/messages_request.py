@@ -240,8 +240,12 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"}),
             where,
         )
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
         if not isinstance(t.get("input_schema"), dict):
-            raise bad_request(f"{where}.input_schema must be a JSON schema object", where)
+            raise bad_request(
+                f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema"
+            )
         if t.get("strict") is not None and not isinstance(t["strict"], bool):
             raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
         fn = {"name": t.get("name"), "parameters": t["input_schema"]}

@@ -239,6 +239,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 f"{where}.type",
             )
         refuse_unknown(t, frozenset({"type", "name", "description", "parameters", "strict"}), where)
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
+        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+            raise bad_request(f"{where}.parameters must be a JSON schema", f"{where}.parameters")
         if t.get("strict") is not None and not isinstance(t["strict"], bool):
             raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}

@@ -154,6 +154,11 @@ def test_responses_options_become_chat_options() -> None:
             "input[0].content[0].annotations",
         ),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "x": 1}]}, "tools[0].x"),
+        ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+        (
+            {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+            "tools[0].parameters",
+        ),
         ({"input": "hi", "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_object", "x": 1}}}, "text.format.x"),
         ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
@@ -322,7 +327,10 @@ def test_messages_options_become_chat_options() -> None:
             {"messages": [{"role": "user", "content": "a"}], "system": [{"type": "image"}]},
             "system[0]",
         ),
-        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"name": "f"}]}, "tools[0]"),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "tools": [{"name": "f"}]},
+            "tools[0].input_schema",
+        ),
         (
             {
                 "messages": [{"role": "user", "content": "a"}],
