@@ -13,7 +13,8 @@ import random
 import anthropic
 import openai
 import pytest
-from scripted_model import scripted_checkpoint
+
+from tests.scripted_model import scripted_checkpoint
 
 from .conftest import Stack
 
