@@ -336,7 +336,8 @@ def _reasoning(reasoning: Any, has_parser: bool) -> dict[str, Any] | None:
     return {"enable_thinking": effort != "none"}
 
 
-def _check_stateless(body: dict[str, Any]) -> None:
+def _check_options(body: dict[str, Any]) -> None:
+    """The fields that change nothing here, accepted only with the values that say so."""
     for key in ("previous_response_id", "conversation"):
         if body.get(key) is not None:
             raise bad_request(f"{key} is not supported: {_STATELESS}", key)
@@ -364,7 +365,7 @@ def _check_stateless(body: dict[str, Any]) -> None:
 
 def parse_responses(body: dict[str, Any], has_reasoning_parser: bool) -> ResponsesRequest:
     refuse_unknown(body, RESPONSES_FIELDS)
-    _check_stateless(body)
+    _check_options(body)
     chat: dict[str, Any] = {"messages": _messages(body)}
     for key in _SAMPLING:
         if key in body:
