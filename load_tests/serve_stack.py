@@ -37,9 +37,14 @@ def ensure_demo_model(path: Path) -> Path:
     return path
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, Any]:
+def http_json(
+    url: str, body: dict | None = None, timeout: float = 5.0, api_key: str | None = None
+) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -81,6 +86,7 @@ class ServeStack:
         workdir: Path,
         extra: list[str] | None = None,
         start_timeout_s: float = 300.0,
+        api_key: str | None = None,
     ) -> None:
         self.model = model
         self.workdir = workdir
@@ -88,6 +94,7 @@ class ServeStack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra = extra or []
         self.start_timeout_s = start_timeout_s
+        self.api_key = api_key  # passed as --api-key, and sent by the readiness check
         self.proc: subprocess.Popen | None = None
         self.log_path = workdir / "serve.log"
         self.redis_url: str | None = None
@@ -104,6 +111,8 @@ class ServeStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [*voltserve_command(), "serve", "--model", str(self.model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *self.extra]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -118,7 +127,7 @@ class ServeStack:
                 if m:
                     self.redis_url = m.group(1)
             try:
-                status, body = http_json(self.url + "/v1/models", timeout=2)
+                status, body = http_json(self.url + "/v1/models", timeout=2, api_key=self.api_key)
                 hs, _ = http_json(self.url + "/health", timeout=2)
                 if status == 200 and hs == 200 and body["data"]:
                     self.model_name = body["data"][0]["id"]

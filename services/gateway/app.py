@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from voltserve.services.gateway import anthropic_errors, params, protocol_routes, routes
+from voltserve.services.gateway import anthropic_errors, params, protocol_routes, routes, web_ui
 from voltserve.services.gateway.auth import check_api_key
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.state import GatewayState
@@ -184,7 +184,7 @@ async def _background(app: web.Application) -> Any:
     await gw.redis.aclose()
 
 
-def build_app(gw: GatewayState) -> web.Application:
+def build_app(gw: GatewayState, web_page: bool = True) -> web.Application:
     # Anthropic's error shape on its routes is a rewrite of what `middleware` answers.
     app = web.Application(
         middlewares=[anthropic_errors.middleware, middleware], client_max_size=MAX_BODY_BYTES
@@ -204,4 +204,6 @@ def build_app(gw: GatewayState) -> web.Application:
     app.router.add_post("/ping", ping)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    if web_page:
+        web_ui.add_routes(app)
     return app

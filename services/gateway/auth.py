@@ -1,5 +1,6 @@
 """API key check (--api-key): `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's
-clients send it. Health and metrics stay open for probes and scrapers."""
+clients send it. Health and metrics stay open for probes and scrapers, and so does the chat page
+(web_ui.py): it holds no secret, and its API calls carry the key the user typed."""
 
 from __future__ import annotations
 
@@ -7,12 +8,19 @@ import hmac
 
 from aiohttp import web
 from voltserve.services.gateway.errors import APIError
+from voltserve.services.gateway.web_ui import ASSET_PREFIX, PAGE_PATH
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", PAGE_PATH})
+OPEN_PREFIXES = (ASSET_PREFIX,)
 
 
 def check_api_key(request: web.Request, api_key: str | None) -> None:
-    if not api_key or request.path in OPEN_PATHS or request.method == "OPTIONS":
+    if (
+        not api_key
+        or request.path in OPEN_PATHS
+        or request.path.startswith(OPEN_PREFIXES)
+        or request.method == "OPTIONS"
+    ):
         return
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     keys = [token] if scheme.lower() == "bearer" else []

@@ -18,6 +18,7 @@ from voltserve.services.gateway.reasoning_parsers import REASONING_PARSERS
 from voltserve.services.gateway.state import GatewayState
 from voltserve.services.gateway.tool_parsers import TOOL_PARSERS
 from voltserve.services.gateway.tools import ChatTooling
+from voltserve.services.gateway.web_ui import add_web_ui_flag
 from voltserve.services.renderer.render import Renderer
 from voltserve.shared import startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
@@ -38,6 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-model-len", type=int, default=None)
     add_tool_flags(p)
+    add_web_ui_flag(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     add_log_level_flag(p)
     return p.parse_args(argv)
@@ -103,8 +105,12 @@ def build_state(args: argparse.Namespace) -> GatewayState:
     )
 
 
+def make_app(args: argparse.Namespace) -> web.Application:
+    return build_app(build_state(args), web_page=not args.no_web_ui)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    app = build_app(build_state(args))
+    app = make_app(args)
     # Handlers are cancelled when the client disconnects: that is how an abort reaches the
     # engine for a request whose client went away.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
