@@ -6,6 +6,7 @@ The page in a browser: test_web_ui.py."""
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,11 @@ def test_serve_passes_no_web_ui_to_the_gateway(flags: list[str]) -> None:
     args = launcher.build_parser().parse_args(["--model", "m", *flags])
     (gw,) = [c for c in launcher.build_children(args, "redis://x") if c.name == "gateway"]
     assert gateway_main.parse_args(gw.argv[1:]).no_web_ui == bool(flags)
+
+
+def test_the_page_ships_in_the_package() -> None:
+    # setuptools' package-data globs do not descend: the page's files sit in web/ itself.
+    pyproject = tomllib.loads((WEB_DIR.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["voltserve.services.gateway"]
+    assert "web/*" in patterns
+    assert all(p.is_file() for p in WEB_DIR.iterdir())
