@@ -417,15 +417,25 @@ def test_reasoning_markdown_and_tool_calls(served, browser) -> None:
     assert a["stats"].startswith(f"{direct['usage']['completion_tokens']} tokens · ")
     code = browser.find_elements(By.CSS_SELECTOR, "article.assistant .body pre code")
     assert [c.text for c in code] == ["for i in range(4):\n    print(i * i)"]
+    shots = os.environ.get("VOLTSERVE_WEB_SCREENSHOTS")
+    if shots:
+        browser.save_screenshot(str(Path(shots) / "web-chat-desktop.png"))
+    # The code block's Copy button puts the code on the clipboard.
+    perms = ["clipboardReadWrite", "clipboardSanitizedWrite"]
+    browser.execute_cdp_cmd(
+        "Browser.grantPermissions", {"origin": served.url, "permissions": perms}
+    )
+    copy = browser.find_element(By.CSS_SELECTOR, "article.assistant .copy-code")
+    copy.click()
+    wait(browser, lambda: copy.text == "Copied")
+    read = "navigator.clipboard.readText().then(arguments[0], (e) => arguments[0](String(e)))"
+    assert browser.execute_async_script(read) == code[0].text
     assert "<strong>Python</strong>" in a["html"]
     link = browser.find_element(By.CSS_SELECTOR, "article.assistant .body a")
     assert link.get_attribute("href") == "https://docs.python.org/3/tutorial/"
     assert len(browser.find_elements(By.CSS_SELECTOR, "article.assistant .body li")) == 2
     (chat,) = stored_chats(browser)
     assert chat["messages"][1]["content"] == want["content"]
-    shots = os.environ.get("VOLTSERVE_WEB_SCREENSHOTS")
-    if shots:
-        browser.save_screenshot(str(Path(shots) / "web-chat-desktop.png"))
 
     # A tool call: the tool, and the call's text, as other request fields.
     settings(browser, extra=json.dumps({"tools": [WEATHER]} | json.loads(held_to(CALL))))

@@ -56,7 +56,13 @@ export async function streamChat(body, apiKey, signal, onChunk) {
   const decoder = new TextDecoder();
   let buf = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    let value, done;
+    try {
+      ({ value, done } = await reader.read());
+    } catch (e) {
+      if (e.name === "AbortError") throw e;
+      throw new ApiError(`the connection to the server was lost (${e.message})`);
+    }
     if (done) break;
     buf += decoder.decode(value, { stream: true });
     let cut;

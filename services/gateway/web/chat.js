@@ -306,7 +306,8 @@ async function answer(chat) {
         // The server sends its first chunk once the first token is out (even a token that
         // shows nothing yet, such as the start of a tool call).
         if (first === null && chunk.choices?.length) first = performance.now();
-        for (const c of chunk.choices ?? []) {
+        // One answer per request: a second choice (an `n` in the other fields) is not shown.
+        for (const c of (chunk.choices ?? []).filter((x) => (x.index ?? 0) === 0)) {
           const d = c.delta ?? {};
           addDelta(message, d);
           if (c.finish_reason) message.finish = c.finish_reason;
