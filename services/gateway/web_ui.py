@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -21,8 +21,8 @@ CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".css": "text/css; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
-    ".svg": "image/svg+xml",
 }
+INDEX = "index.html"
 # Model output is rendered as HTML by the page's own Markdown renderer, which escapes first;
 # the policy is the second wall: no script but the page's own files, no request to another origin.
 SECURITY_HEADERS = {
@@ -41,21 +41,19 @@ SECURITY_HEADERS = {
 class Asset:
     body: bytes
     content_type: str
-    etag: str = field(init=False)
+    etag: str
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "etag", '"' + hashlib.sha256(self.body).hexdigest()[:20] + '"')
+    @classmethod
+    def read(cls, path: Path) -> Asset:
+        body = path.read_bytes()
+        return cls(body, CONTENT_TYPES[path.suffix], f'"{hashlib.sha256(body).hexdigest()[:20]}"')
 
 
 def load_assets(folder: Path = WEB_DIR) -> dict[str, Asset]:
-    """Every file of the page, by name, read once at start-up (a missing folder is an error)."""
-    assets = {
-        p.name: Asset(p.read_bytes(), CONTENT_TYPES[p.suffix])
-        for p in sorted(folder.iterdir())
-        if p.suffix in CONTENT_TYPES
-    }
-    if "index.html" not in assets:
-        raise FileNotFoundError(f"the chat page is missing: no index.html in {folder}")
+    """Every file of the page, by name, read once at start-up (a missing page is an error)."""
+    assets = {p.name: Asset.read(p) for p in sorted(folder.iterdir()) if p.suffix in CONTENT_TYPES}
+    if INDEX not in assets:
+        raise FileNotFoundError(f"the chat page is missing: no {INDEX} in {folder}")
     return assets
 
 
@@ -63,10 +61,7 @@ def _respond(request: web.Request, asset: Asset) -> web.Response:
     headers = {**SECURITY_HEADERS, "ETag": asset.etag}
     if request.headers.get("If-None-Match") == asset.etag:
         return web.Response(status=304, headers=headers)
-    resp = web.Response(body=asset.body, headers=headers)
-    resp.content_type, _, charset = asset.content_type.partition("; charset=")
-    if charset:
-        resp.charset = charset
+    resp = web.Response(body=asset.body, headers={**headers, "Content-Type": asset.content_type})
     resp.enable_compression()  # gzip or deflate when the browser accepts it
     return resp
 
@@ -75,10 +70,11 @@ def add_routes(app: web.Application) -> None:
     assets = load_assets()
 
     async def index(request: web.Request) -> web.Response:
-        return _respond(request, assets["index.html"])
+        return _respond(request, assets[INDEX])
 
     async def asset(request: web.Request) -> web.Response:
-        found = assets.get(request.match_info["name"])
+        name = request.match_info["name"]
+        found = assets.get(name) if name != INDEX else None  # the page itself only at /
         if found is None:
             raise web.HTTPNotFound()
         return _respond(request, found)

@@ -70,7 +70,7 @@ async def test_revalidation_and_unknown_files(gateway) -> None:
     assert r.status == 304 and await r.read() == b""
     r = await client.get("/ui/chat.js", headers={"If-None-Match": '"other"'})
     assert r.status == 200
-    for path in ("/ui/missing.js", "/ui/..%2Fweb_ui.py", "/ui/", "/index.html"):
+    for path in ("/ui/missing.js", "/ui/..%2Fweb_ui.py", "/ui/", "/index.html", "/ui/index.html"):
         assert (await client.get(path)).status == 404, path
 
 

@@ -24,7 +24,10 @@ async function errorOf(resp) {
   } catch {
     // not JSON: fall through
   }
-  return new ApiError(`HTTP ${resp.status} ${resp.statusText}${text ? `: ${text.slice(0, 300)}` : ""}`, resp.status);
+  return new ApiError(
+    `HTTP ${resp.status} ${resp.statusText}${text ? `: ${text.slice(0, 300)}` : ""}`,
+    resp.status,
+  );
 }
 
 async function call(path, init) {

@@ -101,8 +101,9 @@ function toolCallsHtml(calls) {
       } catch {
         // partial while streaming, or not JSON: shown as sent
       }
+      const name = escapeHtml(c.function.name);
       return (
-        `<div class="tool-call"><div class="tool-head">Tool call <code>${escapeHtml(c.function.name)}</code></div>` +
+        `<div class="tool-call"><div class="tool-head">Tool call <code>${name}</code></div>` +
         `<pre><code>${escapeHtml(args)}</code></pre></div>`
       );
     })
@@ -127,7 +128,7 @@ class MessageView {
     } else {
       this.reasoning = document.createElement("details");
       this.reasoning.className = "reasoning";
-      this.reasoning.innerHTML = "<summary>Reasoning</summary><div class=\"md\"></div>";
+      this.reasoning.innerHTML = '<summary>Reasoning</summary><div class="md"></div>';
       this.body = document.createElement("div");
       this.body.className = "body md";
       this.tools = document.createElement("div");
@@ -165,7 +166,8 @@ class MessageView {
     this.root.classList.toggle("streaming", streaming);
     this.reasoning.hidden = !m.reasoning;
     if (m.reasoning) this.reasoning.lastElementChild.innerHTML = renderMarkdown(m.reasoning);
-    this.body.hidden = !m.content && (Boolean(m.error) || Boolean(m.tool_calls?.length) || !streaming);
+    this.body.hidden =
+      !m.content && (Boolean(m.error) || Boolean(m.tool_calls?.length) || !streaming);
     this.body.innerHTML = renderMarkdown(m.content);
     this.tools.hidden = !m.tool_calls?.length;
     this.tools.innerHTML = m.tool_calls?.length ? toolCallsHtml(m.tool_calls) : "";
@@ -271,7 +273,11 @@ function addDelta(m, delta) {
   if (delta.reasoning_content) m.reasoning = (m.reasoning ?? "") + delta.reasoning_content;
   for (const tc of delta.tool_calls ?? []) {
     m.tool_calls ??= [];
-    const call = (m.tool_calls[tc.index] ??= { id: "", type: "function", function: { name: "", arguments: "" } });
+    const call = (m.tool_calls[tc.index] ??= {
+      id: "",
+      type: "function",
+      function: { name: "", arguments: "" },
+    });
     if (tc.id) call.id = tc.id;
     if (tc.function?.name) call.function.name += tc.function.name;
     if (tc.function?.arguments) call.function.arguments += tc.function.arguments;
@@ -432,7 +438,8 @@ el.keyDialog.addEventListener("submit", async (e) => {
 
 function openSettings() {
   const f = el.settingsForm.elements;
-  for (const k of ["system", "temperature", "top_p", "max_tokens", "extra"]) f[k].value = state.settings[k];
+  for (const k of ["system", "temperature", "top_p", "max_tokens", "extra"])
+    f[k].value = state.settings[k];
   el.settingsError.hidden = true;
   el.settings.showModal();
 }
@@ -445,7 +452,8 @@ el.settingsForm.addEventListener("submit", (e) => {
   if (extra) {
     try {
       const v = JSON.parse(extra);
-      if (typeof v !== "object" || v === null || Array.isArray(v)) problem = "Other request fields must be a JSON object.";
+      if (typeof v !== "object" || v === null || Array.isArray(v))
+        problem = "Other request fields must be a JSON object.";
     } catch (err) {
       problem = `Other request fields are not valid JSON: ${err.message}`;
     }
@@ -495,6 +503,7 @@ el.menu.addEventListener("click", () => {
   el.sidebar.classList.toggle("open", open);
   el.scrim.hidden = !open;
   el.menu.setAttribute("aria-expanded", String(open));
+  if (open) $("new-chat").focus();
 });
 el.scrim.addEventListener("click", closeSidebar);
 
@@ -525,9 +534,11 @@ $("composer").addEventListener("submit", (e) => {
 });
 el.stop.addEventListener("click", () => state.streaming?.controller.abort());
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && state.streaming && !document.querySelector("dialog[open]")) {
-    state.streaming.controller.abort();
-  }
+  if (e.key !== "Escape" || document.querySelector("dialog[open]")) return;
+  if (el.sidebar.classList.contains("open")) {
+    closeSidebar();
+    el.menu.focus();
+  } else state.streaming?.controller.abort();
 });
 el.model.addEventListener("change", () => {
   state.settings.model = el.model.value;

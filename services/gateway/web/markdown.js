@@ -71,7 +71,12 @@ function isTable(lines, i) {
 function startsBlock(lines, i) {
   const l = lines[i];
   return (
-    FENCE.test(l) || HEADING.test(l) || RULE.test(l) || QUOTE.test(l) || isItem(l) || isTable(lines, i)
+    FENCE.test(l) ||
+    HEADING.test(l) ||
+    RULE.test(l) ||
+    QUOTE.test(l) ||
+    isItem(l) ||
+    isTable(lines, i)
   );
 }
 
@@ -105,7 +110,8 @@ function table(lines, i, out) {
     "</tr>";
   const body = [];
   i += 2;
-  while (i < lines.length && lines[i].includes("|") && lines[i].trim()) body.push(row(cells(lines[i++]), "td"));
+  while (i < lines.length && lines[i].includes("|") && lines[i].trim())
+    body.push(row(cells(lines[i++]), "td"));
   out.push(
     `<div class="table"><table><thead>${row(head, "th")}</thead>` +
       `<tbody>${body.join("")}</tbody></table></div>`,
@@ -184,7 +190,8 @@ function blocks(lines) {
       i = table(lines, i, out);
     } else {
       const para = [line];
-      for (i++; i < lines.length && lines[i].trim() && !startsBlock(lines, i); i++) para.push(lines[i]);
+      for (i++; i < lines.length && lines[i].trim() && !startsBlock(lines, i); i++)
+        para.push(lines[i]);
       out.push(`<p>${inline(para.join("\n")).replace(/\n/g, "<br>")}</p>`);
     }
   }

@@ -44,7 +44,9 @@ export const loadSettings = () => ({ ...DEFAULT_SETTINGS, ...read(localStorage, 
 export const saveSettings = (s) => write(localStorage, SETTINGS, s);
 
 export const loadKey = () => read(sessionStorage, KEY, "");
-export const saveKey = (key) => (key ? write(sessionStorage, KEY, key) : sessionStorage.removeItem(KEY));
+export const saveKey = (key) =>
+  key ? write(sessionStorage, KEY, key) : sessionStorage.removeItem(KEY);
 
 export const loadTheme = () => read(localStorage, THEME, "");
-export const saveTheme = (t) => (t ? write(localStorage, THEME, t) : localStorage.removeItem(THEME));
+export const saveTheme = (t) =>
+  t ? write(localStorage, THEME, t) : localStorage.removeItem(THEME);
