@@ -3,15 +3,12 @@ machine without Debian's chromium and chromium-driver, or without selenium, skip
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "load_tests"))
-
-import headless_chromium  # noqa: E402
-from headless_chromium import set_viewport  # noqa: E402, F401 - for the tests
+from load_tests import headless_chromium
+from load_tests.headless_chromium import set_viewport  # noqa: F401 - for the tests
 
 
 def skip_without_chromium() -> None:

@@ -13,20 +13,16 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from browser import console_errors, set_viewport, skip_without_chromium, start_chromium
 from voltserve.services.gateway.web_ui import WEB_DIR
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "load_tests"))
-
-import bench_web_page  # noqa: E402
-from serve_stack import ServeStack, http_json, metric_sum, scrape  # noqa: E402
+from load_tests import bench_web_page
+from load_tests.serve_stack import ServeStack, http_json, metric_sum, scrape
+from tests.browser import console_errors, set_viewport, skip_without_chromium, start_chromium
 
 KEY = "key-for-the-web-page-test"
 WAIT_S = 30.0  # the longest any one step may take on a loaded 2-core machine
