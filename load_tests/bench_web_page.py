@@ -49,7 +49,8 @@ def one_load(url: str) -> dict[str, Any]:
             deadline = time.monotonic() + WAIT_S
             while True:
                 t = driver.execute_script(TIMING)
-                if t["done"] and "first-contentful-paint" in t["paint"]:
+                asked = any("/v1/models" in r["url"] for r in t["resources"])
+                if t["done"] and "first-contentful-paint" in t["paint"] and asked:
                     return t
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the page did not finish loading in {WAIT_S} s: {t}")
