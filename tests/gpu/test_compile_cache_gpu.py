@@ -56,6 +56,11 @@ ENGINE_SCRIPT = textwrap.dedent(
     from voltserve.services.executor.request import Request
     from voltserve.shared.config import EngineConfig
     from voltserve.shared.sampling_params import SamplingParams
+
+    # The test's own helpers by name (the checkout's root stays off sys.path: tests/conftest.py)
+    import types
+    sys.modules["tests"] = types.ModuleType("tests")
+    sys.modules["tests"].__path__ = [TESTS_DIR]
     from tests.checkpoints import drive
 
     cfg = EngineConfig(model=sys.argv[1], dtype="float16", device="cuda", num_kv_blocks=128,
@@ -74,7 +79,7 @@ ENGINE_SCRIPT = textwrap.dedent(
         "tokens": [q.output_token_ids for q in reqs],
     }))
     """
-)
+).replace("TESTS_DIR", repr(str(Path(__file__).resolve().parents[1])))
 
 
 def run(script: str, cache: Path, *args: str) -> dict:
