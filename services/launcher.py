@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from voltserve.services.executor.main import memory_size
+from voltserve.services.gateway.body_limits import add_request_flags, request_flags_argv
 from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.services.gateway.web_ui import add_web_ui_flag, web_ui_flag_argv
 from voltserve.shared import startup
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    add_request_flags(p)
     add_tool_flags(p)
     add_web_ui_flag(p)
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, help="executor heartbeat, seconds")
@@ -246,6 +248,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         gw += ["--served-model-name", args.served_model_name]
     if args.api_key:
         gw += ["--api-key", args.api_key]
+    gw += request_flags_argv(args)
     gw += tool_flags_argv(args)
     gw += web_ui_flag_argv(args)
     children.append(Child("gateway", gw))

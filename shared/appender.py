@@ -26,7 +26,10 @@ class StreamAppender:
     async def xadd(self, stream: str, msg: Any, maxlen: int = WORK_MAXLEN) -> Any:
         """Append msg (trimming with MAXLEN ~); returns the entry id. Encoding errors
         (OverflowError, ValueError) raise here, before anything is queued."""
-        payload = encode(msg)
+        return await self.xadd_encoded(stream, encode(msg), maxlen)
+
+    async def xadd_encoded(self, stream: str, payload: bytes, maxlen: int = WORK_MAXLEN) -> Any:
+        """xadd of a message already encoded (a caller that looked at its size first)."""
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((stream, payload, maxlen, fut))
         if self._task is None or self._task.done():

@@ -40,6 +40,16 @@ def render_stream() -> str:
     return "vs:render"
 
 
+# A RenderRequest whose payload is larger than this (a long prompt or conversation), or that
+# carries a grammar constraint (xgrammar validates it), goes to the large queue, which renderers
+# consume beside vs:render: a small request never waits behind a large one.
+LARGE_RENDER_BYTES = 16 * 1024
+
+
+def render_large_stream() -> str:
+    return "vs:render:large"
+
+
 def sched_stream() -> str:
     return "vs:sched"
 

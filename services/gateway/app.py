@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 from voltserve.services.gateway import anthropic_errors, params, protocol_routes, routes, web_ui
 from voltserve.services.gateway.auth import check_api_key
+from voltserve.services.gateway.body_limits import check_content_length, too_large
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.state import GatewayState
 from voltserve.services.renderer.render import RenderFailed
@@ -19,8 +20,6 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10.0
 READY_CACHE_S = 1.0
-# Largest request body (aiohttp's client_max_size); past it the client gets a 413.
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @web.middleware
@@ -29,17 +28,22 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     status = 500
     try:
         check_api_key(request, gw.api_key)
+        check_content_length(request, gw.max_request_bytes)
         resp = await handler(request)
         status = 499 if request.get(routes.CLIENT_GONE) else resp.status
         return resp
     except APIError as e:
         status = e.status
-        return e.response()
+        resp = e.response()
+        if e.status == 413:
+            resp.force_close()  # the rest of the body is not read: this connection is done
+        return resp
     except web.HTTPException as e:
         status = e.status
-        if e.status == 413:
-            msg = f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes"
-            return APIError(413, msg).response()
+        if e.status == 413:  # a chunked body past the app's client_max_size
+            resp = too_large(gw.max_request_bytes).response()
+            resp.force_close()
+            return resp
         if e.status >= 400:
             return APIError(e.status, e.reason or "error").response()
         raise
@@ -113,15 +117,20 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.get("model") is not None:
         routes.check_model(gw, body)
     add_special = params.get(body, "add_special_tokens", (bool,), True)
+    # In a worker thread (the tokenizer releases the GIL), bounded by the context like a prompt:
+    # a long text is refused before it is tokenized in full.
     try:
         if "messages" in body:
-            ids = gw.renderer.tokenize_chat(
+            ids = await asyncio.to_thread(
+                gw.renderer.tokenize_chat,
                 body["messages"],
                 params.get(body, "add_generation_prompt", (bool,), True),
                 params.get(body, "chat_template_kwargs", (dict,), None),
             )
         elif isinstance(body.get("prompt"), str):
-            ids = list(gw.tokenizer.encode(body["prompt"], add_special_tokens=add_special))
+            ids = await asyncio.to_thread(
+                gw.renderer.tokenize_text, body["prompt"], add_special, "prompt"
+            )
         else:
             raise bad_request("give `prompt` (a string) or `messages`", "prompt")
     except RenderFailed as e:
@@ -136,6 +145,11 @@ async def detokenize(request: web.Request) -> web.Response:
         routes.check_model(gw, body)
     tokens = body.get("tokens")
     vocab = gw.renderer.vocab_size
+    if isinstance(tokens, list) and len(tokens) > gw.max_model_len:
+        raise bad_request(
+            f"tokens may hold at most max_model_len ({gw.max_model_len}) ids, got {len(tokens)}",
+            "tokens",
+        )
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
     ):
@@ -187,7 +201,8 @@ async def _background(app: web.Application) -> Any:
 def build_app(gw: GatewayState, web_page: bool = True) -> web.Application:
     # Anthropic's error shape on its routes is a rewrite of what `middleware` answers.
     app = web.Application(
-        middlewares=[anthropic_errors.middleware, middleware], client_max_size=MAX_BODY_BYTES
+        middlewares=[anthropic_errors.middleware, middleware],
+        client_max_size=gw.max_request_bytes,
     )
     app["gw"] = gw
     app["started"] = int(time.time())

@@ -16,9 +16,10 @@ from voltserve.services.gateway.errors import APIError
 from voltserve.services.gateway.params import GenerationSpec
 from voltserve.services.gateway.state import GatewayState
 from voltserve.services.gateway.stop import StopMatcher
+from voltserve.services.renderer.render import RenderFailed
 from voltserve.shared import streams
 from voltserve.shared.metrics import RequestTimer
-from voltserve.shared.protocol import AbortRequest, RenderRequest
+from voltserve.shared.protocol import AbortRequest, RenderRequest, encode
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,13 @@ class Generation:
 
     async def start(self) -> None:
         s = self.spec
+        if s.prompt is not None:
+            # A completion prompt that certainly cannot fit is refused here, by its length,
+            # before it travels (the renderer checks every prompt again, chats included).
+            try:
+                self.gw.renderer.check_prompt_size(s.prompt)
+            except RenderFailed as e:
+                raise APIError(e.status, e.message, param=e.param) from e
         self.handle = self.gw.dispatcher.register(self.request_id, s.n)
         msg = RenderRequest(
             request_id=self.request_id,
@@ -115,11 +123,14 @@ class Generation:
             max_tokens_explicit=s.max_tokens_explicit,
         )
         try:
-            await self.gw.appender.xadd(streams.render_stream(), msg)
+            payload = encode(msg)
         except (OverflowError, ValueError) as e:
             # msgpack refused a value the parameter checks let through (an integer past 64 bits
             # deep in messages or chat_template_kwargs): the caller's 400, and nothing was sent.
             raise APIError(400, f"the request holds a value that cannot be sent on: {e}") from e
+        large = len(payload) > streams.LARGE_RENDER_BYTES or s.params.structured is not None
+        stream = streams.render_large_stream() if large else streams.render_stream()
+        await self.gw.appender.xadd_encoded(stream, payload)
         self.started = True
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:

@@ -12,6 +12,11 @@ import uuid
 
 from aiohttp import web
 from voltserve.services.gateway.app import build_app
+from voltserve.services.gateway.body_limits import (
+    DRAIN_S,
+    add_request_flags,
+    default_max_request_bytes,
+)
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.gateway.reasoning_parsers import REASONING_PARSERS
@@ -38,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_request_flags(p)
     add_tool_flags(p)
     add_web_ui_flag(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
@@ -99,6 +105,8 @@ def build_state(args: argparse.Namespace) -> GatewayState:
         model_path=args.model,
         max_model_len=renderer.max_model_len,
         api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes
+        or default_max_request_bytes(renderer.max_model_len, renderer.span.max_token_bytes),
         metrics=GatewayMetrics(names[0], renderer.max_model_len),
         dispatcher=OutputDispatcher(redis, gateway_id),
         tooling=tooling,
@@ -113,7 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
     app = make_app(args)
     # Handlers are cancelled when the client disconnects: that is how an abort reaches the
     # engine for a request whose client went away.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, lingering_time=DRAIN_S)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -8,10 +8,16 @@ from typing import Any
 from voltserve.services.gateway.errors import bad_request
 from voltserve.services.gateway.request_fields import check_fields
 from voltserve.services.gateway.structured import parse_structured
+from voltserve.services.renderer.render import context_error
 from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+# Each stop string is matched against the held-back text on every delta (quadratic in its length).
+MAX_STOP_CHARS = 256
+# Token-id lists a request hands to every engine step of each of its choices.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 # OpenAI's completions API allows logprobs up to 5; we allow what the engine allows.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -104,6 +110,11 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
         raise bad_request(f"seed must fit in 64 bits, got {seed}", "seed")
     p.seed = seed
     stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}",
+            "stop_token_ids",
+        )
     if not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids
     ):
@@ -112,6 +123,10 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
         )
     p.stop_token_ids = list(stop_ids)
     bias = _get(body, "logit_bias", (dict,), None)
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias"
+        )
     if bias:
         parsed = {}
         for k, v in bias.items():
@@ -151,6 +166,12 @@ def _common(body: dict, kind: str, vocab_size: int) -> GenerationSpec:
     if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise bad_request(
             f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop"
+        )
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(
+            f"each stop string may be at most {MAX_STOP_CHARS} characters long, got {longest}",
+            "stop",
         )
     spec.stop = [s for s in stop if s]
     spec.skip_special_tokens = _get(body, "skip_special_tokens", (bool,), True)
@@ -204,6 +225,7 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        _check_parts(i, m.get("content"))
     spec.messages = messages
     # Without a limit a chat answer may fill the rest of the context (the renderer clamps it).
     _max_tokens(body, spec, ("max_completion_tokens", "max_tokens"), max_model_len)
@@ -224,12 +246,34 @@ def parse_chat(body: dict, vocab_size: int, max_model_len: int) -> GenerationSpe
     return _validate(spec)
 
 
-def parse_completion(body: dict, vocab_size: int) -> GenerationSpec:
+def _check_parts(i: int, content: Any) -> None:
+    """Only text content parts are served: an image, audio or file part is refused here, by
+    name, before the request travels (the renderer refuses it too)."""
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"of type {kind!r}" if isinstance(kind, str) else "not a text part"
+            raise bad_request(
+                f"messages[{i}].content[{j}] is {what}: only text content parts are supported",
+                "messages",
+            )
+
+
+def parse_completion(
+    body: dict, vocab_size: int, max_model_len: int | None = None
+) -> GenerationSpec:
     spec = _common(body, "completion", vocab_size)
     prompt = body.get("prompt")
     # A batch of one is the same as one prompt.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    ids_like = isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))
+    if ids_like and max_model_len is not None and len(prompt) >= max_model_len:
+        # Its length is its token count: refused before the checks that walk the list.
+        e = context_error(max_model_len, len(prompt), "prompt")
+        raise bad_request(e.message, e.param)
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")

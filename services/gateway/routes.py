@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 from voltserve.services.gateway import sse
+from voltserve.services.gateway.body_limits import MAX_JSON_DEPTH, check_depth
 from voltserve.services.gateway.detokenizer import token_text
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.generate import ChoiceUpdate, Generation, PromptInfo, TokenInfo
@@ -29,8 +30,13 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise bad_request(
+            f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_depth(raw, body)
     # JSON may escape half of a surrogate pair ("\ud800"); no tokenizer or encoder takes that.
     # Only a body holding such an escape needs the walk.
     if b"\\ud" in raw.lower() and _has_lone_surrogate(body):
@@ -148,7 +154,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gw: GatewayState = request.app["gw"]
     body = await read_json(request)
     model = check_model(gw, body)
-    spec = parse_completion(body, gw.renderer.vocab_size)
+    spec = parse_completion(body, gw.renderer.vocab_size, gw.max_model_len)
     return await _serve(request, gw, spec, model, chat=False)
 
 

@@ -22,6 +22,7 @@ class GatewayState:
     model_path: str
     max_model_len: int
     api_key: str | None
+    max_request_bytes: int  # --max-request-bytes or its default (body_limits.py)
     metrics: GatewayMetrics
     dispatcher: OutputDispatcher
     background: set[asyncio.Task] = field(default_factory=set)

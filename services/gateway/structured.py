@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from voltserve.services.gateway.errors import bad_request
+from voltserve.services.gateway.body_limits import MAX_JSON_DEPTH, nests_deeper
+from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.shared.structured import check_shape
 
 # structured_outputs key -> constraint type.
@@ -51,10 +52,31 @@ def _schema_text(v: Any, param: str) -> str:
             parsed = json.loads(v)
         except ValueError as e:
             raise bad_request(f"{param} is not valid JSON: {e}", param) from e
+        except RecursionError:
+            raise _too_deep(param) from None
+        if nests_deeper(parsed, MAX_JSON_DEPTH):
+            raise _too_deep(param)
         if not isinstance(parsed, (dict, bool)):
             raise bad_request(f"{param} must be a JSON schema object", param)
         return v
     raise bad_request(f"{param} must be a JSON schema object", param)
+
+
+def _too_deep(param: str) -> APIError:
+    # A JSON document given as a string is held to the body's nesting bound: a schema's depth
+    # decides how long its grammar takes to build.
+    return bad_request(f"{param} is nested more than {MAX_JSON_DEPTH} levels deep", param)
+
+
+def _check_tag_nesting(v: str, param: str) -> None:
+    try:
+        deep = nests_deeper(json.loads(v), MAX_JSON_DEPTH)
+    except ValueError:
+        return  # the renderer names what is wrong with it
+    except RecursionError:
+        deep = True
+    if deep:
+        raise _too_deep(param)
 
 
 def _value(t: str, v: Any, param: str) -> dict[str, Any]:
@@ -63,6 +85,8 @@ def _value(t: str, v: Any, param: str) -> dict[str, Any]:
     elif t == "structural_tag":
         if isinstance(v, dict):
             v = json.dumps(v)
+        elif isinstance(v, str):
+            _check_tag_nesting(v, param)
         c = {"type": t, "value": v}
     else:
         c = {"type": t, "value": v}

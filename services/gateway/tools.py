@@ -27,6 +27,9 @@ from voltserve.services.gateway.tool_parsers.base import new_call_id
 from voltserve.services.gateway.tool_parsers.json_scan import skip_ws, value_end
 from voltserve.shared.sampling_params import SamplingParams
 
+# OpenAI's bound. The template writes every tool into the prompt (counted against the context)
+# and tool_choice required builds a grammar over all of them.
+MAX_TOOLS = 128
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 # The structured-output engine's fields (SamplingParams.structured / structured_after).
 HAS_STRUCTURED = "structured" in _PARAM_FIELDS
@@ -89,6 +92,10 @@ class ChatPlan:
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or not tools:
         raise bad_request("tools must be a non-empty array", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(
+            f"tools may hold at most {MAX_TOOLS} functions, got {len(tools)}", "tools"
+        )
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise bad_request(f"tools[{i}] must be an object of type 'function'", "tools")

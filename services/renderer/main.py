@@ -1,4 +1,12 @@
-"""`voltserve renderer`: a consumer of vs:render (any number of replicas share the group)."""
+"""`voltserve renderer`: a consumer of vs:render and vs:render:large (any number of replicas share
+the groups).
+
+The two queues are consumed side by side, each by its own loop and worker thread: a request on
+vs:render (the gateway puts there those with a small payload and no grammar to build) never waits
+for one on vs:render:large, which holds long prompts and grammar constraints and is taken one
+request at a time. Each of those is bounded: a prompt that cannot fit is refused after at most
+about max_model_len tokens of tokenization (render.Renderer.check_text_length), one that fits is
+tokenized in full, and the tokenizer releases the GIL while it works."""
 
 from __future__ import annotations
 
@@ -27,9 +35,10 @@ def done_key(request_id: str) -> str:
 
 
 class RendererService:
-    def __init__(self, redis: Any, renderer: Renderer) -> None:
+    def __init__(self, redis: Any, renderer: Renderer, stream: str | None = None) -> None:
         self.redis = redis
         self.renderer = renderer
+        self.stream = stream or streams.render_stream()
         # The batch being handled: (stream, message, maxlen) hand-offs and the ids they finish,
         # written by after_batch in one round trip.
         self.handoffs: list[tuple[str, Any, int]] = []
@@ -47,7 +56,7 @@ class RendererService:
             if isinstance(msg, RenderRequest):
                 reqs.append(msg)
             else:
-                logger.warning("unexpected %s on %s", type(msg).__name__, streams.render_stream())
+                logger.warning("unexpected %s on %s", type(msg).__name__, self.stream)
         if not reqs:
             return
         async with self.redis.pipeline(transaction=False) as p:
@@ -107,27 +116,39 @@ async def serve(args: argparse.Namespace) -> None:
     with startup.fatal_errors("renderer", also=(OSError,)):
         renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
     redis = streams.connect(args.redis_url)
-    service = RendererService(redis, renderer)
     startup.freeze_heap()
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    logger.info("renderer %s consuming %s", consumer, streams.render_stream())
+    # (stream, requests per read): the large queue's requests go one at a time, so that each
+    # replica takes one and the others stay for the next free replica.
+    lanes = [(streams.render_stream(), 64), (streams.render_large_stream(), 1)]
+    logger.info("renderer %s consuming %s", consumer, ", ".join(s for s, _ in lanes))
     try:
-        await streams.consume(
-            redis,
-            streams.render_stream(),
-            streams.RENDER_GROUP,
-            consumer,
-            service.handle_batch,
-            stop=stop,
-            after_batch=service.after_batch,
-            batch=True,
+        await asyncio.gather(
+            *(_consume(redis, renderer, consumer, stream, count, stop) for stream, count in lanes)
         )
     finally:
         await redis.aclose()
+
+
+async def _consume(
+    redis: Any, renderer: Renderer, consumer: str, stream: str, count: int, stop: asyncio.Event
+) -> None:
+    service = RendererService(redis, renderer, stream)
+    await streams.consume(
+        redis,
+        stream,
+        streams.RENDER_GROUP,
+        consumer,
+        service.handle_batch,
+        stop=stop,
+        count=count,
+        after_batch=service.after_batch,
+        batch=True,
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -3,7 +3,8 @@ eos ids. Pure (no Redis) so it can be tested and reused by the gateway's /tokeni
 
 Context length follows vLLM: a prompt of max_model_len tokens or more is rejected; a max_tokens the
 client gave that does not fit (prompt + max_tokens > max_model_len) is rejected, naming both
-lengths; a max_tokens the client did not give is lowered to the remaining context.
+lengths; a max_tokens the client did not give is lowered to the remaining context. A prompt that
+certainly cannot fit is rejected before it is tokenized in full (prompt_length.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError, from_tokenizer
+from voltserve.services.renderer.prompt_length import PIECE_CHARS, tokens_at_least, tokens_by_length
+from voltserve.services.renderer.token_span import TokenSpan, token_span
 from voltserve.shared import gguf_files
 from voltserve.shared.gguf_files import is_gguf
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
@@ -87,6 +90,18 @@ class RenderFailed(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+def context_error(limit: int, n_prompt: int, where: str, at_least: bool = False) -> RenderFailed:
+    """vLLM's message for a prompt of `limit` tokens or more (`at_least`: counted until past the
+    limit, not to its end)."""
+    has = f"at least {n_prompt}" if at_least else str(n_prompt)
+    return RenderFailed(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, your request has "
+        f"{has} input tokens. Please reduce the length of the {where}.",
+        where,
+    )
+
+
 class Renderer:
     def __init__(
         self,
@@ -102,6 +117,7 @@ class Renderer:
         self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         self.template: ChatTemplate | None = from_tokenizer(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
+        self.span: TokenSpan = token_span(self.tokenizer)
 
     # ---- prompt -> token ids ---------------------------------------------------------------
 
@@ -137,12 +153,53 @@ class Renderer:
     ) -> list[int]:
         text = self.chat_prompt(messages, add_generation_prompt, kwargs)
         # The template already wrote the special tokens (bos, role markers).
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenize_text(text, False, "messages")
+
+    def tokenize_text(self, text: str, add_special_tokens: bool, where: str) -> list[int]:
+        """text's token ids; RenderFailed (400) when it holds max_model_len tokens or more, found
+        before it is tokenized in full when it is far longer."""
+        self.check_text_length(text, where)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(ids) >= self.max_model_len:
+            raise context_error(self.max_model_len, len(ids), where)
+        return ids
+
+    def check_text_length(self, text: str, where: str) -> None:
+        """RenderFailed (400) when text certainly holds max_model_len tokens or more: by its
+        character count alone, else by counting its tokens in pieces up to the limit (a text
+        of at most PIECE_CHARS characters is left to the one tokenization that follows)."""
+        limit = self.max_model_len
+        at_least = tokens_by_length(len(text), self.span.chars_per_token)
+        if at_least >= limit:
+            raise context_error(limit, at_least, where, at_least=True)
+        if len(text) > PIECE_CHARS:
+            counted = tokens_at_least(self._count_piece, text, limit)
+            if counted is not None:
+                raise context_error(limit, counted, where, at_least=True)
+
+    def check_prompt_size(self, prompt: str | list[int]) -> None:
+        """The checks of a completion prompt that cost no tokenization (the gateway's, before
+        the prompt travels): a list of ids as long as the context, a text too many characters
+        long for it. RenderFailed (400)."""
+        if isinstance(prompt, str):
+            n, at_least = tokens_by_length(len(prompt), self.span.chars_per_token), True
+        else:
+            n, at_least = len(prompt), False
+        if n >= self.max_model_len:
+            raise context_error(self.max_model_len, n, "prompt", at_least)
+
+    def _count_piece(self, piece: str) -> int:
+        return len(self.tokenizer.encode(piece, add_special_tokens=False))
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         """A completion prompt given as token ids, checked against the vocabulary (text prompts
         are tokenized a batch at a time by render_many)."""
-        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        if not isinstance(prompt, list):
+            raise RenderFailed(400, "prompt must be a string or a list of token ids", "prompt")
+        if len(prompt) >= self.max_model_len:
+            # Before the checks that walk the list: its length is its token count.
+            raise context_error(self.max_model_len, len(prompt), "prompt")
+        if not all(isinstance(t, int) for t in prompt):
             raise RenderFailed(400, "prompt must be a string or a list of token ids", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
@@ -200,11 +257,13 @@ class Renderer:
             text = self.chat_prompt(
                 req.messages or [], req.add_generation_prompt, req.chat_template_kwargs
             )
+            self.check_text_length(text, "messages")
             # The template already wrote the special tokens (bos, role markers).
             return _Staged("messages", text=text, special=False)
         if req.kind == "completion":
             prompt = req.prompt if req.prompt is not None else ""
             if isinstance(prompt, str):
+                self.check_text_length(prompt, "prompt")
                 return _Staged("prompt", text=prompt, special=True)
             return _Staged("prompt", ids=self.prompt_ids(prompt))
         raise RenderFailed(400, f"unknown request kind {req.kind!r}")
@@ -263,12 +322,7 @@ class Renderer:
     ) -> None:
         limit = self.max_model_len
         if n_prompt >= limit:
-            raise RenderFailed(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {n_prompt} input tokens. Please reduce the length of the {where}.",
-                where,
-            )
+            raise context_error(limit, n_prompt, where)
         room = limit - n_prompt
         if params.max_tokens > room:
             if explicit:
