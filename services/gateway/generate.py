@@ -3,6 +3,7 @@ deltas into text deltas per choice (detokenizer + stop strings), abort what is n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -102,12 +103,7 @@ class Generation:
     async def start(self) -> None:
         s = self.spec
         if s.prompt is not None:
-            # A completion prompt that certainly cannot fit is refused here, by its length,
-            # before it travels (the renderer checks every prompt again, chats included).
-            try:
-                self.gw.renderer.check_prompt_size(s.prompt)
-            except RenderFailed as e:
-                raise APIError(e.status, e.message, param=e.param) from e
+            await self._check_prompt(s.prompt)
         self.handle = self.gw.dispatcher.register(self.request_id, s.n)
         msg = RenderRequest(
             request_id=self.request_id,
@@ -132,6 +128,18 @@ class Generation:
         stream = streams.render_large_stream() if large else streams.render_stream()
         await self.gw.appender.xadd_encoded(stream, payload)
         self.started = True
+
+    async def _check_prompt(self, prompt: str | list[int]) -> None:
+        """A completion prompt that certainly cannot fit is refused here, before it travels: by
+        its length, and one far longer than the context needs is counted in pieces in a worker
+        thread (the renderer checks every prompt again, chats included)."""
+        r = self.gw.renderer
+        try:
+            r.check_prompt_size(prompt)
+            if isinstance(prompt, str) and r.worth_counting_early(prompt):
+                await asyncio.to_thread(r.check_text_length, prompt, "prompt")
+        except RenderFailed as e:
+            raise APIError(e.status, e.message, param=e.param) from e
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yield text deltas until every choice finished. Raises APIError on a request error.

@@ -35,14 +35,24 @@ def done_key(request_id: str) -> str:
 
 
 class RendererService:
-    def __init__(self, redis: Any, renderer: Renderer, stream: str | None = None) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        renderer: Renderer,
+        stream: str | None = None,
+        delete_handled: bool = False,
+    ) -> None:
         self.redis = redis
         self.renderer = renderer
         self.stream = stream or streams.render_stream()
+        # Delete each entry once handled (the large queue: its payloads may be megabytes, and
+        # the stream would otherwise keep them until trimmed).
+        self.delete_handled = delete_handled
         # The batch being handled: (stream, message, maxlen) hand-offs and the ids they finish,
-        # written by after_batch in one round trip.
+        # written by after_batch in one round trip, and the stream entries to delete.
         self.handoffs: list[tuple[str, Any, int]] = []
         self.rendered: list[str] = []
+        self.entries: list[bytes] = []
 
     async def handle_batch(self, items: list[tuple[bytes, Any]]) -> None:
         """One read's requests: one round trip to skip redeliveries, then one worker thread
@@ -57,8 +67,12 @@ class RendererService:
                 reqs.append(msg)
             else:
                 logger.warning("unexpected %s on %s", type(msg).__name__, self.stream)
-        if not reqs:
-            return
+        if reqs:
+            await self._render(reqs)
+        if self.delete_handled:  # only once handled: a failure above leaves them for redelivery
+            self.entries.extend(msg_id for msg_id, _ in items)
+
+    async def _render(self, reqs: list[RenderRequest]) -> None:
         async with self.redis.pipeline(transaction=False) as p:
             for msg in reqs:
                 p.exists(done_key(msg.request_id))
@@ -86,16 +100,19 @@ class RendererService:
     async def after_batch(self) -> None:
         """The batch's hand-offs and done marks in one round trip, before the batch is acked.
         The marks go after the appends: a crash between them redelivers the requests, which
-        the scheduler recognises by their ids."""
-        if not self.rendered:
+        the scheduler recognises by their ids. Deleted entries go last: one redelivered after
+        that comes back empty and is skipped, its hand-off made."""
+        if not self.rendered and not self.entries:
             return
-        handoffs, rendered = self.handoffs, self.rendered
-        self.handoffs, self.rendered = [], []
+        handoffs, rendered, entries = self.handoffs, self.rendered, self.entries
+        self.handoffs, self.rendered, self.entries = [], [], []
         async with self.redis.pipeline(transaction=False) as p:
             for stream, m, maxlen in handoffs:
                 await streams.xadd(p, stream, m, maxlen=maxlen)
             for request_id in rendered:
                 p.set(done_key(request_id), b"1", ex=DONE_TTL_S)
+            if entries:
+                p.xdel(self.stream, *entries)
             await p.execute()
 
 
@@ -122,33 +139,31 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # (stream, requests per read): the large queue's requests go one at a time, so that each
-    # replica takes one and the others stay for the next free replica.
-    lanes = [(streams.render_stream(), 64), (streams.render_large_stream(), 1)]
-    logger.info("renderer %s consuming %s", consumer, ", ".join(s for s, _ in lanes))
+    # The large queue's requests go one at a time (each replica takes one, the others wait for
+    # the next free replica) and leave the stream once handled.
+    small = RendererService(redis, renderer, streams.render_stream())
+    large = RendererService(redis, renderer, streams.render_large_stream(), delete_handled=True)
+    lanes = [(small, 64), (large, 1)]
+    logger.info("renderer %s consuming %s", consumer, ", ".join(s.stream for s, _ in lanes))
     try:
         await asyncio.gather(
-            *(_consume(redis, renderer, consumer, stream, count, stop) for stream, count in lanes)
+            *(
+                streams.consume(
+                    redis,
+                    service.stream,
+                    streams.RENDER_GROUP,
+                    consumer,
+                    service.handle_batch,
+                    stop=stop,
+                    count=count,
+                    after_batch=service.after_batch,
+                    batch=True,
+                )
+                for service, count in lanes
+            )
         )
     finally:
         await redis.aclose()
-
-
-async def _consume(
-    redis: Any, renderer: Renderer, consumer: str, stream: str, count: int, stop: asyncio.Event
-) -> None:
-    service = RendererService(redis, renderer, stream)
-    await streams.consume(
-        redis,
-        stream,
-        streams.RENDER_GROUP,
-        consumer,
-        service.handle_batch,
-        stop=stop,
-        count=count,
-        after_batch=service.after_batch,
-        batch=True,
-    )
 
 
 def main(argv: list[str]) -> None:

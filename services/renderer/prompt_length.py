@@ -25,6 +25,9 @@ PIECE_CHARS = 1 << 16
 # Where no word start is near the end of a piece, it is cut at its length.
 _CUT_SEARCH_CHARS = 4096
 CUT_SLACK_TOKENS = 8
+# Natural text averages 1-5 characters a token. A prompt of more characters than this many per
+# token of the context is most likely too long: the gateway counts it before it travels.
+EARLY_COUNT_CHARS_PER_TOKEN = 8
 
 
 def tokens_by_length(n_chars: int, chars_per_token: int | None) -> int:

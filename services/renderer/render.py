@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from voltserve.services.renderer.chat_template import ChatTemplate, TemplateError, from_tokenizer
-from voltserve.services.renderer.prompt_length import PIECE_CHARS, tokens_at_least, tokens_by_length
+from voltserve.services.renderer.prompt_length import (
+    EARLY_COUNT_CHARS_PER_TOKEN,
+    PIECE_CHARS,
+    tokens_at_least,
+    tokens_by_length,
+)
 from voltserve.services.renderer.token_span import TokenSpan, token_span
 from voltserve.shared import gguf_files
 from voltserve.shared.gguf_files import is_gguf
@@ -187,6 +192,11 @@ class Renderer:
             n, at_least = len(prompt), False
         if n >= self.max_model_len:
             raise context_error(self.max_model_len, n, "prompt", at_least)
+
+    def worth_counting_early(self, text: str) -> bool:
+        """Whether a text is so long for the context that it is most likely refused: the gateway
+        then runs check_text_length (in a worker thread) before the text travels."""
+        return len(text) > max(PIECE_CHARS, EARLY_COUNT_CHARS_PER_TOKEN * self.max_model_len)
 
     def _count_piece(self, piece: str) -> int:
         return len(self.tokenizer.encode(piece, add_special_tokens=False))

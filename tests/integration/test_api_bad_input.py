@@ -17,8 +17,16 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from voltserve.services.gateway.app import MAX_BODY_BYTES
-from voltserve.services.gateway.params import MAX_N, MAX_STOP_STRINGS
+from voltserve.services.gateway.body_limits import MAX_JSON_DEPTH, default_max_request_bytes
+from voltserve.services.gateway.params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from voltserve.services.gateway.tools import MAX_TOOLS
+from voltserve.services.renderer.render import Renderer
 
 MODEL = "tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -119,11 +127,22 @@ async def test_lone_surrogate_is_400_and_pairs_work(http) -> None:
     assert status == 200, body
 
 
-async def test_body_over_the_size_limit_is_413(http) -> None:
-    raw = json.dumps(cmp(prompt="a" * (MAX_BODY_BYTES + random.randint(1, 4096)))).encode()
-    status, body = await call(http, "/v1/completions", raw=raw)
-    check_error(status, body, 413, None)
-    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+async def test_body_over_the_size_limit_is_413(stack, http) -> None:
+    r = Renderer(stack.model)
+    limit = default_max_request_bytes(r.max_model_len, r.span.max_token_bytes)
+    raw = json.dumps(cmp(prompt="a" * (limit + random.randint(1, 4096)))).encode()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/nope"):
+        status, body = await call(http, path, raw=raw)
+        check_error(status, body, 413, None)
+        assert str(limit) in body["error"]["message"]
+
+
+async def test_nesting_past_the_parser_is_400(rng, http) -> None:
+    depth = rng.randint(1000, 50_000)  # past Python's recursion limit: was a 500
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        status, body = await call(http, path, raw=b'{"x": ' + b"[" * depth + b"]" * depth + b"}")
+        check_error(status, body, 400, None, path)
+        assert "nested" in body["error"]["message"]
 
 
 async def test_methods_and_unknown_routes(http) -> None:
@@ -241,6 +260,19 @@ async def test_ranges(rng, http, vocab: int) -> None:
         (chat(tool_choice="required"), "tool_choice"),
         (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
         (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+        # Oversized: each bounded before any work is done for it.
+        (cmp(logit_bias={str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}), "logit_bias"),
+        (cmp(stop=["x" * (MAX_STOP_CHARS + rng.randint(1, 9999))]), "stop"),
+        (cmp(stop_token_ids=[0] * (MAX_STOP_TOKEN_IDS + rng.randint(1, 99))), "stop_token_ids"),
+        (cmp(prompt=[0] * rng.randint(512, 5000)), "prompt"),  # past the tiny model's context
+        (chat(tools=[_TOOL] * (MAX_TOOLS + rng.randint(1, 99))), "tools"),
+        (
+            chat(chat_template_kwargs=_nested(MAX_JSON_DEPTH + rng.randint(0, 99))),
+            "chat_template_kwargs",
+        ),
+        (cmp(guided_json=json.dumps(_nested(MAX_JSON_DEPTH + rng.randint(0, 99)))), "guided_json"),
+        (chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "messages"),
+        (chat(messages=[{"role": "user", "content": [{"type": "file", "file": {}}]}]), "messages"),
     ]
     for body, param in cases:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -251,6 +283,21 @@ async def test_ranges(rng, http, vocab: int) -> None:
         raw = ('{"model":"tiny","prompt":"hi","temperature":' + v + "}").encode()
         status, err = await call(http, "/v1/completions", raw=raw)
         check_error(status, err, 400, "temperature", v)
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    x: Any = 1
+    for i in range(depth):
+        x = [x] if i % 2 else {"k": x}
+    return {"x": x}
+
+
+async def test_detokenize_takes_at_most_the_context(rng, http) -> None:
+    status, body = await call(http, "/detokenize", {"tokens": [0] * rng.randint(513, 10_000)})
+    check_error(status, body, 400, "tokens")
 
 
 # ---- prompts and messages -------------------------------------------------------------------

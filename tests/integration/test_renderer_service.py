@@ -53,3 +53,30 @@ async def test_handle_batch_renders_in_order_skips_done_and_reports_bad(redis_ur
     for i, m in enumerate(reqs):
         assert await r.exists(done_key(m.request_id)) == 1, i
     await r.aclose()
+
+
+async def test_large_queue_entries_leave_the_stream_once_handed_on(redis_url, rng):
+    """The large queue's payloads (long prompts) are deleted from the stream in the round trip
+    that hands them on, not kept until the stream is trimmed."""
+    r = streams.connect(redis_url)
+    renderer = Renderer(str(checkpoint("qwen2")))
+    large = streams.render_large_stream()
+    svc = RendererService(r, renderer, large, delete_handled=True)
+    reqs = [
+        RenderRequest(
+            request_id=f"big{i}",
+            gateway_id="gw2",
+            kind="completion",
+            prompt=" ".join(rng.choice(["sun", "dog", "sea"]) for _ in range(rng.randint(1, 90))),
+            sampling={"max_tokens": 2},
+        )
+        for i in range(rng.randint(1, 6))
+    ]
+    ids = [await streams.xadd(r, large, m) for m in reqs]
+    await svc.handle_batch(list(zip(ids, reqs, strict=True)))
+    assert await r.xlen(large) == len(reqs)  # until after_batch
+    await svc.after_batch()
+    assert await r.xlen(large) == 0
+    handed = [streams.decode_fields(f) for _, f in await r.xrange(streams.sched_stream())]
+    assert [e.request_id for e in handed][-len(reqs) :] == [f"{m.request_id}.0" for m in reqs]
+    await r.aclose()
