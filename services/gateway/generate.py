@@ -102,8 +102,7 @@ class Generation:
 
     async def start(self) -> None:
         s = self.spec
-        if s.prompt is not None:
-            await self._check_prompt(s.prompt)
+        await self._check_prompt()
         self.handle = self.gw.dispatcher.register(self.request_id, s.n)
         msg = RenderRequest(
             request_id=self.request_id,
@@ -129,15 +128,23 @@ class Generation:
         await self.gw.appender.xadd_encoded(stream, payload)
         self.started = True
 
-    async def _check_prompt(self, prompt: str | list[int]) -> None:
-        """A completion prompt that certainly cannot fit is refused here, before it travels: by
-        its length, and one far longer than the context needs is counted in pieces in a worker
-        thread (the renderer checks every prompt again, chats included)."""
-        r = self.gw.renderer
+    async def _check_prompt(self) -> None:
+        """A prompt that certainly cannot fit is refused here, before it travels: a completion
+        prompt by its length, and a prompt or conversation far longer than the context needs
+        is counted in pieces in a worker thread (the renderer checks every prompt again)."""
+        s, r = self.spec, self.gw.renderer
         try:
-            r.check_prompt_size(prompt)
-            if isinstance(prompt, str) and r.worth_counting_early(prompt):
-                await asyncio.to_thread(r.check_text_length, prompt, "prompt")
+            if s.prompt is not None:
+                r.check_prompt_size(s.prompt)
+                if isinstance(s.prompt, str) and r.worth_counting_early(len(s.prompt)):
+                    await asyncio.to_thread(r.check_text_length, s.prompt, "prompt")
+            elif s.messages is not None and r.worth_counting_early(_content_chars(s.messages)):
+                await asyncio.to_thread(
+                    r.check_chat_length,
+                    s.messages,
+                    s.add_generation_prompt,
+                    s.chat_template_kwargs,
+                )
         except RenderFailed as e:
             raise APIError(e.status, e.message, param=e.param) from e
 
@@ -277,6 +284,19 @@ class Generation:
             for st in self.choices:
                 self._count(st, "abort")
         self.handle = None
+
+
+def _content_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of a conversation's text content (what its template writes at least
+    once in most templates: an estimate, not a bound)."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p.get("text"), str))
+    return n
 
 
 def _prompt_info(d: Any) -> PromptInfo:

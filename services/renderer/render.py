@@ -193,10 +193,20 @@ class Renderer:
         if n >= self.max_model_len:
             raise context_error(self.max_model_len, n, "prompt", at_least)
 
-    def worth_counting_early(self, text: str) -> bool:
-        """Whether a text is so long for the context that it is most likely refused: the gateway
-        then runs check_text_length (in a worker thread) before the text travels."""
-        return len(text) > max(PIECE_CHARS, EARLY_COUNT_CHARS_PER_TOKEN * self.max_model_len)
+    def worth_counting_early(self, n_chars: int) -> bool:
+        """Whether a prompt of n_chars characters is so long for the context that it is most
+        likely refused: the gateway then checks it (in a worker thread) before it travels."""
+        return n_chars > max(PIECE_CHARS, EARLY_COUNT_CHARS_PER_TOKEN * self.max_model_len)
+
+    def check_chat_length(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """check_text_length of the conversation as the template writes it."""
+        text = self.chat_prompt(messages, add_generation_prompt, kwargs)
+        self.check_text_length(text, "messages")
 
     def _count_piece(self, piece: str) -> int:
         return len(self.tokenizer.encode(piece, add_special_tokens=False))
