@@ -3,6 +3,7 @@ a msgpack map of its fields plus "t", the message type. Token ids travel as list
 
 Streams (see docs/architecture.md):
   vs:render          RenderRequest                     gateway  -> renderer (group)
+  vs:render:large    RenderRequest (large, or grammar) gateway  -> renderer (group)
   vs:sched           EngineRequest | AbortRequest      renderer/gateway -> scheduler (group)
   vs:exec:{id}       EngineRequest | AbortRequest      scheduler -> executor (group)
   vs:gw:{id}         StepOutput | RequestError         executor/renderer/scheduler -> gateway
