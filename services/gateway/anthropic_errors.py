@@ -52,4 +52,7 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         message, param = err["message"], err.get("param")
     except (ValueError, KeyError, TypeError):
         return resp
-    return web.json_response(error_body(resp.status, message, param), status=resp.status)
+    out = web.json_response(error_body(resp.status, message, param), status=resp.status)
+    if resp.keep_alive is False:  # a 413: its body was left unread, the connection is done
+        out.force_close()
+    return out

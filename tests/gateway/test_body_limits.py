@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-from checkpoints import checkpoint
 from voltserve.services import launcher
 from voltserve.services.gateway import main as gateway_main
 from voltserve.services.gateway.body_limits import (
@@ -20,6 +19,8 @@ from voltserve.services.gateway.body_limits import (
 )
 from voltserve.services.gateway.errors import APIError
 from voltserve.services.renderer.render import Renderer
+
+from tests.checkpoints import checkpoint
 
 
 def nested(depth: int, rng: random.Random) -> object:

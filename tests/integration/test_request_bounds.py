@@ -28,7 +28,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from checkpoints import tokenizer as ckpt_tokenizer
 from voltserve.services.gateway.body_limits import (
     DRAIN_S,
     MAX_JSON_DEPTH,
@@ -43,6 +42,8 @@ from voltserve.services.gateway.params import (
 )
 from voltserve.services.gateway.tools import MAX_TOOLS
 from voltserve.services.renderer.render import Renderer
+
+from tests.checkpoints import tokenizer as ckpt_tokenizer
 
 from .conftest import Stack
 
@@ -177,10 +178,15 @@ async def test_body_past_the_limit_is_413_unread_and_not_held(stack, rng) -> Non
         assert headers.get("Connection", "").lower() == "close"
         # 60 MB of short words: refused in well under the old two minutes.
         huge = json.dumps({"model": MODEL, "prompt": words(rng, 60 * MB)}).encode()
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-            status, out, took, _ = await post(http, path, huge)
+        paths = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"]
+        for path in paths + ["/tokenize", "/detokenize"]:
+            status, out, took, headers = await post(http, path, huge)
             print(f"{path}: 60 MB body refused in {took:.2f} s")
-            error(status, out, 413)
+            if path == "/v1/messages":  # Anthropic's error shape
+                assert status == 413 and out["error"]["type"] == "request_too_large", out
+            else:
+                error(status, out, 413)
+            assert headers.get("Connection", "").lower() == "close"
             assert took < REFUSE_S, took
 
         # Chunked (no Content-Length): read up to the limit, no further.

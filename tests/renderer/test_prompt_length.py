@@ -11,7 +11,6 @@ import time
 import unicodedata
 
 import pytest
-from checkpoints import checkpoint
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from voltserve.services.executor.demo_model import build_tokenizer
@@ -24,6 +23,8 @@ from voltserve.services.renderer.prompt_length import (
 from voltserve.services.renderer.render import Renderer, RenderFailed
 from voltserve.services.renderer.token_span import MAX_COMPOSED, token_span
 from voltserve.shared.protocol import RenderRequest
+
+from tests.checkpoints import checkpoint
 
 # Characters that stress a tokenizer's spans: combining marks (NFC composes them), CJK, emoji
 # (4-byte UTF-8, split over byte tokens), whitespace runs, digits, the special tokens' text.
