@@ -131,7 +131,8 @@ async def test_body_over_the_size_limit_is_413(stack, http) -> None:
     r = Renderer(stack.model)
     limit = default_max_request_bytes(r.max_model_len, r.span.max_token_bytes)
     raw = json.dumps(cmp(prompt="a" * (limit + random.randint(1, 4096)))).encode()
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/nope"):
+    paths = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"]
+    for path in paths + ["/detokenize", "/v1/nope"]:
         status, body = await call(http, path, raw=raw)
         check_error(status, body, 413, None)
         assert str(limit) in body["error"]["message"]
