@@ -154,9 +154,12 @@ async def test_methods_and_unknown_routes(http) -> None:
             assert set(body["error"]) == ERROR_KEYS
         status, body = await call(http, path, method="HEAD")
         assert status == 405 and body == ""  # HEAD answers carry no body
-    for path in ("/v1/nope", "/v1/embeddings", "/", "/v1/completions/"):
+    for path in ("/v1/nope", "/v1/embeddings", "/v1/completions/"):
         status, body = await call(http, path, {"model": MODEL})
         check_error(status, body, 404, None, path)
+    # `/` is the chat page: GET only.
+    status, body = await call(http, "/", {"model": MODEL})
+    assert status == 405 and set(body["error"]) == ERROR_KEYS, body
 
 
 # ---- parameter types and ranges -------------------------------------------------------------
