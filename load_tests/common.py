@@ -96,6 +96,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Qwen2.5-7B's shape: a 152,064-token vocabulary (padded past the tokenizer's 151,665),
+    # intermediate 18,944 (148 groups of 128), 28 heads over 4 KV heads of 128, qkv bias.
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
     "tiny": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
@@ -115,12 +133,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_hf_config(preset: str, dtype: torch.dtype = torch.float16):
+def make_hf_config(preset: str, dtype: torch.dtype = torch.float16, **overrides: Any):
+    """The transformers config of a preset; overrides replace its fields (e.g.
+    num_hidden_layers=2: the preset's widths with fewer layers)."""
     from transformers import AutoConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    kw = dict(PRESETS[preset])
+    kw = dict(PRESETS[preset]) | overrides
     model_type = kw.pop("model_type")
     config = AutoConfig.for_model(model_type, **kw)
     config.dtype = dtype
@@ -363,17 +383,21 @@ def write_random_checkpoint(
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
     shard_bytes: int = 4 << 30,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a Hugging Face folder (config, generation config, safetensors shards, tokenizer) with
     random weights of a preset's shape. Tensors are drawn on `device` (fast on a GPU) and saved
-    shard by shard, so host memory holds one shard at a time. Llama-3-8B: ~16 GB on disk."""
+    shard by shard, so host memory holds one shard at a time. Llama-3-8B: ~16 GB on disk.
+    overrides: config fields that replace the preset's (make_hf_config), recorded in the marker
+    so that checkpoint_matches tells the two apart."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = resolve_device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = make_hf_config(preset, dtype)
+    overrides = dict(overrides or {})
+    config = make_hf_config(preset, dtype, **overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -416,7 +440,10 @@ def write_random_checkpoint(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
     ).save_pretrained(out)
     write_synthetic_tokenizer(out, config.vocab_size, config.bos_token_id, config.eos_token_id)
-    (out / "voltserve_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    marker = {"preset": preset, "seed": seed}
+    if overrides:
+        marker["overrides"] = overrides
+    (out / "voltserve_preset.json").write_text(json.dumps(marker))
     return out
 
 
@@ -484,12 +511,14 @@ def checkpoint_read_bytes(path: Path) -> dict[str, int]:
     return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
 
 
-def checkpoint_matches(path: Path, preset: str) -> bool:
-    """True when `path` holds a checkpoint written by write_random_checkpoint for `preset`."""
+def checkpoint_matches(path: Path, preset: str, overrides: dict[str, Any] | None = None) -> bool:
+    """True when `path` holds a checkpoint written by write_random_checkpoint for `preset` with
+    exactly these config overrides (none: the preset as it is)."""
     marker = path / "voltserve_preset.json"
     if not (path / "config.json").exists() or not marker.exists():
         return False
-    return json.loads(marker.read_text()).get("preset") == preset
+    m = json.loads(marker.read_text())
+    return m.get("preset") == preset and m.get("overrides", {}) == (overrides or {})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Block layouts (ggml-common.h, 256 elements per super-block):
 | Q4_K | 144 | d fp16, dmin fp16, scales[12] (8 six-bit scales + 8 six-bit mins), qs[128] | d*sc*q - dmin*m |
 | Q6_K | 210 | ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8, d fp16 | d*sc*(q - 32) |
 
+| Q8_0 | 34 (32 elements) | d fp16, qs[32] int8 | d*q |
+
 Q4_K: 8 groups of 32; qs is 4 chunks of 32 bytes, chunk c holding group 2c in its low nibbles
 and group 2c + 1 in its high ones. The 12 scale bytes: bytes 0..3 the low 6 bits of scales
 0..3 (top 2 bits: bits 4..5 of scales 4..7), bytes 4..7 the same for the mins, bytes 8..11
@@ -20,7 +22,9 @@ byte l holds the high 2 bits of quarter k's element l at bits 2k.
 The rounding is round-to-nearest min/max per group (no search: benchmark weights are random),
 the same arithmetic as tests/quant_checkpoints.py's numpy packers (`_q45_k`, `_q6_k`), so
 the two give the same bytes for the same float32 input (tests/load/test_make_gguf_checkpoint.py
-checks it, and that gguf's own dequantizer reads them back).
+checks it, and that gguf's own dequantizer reads them back). Q8_0 follows ggml's reference
+quantizer (d = amax / 127, codes rounded half away from zero), byte for byte what the gguf
+package's own quantizer writes.
 """
 
 from __future__ import annotations
@@ -118,6 +122,43 @@ def quantize_k(w: torch.Tensor, kind: str, max_elems: int | None = None) -> torc
     for i in range(0, rows.shape[0], step):
         out[i : i + step] = pack(rows[i : i + step])
     return out.reshape(*w.shape[:-1], -1)
+
+
+QK8_0 = 32
+
+
+def quantize_q8_0(w: torch.Tensor, max_elems: int | None = None) -> torch.Tensor:
+    """The Q8_0 blocks of a float [..., K] tensor (K a multiple of 32), as uint8 [..., K / 32 *
+    34] on w's device, row chunks bounded as quantize_k's."""
+    K = w.shape[-1]
+    if K % QK8_0:
+        raise ValueError(f"Q8_0: row length {K} is not a multiple of {QK8_0}")
+    rows = w.reshape(-1, K)
+    if max_elems is None:
+        max_elems = 1 << (28 if rows.is_cuda else 24)
+    step = max(1, max_elems // K)
+    out = torch.empty(rows.shape[0], K // QK8_0 * 34, dtype=torch.uint8, device=w.device)
+    for i in range(0, rows.shape[0], step):
+        x = rows[i : i + step].float().reshape(-1, K // QK8_0, QK8_0)
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, 0.0, 1.0 / d)
+        a = (x * inv).abs()
+        whole = torch.floor(a)
+        # half away from zero, in ggml's own steps (floor(a + 0.5) differs just below a half)
+        q = torch.sign(x) * (whole + torch.floor(2 * (a - whole)))
+        blocks = torch.cat([_f16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)], dim=-1)
+        out[i : i + step] = blocks.reshape(x.shape[0], -1)
+    return out.reshape(*w.shape[:-1], -1)
+
+
+# ---- llama.cpp's Q8_0 files (LLAMA_FTYPE_MOSTLY_Q8_0 = 7): every matrix Q8_0, norms F32 --------
+
+Q8_0_FILE_TYPE = 7
+
+
+def q8_0_type(name: str, ndim: int) -> str:
+    """The ggml type of the GGUF tensor `name` in a Q8_0 file: token_embd and output too."""
+    return "F32" if ndim < 2 else "Q8_0"
 
 
 # ---- llama.cpp's Q4_K_M mix (llama_tensor_get_type, LLAMA_FTYPE_MOSTLY_Q4_K_M = 15) ---------

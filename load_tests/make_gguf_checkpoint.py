@@ -1,6 +1,7 @@
 """Quantize a float Hugging Face llama checkpoint folder into a llama-architecture GGUF file with
-llama.cpp's Q4_K_M mix, for benchmarks at real shapes (the random-weight Llama-3-8B of
-`common.py make-checkpoint`), in well under two minutes for 8B parameters on a GPU host.
+llama.cpp's Q4_K_M mix (or its Q8_0 file, `--mix q8_0`), for benchmarks and tests at real
+shapes (the random-weight Llama-3-8B of `common.py make-checkpoint`), in well under two minutes
+for 8B parameters on a GPU host.
 
 What is written (llama.cpp's converter + `llama-quantize ... Q4_K_M`, as they lay a llama file):
 - tensors under GGUF names (token_embd, blk.N.attn_q / attn_k / attn_v / attn_output /
@@ -12,8 +13,10 @@ What is written (llama.cpp's converter + `llama-quantize ... Q4_K_M`, as they la
   the use_more_bits layers (32 layers: 0-3, 6, 9, ..., 27, 28-31: 16 of them), every other
   linear Q4_K; rows that are not whole 256-element super-blocks (small test models) take
   llama.cpp's fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. Llama-3-8B: 65 F32, 193 Q4_K and 33
-  Q6_K tensors, as llama.cpp's own Q4_K_M file of it;
-- the metadata the loader reads: general.architecture llama, file_type 15 (MOSTLY_Q4_K_M),
+  Q6_K tensors, as llama.cpp's own Q4_K_M file of it. `--mix q8_0`: every matrix Q8_0
+  (token_embd and output too), norms F32, as `llama-quantize ... Q8_0` writes it;
+- the metadata the loader reads: general.architecture llama, file_type 15 (MOSTLY_Q4_K_M; 7,
+  MOSTLY_Q8_0, for the Q8_0 file),
   context / embedding / feed-forward lengths, block count, head counts, RMS eps, rope base and
   dimension count (Llama 3.1 rope scaling as the rope_freqs tensor, linear scaling as
   rope.scaling.*), vocab size, and the tokenizer as tokenizer.ggml.* (the folder's token list
@@ -53,9 +56,21 @@ import torch
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
-from load_tests.gguf_pack import Q4_K_M_FILE_TYPE, q4_k_m_type, quantize_k  # noqa: E402
+from load_tests.gguf_pack import (  # noqa: E402
+    Q4_K_M_FILE_TYPE,
+    Q8_0_FILE_TYPE,
+    q4_k_m_type,
+    q8_0_type,
+    quantize_k,
+    quantize_q8_0,
+)
 
-MIXES = ("q4_k_m",)
+# mix -> (llama.cpp file type, the ggml type of a tensor: (name, layers, row length, ndim,
+# whether the file has output.weight) -> type name)
+MIXES = {
+    "q4_k_m": (Q4_K_M_FILE_TYPE, q4_k_m_type),
+    "q8_0": (Q8_0_FILE_TYPE, lambda name, layers, row, ndim, has_output: q8_0_type(name, ndim)),
+}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -188,7 +203,9 @@ def _encode(x: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
     qtype = gguf.GGMLQuantizationType[kind]
     if kind in ("Q4_K", "Q6_K"):
         return quantize_k(x, kind).cpu().numpy(), qtype
-    # the fallbacks of rows that are not whole super-blocks (small models only): gguf's numpy
+    if kind == "Q8_0":
+        return quantize_q8_0(x).cpu().numpy(), qtype
+    # Q5_0, the fallback of Q4_K rows that are not whole super-blocks (small models): gguf's numpy
     return gguf.quants.quantize(x.float().cpu().numpy(), qtype), qtype
 
 
@@ -199,7 +216,8 @@ def convert(src: Path, out: Path, mix: str = "q4_k_m", device: str = "cpu") -> d
     from safetensors import safe_open
 
     if mix not in MIXES:
-        raise ValueError(f"unknown mix {mix!r}; choose from {MIXES}")
+        raise ValueError(f"unknown mix {mix!r}; choose from {sorted(MIXES)}")
+    file_type, type_of = MIXES[mix]
     want = {"src": str(src), "mix": mix, "file": out.name}
     marker = out.parent / "voltserve_gguf.json"
     if out.is_file() and marker.is_file() and json.loads(marker.read_text()) == want:
@@ -218,7 +236,7 @@ def convert(src: Path, out: Path, mix: str = "q4_k_m", device: str = "cpu") -> d
     marker.unlink(missing_ok=True)
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_name(src.name)
-    w.add_file_type(Q4_K_M_FILE_TYPE)
+    w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -275,7 +293,7 @@ def convert(src: Path, out: Path, mix: str = "q4_k_m", device: str = "cpu") -> d
             name = gguf_name(hf)
             if name.startswith("blk.") and name.endswith(("attn_q.weight", "attn_k.weight")):
                 x = permute_qk(x, heads if "attn_q" in name else kv)
-            kind = q4_k_m_type(name, layers, x.shape[-1], x.dim(), has_output)
+            kind = type_of(name, layers, x.shape[-1], x.dim(), has_output)
             data, raw = _encode(x, kind)
             w.add_tensor(name, data, raw_dtype=raw)
             counts[kind] = counts.get(kind, 0) + 1
@@ -317,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--src", required=True, help="float Hugging Face llama folder")
     p.add_argument("--out", required=True, help="the .gguf file to write (its folder is made)")
-    p.add_argument("--mix", default="q4_k_m", choices=MIXES)
+    p.add_argument("--mix", default="q4_k_m", choices=sorted(MIXES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     out = Path(args.out)

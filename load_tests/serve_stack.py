@@ -1,6 +1,7 @@
-"""A `voltserve serve` stack on loopback for the soak and fault runs and the ops tests: the launcher
-as a subprocess (demo model on CPU unless told otherwise), its children found by pid, the
-embedded Redis URL read from the launcher's log. Standard library plus redis-py only."""
+"""A `voltserve serve` stack on loopback for the soak and fault runs, the ops tests and the
+real-shape GPU tests: the launcher as a subprocess (on the CPU unless gpu=True), its children
+found by pid, the embedded Redis URL read from the launcher's log. Standard library plus
+redis-py only."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def cmdline(pid: int) -> list[str]:
 
 
 class ServeStack:
-    """`voltserve serve` on 127.0.0.1:<free port>. Use as a context manager."""
+    """`voltserve serve` on 127.0.0.1:<free port>. Use as a context manager. gpu: the GPUs this
+    process sees are the server's too (default: none, CUDA_VISIBLE_DEVICES empty)."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class ServeStack:
         extra: list[str] | None = None,
         start_timeout_s: float = 300.0,
         api_key: str | None = None,
+        gpu: bool = False,
     ) -> None:
         self.model = model
         self.workdir = workdir
@@ -95,6 +98,7 @@ class ServeStack:
         self.extra = extra or []
         self.start_timeout_s = start_timeout_s
         self.api_key = api_key  # passed as --api-key, and sent by the readiness check
+        self.gpu = gpu
         self.proc: subprocess.Popen | None = None
         self.log_path = workdir / "serve.log"
         self.redis_url: str | None = None
@@ -113,7 +117,9 @@ class ServeStack:
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *self.extra]
         if self.api_key:
             argv += ["--api-key", self.api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not self.gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.start_timeout_s

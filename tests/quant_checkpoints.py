@@ -3,6 +3,10 @@ independently of the loader (services/executor/quant/): the tiny random models o
 tests/checkpoints.py, every decoder linear quantized from its float weight to integer codes,
 packed as AutoAWQ / GPTQModel / llm-compressor / llama.cpp store them.
 
+The AWQ, GPTQ and compressed-tensors writers also quantize a float folder given as `src` (the
+real-shape random checkpoints of tests/real_shapes.py), writing beside it instead of into the
+session's folder.
+
 Each writer returns (quantized checkpoint, reference): the reference is what transformers loads
 to give the expected outputs. For AWQ and GPTQ it is a plain float checkpoint whose weights are
 dequantized from the PACKED tensors by a reference written here from the published dequant rule
@@ -101,6 +105,22 @@ def float_checkpoint(arch: str, rope_scaling: bool = True) -> Path:
     )
 
 
+def _source(arch: str, src: Path | None) -> tuple[Path, Path, str]:
+    """(float folder, folder the outputs go in, their name prefix): the tiny `arch` model into
+    the session's folder, or `src` beside itself."""
+    if src is None:
+        return float_checkpoint(arch), _root(), arch
+    return src, src.parent, src.name
+
+
+def _load_float(src: Path) -> dict:
+    """Every tensor of a float folder, one safetensors file or several shards."""
+    sd: dict = {}
+    for f in sorted(src.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
 def _linear_names(sd: dict) -> list[str]:
     return [
         n[: -len(".weight")] for n in sd if n.endswith(".weight") and n.split(".")[-2] in LINEARS
@@ -110,7 +130,9 @@ def _linear_names(sd: dict) -> list[str]:
 def _copy_meta(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.suffix != ".safetensors":
+        # the writers put every tensor in one file; a source's markers describe the source
+        skip = f.name == "model.safetensors.index.json" or f.name.startswith("voltserve_")
+        if f.suffix != ".safetensors" and not skip:
             shutil.copy(f, dst / f.name)
 
 
@@ -174,14 +196,14 @@ def awq_reference_dequant(qweight, qzeros, scales, g: int) -> torch.Tensor:
     return torch.from_numpy(w.astype(np.float32)).t().contiguous()
 
 
-def awq_checkpoint(arch: str, group: int) -> tuple[Path, Path]:
+def awq_checkpoint(arch: str, group: int, src: Path | None = None) -> tuple[Path, Path]:
     """Every decoder linear (MoE experts too: their leaves are gate/up/down_proj) quantized; an
     MoE router (mlp.gate) stays float, as AutoAWQ keeps it (modules_to_not_convert)."""
-    src = float_checkpoint(arch)
-    dst, ref = _root() / f"{arch}-awq-g{group}", _root() / f"{arch}-awq-g{group}-ref"
+    src, root, prefix = _source(arch, src)
+    dst, ref = root / f"{prefix}-awq-g{group}", root / f"{prefix}-awq-g{group}-ref"
     if (dst / "model.safetensors").is_file():
         return dst, ref
-    sd = load_file(src / "model.safetensors")
+    sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     for name in _linear_names(sd):
         w = sd.pop(name + ".weight").float().numpy()  # [N, K]
@@ -252,15 +274,22 @@ def gptq_reference_dequant(qweight, qzeros, scales, g_idx, bits: int, v1: bool) 
 
 
 def gptq_checkpoint(
-    arch: str, bits: int, group: int, desc_act: bool, sym: bool, v1: bool = True, seed: int = 5
+    arch: str,
+    bits: int,
+    group: int,
+    desc_act: bool,
+    sym: bool,
+    v1: bool = True,
+    seed: int = 5,
+    src: Path | None = None,
 ) -> tuple[Path, Path]:
-    tag = f"{arch}-gptq-{bits}b-g{group}-{'act' if desc_act else 'noact'}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}"
-    src = float_checkpoint(arch)
-    dst, ref = _root() / tag, _root() / (tag + "-ref")
+    src, root, prefix = _source(arch, src)
+    tag = f"{prefix}-gptq-{bits}b-g{group}-{'act' if desc_act else 'noact'}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}"
+    dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
     rng = np.random.default_rng(seed)
-    sd = load_file(src / "model.safetensors")
+    sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     perms: dict[str, np.ndarray] = {}  # one act order per layer input (q/k/v share x)
     for name in _linear_names(sd):
@@ -327,21 +356,23 @@ def gptq_checkpoint(
 # ---- compressed-tensors (llm-compressor), with the library's own compressor -----------------
 
 
-def ct_checkpoint(arch: str, bits: int, group: int | None, sym: bool = True) -> tuple[Path, Path]:
+def ct_checkpoint(
+    arch: str, bits: int, group: int | None, sym: bool = True, src: Path | None = None
+) -> tuple[Path, Path]:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "group" if group else "channel"
-    tag = f"{arch}-ct-w{bits}a16-{strategy}{group or ''}-{'sym' if sym else 'asym'}"
-    src = float_checkpoint(arch)
-    dst, ref = _root() / tag, _root() / (tag + "-ref")
+    src, root, prefix = _source(arch, src)
+    tag = f"{prefix}-ct-w{bits}a16-{strategy}{group or ''}-{'sym' if sym else 'asym'}"
+    dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
     wargs = dict(num_bits=bits, type="int", symmetric=sym, strategy=strategy)
     if group:
         wargs["group_size"] = group
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**wargs))
-    sd = load_file(src / "model.safetensors")
+    sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     half = 1 << (bits - 1)
     for name in _linear_names(sd):

@@ -19,7 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from load_tests import common  # noqa: E402
 from load_tests import make_gguf_checkpoint as mg  # noqa: E402
-from load_tests.gguf_pack import q4_k_m_type, quantize_k, use_more_bits  # noqa: E402
+from load_tests.gguf_pack import (  # noqa: E402
+    q4_k_m_type,
+    quantize_k,
+    quantize_q8_0,
+    use_more_bits,
+)
 from tests import quant_checkpoints as qc  # noqa: E402
 from tests.load.scripts import run_main  # noqa: E402
 
@@ -68,6 +73,44 @@ def test_torch_blocks_equal_the_numpy_packer_and_decode_with_gguf(kind, scale, s
     assert (err <= _error_bound(w, kind)).all(), float((err / _error_bound(w, kind)).max())
     # the typical error is a fraction of a step, not the bound
     assert err.mean() < 0.35 * _error_bound(w, kind).mean()
+
+
+@pytest.mark.parametrize("scale", [0.02, 1.0])
+def test_torch_q8_0_blocks_equal_gguf_own_quantizer(scale, seed) -> None:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((40, 256)) * scale).astype(np.float32)
+    w[0, :32] = 0  # a block of zeros: d = 0
+    w[1, :32] = np.arange(32) - 15.5  # halves at every other code: rounded away from zero
+    got = quantize_q8_0(torch.from_numpy(w), max_elems=1024).numpy()  # several row chunks
+    assert got.dtype == np.uint8 and got.shape == (40, 256 // 32 * 34)
+    want = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(got, want)
+    deq = _dequantize(got, "Q8_0")
+    step = np.repeat(np.abs(w.reshape(40, 8, 32)).max(-1) / 127, 32, -1).reshape(40, 256)
+    # half a step, and up to 127 codes times d's rounding to fp16 (2^-11 relative)
+    assert (np.abs(deq - w) <= (0.5 + 127 * 2**-11) * step + 1e-7).all()
+
+
+def test_q8_0_mix_writes_every_matrix_q8_0_and_loads_as_gguf_dequantizes(tmp_path) -> None:
+    import gguf
+    from voltserve.services.executor.loader import load_model
+
+    src = qc.float_checkpoint("llama", rope_scaling=False)
+    out = tmp_path / "q8" / "model.gguf"
+    run_main("make_gguf_checkpoint", ["--src", str(src), "--out", str(out), "--mix", "q8_0"])
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {types[n] for n in types if not n.endswith("norm.weight")} == {"Q8_0"}
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0"
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == 7  # MOSTLY_Q8_0
+    head = next(t for t in reader.tensors if t.name == "output.weight")
+    deq = torch.from_numpy(_dequantize(np.asarray(head.data), "Q8_0").copy())
+    model = load_model(out, torch.float32, torch.device("cpu")).model
+    x = torch.randn(3, deq.shape[1])
+    torch.testing.assert_close(model.lm_head(x), x @ deq.t())
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
