@@ -20,7 +20,10 @@
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry;
 # `gguf-b1`: Llama-3-8B as a llama.cpp Q4_K_M GGUF at batch 1 against its stored-bytes floor,
 # fp16 alongside as the anchor; `prefill-host`: a lone prompt's eager prefill step, GPU-busy
-# against wall time and the host functions behind the gap, 8B and 0.5B shapes)
+# against wall time and the host functions behind the gap, 8B and 0.5B shapes; `real-shapes`:
+# every weight format at real vocabularies and widths (two layers) served at the default flags,
+# greedy against fp32 transformers; `serving-gguf`: bench_serving on the Llama-3-8B Q4_K_M GGUF
+# served at the default flags, then on its AWQ folder)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -175,6 +178,44 @@ for stage in $STAGES; do
       # Quantized checkpoints (AWQ, GPTQ, compressed-tensors, GGUF Q4_K_M) through the GPU
       # runner: fp32 greedy equals transformers, fp16 graphs equal eager, --max-gpu-memory.
       run quant_models $PY -P -m pytest -q --timeout 1800 tests/gpu/test_quant_models_gpu.py -p no:cacheprovider
+      ;;
+    real-shapes)
+      # tests/gpu/test_real_shapes_gpu.py alone (each server takes the whole GPU): fp16, AWQ,
+      # GPTQ act-order, compressed-tensors W4A16, GGUF Q4_K_M and Q8_0 at the Llama-3-8B shape
+      # with two layers, fp16 and AWQ at Qwen2.5-7B's, fp16 with a 262,144-token vocabulary;
+      # `voltserve serve` at its default flags, an 8K prompt prefilled in chunks, a batch of 64,
+      # greedy within the stated tolerance of fp32 transformers (estimated 5-7 min on an H100,
+      # not yet timed). real_shapes.json: device, date, commit, each case's timings, largest
+      # differences and problems. GPU_TEST_K picks cases (e.g. "llama3-8b-gguf").
+      run real_shapes env VOLTSERVE_REAL_SHAPES_OUT="$OUT" $PY -P -m pytest -q --timeout 1800 tests/gpu/test_real_shapes_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      ;;
+    serving-gguf)
+      # Llama-3-8B as a llama.cpp Q4_K_M GGUF (make_gguf_checkpoint.py, from the random-weight
+      # fp16 folder) served at the default flags, with the float folder's tokenizer (the file's
+      # metadata cannot spell its word-level tokens): bench_serving 256 x 1024 in / 256 out, then
+      # the same on the AWQ int4 g128 folder of the same weights, each to its own JSON, and the
+      # output tok/s of both in serving_gguf_vs_awq.json. Estimated (not yet timed) on an H100
+      # with nothing written yet: fp16 folder ~1 min, GGUF and AWQ writes ~1 min together, each
+      # serving run ~2-3 min (server start with a cold kernel cache, then the burst).
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run make_llama8b_q4km $PY load_tests/make_gguf_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-q4km/model.gguf --mix q4_k_m --device cuda
+      run make_llama8b_awq $PY load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-awq --group 128
+      run serving_gguf_q4km $PY load_tests/bench_serving.py --launch /tmp/voltserve-llama3-8b-q4km/model.gguf --vocab-size 128256 --num-prompts 256 --input-len 1024 --output-len 256 --serve-args "--tokenizer /tmp/voltserve-llama3-8b" --out "$OUT/serving_llama3-8b-q4km.json"
+      run serving_gguf_awq $PY load_tests/bench_serving.py --launch /tmp/voltserve-llama3-8b-awq --num-prompts 256 --input-len 1024 --output-len 256 --out "$OUT/serving_llama3-8b-awq.json"
+      $PY - "$OUT" <<'PYEOF' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+row = {}
+for name in ("q4km", "awq"):
+    f = out / f"serving_llama3-8b-{name}.json"
+    http = json.loads(f.read_text()).get("http", {}) if f.is_file() else {}
+    row[name] = {k: http.get(k) for k in ("output_throughput", "completed", "failed")}
+a, b = row["q4km"]["output_throughput"], row["awq"]["output_throughput"]
+row["q4km_over_awq"] = a / b if a and b else None
+(out / "serving_gguf_vs_awq.json").write_text(json.dumps(row, indent=2) + "\n")
+print("serving-gguf:", json.dumps(row))
+PYEOF
       ;;
     serving-awq-16g)
       # Llama-3-8B as AutoAWQ int4 g128 (quantized from the random-weight checkpoint) served under

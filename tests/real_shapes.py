@@ -53,6 +53,9 @@ from tests import quant_checkpoints as qc
 # Seed of every float folder's random weights (the prompts come from each test's seed).
 WEIGHTS_SEED = 0
 LAYERS = 2
+# transformers builds a model under torch's default dtype, which it sets for the whole process:
+# one model built at a time (the float folders' fp16, the references' fp32).
+_MODEL_BUILD = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,10 @@ def float_folder(root: Path, shape: str) -> Path:
     out = root / shape
     over = dict(s.overrides)
     if not common.checkpoint_matches(out, s.preset, over):
-        common.write_random_checkpoint(
-            out, s.preset, "cpu", torch.float16, seed=WEIGHTS_SEED, overrides=over
-        )
+        with _MODEL_BUILD:
+            common.write_random_checkpoint(
+                out, s.preset, "cpu", torch.float16, seed=WEIGHTS_SEED, overrides=over
+            )
     return out
 
 
@@ -204,9 +208,12 @@ def load_reference(built: Built) -> torch.nn.Module:
     """transformers' model of the checkpoint's dequantized weights, fp32, on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        built.reference, dtype=torch.float32, **built.reference_kwargs
-    )
+    with _MODEL_BUILD:
+        model = AutoModelForCausalLM.from_pretrained(
+            built.reference, dtype=torch.float32, **built.reference_kwargs
+        )
+    if {p.dtype for p in model.parameters()} != {torch.float32}:
+        raise RuntimeError(f"{built.reference}: the reference did not load in fp32")
     return model.eval()
 
 

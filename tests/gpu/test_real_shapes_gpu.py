@@ -79,7 +79,7 @@ def builds():
     kept = os.environ.get("VOLTSERVE_REAL_SHAPES_DIR")
     root = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="voltserve-real-shapes-"))
     root.mkdir(parents=True, exist_ok=True)
-    b = rs.Builds(root, workers=4)
+    b = rs.Builds(root, workers=6)
     b.start(CASES)
     try:
         yield b
