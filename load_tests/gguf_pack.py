@@ -1,15 +1,14 @@
-"""GGUF K-quant blocks packed with torch, vectorized over whole tensors (on CUDA or the CPU: the
-same code, the device is the input's), and llama.cpp's Q4_K_M type rule: what
-load_tests/make_gguf_checkpoint.py writes an 8B GGUF with in seconds.
+"""GGUF K-quant and Q8_0 blocks packed with torch, vectorized over whole tensors (on CUDA or the
+CPU: the same code, the device is the input's), and llama.cpp's Q4_K_M and Q8_0 type rules:
+what load_tests/make_gguf_checkpoint.py writes an 8B GGUF with in seconds.
 
-Block layouts (ggml-common.h, 256 elements per super-block):
+Block layouts (ggml-common.h; the K-quants 256 elements per super-block, Q8_0 32 per block):
 
 | type | bytes | fields, in order | w = |
 |---|---|---|---|
 | Q4_K | 144 | d fp16, dmin fp16, scales[12] (8 six-bit scales + 8 six-bit mins), qs[128] | d*sc*q - dmin*m |
 | Q6_K | 210 | ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8, d fp16 | d*sc*(q - 32) |
-
-| Q8_0 | 34 (32 elements) | d fp16, qs[32] int8 | d*q |
+| Q8_0 | 34 per 32 elements | d fp16, qs[32] int8 | d*q |
 
 Q4_K: 8 groups of 32; qs is 4 chunks of 32 bytes, chunk c holding group 2c in its low nibbles
 and group 2c + 1 in its high ones. The 12 scale bytes: bytes 0..3 the low 6 bits of scales

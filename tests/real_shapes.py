@@ -14,7 +14,7 @@ dequantizes with the gguf package). `Builds` writes every case a session needs a
 CPU, in threads beside the running cases (numpy and torch release the GIL; the GPU stays the
 server's), each once per folder.
 
-Checking (`serve_and_check`). Three sets of requests against one server, completions API,
+Checking (`serve_and_check`). Two sets of requests against one server, completions API,
 prompts as token ids, greedy, `ignore_eos`, logprobs of the chosen tokens:
 1. `batch` concurrent prompts of random length in [short_min, short_max], then at once one
    prompt of `long_prompt` tokens: it is admitted behind them, so its prefill runs in chunks
@@ -194,7 +194,10 @@ class Builds:
             )
         if fmt != "fp16":
             for stale in _outputs(self.root, shape, fmt):
-                shutil.rmtree(stale)
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
         b = build(self.root, shape, fmt)
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(b).items()}
         marker.write_text(json.dumps(d))

@@ -28,9 +28,11 @@ once more and sums in other orders than the reference: 0.15. What the test is fo
 outside either: a kernel that computes the wrong rows, skips a tile or a block, or launches
 no grid past 65,535 rows moves logits by their own spread (~1.3) or to NaN.
 
-The checkpoints are built once per session on the CPU beside the running cases (~35 GB under a
+The checkpoints are built once per session on the CPU beside the running cases (~40 GB under a
 temporary folder, removed at the end; VOLTSERVE_REAL_SHAPES_DIR keeps them in a folder of its
-own for the next run). VOLTSERVE_REAL_SHAPES_OUT: a folder for real_shapes.json (device, date,
+own for the next run). The servers share the session's kernel cache (tests/conftest.py;
+VOLTSERVE_TEST_CACHE_DIR keeps one for the next run), so each case compiles only the kernels
+its format adds. VOLTSERVE_REAL_SHAPES_OUT: a folder for real_shapes.json (device, date,
 commit, and each case's timings, largest differences and problems).
 """
 

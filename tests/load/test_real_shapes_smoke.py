@@ -100,6 +100,7 @@ def test_each_format_builds_and_loads_as_its_reference(shape, fmt, builds, rng) 
     assert rs.reference_problems(model, wrong, 4, EXACT, rs.Report())[0].startswith("position 0")
 
 
+@pytest.mark.slow  # a whole `voltserve serve` start (~45 s of CPU on the 2-core machine)
 def test_a_gguf_file_served_on_the_cpu_passes_serve_and_check(builds, rng, tmp_path) -> None:
     built = builds.get("tiny-llama", "gguf-q4_k_m")
     sizes = rs.Sizes(long_prompt=600, batch=6, short_min=8, short_max=48, max_tokens=4)
