@@ -250,6 +250,24 @@ class BlockManager:
             self._keys.pop(request.request_id, None)
             self._hashes.pop(request.request_id, None)
 
+    def forget(self, blocks: list[int]) -> list[int]:
+        """Of these freshly freed blocks, the ones no request references any more leave the
+        prefix cache (their content is not to be reused: a request's activations went
+        non-finite in them); returns those. Blocks still shared stay as they are."""
+        dropped = []
+        for b in blocks:
+            if self.ref_counts[b]:
+                continue
+            dropped.append(b)
+            if b in self._free_cached:
+                del self._free_cached[b]
+                key = self.block_key[b]
+                self.block_key[b] = None
+                if key is not None and self._table.get(key) == b:
+                    del self._table[key]
+                self._free_plain.append(b)
+        return dropped
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _take(self, block: int) -> None:

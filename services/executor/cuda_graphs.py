@@ -20,7 +20,10 @@ the padded batch reads: no per-field copies, no dtype conversions, no fills on t
 
 Sampling stays outside the graph: the graph ends with the logits of every row (in the model's
 dtype) and their argmax (captured with the step, so the sampler's greedy fast path launches
-nothing: it copies the ids back); any other sampling runs on the logits, widened to fp32.
+nothing: it copies the ids back); any other sampling runs on the logits, widened to fp32. The
+argmax of a row whose logits are not all finite is NONFINITE (sampler.flag_nonfinite, inside the
+graph): the same copy back tells the engine which requests to end with an error. A step fed
+those ids on the device (the pipelined decode) reads them clamped to a valid id.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from voltserve.kernels.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
+from voltserve.services.executor.sampler import flag_nonfinite
 from voltserve.shared import startup
 
 if TYPE_CHECKING:
@@ -164,11 +168,11 @@ class CudaGraphRunner:
     def graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the bs graph records: the step's logits copied into rows [0, bs) of the shared
         buffer (the forward's own output is then dead, so the next capture reuses its memory),
-        and their argmax."""
+        and their argmax, NONFINITE in rows that are not all finite."""
         logits = self._forward(bs)
         out = self._shared_logits(logits)[:bs]
         out.copy_(logits)
-        return out, chunked_argmax(out)
+        return out, flag_nonfinite(chunked_argmax(out), out)
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]
@@ -196,7 +200,8 @@ class CudaGraphRunner:
         return bs
 
     def argmax_of_last(self, num_seqs: int) -> torch.Tensor:
-        """The argmax ids [B] of the logits the last replay_staged(num_seqs) returned."""
+        """The argmax ids [B] of the logits the last replay_staged(num_seqs) returned (NONFINITE
+        in rows that are not all finite)."""
         return self.argmax[self.padded_size(num_seqs)][:num_seqs]
 
     def replay_staged(
@@ -205,14 +210,16 @@ class CudaGraphRunner:
         """Copy the staged batch to the device (one transfer) and replay; logits [B, vocab] in
         the model's dtype.
         ids_on_device: the rows' input ids, already on the device (they replace the staged ones:
-        the pipelined decode feeds a step the previous step's argmax without a host round trip)."""
+        the pipelined decode feeds a step the previous step's argmax without a host round trip;
+        a NONFINITE id there is read as 0, in the same copy: that row's request ends with an
+        error and its step is dropped, but the embedding lookup must not index out of range)."""
         bs = self.padded_size(num_seqs)
         if self._dev is not self._host:
             n = self._off_tables + 4 * bs * self.width  # the rows the bs graph reads
             self._dev[:n].copy_(self._host[:n], non_blocking=True)
             self._copy_done.record()
         if ids_on_device is not None:
-            self.input_ids[:num_seqs].copy_(ids_on_device)
+            torch.clamp(ids_on_device, min=0, out=self.input_ids[:num_seqs])
         if self.before_replay is not None:
             # Tensor parallelism: the other ranks receive these inputs and replay their twin.
             self.before_replay(bs, self._dev[: self._off_tables + 4 * bs * self.width])

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 
 from voltserve.services.executor.batcher import Batcher
 from voltserve.services.executor.block_manager import BlockManager
+from voltserve.services.executor.nonfinite import (
+    NONFINITE_STATUS,
+    NONFINITE_TYPE,
+    nonfinite_message,
+)
 from voltserve.services.executor.request import (
     Request,
     RequestOutput,
@@ -64,6 +69,8 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # Tokens per verify step (accepted + the target's own), over all verify steps so far.
     spec_decode_mean_acceptance_length: float = 0.0
+    # Requests ended with an error because their logits were not finite (NaN or infinity).
+    nonfinite_requests_total: int = 0
 
 
 class LLMEngine:
@@ -125,6 +132,8 @@ class LLMEngine:
         # outside the batcher, and join its waiting queue once compiled; nothing else waits.
         self._grammar_pool = grammar_pool
         self._compiling: dict[str, tuple[Request, Future]] = {}
+        self._nonfinite_total = 0
+        self._nonfinite_message = nonfinite_message(str(getattr(runner, "dtype", "")))
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -242,7 +251,9 @@ class LLMEngine:
                     )
             except Exception as e:  # noqa: BLE001 - any failure ends this request, not the engine
                 logger.warning("request %s: structured output constraint failed: %s", rid, e)
-                errors.append(self._error_output(req, f"{e}", 400))
+                err = self._error_output(req, f"{e}", 400)
+                err.error_param = "response_format"
+                errors.append(err)
                 continue
             req.grammar = state
             self.batcher.add(req)
@@ -363,6 +374,10 @@ class LLMEngine:
                 tok = sampled[i]
                 token = tok.token_id
             i += 1
+            if token < 0:  # NONFINITE: this row's logits held NaN or infinity
+                any_finished = True
+                append(self._nonfinite_failed(req, len(out_ids)))
+                continue
             rid = req.request_id
             if rid in awaiting:
                 awaiting.discard(rid)
@@ -399,6 +414,8 @@ class LLMEngine:
         self._generation_tokens_total += num_generated
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
+        if prompt_lp and self._fail_nonfinite_prompts(plan.scheduled, outputs):
+            any_finished = True
         if any_finished:
             self.batcher.remove_finished()
         return outputs
@@ -452,6 +469,8 @@ class LLMEngine:
         emitted: list[int] = []
         g = req.grammar
         for t in targets[: n_acc + 1]:
+            if t < 0:  # NONFINITE (a proposal never equals it, so it ends the accepted run)
+                return self._nonfinite_failed(req, len(out_ids))
             # The matcher advances over emitted tokens only: each was drawn under the mask of
             # the grammar state after the accepted tokens before it (GrammarState.fill_draft).
             if g is not None and not g.accept(t):
@@ -501,6 +520,55 @@ class LLMEngine:
         self.batcher.finish(req, "error")
         del self.requests[req.request_id]
         return self._error_output(req, "internal error: the structured output matcher failed", 500)
+
+    # ---- non-finite logits ---------------------------------------------------------------------
+
+    def _nonfinite_failed(self, req: Request, pos: int) -> RequestOutput:
+        """The request's logits at output position `pos` were not finite: it ends with an error
+        (the rest of the batch goes on), and the KV blocks only it held are zeroed and leave
+        the prefix cache."""
+        self._nonfinite_total += 1
+        logger.warning(
+            "request %s: non-finite logits at output position %d (prompt of %d tokens); it ends "
+            "with an error. VOLTSERVE_LAYER_TRACE=1 logs the first layer whose output is "
+            "non-finite",
+            req.request_id,
+            pos,
+            len(req.prompt_token_ids),
+        )
+        blocks = req.block_ids
+        self.batcher.finish(req, "error")
+        dropped = self.block_manager.forget(blocks)
+        scrub = getattr(self.runner, "scrub_kv_blocks", None)
+        if dropped and scrub is not None:
+            scrub(dropped)
+        return self._nonfinite_output(req)
+
+    def _nonfinite_output(self, req: Request) -> RequestOutput:
+        out = self._error_output(req, self._nonfinite_message, NONFINITE_STATUS)
+        out.error_type = NONFINITE_TYPE
+        return out
+
+    def _fail_nonfinite_prompts(self, scheduled, outputs: list[RequestOutput]) -> bool:
+        """Requests of this step whose prompt-logprobs rows were not finite (the runner marks
+        them) end with an error instead of what they produced; True if there were any. Their
+        KV is finite: a NaN in the KV would have reached their own sampled row too."""
+        failed = False
+        for s in scheduled:
+            req = s.request
+            if not req.nonfinite_prompt or req.finish_reason == "error":
+                continue
+            failed = True
+            self._nonfinite_total += 1
+            logger.warning(
+                "request %s: non-finite prompt logprobs; it ends with an error", req.request_id
+            )
+            if req.status is not RequestStatus.FINISHED:
+                self.batcher.finish(req, "error")
+            req.finish_reason = "error"
+            outputs[:] = [o for o in outputs if o.request_id != req.request_id]
+            outputs.append(self._nonfinite_output(req))
+        return failed
 
     def _store_prompt_logprobs(self, computed: dict[str, list[tuple[int, dict]]]) -> None:
         for rid, entries in computed.items():
@@ -557,6 +625,7 @@ class LLMEngine:
                 if self._spec_drafts
                 else 0.0
             ),
+            nonfinite_requests_total=self._nonfinite_total,
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from voltserve.services.executor.loader import (
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import Request, SampledToken, StepPlan
-from voltserve.services.executor.sampler import Sampler, SampleRow
+from voltserve.services.executor.sampler import Sampler, SampleRow, finite_rows
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.draft_model import load_draft
 from voltserve.services.executor.spec.eagle_head import load_eagle_head
@@ -816,9 +816,13 @@ class ModelRunner:
             tv, ti = lp.topk(k, dim=-1)
             top_v, top_i = tv.cpu().tolist(), ti.cpu().tolist()
         chosen_l, rank_l = chosen.cpu().tolist(), rank.cpu().tolist()
+        finite_l = finite_rows(logits).cpu().tolist()
         out = self.prompt_logprobs_out
         i = 0
         for r, start, _, count in rows:
+            if not all(finite_l[i : i + count]):
+                # NaN logprobs must never be sent: the request ends with an error instead.
+                r.nonfinite_prompt = True
             n_top = r.params.prompt_logprobs or 0
             entries = out.setdefault(r.request_id, [])
             for j in range(count):
@@ -993,6 +997,18 @@ class ModelRunner:
         for b, r in enumerate(reqs):
             self._hidden_out.append((r, starts[b], h[int(qsl[b]) : int(qsl[b + 1])]))
         return self.model.compute_logits(h, logits_indices)
+
+    def scrub_kv_blocks(self, blocks: list[int]) -> None:
+        """Zero these KV blocks in every layer (target and draft): they held a request whose
+        activations went non-finite. Attention reads only a sequence's own positions, but a
+        kernel that weights a masked slot by zero still turns a stale NaN there into NaN
+        (0 * NaN), so NaN must not wait in a free block for the next request. Queued on the
+        step stream: a step launched ahead that still writes them runs first. Rank 0's cache
+        only under tensor parallelism."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        for k, v in chain(self.kv_caches, self.draft_kv_caches):
+            k.index_fill_(0, idx, 0)
+            v.index_fill_(0, idx, 0)
 
     def take_hidden_states(self) -> list[tuple[Request, int, torch.Tensor]]:
         """(request, first position, [n, hidden] rows) of every request the eager forwards

@@ -9,6 +9,10 @@ from typing import Any
 
 from voltserve.shared.sampling_params import SamplingParams
 
+# The token id a sampler returns for a row whose logits are not all finite (NaN or infinity):
+# never a vocabulary id, so the engine ends that request with an error instead of a token.
+NONFINITE = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -32,7 +36,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0
     # Derived from params (which do not change once a request is queued) so that per-step code
     # reads one attribute per row instead of re-deriving them every step.
@@ -53,6 +57,9 @@ class Request:
     # Structured output: the request's GrammarState (grammar_state.py) once its grammar is
     # compiled; None for an unconstrained request.
     grammar: Any = None
+    # A prompt-logprobs row of this request had non-finite logits (set by the runner): the
+    # engine ends it with an error, as its prompt logprobs cannot be sent.
+    nonfinite_prompt: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -167,6 +174,9 @@ class RequestOutput:
     # service sends the client a RequestError with this message and HTTP status.
     error: str | None = None
     error_status: int = 400
+    # The OpenAI error type and the request field it names (None: derived from the status).
+    error_type: str | None = None
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,12 @@ the device, so the fill overlaps the GPU's forward; one copy moves them to the d
 kernel (kernels/grammar_mask.py) applies them to the constrained rows only. A constrained row's
 draw still depends only on its seed and output position (the mask changes which tokens can win,
 not the noise), so seeded structured requests are batch-invariant too.
+
+Non-finite logits (a row holding NaN or infinity: activations that overflowed, most often fp16
+on a checkpoint trained in bf16) never reach a kernel that indexes by them. Each row's finiteness
+is found on the device (`finite_rows`), a non-finite row is zeroed before anything samples,
+gathers or sorts it, and its token comes back as NONFINITE in the same transfer as the other
+ids: no extra host sync. The engine ends that request with an error; the other rows go on.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.grammar_state import restrict_utf8_rows
-from voltserve.services.executor.request import Request, SampledIds, SampledToken
+from voltserve.services.executor.request import NONFINITE, Request, SampledIds, SampledToken
 
 _M64 = (1 << 64) - 1
 
@@ -37,6 +43,20 @@ def _as_int64(seed: int) -> int:
     """Any integer seed as the signed 64-bit value with the same low 64 bits."""
     s = seed & _M64
     return s - (1 << 64) if s >= 1 << 63 else s
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N] bool on the device: row i of the [N, V] logits holds no NaN or infinity. One fp32
+    reduction pass with no [N, V] intermediate (a CUDA graph captures it): a row's sum is finite
+    exactly when every element is, as long as the finite values cannot add up past fp32's range
+    (3.4e38), which fp16 values (at most 65504) over any vocabulary cannot, nor any fp32 logits
+    short of 1e32."""
+    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+
+
+def flag_nonfinite(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ids [N] with NONFINITE in the rows whose logits are not all finite."""
+    return torch.where(finite_rows(logits), ids, NONFINITE)
 
 
 @dataclass
@@ -127,25 +147,32 @@ class Sampler:
         """A decode step's tokens: row i samples reqs[i]'s next output token (output position
         len(output_token_ids)). Same result as __call__ with those SampleRows; when every row is
         plain greedy past its min_tokens, no per-row object is built at all.
-        argmax: logits.argmax(-1) already computed on the device (the decode graph does it)."""
+        argmax: logits.argmax(-1) already computed on the device, NONFINITE in non-finite rows
+        (the decode graph does it)."""
         if not plain_argmax_step(reqs):
             rows = [SampleRow(q, len(q.output_token_ids), eos_token_ids) for q in reqs]
             return self(logits, rows)
         if argmax is None:
-            argmax = logits.argmax(dim=-1)
+            argmax = flag_nonfinite(logits.argmax(dim=-1), logits)
         return SampledIds(argmax.tolist())
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         """logits: [N, V] on the device (fp32, or the model's dtype from a decode graph: the
-        adjustments, sampling and logprobs run on an fp32 copy), row i for rows[i]."""
+        adjustments, sampling and logprobs run on an fp32 copy), row i for rows[i]. fp32 logits
+        are changed in place (grammar masks, non-finite rows zeroed). A row whose logits are
+        not all finite samples NONFINITE."""
         if not rows:
             return []
         if not self.needs_full_path(rows):
             # Fast path: all greedy, nothing to adjust, no logprobs.
-            return SampledIds(logits.argmax(dim=-1).tolist())
+            return SampledIds(flag_nonfinite(logits.argmax(dim=-1), logits).tolist())
         N, V = logits.shape
         logits = logits.float()  # a no-op for fp32 logits (then work's clone is the one copy)
+        # Before the grammar mask and the bans, which put -inf in on purpose. A zeroed row
+        # samples some valid id (never an index out of range); the id is replaced below.
+        finite = finite_rows(logits)
+        logits.masked_fill_(~finite[:, None], 0.0)
         self._apply_grammar(logits, rows, V)
         work = logits.clone()
         self._apply_bias_and_bans(work, rows, V)
@@ -162,8 +189,8 @@ class Sampler:
         )
         want = [i for i, p in enumerate(ps) if p.logprobs is not None]
         if not want:
-            return [SampledToken(int(t)) for t in ids.tolist()]
-        return self._with_logprobs(logits, ids, rows, want)
+            return [SampledToken(int(t)) for t in torch.where(finite, ids, NONFINITE).tolist()]
+        return self._with_logprobs(logits, ids, finite, rows, want)
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], V: int) -> None:
         """-inf on the tokens each active grammar forbids (in place, constrained rows only).
@@ -289,18 +316,27 @@ class Sampler:
         work[pen] = sub
 
     def _with_logprobs(
-        self, logits: torch.Tensor, ids: torch.Tensor, rows: list[SampleRow], want: list[int]
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        finite: torch.Tensor,
+        rows: list[SampleRow],
+        want: list[int],
     ) -> list[SampledToken]:
+        """ids: valid in every row (a non-finite row was zeroed before sampling); `finite`
+        says which rows' tokens are NONFINITE instead."""
         sel = torch.tensor(want, dtype=torch.int64, device=logits.device)
         lp = torch.log_softmax(logits[sel], dim=-1)
         chosen = lp.gather(1, ids[sel].view(-1, 1)).squeeze(1)
         k = max(rows[i].request.params.logprobs or 0 for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         # One device -> host transfer for everything.
-        ids_l = ids.tolist()
+        ids_l = torch.where(finite, ids, NONFINITE).tolist()
         chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
         out = [SampledToken(int(t)) for t in ids_l]
         for j, i in enumerate(want):
+            if ids_l[i] == NONFINITE:
+                continue  # the request ends with an error: no logprobs to send
             n = rows[i].request.params.logprobs or 0
             out[i].logprob = float(chosen_l[j])
             out[i].top_logprobs = [

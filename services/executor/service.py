@@ -204,13 +204,14 @@ class EngineLoop:
                 continue
             gateway_id, offset, arrival = entry
             if getattr(o, "error", None) is not None:
-                # Ended with an error instead of tokens (a constraint that failed to compile):
-                # the client gets it as an error response, never a silent end.
+                # Ended with an error instead of tokens (a constraint that failed to compile,
+                # non-finite logits): the client gets an error response, never a silent end.
                 del live[rid]
                 status = o.error_status
-                kind = "internal_server_error" if status >= 500 else "invalid_request_error"
-                param = None if status >= 500 else "response_format"
-                self.emit(gateway_id, RequestError(rid, status, o.error, kind, param))
+                kind = o.error_type or (
+                    "internal_server_error" if status >= 500 else "invalid_request_error"
+                )
+                self.emit(gateway_id, RequestError(rid, status, o.error, kind, o.error_param))
                 continue
             if arrival and step_start:
                 self.queue_time.observe(max(0.0, step_start - arrival))
