@@ -118,6 +118,13 @@ STATUS_FIELDS: dict[str, tuple[str, str, str]] = {
         "counter",
         "Prefix cache hits, in terms of number of cached tokens.",
     ),
+    # Not a vLLM metric: requests ended with a 500 because the model's logits for them held
+    # NaN or infinity (activations that overflowed, usually fp16).
+    "nonfinite_requests_total": (
+        "voltserve:nonfinite_logits_requests",
+        "counter",
+        "Requests ended with an error because their logits were not finite (NaN or infinity).",
+    ),
 }
 # Speculative decoding counters (vLLM's names; present in the hash of every executor whose
 # EngineStats has them, zero without speculation). The per-position counter is carried as
@@ -435,6 +442,19 @@ class RequestMetrics:
         self.errors.labels(model_name, str(status)).inc()
 
 
+class SchedulerMetrics:
+    """The scheduler leader's counters (its --metrics-port)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        # Not a vLLM metric: the crash-loop guard (services/scheduler/failover.py).
+        self.crash_loop_failed = Counter(
+            "voltserve:crash_loop_failed_requests",
+            "Requests failed with a 500 instead of being placed again: they were in flight at "
+            "repeated executor deaths with no output in between (a crash loop).",
+            registry=registry,
+        )
+
+
 def observe_many(h: Any, samples: Iterable[tuple[float, int]]) -> None:
     """h.observe(value) `count` times for each (value, count): a request's inter-token gaps at
     its end, one bucket increment per bucket rather than one locked observation per token
@@ -505,6 +525,7 @@ def metric_names(max_model_len: int = 131072) -> set[str]:
     such as "the dashboard only uses names that exist"."""
     reg = CollectorRegistry()
     RequestMetrics(reg, max_model_len)
+    SchedulerMetrics(reg)
     reg.register(ExecutorCollector(lambda: []))
     names: set[str] = set()
     for fam in reg.collect():

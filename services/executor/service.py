@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from voltserve.services.executor import crash_hook
 from voltserve.shared import streams
 from voltserve.shared.metrics import StatusHistogram, stats_to_status
 from voltserve.shared.protocol import (
@@ -82,6 +83,7 @@ class EngineLoop:
         # vllm:request_queue_time_seconds, carried in the status hash (shared/metrics.py).
         self.queue_time = StatusHistogram("queue_time")
         self.error: BaseException | None = None
+        self._crash_marker = crash_hook.crash_marker()  # tests only: () otherwise
 
     def run(self) -> None:
         try:
@@ -191,6 +193,8 @@ class EngineLoop:
         # Third item: arrival time until the first output (a failover resend has no queue time).
         arrival = 0.0 if req.output_token_ids else req.arrival_time
         self.live[req.request_id] = [req.gateway_id, len(req.output_token_ids), arrival]
+        if self._crash_marker and crash_hook.holds(req.prompt_token_ids, self._crash_marker):
+            raise RuntimeError(f"{crash_hook.ENV}: request {req.request_id} crashes the engine")
 
     def _publish(self, outputs: list[Any], step_start: float = 0.0) -> None:
         by_gateway: dict[str, list[RequestDelta]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,20 @@ from voltserve.shared.metrics import RequestTimer
 from voltserve.shared.protocol import AbortRequest, RenderRequest, encode
 
 logger = logging.getLogger(__name__)
+
+
+# What a logprob of -infinity (a token a grammar forbids, among the top N) is sent as: JSON has
+# no infinity, and vLLM sends the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def logprob_value(value: Any) -> float:
+    """A logprob from the engine as the client gets it. NaN or +infinity cannot be a logprob
+    (the engine ends a request whose logits are not finite): refused, never written."""
+    x = float(value)
+    if math.isnan(x) or x == math.inf:
+        raise APIError(500, f"internal error: the engine sent a non-finite logprob ({x})")
+    return max(x, LOGPROB_FLOOR)
 
 
 @dataclass
@@ -253,8 +268,8 @@ class Generation:
             return None
         out = []
         for tok, lp in zip(d.token_ids, d.logprobs):
-            top = [(int(t), float(v)) for t, v in (lp.get("top") or [])]
-            out.append(TokenInfo(tok, float(lp["logprob"]), top))
+            top = [(int(t), logprob_value(v)) for t, v in (lp.get("top") or [])]
+            out.append(TokenInfo(tok, logprob_value(lp["logprob"]), top))
         return out
 
     def _count(self, st: ChoiceState, finish: str) -> None:
@@ -308,7 +323,7 @@ def _prompt_info(d: Any) -> PromptInfo:
             infos.append(None)
             ranks.append(None)
             continue
-        top = [(int(t), float(v)) for t, v in (e.get("top") or [])]
-        infos.append(TokenInfo(tok, float(e["logprob"]), top))
+        top = [(int(t), logprob_value(v)) for t, v in (e.get("top") or [])]
+        infos.append(TokenInfo(tok, logprob_value(e["logprob"]), top))
         ranks.append(int(e["rank"]))
     return PromptInfo(ids, infos, ranks)

@@ -246,7 +246,7 @@ async def _complete(
         body["prompt_logprobs"] = (
             vllm_prompt_logprobs(gw, prompts[0], as_ids) if prompts[0] is not None else None
         )
-    return web.json_response(body)
+    return web.json_response(body, dumps=sse.dumps)
 
 
 async def _stream(

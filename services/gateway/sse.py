@@ -7,12 +7,18 @@ from json.encoder import encode_basestring  # the C string escaper json.dumps us
 from typing import Any
 
 from aiohttp import web
+from voltserve.services.gateway.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Strict JSON: a NaN or infinity (which Python's json would write as a bare NaN, not JSON)
+    is refused with a 500 instead of reaching a client."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:
+        raise APIError(500, f"the response cannot be written as JSON: {e}") from e
 
 
 def event(obj: dict[str, Any]) -> bytes:

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 from voltserve.services.scheduler.admission import AdmissionQueue
 from voltserve.services.scheduler.failover import (
@@ -26,6 +27,7 @@ from voltserve.services.scheduler.failover import (
     RequestTracker,
     Tracked,
     base_id,
+    crash_loop_message,
     decode_progress,
     max_tokens_of,
 )
@@ -60,8 +62,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics.SchedulerMetrics(registry or CollectorRegistry())
         self.token = cfg.scheduler_id or f"sched-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop = asyncio.Event()
         self.is_leader = False
@@ -276,19 +279,35 @@ class Scheduler:
             executors = list(self.registry.alive.values())
             load = self.tracker.load()
             placed: list[tuple[Tracked, str]] = []
+            # Suspects (failover.py: the crash-loop guard) go one per executor; one that has to
+            # wait for such an executor lets the requests behind it pass.
+            holding: set[str] | None = None
+            held_back: list[EngineRequest] = []
             while len(self.queue):
                 req = self.queue.peek()
                 t = self.tracker.requests.get(req.request_id)
                 if t is None:  # finished while queued
                     self.queue.pop()
                     continue
-                eid = self.placement.choose(req.prompt_token_ids, executors, load)
+                pool = executors
+                if t.suspect:
+                    if holding is None:
+                        holding = self.tracker.suspect_executors()
+                    pool = [e for e in executors if e.executor_id not in holding]
+                eid = self.placement.choose(req.prompt_token_ids, pool, load)
                 if eid is None:
-                    break
+                    if pool is executors:
+                        break
+                    held_back.append(self.queue.pop())
+                    continue
                 self.queue.pop()
                 t.executor_id, t.instance = eid, self.registry.alive[eid].instance
                 load[eid] = load.get(eid, 0) + 1
                 placed.append((t, eid))
+                if t.suspect and holding is not None:
+                    holding.add(eid)
+            for req in reversed(held_back):
+                self.queue.push_front(req)
             if not placed:
                 return
             # Every placement of this pass in one round trip (a burst of arrivals is placed
@@ -362,16 +381,40 @@ class Scheduler:
             await self._resend(t)
 
     async def _resend(self, t: Tracked) -> None:
+        """t was in flight on an executor that died: place it again, unless that would repeat a
+        crash loop (failover.py)."""
         t.executor_id, t.instance = "", ""
         budget = max_tokens_of(t.req)
+        crash_loop = self.tracker.on_death(t)
         if t.aborted:
             await self._finish_here(t, "abort")
         elif budget is not None and len(t.tokens) >= budget:
             await self._finish_here(t, "length")
+        elif crash_loop:
+            await self._fail_crash_loop(t)
         else:
             await self.r.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
             self.queue.push_front(t.req)
         self.wake.set()
+
+    async def _fail_crash_loop(self, t: Tracked) -> None:
+        rid = t.req.request_id
+        logger.error(
+            "request %s was in flight at %d executor deaths in a row with no output in between: "
+            "failing it instead of placing it again",
+            rid,
+            t.deaths,
+        )
+        self.tracker.finish(rid)
+        self._remember_finished(rid)
+        self.metrics.crash_loop_failed.inc()
+        err = RequestError(rid, 500, crash_loop_message(t.deaths), type="internal_server_error")
+        async with self.r.pipeline(transaction=False) as p:
+            await streams.xadd(
+                p, streams.gw_stream(t.req.gateway_id), err, maxlen=streams.OUTPUT_MAXLEN
+            )
+            p.hdel(streams.scheduler_routes_key(), rid)
+            await p.execute()
 
     # ---- tailing the gateway output streams ----
 
@@ -416,6 +459,8 @@ class Scheduler:
                                 self._remember_finished(rid)
                         await p.execute()
                     self.wake.set()
+                if self.tracker.take_suspect_cleared():
+                    self.wake.set()  # an executor may take the next suspect
         finally:
             await tail_r.aclose()
 
@@ -448,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     setup_logging("scheduler", args.log_level, args.log_json)
-    metrics.serve_process_metrics(args.metrics_port)
+    registry = metrics.serve_process_metrics(args.metrics_port)
     sched = Scheduler(
         SchedulerConfig(
             redis_url=args.redis_url,
@@ -457,7 +502,8 @@ def main(argv: list[str]) -> None:
             registry_interval_s=args.registry_interval,
             executor_queue_factor=args.executor_queue_factor,
             scheduler_id=args.scheduler_id,
-        )
+        ),
+        registry,
     )
 
     startup.freeze_heap()
