@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from voltserve.kernels import compile_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor import kernel_warmup
+from voltserve.services.executor import kernel_warmup, layer_trace
 from voltserve.services.executor.decode_pipeline import (
     DecodePipeline,
     pipeline_enabled,
@@ -270,6 +270,8 @@ class ModelRunner:
             raise
         self.model = loaded.model
         self.arch = loaded.arch
+        if layer_trace.enabled():
+            layer_trace.install(self.model)
         # Speculation with a draft model or an EAGLE head: loaded beside the target, before KV
         # sizing, so its weights and its KV cache (the target's block layout) count against the
         # memory. Either has .model and .arch.
@@ -300,7 +302,10 @@ class ModelRunner:
         self.block_size: int = config.block_size
         self.max_model_len: int = self._resolve_max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # Graph replays run no hooks: the layer trace needs every step eager.
+        use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and not layer_trace.enabled()
+        )
         self.ops = KernelDispatch(
             self.device, self.dtype, self.block_size, graph_torch_fallback=use_graphs
         )
