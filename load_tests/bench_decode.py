@@ -21,8 +21,9 @@ floor adds the KV bytes read at that context to the weight bytes.
     python load_tests/bench_decode.py --preset tiny --device cpu --prompt-len 32 --output-len 8
 
 A quantized --model-dir is served as it is (with --skip-transformers), its floor counted from
-the bytes it stores: an AWQ / GPTQ folder (make_awq_checkpoint.py) or a GGUF file or the folder
-holding it (make_gguf_checkpoint.py; --preset still names the shape, for the KV bytes):
+the bytes it stores: an AWQ / GPTQ folder (make_awq_checkpoint.py; --preset still names the
+shape, for the KV bytes) or a GGUF file or the folder holding it (make_gguf_checkpoint.py, or any
+GGUF: its metadata gives the shape and the vocabulary, whatever --preset says):
     python load_tests/bench_decode.py --preset llama3-8b --skip-transformers --runs 3 --warmup 1 \
         --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf
 """
@@ -442,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     quantized = bool(args.model_dir) and quantized_checkpoint(Path(args.model_dir))
     if quantized and not args.skip_transformers:
         raise SystemExit("a quantized --model-dir needs --skip-transformers")
+    gguf = quantized and gguf_checkpoint_files(Path(args.model_dir)) is not None
+    if gguf:
+        from load_tests.common import gguf_config
+
+        config = gguf_config(Path(args.model_dir))
     wbytes = (
         checkpoint_read_bytes(Path(args.model_dir)) if quantized else weight_bytes(config, dtype)
     )
@@ -458,11 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_bytes_per_token": kv_tok,
             "vocab_size": config.vocab_size,
             "quantized": quantized,
-            "format": (
-                "gguf"
-                if quantized and gguf_checkpoint_files(Path(args.model_dir))
-                else "safetensors"
-            ),
+            "format": "gguf" if gguf else "safetensors",
         },
         "errors": {},
     }

@@ -4,6 +4,7 @@ OpenAI-compatible server and reports throughput and TTFT / TPOT / ITL / end-to-e
 Targets:
   --base-url URL            a server that is already running
   --launch MODEL_DIR        start `voltserve serve` on a free port, wait for /health, stop it after
+                            (a Hugging Face folder, or a GGUF file or the folder holding it)
   --preset NAME             write a random-weight checkpoint of that shape (--model-dir or a temp
                             folder), then launch it as above
 Extra `voltserve serve` flags go in --serve-args "..." or after a bare `--`.
@@ -100,17 +101,37 @@ class Prompt:
     text: str | None = None  # set for --prompt-type text
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer the server uses: the folder's, or the one a GGUF file's metadata holds."""
+    from voltserve.services.renderer.render import load_tokenizer as server_tokenizer
+
+    return server_tokenizer(str(model_dir))
+
+
 def model_vocab_size(model_dir: Path) -> int:
-    """Ids every part of the stack accepts: the model's vocab, cut to the tokenizer's size."""
+    """Ids every part of the stack accepts: the model's vocab, cut to the tokenizer's size (a
+    GGUF file's vocabulary is its tokenizer's)."""
+    from voltserve.shared.gguf_files import is_gguf
+
+    if is_gguf(model_dir):
+        return len(load_tokenizer(model_dir))
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
     try:
-        from transformers import AutoTokenizer
-
-        vocab = min(vocab, len(AutoTokenizer.from_pretrained(str(model_dir))))
+        vocab = min(vocab, len(load_tokenizer(model_dir)))
     except Exception as e:  # a folder without a tokenizer: the config's vocab is all we know
         logger.warning("no tokenizer in %s (%s); using the config vocab %d", model_dir, e, vocab)
     return vocab
+
+
+def hf_pretrained(model_dir: Path) -> tuple[str, dict[str, Any]]:
+    """from_pretrained's path and keyword arguments for a folder or a GGUF file."""
+    from voltserve.shared.gguf_files import gguf_files
+
+    files = gguf_files(model_dir)
+    if files is None:
+        return str(model_dir), {}
+    return str(files[0].parent), {"gguf_file": files[0].name}
 
 
 def random_ids(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
@@ -155,9 +176,7 @@ def build_warmup(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
 
 def add_text(prompts: list[Prompt], model_dir: Path) -> None:
     """Text prompts: decode the ids, then count the tokens the server will actually see."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     for p in prompts:
         p.text = tok.decode(p.token_ids)
         p.token_ids = tok(p.text, add_special_tokens=False).input_ids
@@ -594,7 +613,8 @@ def run_transformers(
 
     sys_dtype = _torch_dtype(dtype_spec, device)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=sys_dtype).to(device).eval()
+    path, kw = hf_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=sys_dtype, **kw).to(device).eval()
     load_s = time.perf_counter() - t
     pad = model.config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
@@ -797,7 +817,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     tgt.add_argument("--preset", choices=sorted(PRESETS), help="random-weight checkpoint to launch")
     tgt.add_argument(
         "--model-dir",
-        help="checkpoint folder: for --preset (written if absent), "
+        help="checkpoint folder (or GGUF file): for --preset (written if absent), "
         "--engine-only, --transformers-baseline and the vocabulary",
     )
     tgt.add_argument("--keep-model", action="store_true", help="keep a --preset temp checkpoint")
@@ -891,6 +911,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.text_tokenizer:
         if model_dir is None:
             raise SystemExit("--text-tokenizer needs the model folder (--launch or --preset)")
+        from voltserve.shared.gguf_files import is_gguf
+
+        if is_gguf(model_dir):
+            raise SystemExit("--text-tokenizer needs a Hugging Face folder, not a GGUF file")
         from load_tests.common import with_text_tokenizer
 
         model_dir = with_text_tokenizer(model_dir)

@@ -455,6 +455,16 @@ def gguf_checkpoint_files(path: Path) -> list[Path] | None:
     return gguf_files(path)
 
 
+def gguf_config(path: Path):
+    """The transformers config of a GGUF checkpoint's shape, from its metadata (as the executor
+    reads it): layers, heads, vocabulary."""
+    from transformers import AutoConfig
+    from voltserve.services.executor.gguf_source import GGUFSource
+
+    cfg = dict(GGUFSource(path).config)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
 def quantized_checkpoint(path: Path) -> bool:
     """True when `path` holds a checkpoint whose config.json names a quantization method (an
     AWQ folder from make_awq_checkpoint.py, say) or a GGUF file (make_gguf_checkpoint.py):
