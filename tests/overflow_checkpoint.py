@@ -1,14 +1,16 @@
 """A tiny qwen2 checkpoint whose fp16 activations overflow on one token, and on no other.
 
 What a bf16-trained checkpoint served in fp16 does on some inputs, built on purpose: the fp32
-checkpoint is finite everywhere; in fp16 the residual stream of any sequence holding POISON
-passes 65504 in layer 0, becomes infinity there and NaN from layer 1's norm on, which the
-attention carries to every later position of that sequence (and to no other sequence).
+checkpoint is finite everywhere; in fp16 the residual stream at POISON's position passes 65504
+in layer `layer` and becomes infinity, then NaN at the next norm. Overflowing in layer 0, it
+reaches layer 1's keys and values, so the attention carries NaN to every later position of that
+sequence (and to no other sequence); overflowing in the last layer, only POISON's own logits row
+is NaN (a prompt-logprobs row, when POISON is not the last prompt token).
 
-How (hidden dim 0 of layer 0 holds POISON alone):
+How (hidden dim 0 holds POISON alone):
 - POISON's embedding is 40000 on dim 0 and 0 elsewhere; every other embedding is 0 on dim 0,
-  and layer 0's attention writes nothing there, so only POISON's residual has a dim 0.
-- MLP neuron 0 of layer 0 computes silu(x0) * x0 of the normed dim 0 (8 for POISON, 0 for any
+  and no attention or MLP up to `layer` writes there, so only POISON's residual has a dim 0.
+- MLP neuron 0 of `layer` computes silu(x0) * x0 of the normed dim 0 (8 for POISON, 0 for any
   other token) and writes 1000 times it to dim 0: 64000 more for POISON (over 65504 in all),
   exactly 0 for the others.
 - POISON's lm_head row is 0, so no request generates it (the tests check their references).
@@ -19,20 +21,24 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from checkpoints import TINY, _root, tokenizer
+from tests.checkpoints import TINY, _root, tokenizer
 
 POISON = 300  # a plain token of tests/checkpoints.py's 384-token vocabulary
 
 
+LAYERS = TINY["num_hidden_layers"]
+
+
 @functools.cache
-def overflow_checkpoint() -> Path:
-    """Folder of the checkpoint (fp32 safetensors; cached per session; do not modify it)."""
+def overflow_checkpoint(layer: int = 0) -> Path:
+    """Folder of the checkpoint overflowing in `layer` (fp32 safetensors; cached per session; do
+    not modify it)."""
     import torch
     from safetensors.torch import load_file, save_file
     from voltserve.services.executor.demo_model import write_checkpoint
 
     out = write_checkpoint(
-        _root() / "qwen2-fp16-overflow",
+        _root() / f"qwen2-fp16-overflow-{layer}",
         arch="qwen2",
         size="tiny",
         seed=11,
@@ -45,14 +51,16 @@ def overflow_checkpoint() -> Path:
     emb[:, 0] = 0.0
     emb[POISON] = 0.0
     emb[POISON, 0] = 40000.0
-    layer = "model.layers.0."
-    w[f"{layer}self_attn.o_proj.weight"][0] = 0.0
+    for i in range(layer + 1):
+        w[f"model.layers.{i}.self_attn.o_proj.weight"][0] = 0.0
+        w[f"model.layers.{i}.mlp.down_proj.weight"][0] = 0.0
+    pre = f"model.layers.{layer}."
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        w[f"{layer}{norm}.weight"][0] = 1.0
-    gate, up = w[f"{layer}mlp.gate_proj.weight"], w[f"{layer}mlp.up_proj.weight"]
+        w[f"{pre}{norm}.weight"][0] = 1.0
+    gate, up = w[f"{pre}mlp.gate_proj.weight"], w[f"{pre}mlp.up_proj.weight"]
     gate[0], up[0] = 0.0, 0.0
     gate[0, 0], up[0, 0] = 1.0, 1.0
-    down = w[f"{layer}mlp.down_proj.weight"]
+    down = w[f"{pre}mlp.down_proj.weight"]
     down[:, 0] = 0.0
     down[0, 0] = 1000.0
     w["lm_head.weight"][POISON] = 0.0
