@@ -13,7 +13,9 @@ How (hidden dim 0 holds POISON alone):
 - MLP neuron 0 of `layer` computes silu(x0) * x0 of the normed dim 0 (8 for POISON, 0 for any
   other token) and writes 1000 times it to dim 0: 64000 more for POISON (over 65504 in all),
   exactly 0 for the others.
-- POISON's lm_head row is 0, so no request generates it (the tests check their references).
+- Every other token's embedding holds 0.08 on dim 1, which no layer writes to, so dim 1 of the
+  final norm's output is positive at every position but POISON's; POISON's lm_head row reads
+  -200 times it, a logit of about -50: no request samples POISON, at any temperature.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def overflow_checkpoint(layer: int = 0) -> Path:
     w = load_file(path)
     emb = w["model.embed_tokens.weight"]
     emb[:, 0] = 0.0
+    emb[:, 1] = 0.08
     emb[POISON] = 0.0
     emb[POISON, 0] = 40000.0
-    for i in range(layer + 1):
-        w[f"model.layers.{i}.self_attn.o_proj.weight"][0] = 0.0
-        w[f"model.layers.{i}.mlp.down_proj.weight"][0] = 0.0
+    for i in range(LAYERS):
+        rows = slice(0, 2) if i <= layer else slice(1, 2)
+        w[f"model.layers.{i}.self_attn.o_proj.weight"][rows] = 0.0
+        w[f"model.layers.{i}.mlp.down_proj.weight"][rows] = 0.0
     pre = f"model.layers.{layer}."
     for norm in ("input_layernorm", "post_attention_layernorm"):
         w[f"{pre}{norm}.weight"][0] = 1.0
@@ -63,7 +67,9 @@ def overflow_checkpoint(layer: int = 0) -> Path:
     down = w[f"{pre}mlp.down_proj.weight"]
     down[:, 0] = 0.0
     down[0, 0] = 1000.0
-    w["lm_head.weight"][POISON] = 0.0
+    head = w["lm_head.weight"]
+    head[POISON] = 0.0
+    head[POISON, 1] = -200.0
     save_file({k: v.contiguous() for k, v in w.items()}, path, metadata={"format": "pt"})
     assert all(torch.isfinite(v).all() for v in w.values())
     return out
