@@ -205,8 +205,8 @@ async def test_a_request_in_flight_at_two_executor_deaths_is_failed(crash_stack,
     s = crash_stack
     c = _client(s)
     prompts = [_prompt(rng, rng.randint(3, 30)) for _ in range(3)]
-    ref = await asyncio.gather(*(_complete(c, p, 150, True, 0) for p in prompts))
-    assert all(f == "length" and len(t) == 150 for t, f, _ in ref)
+    ref = await asyncio.gather(*(_complete(c, p, 300, True, 0) for p in prompts))
+    assert all(f == "length" and len(t) == 300 for t, f, _ in ref)
     sup = Supervisor(s)
     watch = asyncio.create_task(sup.run())
     try:
@@ -216,7 +216,7 @@ async def test_a_request_in_flight_at_two_executor_deaths_is_failed(crash_stack,
             await c.completions.create(
                 model="tiny",
                 prompt=p,
-                max_tokens=150,
+                max_tokens=300,
                 temperature=0,
                 stream=True,
                 logprobs=0,
@@ -251,5 +251,8 @@ async def test_a_request_in_flight_at_two_executor_deaths_is_failed(crash_stack,
         assert sup.deaths == ["executor-0", "executor-0"]
         metrics = f"http://127.0.0.1:{s.metrics_port}/metrics"
         assert _metric(metrics, "voltserve:crash_loop_failed_requests_total") == 1
+        # The first death took bystanders down with the marked request (they were in flight).
+        moved = re.findall(r"failing over (\d+) request", s.logs("scheduler-0", tail=100_000))
+        assert len(moved) == 2 and int(moved[0]) > 1, moved
     finally:
         watch.cancel()
