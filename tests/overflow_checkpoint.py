@@ -15,7 +15,11 @@ How (hidden dim 0 holds POISON alone):
   exactly 0 for the others.
 - Every other token's embedding holds 0.08 on dim 1, which no layer writes to, so dim 1 of the
   final norm's output is positive at every position but POISON's; POISON's lm_head row reads
-  -200 times it, a logit of about -50: no request samples POISON, at any temperature.
+  -200 times it, a logit of about -50: no request samples POISON, at any temperature...
+- ...except right after TRIGGER, whose embedding holds -0.08 there: at TRIGGER's position the
+  logit is about +50 and greedy decoding picks POISON, so a prompt ending in TRIGGER gets one
+  finite token (POISON) and then non-finite logits, mid-stream. TRIGGER's own lm_head row reads
+  -100 times dim 1: never sampled either.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from tests.checkpoints import TINY, _root, tokenizer
 
 POISON = 300  # a plain token of tests/checkpoints.py's 384-token vocabulary
+TRIGGER = 302
 
 
 LAYERS = TINY["num_hidden_layers"]
@@ -54,6 +59,7 @@ def overflow_checkpoint(layer: int = 0) -> Path:
     emb[:, 1] = 0.08
     emb[POISON] = 0.0
     emb[POISON, 0] = 40000.0
+    emb[TRIGGER, 1] = -0.08
     for i in range(LAYERS):
         rows = slice(0, 2) if i <= layer else slice(1, 2)
         w[f"model.layers.{i}.self_attn.o_proj.weight"][rows] = 0.0
@@ -70,6 +76,8 @@ def overflow_checkpoint(layer: int = 0) -> Path:
     head = w["lm_head.weight"]
     head[POISON] = 0.0
     head[POISON, 1] = -200.0
+    head[TRIGGER] = 0.0
+    head[TRIGGER, 1] = -100.0
     save_file({k: v.contiguous() for k, v in w.items()}, path, metadata={"format": "pt"})
     assert all(torch.isfinite(v).all() for v in w.values())
     return out

@@ -18,7 +18,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint, tokenizer
-from tests.overflow_checkpoint import LAYERS, POISON, overflow_checkpoint
+from tests.overflow_checkpoint import LAYERS, POISON, TRIGGER, overflow_checkpoint
 
 CPU = torch.device("cpu")
 V = 257
@@ -100,8 +100,8 @@ def _engine(dtype: str, layer: int = 0, **kw) -> LLMEngine:
 
 
 def _prompt(rng, n: int, poison_at: int | None = None) -> list[int]:
-    ids = [rng.randrange(3, len(tokenizer())) for _ in range(n)]
-    ids = [t if t != POISON else POISON + 1 for t in ids]
+    plain = [t for t in range(3, len(tokenizer())) if t not in (POISON, TRIGGER)]
+    ids = [rng.choice(plain) for _ in range(n)]
     if poison_at is not None:
         ids[poison_at] = POISON
     return ids

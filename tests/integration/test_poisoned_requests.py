@@ -26,7 +26,7 @@ import redis
 from voltserve.services.executor.crash_hook import ENV as CRASH_ENV
 from voltserve.shared import streams
 
-from tests.overflow_checkpoint import POISON, overflow_checkpoint
+from tests.overflow_checkpoint import POISON, TRIGGER, overflow_checkpoint
 from tests.ports import free_port
 
 from .conftest import Stack
@@ -36,7 +36,8 @@ MARK = POISON + 1  # the prompt token that crashes the engine in the crash-loop 
 
 
 def _prompt(rng, n: int, poison_at: int | None = None) -> list[int]:
-    ids = [rng.choice([t for t in range(3, VOCAB) if t not in (POISON, MARK)]) for _ in range(n)]
+    plain = [t for t in range(3, VOCAB) if t not in (POISON, MARK, TRIGGER)]
+    ids = [rng.choice(plain) for _ in range(n)]
     if poison_at is not None:
         ids[poison_at] = POISON
     return ids
@@ -88,6 +89,20 @@ def _metric(url: str, name: str) -> float:
         text = resp.read().decode()
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.M)
     return sum(float(v) for v in pattern.findall(text))
+
+
+def _sse_events(stack: Stack, prompt: list[int]) -> list[str]:
+    """The `data:` payloads of one streamed greedy completion, read raw."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    req = urllib.request.Request(
+        stack.base_url() + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+        lines = resp.read().decode().splitlines()
+    return [ln.removeprefix("data: ") for ln in lines if ln.startswith("data: ")]
 
 
 async def _until(cond, timeout: float, what: str) -> None:
@@ -159,10 +174,16 @@ async def test_nonfinite_requests_get_an_error_and_the_batch_goes_on(fp16_stack,
     body = json.loads(e.value.read(), parse_constant=lambda x: pytest.fail(f"bare {x} in JSON"))
     assert "non-finite" in body["error"]["message"]
     # The executor never died, and it counted every poisoned request.
+    # Mid-stream: one finite token (POISON, right after TRIGGER), then an error event, [DONE].
+    events = await asyncio.to_thread(_sse_events, s, _prompt(rng, rng.randint(1, 20)) + [TRIGGER])
+    assert events[-1] == "[DONE]", events
+    first, error = json.loads(events[0]), json.loads(events[-2])
+    assert first["choices"][0]["finish_reason"] is None and first["choices"][0]["text"]
+    assert "non-finite" in error["error"]["message"] and error["error"]["code"] == 500
     s.check_alive()
     assert _instance(s, "executor-0") == instance
     name = "voltserve:nonfinite_logits_requests_total"
-    await _until(lambda: _metric(s.base_url() + "/metrics", name) == len(poisoned) + 1, 10, name)
+    await _until(lambda: _metric(s.base_url() + "/metrics", name) == len(poisoned) + 2, 10, name)
 
 
 # ---- the crash-loop guard ----------------------------------------------------------------------
