@@ -63,9 +63,10 @@ async def _complete(c, prompt, max_tokens, stream: bool, logprobs: int = 0):
     tokens: list[int] = []
     lps: list[float] = []
     finish = None
-    chunks = [await c.completions.create(**kw)] if not stream else None
     if stream:
         chunks = [ch async for ch in await c.completions.create(stream=True, **kw)]
+    else:
+        chunks = [await c.completions.create(**kw)]
     for ch in chunks:
         for choice in ch.choices:
             finish = choice.finish_reason or finish
@@ -207,23 +208,24 @@ class Supervisor:
 
 @pytest.fixture
 def crash_stack(tiny_model, tmp_path):
+    """(the stack, its scheduler's metrics port)."""
     s = Stack(tiny_model, tmp_path)
     s.env[CRASH_ENV] = str(MARK)
-    s.metrics_port = free_port()
+    port = free_port()
     try:
-        s.add_scheduler("scheduler-0", "--metrics-port", str(s.metrics_port))
+        s.add_scheduler("scheduler-0", "--metrics-port", str(port))
         s.add_renderer()
         s.add_executor()
         s.add_gateway()
         s.wait_ready()
-        yield s
+        yield s, port
     finally:
         s.stop()
 
 
 @pytest.mark.slow  # two executor restarts
 async def test_a_request_in_flight_at_two_executor_deaths_is_failed(crash_stack, rng) -> None:
-    s = crash_stack
+    s, metrics_port = crash_stack
     c = _client(s)
     prompts = [_prompt(rng, rng.randint(3, 30)) for _ in range(3)]
     ref = await asyncio.gather(*(_complete(c, p, 300, True, 0) for p in prompts))
@@ -270,7 +272,7 @@ async def test_a_request_in_flight_at_two_executor_deaths_is_failed(crash_stack,
         again = await _complete(c, prompts[0], 5, False)
         assert again[0] == ref[0][0][:5]
         assert sup.deaths == ["executor-0", "executor-0"]
-        metrics = f"http://127.0.0.1:{s.metrics_port}/metrics"
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         assert _metric(metrics, "voltserve:crash_loop_failed_requests_total") == 1
         # The first death took bystanders down with the marked request (they were in flight).
         moved = re.findall(r"failing over (\d+) request", s.logs("scheduler-0", tail=100_000))
