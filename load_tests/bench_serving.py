@@ -101,24 +101,33 @@ class Prompt:
     text: str | None = None  # set for --prompt-type text
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    """The tokenizer the server uses: the folder's, or the one a GGUF file's metadata holds."""
+def load_tokenizer(model_dir: Path, serve_args: list[str]) -> Any:
+    """The tokenizer the server uses: `voltserve serve --tokenizer` among serve_args, else the
+    folder's, or the one a GGUF file's metadata holds."""
+    from voltserve.services.launcher import build_parser
     from voltserve.services.renderer.render import load_tokenizer as server_tokenizer
 
-    return server_tokenizer(str(model_dir))
+    tokenizer = build_parser().parse_known_args(["--model", "-", *serve_args])[0].tokenizer
+    return server_tokenizer(str(model_dir), tokenizer)
 
 
-def model_vocab_size(model_dir: Path) -> int:
+def model_vocab_size(model_dir: Path, serve_args: list[str]) -> int:
     """Ids every part of the stack accepts: the model's vocab, cut to the tokenizer's size (a
     GGUF file's vocabulary is its tokenizer's)."""
     from voltserve.shared.gguf_files import is_gguf
 
     if is_gguf(model_dir):
-        return len(load_tokenizer(model_dir))
+        try:
+            return len(load_tokenizer(model_dir, serve_args))
+        except Exception as e:
+            raise SystemExit(
+                f"no tokenizer for {model_dir} ({e}): give --vocab-size, or the server's "
+                "tokenizer folder as --serve-args '--tokenizer DIR'"
+            ) from e
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
     try:
-        vocab = min(vocab, len(load_tokenizer(model_dir)))
+        vocab = min(vocab, len(load_tokenizer(model_dir, serve_args)))
     except Exception as e:  # a folder without a tokenizer: the config's vocab is all we know
         logger.warning("no tokenizer in %s (%s); using the config vocab %d", model_dir, e, vocab)
     return vocab
@@ -174,9 +183,9 @@ def build_warmup(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
     ]
 
 
-def add_text(prompts: list[Prompt], model_dir: Path) -> None:
+def add_text(prompts: list[Prompt], model_dir: Path, serve_args: list[str]) -> None:
     """Text prompts: decode the ids, then count the tokens the server will actually see."""
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir, serve_args)
     for p in prompts:
         p.text = tok.decode(p.token_ids)
         p.token_ids = tok(p.text, add_special_tokens=False).input_ids
@@ -938,7 +947,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     if args.vocab_size:
         vocab = args.vocab_size
     elif model_dir:
-        vocab = model_vocab_size(model_dir)
+        vocab = model_vocab_size(model_dir, args.serve_args)
     else:
         raise SystemExit("against --base-url, give --vocab-size or --model-dir")
     prompts = build_dataset(args, vocab)
@@ -946,8 +955,8 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     if args.prompt_type == "text":
         if not model_dir:
             raise SystemExit("--prompt-type text needs the model folder (--model-dir)")
-        add_text(prompts, model_dir)
-        add_text(warmup, model_dir)
+        add_text(prompts, model_dir, args.serve_args)
+        add_text(warmup, model_dir, args.serve_args)
     arrivals = arrival_times(len(prompts), args.request_rate, args.seed)
     # --compare-structured: the constrained run gets prompts of its own (same lengths, other
     # ids): on the plain run's prompts every request would hit the prefix cache and the
@@ -958,7 +967,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
             argparse.Namespace(**{**vars(args), "seed": args.seed + 2_000_003}), vocab
         )
         if args.prompt_type == "text":
-            add_text(alt_prompts, model_dir)
+            add_text(alt_prompts, model_dir, args.serve_args)
     result["model_dir"] = str(model_dir) if model_dir else None
     result["dataset"] = {
         "name": args.dataset,
