@@ -77,12 +77,18 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def builds():
+def builds(request):
     kept = os.environ.get("VOLTSERVE_REAL_SHAPES_DIR")
     root = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="voltserve-real-shapes-"))
     root.mkdir(parents=True, exist_ok=True)
     b = rs.Builds(root, workers=6)
-    b.start(CASES)
+    # Only the cases this run selected (-k): the others' checkpoints would compete for the CPU.
+    chosen = {
+        (item.callspec.params["shape"], item.callspec.params["fmt"])
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    b.start([case for case in CASES if case in chosen])
     try:
         yield b
     finally:
