@@ -38,8 +38,9 @@ pkg_install = if $(UV) --version >/dev/null 2>&1; then \
 	else $(PIP_ENV) $(PIP) install -q $(1); fi
 # Two steps: first what the kernels import (enough for `voltserve check-kernels` run from the
 # checkout), then the rest; `make test` compiles the kernels while the rest is installed. Both
-# take their versions from the lock; voltserve itself goes in editable and without dependencies
-# (the lock holds them all, so nothing unlocked can come in with it).
+# take their versions from the lock; voltserve itself goes in with the first, editable and
+# without dependencies (the lock holds them all, so nothing unlocked can come in with it), so the
+# compile check imports it as `voltserve.*` from the install, not from the working directory.
 # LATEST=1 (`make test-latest`) installs the newest release of every dependency within
 # pyproject.toml's ranges instead, torch excepted (its CPU build is not on PyPI).
 KERNEL_DEPS := torch numba-cuda[cu12] numpy cffi
@@ -59,11 +60,11 @@ $(PY):
 
 $(VENV)/.kernel-deps: pyproject.toml $(LOCK) | $(PY)
 	$(call pkg_install,$(KERNEL_SPECS))
+	$(call pkg_install,--no-deps -e .)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.kernel-deps
 	$(call pkg_install,$(PROJECT_SPECS))
-	$(call pkg_install,--no-deps -e .)
 	echo "$(INSTALLED_FROM)" >$@
 
 install: $(VENV)/.installed
