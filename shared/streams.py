@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from voltserve.shared import broker
 from voltserve.shared.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
@@ -98,17 +99,11 @@ def scheduler_routes_key() -> str:
 # ---- basic operations -----------------------------------------------------------------------
 
 
-def connect(url: str, max_connections: int = 512) -> aioredis.Redis:
-    """A client whose pool makes a burst of commands wait for a free connection (up to 30 s)
-    instead of failing with "Too many connections" (a gateway with hundreds of streams open)."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=30,
-        decode_responses=False,  # payloads are msgpack bytes
-        health_check_interval=10,
-    )
-    return aioredis.Redis.from_pool(pool)
+def connect(
+    url: str, max_connections: int = 512, outage_timeout_s: float | None = None
+) -> aioredis.Redis:
+    """A client that rides out a broker outage (shared/broker.py: connect)."""
+    return broker.connect(url, outage_timeout_s=outage_timeout_s, max_connections=max_connections)
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start_id: str = "0") -> None:
@@ -209,17 +204,27 @@ async def consume(
     A handler that raises is logged loudly and its message is acked anyway: a poison message
     must not be redelivered forever. Malformed payloads are treated the same way. Delivery is
     at-least-once, so handlers must be idempotent by request id.
+
+    With a client from connect(), a broker outage pauses the loop (shared/broker.py); once the
+    broker is back the group is re-created if it lost it, and our own pending messages are
+    handled again (acknowledgements sent just before the outage may be lost with it).
     """
     stop = stop or asyncio.Event()
     claim_idle_ms = default_claim_idle_ms() if claim_idle_ms is None else claim_idle_ms
     if claim_interval_s is None:
         claim_interval_s = max(0.1, claim_idle_ms / 2000)
+    link = broker.link_of(r)
+    epoch = link.epoch if link is not None else 0
     await ensure_group(r, stream, group)
     # First re-handle our own pending messages (a restart with the same consumer name).
-    own_pending_id = "0"
+    own_pending_id: str | bytes | None = "0"
     next_claim = time.monotonic()
     while not stop.is_set():
         try:
+            if link is not None and link.epoch != epoch:
+                epoch = link.epoch
+                await ensure_group(r, stream, group)
+                own_pending_id = "0"
             if own_pending_id is not None:
                 resp = await r.xreadgroup(group, consumer, {stream: own_pending_id}, count=count)
                 entries = resp[0][1] if resp else []
@@ -242,7 +247,7 @@ async def consume(
             resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
             if resp:
                 await _handle_all(r, stream, group, handler, resp[0][1], after_batch, batch)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, broker.BrokerGone):
             raise
         except ResponseError as e:
             if "NOGROUP" in str(e):

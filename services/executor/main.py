@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 
-from voltserve.shared import startup
+from voltserve.shared import broker, startup
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
@@ -76,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--executor-id",
         default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
     )
-    p.add_argument(
-        "--redis-url", default=os.environ.get("VOLTSERVE_REDIS_URL", "redis://localhost:6379")
-    )
+    broker.add_broker_flags(p)
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     p.add_argument(
         "--heartbeat-ttl",
@@ -171,6 +169,7 @@ def service_config(args: argparse.Namespace):
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_ttl_s=args.heartbeat_ttl,
         max_num_seqs=args.max_num_seqs,
+        redis_outage_timeout_s=args.redis_outage_timeout,
     )
 
 

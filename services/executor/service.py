@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from voltserve.services.executor import crash_hook
-from voltserve.shared import streams
+from voltserve.shared import broker, streams
 from voltserve.shared.metrics import StatusHistogram, stats_to_status
 from voltserve.shared.protocol import (
     AbortRequest,
@@ -54,6 +54,7 @@ class ServiceConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
     max_num_seqs: int = 256
+    redis_outage_timeout_s: float = broker.DEFAULT_OUTAGE_TIMEOUT_S
 
 
 def _logprobs_to_wire(sampled: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -339,7 +340,9 @@ class ExecutorService:
         aloop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         self.loop_.emit = self._emit_threadsafe(aloop)
-        r = streams.connect(self.cfg.redis_url)
+        # Every command below rides out a broker outage (shared/broker.py): the engine keeps
+        # stepping, its outputs queue up in the outbox and go out, in order, once it is back.
+        r = streams.connect(self.cfg.redis_url, outage_timeout_s=self.cfg.redis_outage_timeout_s)
         # A previous incarnation's queue was failed over by the scheduler: start from a clean
         # stream so its requests are not run twice.
         await r.delete(self._stream)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
 from voltserve.services.gateway import anthropic_errors, params, protocol_routes, routes, web_ui
 from voltserve.services.gateway.auth import check_api_key
 from voltserve.services.gateway.body_limits import check_content_length, too_large
+from voltserve.services.gateway.broker_outage import LostRequestWatch, unavailable
 from voltserve.services.gateway.errors import APIError, bad_request
 from voltserve.services.gateway.state import GatewayState
 from voltserve.services.renderer.render import RenderFailed
-from voltserve.shared import streams
+from voltserve.shared import broker, streams
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +32,10 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         check_api_key(request, gw.api_key)
         check_content_length(request, gw.max_request_bytes)
-        resp = await handler(request)
+        # Reads (/health, /v1/models, /metrics) answer at once while the broker is away.
+        reading = request.method in ("GET", "HEAD")
+        with broker.fail_fast() if reading else contextlib.nullcontext():
+            resp = await handler(request)
         status = 499 if request.get(routes.CLIENT_GONE) else resp.status
         return resp
     except APIError as e:
@@ -38,6 +44,9 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         if e.status == 413:
             resp.force_close()  # the rest of the body is not read: this connection is done
         return resp
+    except RedisConnectionError as e:
+        status = 503
+        return unavailable(gw.redis, e).response()
     except web.HTTPException as e:
         status = e.status
         if e.status == 413:  # a chunked body past the app's client_max_size
@@ -76,7 +85,19 @@ async def executors_ready(gw: GatewayState, app: web.Application) -> bool:
 
 async def health(request: web.Request) -> web.Response:
     gw: GatewayState = request.app["gw"]
-    if not await executors_ready(gw, request.app):
+    link = broker.link_of(gw.redis)
+    try:
+        ready = await executors_ready(gw, request.app)
+    except broker.BrokerUnavailable:
+        ready = False
+    if link is not None and link.down:
+        body = {
+            "status": "broker_unavailable",
+            "message": link.unavailable_message(),
+            "broker": link.status(),
+        }
+        return web.json_response(body, status=503)
+    if not ready:
         return web.json_response({"status": "starting"}, status=503)
     return web.json_response({"status": "ok"})
 
@@ -187,6 +208,7 @@ async def _background(app: web.Application) -> Any:
     tasks = [
         asyncio.create_task(gw.dispatcher.run(stop)),
         asyncio.create_task(_heartbeat(gw, stop)),
+        asyncio.create_task(LostRequestWatch(gw.redis, gw.dispatcher).run(stop)),
     ]
     yield
     stop.set()

@@ -1,5 +1,7 @@
 """Reads this gateway's output stream (plain XREAD) and hands each request's deltas to the HTTP
-handler waiting for it. Repeats (redelivery, failover) are dropped by output offset."""
+handler waiting for it. Repeats (redelivery, failover) are dropped by output offset; a gap (output
+the broker lost in a restart, or history trimmed before it was read) ends the request with an
+error instead of streaming text with a hole in it."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class Handle:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Next expected output position of each choice.
     next_offset: list[int] = field(default_factory=list)
+    # Deltas and errors received (broker_outage.LostRequestWatch: is it still moving?).
+    events: int = 0
 
     def __post_init__(self) -> None:
         self.next_offset = [0] * self.n
@@ -99,6 +103,7 @@ class OutputDispatcher:
         if found is None:
             return
         h, i = found
+        h.events += 1
         skip = h.next_offset[i] - d.output_offset
         if skip > 0:
             # Tokens we already have (a repeat after redelivery or failover).
@@ -108,20 +113,27 @@ class OutputDispatcher:
             if d.logprobs is not None:
                 d.logprobs = d.logprobs[skip:]
         elif skip < 0:
-            logger.warning(
-                "gap in %s: expected offset %d, got %d",
-                d.request_id,
-                h.next_offset[i],
-                d.output_offset,
+            lost = f"{h.next_offset[i]} to {d.output_offset - 1}"
+            logger.error("output tokens %s of %s were lost; ending it", lost, d.request_id)
+            msg = (
+                f"output tokens {lost} of this request were lost (a message broker restart "
+                "without them, or output trimmed before it was read); retry the request"
             )
+            # Nothing more of this choice reaches the client: later deltas look like repeats.
+            h.next_offset[i] = 1 << 62
+            err = RequestError(d.request_id, 503, msg, type="service_unavailable")
+            h.queue.put_nowait(Event(i, error=err))
+            return
         h.next_offset[i] = max(h.next_offset[i], d.output_offset + len(d.token_ids) + max(skip, 0))
         h.queue.put_nowait(Event(i, delta=d, executor_id=executor_id))
 
     def _error(self, e: RequestError) -> None:
         found = self._lookup(e.request_id)
         if found is not None:
+            found[0].events += 1
             found[0].queue.put_nowait(Event(found[1], error=e))
             return
         h = self.handles.get(e.request_id)
         if h is not None:  # an error for the whole request (the renderer's)
+            h.events += 1
             h.queue.put_nowait(Event(-1, error=e))

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from voltserve.services.gateway.broker_outage import check_broker
 from voltserve.services.gateway.detokenizer import IncrementalDetokenizer
 from voltserve.services.gateway.dispatcher import Handle
 from voltserve.services.gateway.errors import APIError
@@ -118,6 +119,7 @@ class Generation:
     async def start(self) -> None:
         s = self.spec
         await self._check_prompt()
+        check_broker(self.gw.redis)  # away: a 503 now rather than a wait
         self.handle = self.gw.dispatcher.register(self.request_id, s.n)
         msg = RenderRequest(
             request_id=self.request_id,

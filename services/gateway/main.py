@@ -25,7 +25,7 @@ from voltserve.services.gateway.tool_parsers import TOOL_PARSERS
 from voltserve.services.gateway.tools import ChatTooling
 from voltserve.services.gateway.web_ui import add_web_ui_flag
 from voltserve.services.renderer.render import Renderer
-from voltserve.shared import startup, streams
+from voltserve.shared import broker, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="voltserve gateway", description=__doc__)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    broker.add_broker_flags(p)
     p.add_argument("--model", required=True, help="model folder (for the tokenizer)")
     p.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use (default: --model)"
@@ -96,7 +96,7 @@ def build_state(args: argparse.Namespace) -> GatewayState:
         )
     except ValueError as e:
         raise SystemExit(f"voltserve gateway: {e}") from e
-    redis = streams.connect(args.redis_url)
+    redis = streams.connect(args.redis_url, outage_timeout_s=args.redis_outage_timeout)
     return GatewayState(
         redis=redis,
         gateway_id=gateway_id,

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
-from voltserve.shared import metrics, startup, streams
+from voltserve.shared import broker, metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import RenderRequest
 
@@ -118,7 +118,7 @@ class RendererService:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="voltserve renderer", description=__doc__)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    broker.add_broker_flags(p)
     p.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
@@ -132,7 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
     # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
     with startup.fatal_errors("renderer", also=(OSError,)):
         renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
-    redis = streams.connect(args.redis_url)
+    redis = streams.connect(args.redis_url, outage_timeout_s=args.redis_outage_timeout)
     startup.freeze_heap()
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
     stop = asyncio.Event()

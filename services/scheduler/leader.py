@@ -74,6 +74,7 @@ class LeaderLease:
 
     async def release(self) -> None:
         try:
-            await self.r.eval(_RELEASE, 1, self.key, self.token)
+            # Bounded: with the broker away the call would wait for it (shared/broker.py).
+            await asyncio.wait_for(self.r.eval(_RELEASE, 1, self.key, self.token), timeout=2)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass

@@ -34,7 +34,7 @@ from voltserve.services.scheduler.failover import (
 from voltserve.services.scheduler.leader import LeaderLease
 from voltserve.services.scheduler.placement import Placement
 from voltserve.services.scheduler.registry import ExecutorInfo, ExecutorRegistry
-from voltserve.shared import metrics, startup, streams
+from voltserve.shared import broker, metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.protocol import (
     AbortRequest,
@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 SCHEDULER_ID = "scheduler"  # executor_id on StepOutputs the scheduler writes itself
 ABORT_MEMORY_S = 120.0  # an abort that overtakes its request still applies this long
 FINISHED_MEMORY = 100_000
+# After a broker outage, heartbeats may be missing (a broker restarted without persistence, or
+# keys that expired while it was away) until each executor and gateway beats again: none is
+# declared gone before this much time has passed since the broker came back. It covers the
+# gateway's beat interval (a third of its 10 s TTL) and a service's own probe backoff.
+OUTAGE_GRACE_S = 10.0
 
 
 @dataclass
@@ -59,6 +64,7 @@ class SchedulerConfig:
     registry_interval_s: float = 0.2
     executor_queue_factor: float = 2.0
     scheduler_id: str = ""
+    redis_outage_timeout_s: float = broker.DEFAULT_OUTAGE_TIMEOUT_S
 
 
 class Scheduler:
@@ -86,11 +92,15 @@ class Scheduler:
         # Requests admitted from the batch being handled whose route records are not written
         # yet (_after_batch writes them, before the batch is acknowledged).
         self.unrecorded: list[Tracked] = []
+        # request_id -> how many output tokens its last placement carried: a request still at
+        # that count after a broker outage may have lost its message to the executor.
+        self.placed_at: dict[str, int] = {}
+        self.grace_until = 0.0  # no heartbeat counts as expired before this (monotonic)
 
     # ---- lifecycle ----
 
     async def run(self) -> None:
-        r = streams.connect(self.cfg.redis_url)
+        r = streams.connect(self.cfg.redis_url, outage_timeout_s=self.cfg.redis_outage_timeout_s)
         lease = LeaderLease(r, self.token, self.cfg.lease_ttl_s)
         try:
             while not self.stop.is_set():
@@ -304,12 +314,17 @@ class Scheduler:
                 t.executor_id, t.instance = eid, self.registry.alive[eid].instance
                 load[eid] = load.get(eid, 0) + 1
                 placed.append((t, eid))
+                self.placed_at[req.request_id] = len(t.tokens)
                 if t.suspect and holding is not None:
                     holding.add(eid)
             for req in reversed(held_back):
                 self.queue.push_front(req)
             if not placed:
                 return
+            if len(self.placed_at) > 2 * len(self.tracker.requests) + 1024:
+                self.placed_at = {
+                    k: v for k, v in self.placed_at.items() if k in self.tracker.requests
+                }
             # Every placement of this pass in one round trip (a burst of arrivals is placed
             # together instead of one request per round trip).
             async with self.r.pipeline(transaction=False) as p:
@@ -324,15 +339,23 @@ class Scheduler:
 
     async def _registry_loop(self) -> None:
         next_gateway_check = 0.0
+        link = broker.link_of(self.r)
+        epoch = link.epoch if link is not None else 0
         while True:
             await asyncio.sleep(self.cfg.registry_interval_s)
             try:
                 appeared, gone = await self.registry.refresh()
+                if link is not None and link.epoch != epoch:
+                    epoch = link.epoch
+                    self.grace_until = time.monotonic() + OUTAGE_GRACE_S
+                    await self._after_outage()
+                if time.monotonic() < self.grace_until:
+                    gone = self._hold_missing(gone)
                 for e in gone:
                     await self._failover(e)
                 if appeared or gone:
                     self.wake.set()
-                if time.monotonic() >= next_gateway_check:
+                if time.monotonic() >= max(next_gateway_check, self.grace_until):
                     next_gateway_check = time.monotonic() + 1.0
                     await self._check_gateways()
             except RedisError as e:
@@ -341,6 +364,47 @@ class Scheduler:
             now = time.monotonic()
             for a in [a for a, ts in self.aborted.items() if now - ts > ABORT_MEMORY_S]:
                 del self.aborted[a]
+
+    def _hold_missing(self, gone: list[ExecutorInfo]) -> list[ExecutorInfo]:
+        """During the grace after an outage: an executor whose heartbeat is merely missing stays
+        registered (it is asked again next round); one that came back as a new process is
+        gone for real."""
+        assert self.registry is not None
+        real = []
+        for e in gone:
+            if e.executor_id in self.registry.alive:
+                real.append(e)  # replaced by a new instance
+            else:
+                self.registry.alive[e.executor_id] = e
+        return real
+
+    async def _after_outage(self) -> None:
+        """The broker is back and may have lost what it held (everything without persistence,
+        its last second of writes with it). Rewrite the routes hash from memory, and send each
+        placed request that has streamed nothing since its placement to its executor again: an
+        executor that has it recognises the (request, offset) and ignores it, one whose message
+        was lost runs it."""
+        async with self.lock:
+            tracked = list(self.tracker.requests.values())
+            resend = [
+                t
+                for t in tracked
+                if t.executor_id and self.placed_at.get(t.req.request_id) == len(t.tokens)
+            ]
+            async with self.r.pipeline(transaction=True) as p:
+                p.delete(streams.scheduler_routes_key())
+                for t in tracked:
+                    p.hset(streams.scheduler_routes_key(), t.req.request_id, t.to_record())
+                for t in resend:
+                    msg = self.tracker.resend_request(t)
+                    await streams.xadd(p, streams.exec_stream(t.executor_id), msg)
+                await p.execute()
+        logger.warning(
+            "after the broker outage: rewrote %d route(s), re-sent %d request(s) that had not "
+            "started streaming",
+            len(tracked),
+            len(resend),
+        )
 
     async def _check_gateways(self) -> None:
         """Abort the requests of a gateway whose heartbeat expired: nobody reads their output,
@@ -419,7 +483,10 @@ class Scheduler:
     # ---- tailing the gateway output streams ----
 
     async def _tail_loop(self) -> None:
-        tail_r = streams.connect(self.cfg.redis_url)  # blocking reads get their own connection
+        # Blocking reads get their own connection pool.
+        tail_r = streams.connect(
+            self.cfg.redis_url, outage_timeout_s=self.cfg.redis_outage_timeout_s
+        )
         next_discover = 0.0
         try:
             while True:
@@ -467,9 +534,7 @@ class Scheduler:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve scheduler", description=__doc__)
-    p.add_argument(
-        "--redis-url", default=os.environ.get("VOLTSERVE_REDIS_URL", "redis://localhost:6379")
-    )
+    broker.add_broker_flags(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -502,6 +567,7 @@ def main(argv: list[str]) -> None:
             registry_interval_s=args.registry_interval,
             executor_queue_factor=args.executor_queue_factor,
             scheduler_id=args.scheduler_id,
+            redis_outage_timeout_s=args.redis_outage_timeout,
         ),
         registry,
     )
