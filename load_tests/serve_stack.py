@@ -168,6 +168,16 @@ class ServeStack:
             out[name] = pid
         return out
 
+    def broker_pid(self) -> int | None:
+        """The embedded valkey server's pid (None without one, or while it is restarted)."""
+        if self.proc is None:
+            return None
+        for pid in child_pids(self.proc.pid):
+            args = cmdline(pid)
+            if args and args[0].endswith("valkey-server"):
+                return pid
+        return None
+
     def rss(self) -> dict[str, int]:
         return {n: r for n, p in self.services().items() if (r := rss_bytes(p)) is not None}
 
