@@ -12,7 +12,9 @@ handler is idempotent).
 An outage longer than the limit (`--redis-outage-timeout`, default 60 s) ends the process with a
 clear message and exit status 1 (a supervisor restarts it). `link.epoch` counts the outages the
 process came through: a loop that must re-establish something after one (re-read its own pending
-entries, rewrite what the broker may have lost) compares it.
+entries, rewrite what the broker may have lost) compares it. A restart can also pass without a
+single failed command (redis-py reconnects a pooled connection the server closed before using
+it), so every new connection also reads the server's run id: a new one counts as an outage.
 
 Code that must answer at once instead of waiting (the gateway's `/health`, its new requests)
 runs under `fail_fast()`: a command then raises `BrokerUnavailable` while the broker is away.
@@ -38,7 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import MaxConnectionsError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from voltserve.shared.broker_url import is_sentinel, parse_sentinel_url, redact
 
@@ -79,6 +81,7 @@ class BrokerLink:
         self.down_since: float | None = None  # time.monotonic() of the outage's first error
         self.last_error = ""
         self.epoch = 0  # outages this process came through
+        self.run_id: bytes | None = None  # the server's, as seen by the last new connection
         self.gone = False
         self._back: asyncio.Event | None = None
         self._probe: asyncio.Task | None = None
@@ -150,6 +153,28 @@ class BrokerLink:
                 self.outage_timeout_s,
             )
         await self.before_command()
+
+    async def note_server(self, conn: Any) -> None:
+        """On every new connection: a server with another run id than the last one seen is a
+        restarted (or failed-over) broker, an outage even if no command failed."""
+        try:
+            await conn.send_command("INFO", "server", check_health=False)
+            info = await conn.read_response()
+        except ResponseError:
+            return  # INFO not allowed here: restarts are seen through failed commands only
+        run_id = next(
+            (line[7:].strip() for line in bytes(info).splitlines() if line.startswith(b"run_id:")),
+            None,
+        )
+        if run_id is None or run_id == self.run_id:
+            return
+        known, self.run_id = self.run_id, run_id
+        if known is not None and self.down_since is None:
+            logger.warning(
+                "the message broker %s restarted (a new server answers the same address)",
+                self.url,
+            )
+            self.epoch += 1
 
     async def _probe_until_back(self) -> None:
         delay = BACKOFF_FIRST_S
@@ -234,6 +259,18 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's primary-following pool, with the blocking pool's wait for a free connection."""
 
 
+def _watched(connection_class: type, link: BrokerLink) -> type:
+    """`connection_class` whose every new connection tells `link` which server answered."""
+
+    class Watched(connection_class):  # type: ignore[misc, valid-type]
+        async def on_connect_check_health(self, check_health: bool = True) -> None:
+            await super().on_connect_check_health(check_health=check_health)
+            await link.note_server(self)
+
+    Watched.__name__ = Watched.__qualname__ = f"Watched{connection_class.__name__}"
+    return Watched
+
+
 _links: dict[str, BrokerLink] = {}
 
 
@@ -279,6 +316,8 @@ def connect(
             url, max_connections=max_connections, timeout=30, **common
         )
         client = BrokerClient.from_pool(pool)
+    pool = client.connection_pool
+    pool.connection_class = _watched(pool.connection_class, link)
     client.broker_link = link
     return client
 

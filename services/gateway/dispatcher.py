@@ -15,6 +15,9 @@ from voltserve.shared.protocol import RequestDelta, RequestError, StepOutput
 
 logger = logging.getLogger(__name__)
 
+# next_offset of a choice that a gap ended.
+ENDED = 1 << 62
+
 
 @dataclass(slots=True)
 class Event:
@@ -104,6 +107,8 @@ class OutputDispatcher:
             return
         h, i = found
         h.events += 1
+        if h.next_offset[i] >= ENDED:
+            return  # ended by a gap: nothing more of it goes to the client
         skip = h.next_offset[i] - d.output_offset
         if skip > 0:
             # Tokens we already have (a repeat after redelivery or failover).
@@ -119,8 +124,7 @@ class OutputDispatcher:
                 f"output tokens {lost} of this request were lost (a message broker restart "
                 "without them, or output trimmed before it was read); retry the request"
             )
-            # Nothing more of this choice reaches the client: later deltas look like repeats.
-            h.next_offset[i] = 1 << 62
+            h.next_offset[i] = ENDED
             err = RequestError(d.request_id, 503, msg, type="service_unavailable")
             h.queue.put_nowait(Event(i, error=err))
             return
