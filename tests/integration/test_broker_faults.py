@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
+from voltserve.shared import streams
 
 from tests.ports import free_port
 
@@ -33,7 +36,7 @@ from .test_launcher import children
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 VOCAB = 384  # tests/checkpoints.py tokenizer
-MAX_TOKENS = 300
+MAX_TOKENS = 400  # with prompts of at most 40 tokens: within the tiny model's 512
 BROKER_WORDS = "message broker"
 
 
@@ -104,24 +107,27 @@ def prompts(rng, n: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
 
 
-async def streams_through(base: str, ps: list[list[int]], fault, log) -> list[Outcome]:
-    """Every prompt streamed at once; `fault()` runs once each stream has produced text. A
-    stream that has not ended 150 s after the fault fails the test (a hang)."""
+async def streams_through(base: str, ps: list[list[int]], fault, log, url: str) -> list[Outcome]:
+    """Every prompt streamed at once. With `fault`: it runs (in a thread) as soon as the
+    scheduler tracks every request as admitted and unfinished (its routes hash, at `url`), so
+    they are all in flight on the executors when it strikes. A stream that has not ended 150 s
+    later fails the test (a hang)."""
     progress: dict[int, int] = {}
     tasks = [asyncio.create_task(stream(base, p, progress, i)) for i, p in enumerate(ps)]
-    deadline = time.monotonic() + 120
-    print(f"start at {time.monotonic():.1f}")
-    while len(progress) < len(ps):
-        assert time.monotonic() < deadline, f"streams did not start: {progress}\n{log()}"
-        await asyncio.sleep(0.01)
-    in_flight = sum(not t.done() for t in tasks)
-    print(f"fault with {in_flight} in flight at {time.monotonic():.1f}")
-    await asyncio.to_thread(fault)
-    done, pending = await asyncio.wait(tasks, timeout=150)
-    print(f"done at {time.monotonic():.1f}")
+    if fault is not None:
+        r = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 180
+        while await asyncio.to_thread(r.hlen, streams.scheduler_routes_key()) < len(ps):
+            done = [t.result() for t in tasks if t.done()]
+            assert not done, f"a stream ended before all were admitted: {done}\n{log()}"
+            assert time.monotonic() < deadline, f"requests not admitted in time\n{log()}"
+            await asyncio.sleep(0.005)
+        r.close()
+        await asyncio.to_thread(fault)
+    _, pending = await asyncio.wait(tasks, timeout=150 if fault else 300)
     for t in pending:
         t.cancel()
-    assert not pending, f"{len(pending)} of {len(ps)} streams hung after the fault\n{log()}"
+    assert not pending, f"{len(pending)} of {len(ps)} streams hung\n{log()}"
     return [t.result() for t in tasks]
 
 
@@ -189,7 +195,7 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
             "scheduler",
         ], before
         ps = prompts(rng, 16)
-        ref = asyncio.run(streams_through(base, ps, lambda: None, serve_log))
+        ref = asyncio.run(streams_through(base, ps, None, serve_log, url))
         assert all(o.text is not None for o in ref), [o.error for o in ref if o.error]
         old_broker = valkey_pid(proc.pid)
         assert old_broker is not None
@@ -199,7 +205,7 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
             os.kill(old_broker, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
-        got = asyncio.run(streams_through(base, ps, kill_broker, serve_log))
+        got = asyncio.run(streams_through(base, ps, kill_broker, serve_log, url))
         same, clear, other = tally(got, [o.text for o in ref])
         # Everything was placed before the kill and every service kept its state: the append-
         # only file brings back the rest, so every stream goes on as if nothing happened.
@@ -218,8 +224,6 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
         new_broker = valkey_pid(proc.pid)
         assert new_broker not in (None, old_broker)
         # The same port: the URL the services were given still answers.
-        import redis
-
         with redis.Redis.from_url(url) as r:
             assert r.ping()
         # No service was restarted: each rode out the outage.
@@ -229,9 +233,10 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
         assert "KEEPS DYING" not in text
         for name in ("scheduler", "executor-0", "executor-1", "renderer-0", "gateway"):
             assert f"SERVICE {name} DIED" not in text, text[-8000:]
-        # One line per service for the outage, not one per retry: five services.
-        lost = text.count("lost the message broker")
-        assert 1 <= lost <= 5, f"{lost} 'lost the message broker' lines\n{text[-8000:]}"
+        # One line per service for the outage (five services), not one per retry; a box too
+        # busy to answer in 10 s may add one more each.
+        lines = text.count("lost the message broker") + text.count("broker restarted")
+        assert 1 <= lines <= 10, f"{lines} outage lines\n{text[-8000:]}"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert not (data / f"port-{port}" / "appendonlydir").exists(), "data left behind"
@@ -270,11 +275,25 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
         s.wait_ready()
         base = s.base_url()
         ps = prompts(rng, 8)
-        ref = asyncio.run(streams_through(base, ps, lambda: None, s.logs))
+        ref = asyncio.run(streams_through(base, ps, None, s.logs, valkey.url))
         assert all(o.text is not None for o in ref), [o.error for o in ref if o.error]
         seen: dict[str, object] = {}
+        queued = threading.Thread(target=lambda: seen.update(queued=complete(base, ps[2], 180)))
 
         def outage() -> None:
+            # One more request waits, unread, in vs:render (the renderer is frozen) when the
+            # broker goes: it is lost with it.
+            s.pause("renderer-0")
+            time.sleep(0.4)  # its blocking read (200 ms) ends on the server's side
+            queued.start()
+            r = valkey.client()
+
+            def unread() -> int:
+                (group,) = r.xinfo_groups(streams.render_stream())
+                return group["lag"]
+
+            wait_until(lambda: unread() == 1, 30, "the request unread in vs:render", s.logs)
+            r.close()
             valkey.server.stop()
             t0 = time.monotonic()
             # While it is away: /health says so, a new request gets a clear 503 at once.
@@ -286,8 +305,9 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
             time.sleep(max(0.0, 15 - (time.monotonic() - t0)))
             s.check_alive()  # nobody exited while it was away
             valkey.server.start()
+            s.resume("renderer-0")
 
-        got = asyncio.run(streams_through(base, ps, outage, s.logs))
+        got = asyncio.run(streams_through(base, ps, outage, s.logs, valkey.url))
         status, body = seen["health"]
         assert status == 503 and body["status"] == "broker_unavailable", body
         assert body["broker"]["url"] == valkey.url and not body["broker"]["reachable"], body
@@ -298,13 +318,20 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
         assert other == [], f"{other}\n{s.logs()}"
         # Placed before the outage, they lived on in the services' memory.
         assert (same, clear) == (8, 0), f"{same} identical, {clear} clear errors"
+        # The queued request: ended with a clear error, not left waiting.
+        queued.join(timeout=120)
+        assert not queued.is_alive(), f"the request lost with the broker hung\n{s.logs()}"
+        status, body = seen["queued"]
+        assert status == 503 and "lost when the message broker restarted" in str(body), body
         wait_until(lambda: get(base + "/health")[0] == 200, 30, "/health 200 again", s.logs)
         status, body = complete(base, ps[1])
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         s.check_alive()
         for name in ("scheduler-0", "renderer-0", "executor-0", "gateway-0"):
+            # One line for the outage, not one per retry (about 15 of them); a box too busy to
+            # answer in 10 s may add a second.
             n = s.logs(name, tail=10**6).count("lost the message broker")
-            assert n == 1, f"{name}: {n} outage lines\n{s.logs(name)}"
+            assert 1 <= n <= 2, f"{name}: {n} outage lines\n{s.logs(name)}"
     finally:
         s.stop()
         if valkey.server.is_running():
