@@ -120,6 +120,10 @@ def chaos_factory(interval_s: float, seed: int, max_kills: int, kill: str):
                 "num_kills": len(kills),
                 "interval_s": interval_s,
                 "recovery": recovery(kills),
+                # Every kill found its target and everything came back within the limit.
+                "ok": bool(kills)
+                and all(all(v is not None for v in k.values()) for k in kills)
+                and not any("error" in k for k in kills),
             }
 
         return chaos

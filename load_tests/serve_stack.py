@@ -174,7 +174,8 @@ class ServeStack:
             return None
         for pid in child_pids(self.proc.pid):
             args = cmdline(pid)
-            if args and args[0].endswith("valkey-server"):
+            # valkey sets its process title ("valkey-server 127.0.0.1:PORT"): one argument.
+            if args and "valkey-server" in args[0]:
                 return pid
         return None
 

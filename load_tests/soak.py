@@ -125,6 +125,8 @@ def finish(args, name, stats, rss, elapsed, url, redis_url, stack, extra: dict) 
         "kv_blocks_all_free": idle["ok"] is not False,
         "rss_flat": summary["rss"]["flat"] is not False,
     }
+    if "ok" in extra.get("chaos", {}):
+        checks["chaos_recovered"] = extra["chaos"]["ok"]
     summary["checks"] = checks
     summary["passed"] = all(checks.values())
     text = __import__("json").dumps(summary, indent=2)

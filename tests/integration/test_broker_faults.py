@@ -4,7 +4,9 @@
 it again on the same port from its append-only file, the services ride out the gap, every stream
 ends with the undisturbed text (or a clear error, counted) and new requests are served within
 10 s of the kill. An external valkey without persistence is stopped for 15 s: the services wait
-(new requests get a 503 that names the broker, /health reports it), then serve again.
+(new requests get a 503 that names the broker, /health reports it), the streams in flight go on
+from the services' memory, and they serve again; a request still unread in a queue when such a
+broker goes ends with a clear 503 instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def valkey_pid(launcher_pid: int) -> int | None:
 
 
 def service_pids(launcher_pid: int) -> dict[str, int]:
-    """ "scheduler", "executor:exec-0", ... -> pid, of the launcher's voltserve children."""
+    """Service name (scheduler, executor:exec-0, ...) -> pid, of the launcher's children."""
     out = {}
     for pid, cmd in children(launcher_pid).items():
         args = cmd.split()
