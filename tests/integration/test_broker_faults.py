@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -31,6 +30,7 @@ import redis
 from voltserve.shared import streams
 
 from tests.ports import free_port
+from voltserve.cli import command as voltserve_command
 
 from .conftest import Stack, Valkey
 from .test_launcher import children
@@ -192,7 +192,7 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "voltserve.cli", "serve", "--model", str(tiny_model)]
+    cmd = [*voltserve_command(), "serve", "--model", str(tiny_model)]
     cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--device", "cpu", "--executors", "2", "--num-kv-blocks", "512"]
     cmd += ["--heartbeat-ttl", "2", "--redis-data-dir", str(data), "--log-level", "warning"]
