@@ -252,7 +252,7 @@ def test_embedded_broker_killed_under_16_streams(tiny_model, tmp_path, rng):
             assert f"SERVICE {name} DIED" not in text, text[-8000:]
         # One line per service for the outage (five services), not one per retry; a box too
         # busy to answer in 10 s may add one more each.
-        lines = text.count("lost the message broker") + text.count("broker restarted")
+        lines = text.count("lost the message broker") + text.count("a new server answers")
         assert 1 <= lines <= 10, f"{lines} outage lines\n{text[-8000:]}"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -279,6 +279,9 @@ class ExternalValkey(Valkey):
         )
         self.server.start()
         self.url = self.server.connection_url
+
+
+NAMES = ("scheduler-0", "renderer-0", "executor-0", "gateway-0")
 
 
 def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
@@ -320,6 +323,8 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
         # Admitted before the outage, they lived on in the services' memory.
         assert (same, clear) == (8, 0), f"{same} identical, {clear} clear errors"
         wait_until(lambda: get(base + "/health")[0] == 200, 60, "/health 200 again", s.logs)
+        for name in NAMES:  # each service saw the broker back (its probe backs off up to 1 s)
+            wait_until(lambda n=name: "is back after" in s.logs(n), 30, f"{name} back", s.logs)
 
         # A request still unread in vs:render (the renderer frozen) is lost with the broker:
         # it ends with a clear error instead of waiting forever.
@@ -330,8 +335,11 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
         r = valkey.client()
 
         def unread() -> int:
-            (group,) = r.xinfo_groups(streams.render_stream())
-            return group["lag"]
+            # The renderer may not have re-created its group since the first outage yet.
+            groups = (
+                r.xinfo_groups(streams.render_stream()) if r.exists(streams.render_stream()) else []
+            )
+            return groups[0]["lag"] if groups else r.xlen(streams.render_stream())
 
         wait_until(lambda: unread() == 1, 30, "the request unread in vs:render", s.logs)
         r.close()
@@ -347,11 +355,12 @@ def test_external_broker_stopped_for_15_s(tiny_model, tmp_path, rng):
         status, body = complete(base, ps[1])
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         s.check_alive()
-        for name in ("scheduler-0", "renderer-0", "executor-0", "gateway-0"):
+        for name in NAMES:
             # One line for each of the two outages, not one per retry (about 15 in the first);
-            # a box too busy to answer in 10 s may add one.
+            # a box too busy to answer in 10 s may add one. (The frozen renderer may find the
+            # second only by the new server's run id.)
             text = s.logs(name, tail=10**6)
-            n = text.count("lost the message broker") + text.count("broker restarted")
+            n = text.count("lost the message broker") + text.count("a new server answers")
             assert 2 <= n <= 3, f"{name}: {n} outage lines\n{s.logs(name)}"
     finally:
         s.stop()
