@@ -40,7 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, ResponseError
+from redis.exceptions import MaxConnectionsError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from voltserve.shared.broker_url import is_sentinel, parse_sentinel_url, redact
 
@@ -184,7 +184,8 @@ class BrokerLink:
                 assert self.ping is not None
                 await self.ping()
                 break
-            except OUTAGE_ERRORS as e:
+            except (*OUTAGE_ERRORS, RedisError) as e:
+                # Not back yet, whatever it answers (a replica not yet promoted: MASTERDOWN).
                 self.last_error = f"{type(e).__name__}: {e}"
             if self.down_for() > self.outage_timeout_s:
                 self.gone = True
