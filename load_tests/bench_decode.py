@@ -158,13 +158,13 @@ def run_transformers(
 
 def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
     from voltserve.services.executor.engine import LLMEngine
-    from voltserve.shared.config import EngineConfig
+    from voltserve.services.executor.engine_args import engine_config
 
     budget = max(args.max_num_batched_tokens, args.prompt_len, args.context)
     batched = [batched_max_tokens(b, args, budget) for b in args.batch_sizes]
     longest = max([args.prompt_len + args.output_len, *(args.context + m for m in batched)])
     max_batch = max([1, *args.batch_sizes])
-    config = EngineConfig(
+    config = engine_config(
         model=str(model_dir),
         dtype=dtype_name(dtype),
         device=device,

@@ -524,25 +524,12 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 def engine_config_from_serve_args(model_dir: Path, serve_args: list[str]):
-    """The EngineConfig `voltserve serve` would build from the same flags (a fair comparison)."""
+    """The EngineConfig `voltserve serve` would build from the same flags (a fair comparison):
+    the launcher's parser and the one builder (services/executor/engine_args.py)."""
+    from voltserve.services.executor.engine_args import engine_config
     from voltserve.services.launcher import build_parser
-    from voltserve.shared.config import EngineConfig
 
-    a = build_parser().parse_args(["--model", str(model_dir), *serve_args])
-    return EngineConfig(
-        model=str(model_dir),
-        dtype=a.dtype,
-        device=a.device,
-        max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        num_kv_blocks=a.num_kv_blocks,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        enforce_eager=a.enforce_eager,
-        tensor_parallel_size=a.tensor_parallel_size,
-        quantization=a.quantization,
-        max_gpu_memory=a.max_gpu_memory,
-    )
+    return engine_config(build_parser().parse_args(["--model", str(model_dir), *serve_args]))
 
 
 def run_engine(

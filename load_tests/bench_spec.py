@@ -111,10 +111,10 @@ _ENGINES: list[weakref.ref] = []
 
 def make_engine(model_dir: Path, device: str, dtype, args, spec: dict | None, prompt_len: int):
     from voltserve.services.executor.engine import LLMEngine
-    from voltserve.shared.config import EngineConfig
+    from voltserve.services.executor.engine_args import engine_config
 
     B = max(args.batch_sizes)
-    config = EngineConfig(
+    config = engine_config(
         model=str(model_dir),
         dtype=dtype_name(dtype),
         device=device,

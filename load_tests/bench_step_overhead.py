@@ -47,8 +47,8 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from voltserve.services.executor.cuda_graphs import CudaGraphRunner  # noqa: E402
 from voltserve.services.executor.engine import LLMEngine  # noqa: E402
+from voltserve.services.executor.engine_args import engine_config  # noqa: E402
 from voltserve.services.executor.service import EngineLoop  # noqa: E402
-from voltserve.shared.config import EngineConfig  # noqa: E402
 from voltserve.shared.protocol import EngineRequest, encode  # noqa: E402
 from voltserve.shared.sampling_params import SamplingParams  # noqa: E402
 
@@ -140,7 +140,7 @@ class TimedSampler:
 
 
 def build_engine(model_dir: Path, args, num_blocks: int, max_seqs: int, graphs: bool):
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(model_dir),
         device="cpu",
         num_kv_blocks=num_blocks,

@@ -109,9 +109,9 @@ def output_budget(args, batch: int) -> int:
 
 def make_engine(model_dir: Path, args, max_batch: int):
     from voltserve.services.executor.engine import LLMEngine
-    from voltserve.shared.config import EngineConfig
+    from voltserve.services.executor.engine_args import engine_config
 
-    config = EngineConfig(
+    config = engine_config(
         model=str(model_dir),
         dtype="float16",
         device="cuda",

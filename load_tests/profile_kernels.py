@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace):
-    from voltserve.shared.config import EngineConfig
+    from voltserve.services.executor.engine_args import engine_config
 
     max_batch = max(args.batch_sizes)
     extra: dict[str, Any] = {}
@@ -79,7 +79,7 @@ def _config(args: argparse.Namespace):
     # max_model_len=N in --serve-args overrides the short bound: a server's bound (8K) sets
     # the decode graphs' attention grid, so it profiles the step as served.
     max_model_len = extra.pop("max_model_len", total + 16)
-    return EngineConfig(
+    return engine_config(
         model=args.model_dir,
         dtype=args.dtype,
         device=args.device,

@@ -30,6 +30,7 @@ from voltserve.services.executor.request import RequestOutput  # noqa: E402
 from voltserve.services.executor.service import ExecutorService  # noqa: E402
 from voltserve.shared import broker  # noqa: E402
 from voltserve.shared.logging import add_log_level_flag, setup_logging  # noqa: E402
+from voltserve.shared.model_limits import ModelLimits  # noqa: E402
 
 logger = logging.getLogger("synthetic_executor")
 
@@ -66,12 +67,18 @@ class SyntheticEngine:
     """Implements the Engine protocol of services/executor/service.py without a model."""
 
     def __init__(
-        self, pool: list[int], step_s: float, max_num_seqs: int, max_model_len: int
+        self,
+        pool: list[int],
+        step_s: float,
+        max_num_seqs: int,
+        max_model_len: int,
+        vocab_size: int,
     ) -> None:
         self.pool = pool
         self.step_s = step_s
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.running: dict[str, _Req] = {}
         self.waiting: deque[_Req] = deque()
         self.next_step = 0.0
@@ -80,8 +87,18 @@ class SyntheticEngine:
         self.steps = 0
         self.late_steps = 0  # steps that started more than one interval late
 
+    def limits(self) -> ModelLimits:
+        """No eos: a synthetic request always runs to its max_tokens."""
+        return ModelLimits(self.max_model_len, (), self.vocab_size)
+
     def add_request(
-        self, request_id, prompt_token_ids, params, output_token_ids=None, arrival_time=None
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        output_token_ids=None,
+        arrival_time=None,
+        validated=False,
     ) -> None:
         if params.seed is None:
             raise ValueError("the synthetic engine needs a seed (the renderer always sets one)")
@@ -163,7 +180,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1 << 20)
     p.add_argument("--token-pool", default=None, help="JSON list of token ids to draw from")
-    p.add_argument("--vocab-size", type=int, default=2048, help="without --token-pool")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids requests may name, and without --token-pool the pool's end (default: "
+        "any id; 2048 for the pool)",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=0.3)
     p.add_argument("--heartbeat-ttl", type=float, default=2.0)
     add_log_level_flag(p)
@@ -176,8 +199,11 @@ def main(argv: list[str]) -> None:
     if args.token_pool:
         pool = [int(t) for t in json.loads(Path(args.token_pool).read_text())]
     else:
-        pool = list(range(16, args.vocab_size))
-    engine = SyntheticEngine(pool, args.step_ms / 1000, args.max_num_seqs, args.max_model_len)
+        pool = list(range(16, args.vocab_size or 2048))
+    vocab = args.vocab_size or 2**31 - 1
+    engine = SyntheticEngine(
+        pool, args.step_ms / 1000, args.max_num_seqs, args.max_model_len, vocab
+    )
     svc = ExecutorService(engine, service_config(args))
     run_until_signalled(svc)
     logger.info("synthetic executor: %d steps, %d late", engine.steps, engine.late_steps)

@@ -23,11 +23,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from voltserve.services import embedded_broker
 from voltserve.services.embedded_broker import BrokerSettings, EmbeddedBroker
-from voltserve.services.executor.main import memory_size
+from voltserve.services.executor.engine_args import add_engine_flags, engine_argv, engine_config
 from voltserve.services.gateway.body_limits import add_request_flags, request_flags_argv
 from voltserve.services.gateway.main import add_tool_flags, tool_flags_argv
 from voltserve.services.gateway.web_ui import add_web_ui_flag, web_ui_flag_argv
@@ -71,21 +71,9 @@ class Child:
         return self.proc.poll() if self.proc else None
 
 
-def _speculative_json(text: str) -> str:
-    """Validated at the launcher too: a bad config fails before any child starts."""
-    from voltserve.services.executor.spec.config import SpeculativeConfig
-
-    try:
-        return SpeculativeConfig.from_json(text).to_json()
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve serve", description=__doc__)
-    p.add_argument(
-        "--model", required=True, help="Hugging Face checkpoint folder or GGUF file / folder"
-    )
+    add_engine_flags(p)  # passed to every executor
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -93,43 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_broker_flags(p, embedded=True)
     embedded_broker.add_flags(p)
     p.add_argument("--executors", type=int, default=None, help="default: one per GPU, or 1")
-    p.add_argument(
-        "-tp",
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="GPUs per executor (tensor parallelism); --executors groups of this many",
-    )
     p.add_argument("--renderers", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--speculative-config",
-        type=_speculative_json,
-        default=None,
-        help="speculative decoding (JSON, vLLM's keys), passed to every executor",
-    )
-    p.add_argument(
-        "--cuda-graph-sizes", default="", help="decode batch sizes to capture, e.g. 1,8,64"
-    )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["awq", "gptq", "compressed-tensors", "gguf"],
-        help="force the quantization method (default: from the checkpoint)",
-    )
-    p.add_argument(
-        "--max-gpu-memory",
-        type=memory_size,
-        default=None,
-        help="GPU memory budget per card (bytes, or 16GiB / 16GB ...)",
-    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     add_request_flags(p)
@@ -177,51 +129,21 @@ def gpu_groups(gpus: list[str], tp: int, executors: int | None) -> list[list[str
 
 
 def executor_args(args: argparse.Namespace, i: int, mem_util: float) -> list[str]:
-    """The engine flags of executor i (`voltserve warmup` builds its engine from the same)."""
-    argv = [
-        "--model",
-        args.model,
-        "--executor-id",
-        f"exec-{i}",
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--gpu-memory-utilization",
-        f"{mem_util:.4f}",
-        "--heartbeat-ttl",
-        str(args.heartbeat_ttl),
-    ]
-    if args.max_model_len:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    if args.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    if args.quantization:
-        argv += ["--quantization", args.quantization]
-    if args.max_gpu_memory:
-        argv += ["--max-gpu-memory", str(args.max_gpu_memory)]
-    if args.num_kv_blocks:
-        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
-    if args.cuda_graph_sizes:
-        argv += ["--cuda-graph-sizes", args.cuda_graph_sizes]
-    if args.speculative_config:
-        argv += ["--speculative-config", args.speculative_config]
-    return argv
+    """The flags of executor i: every engine flag as given (its share of the GPU's memory
+    aside), through the one declaration (`voltserve warmup` builds its engine from the same)."""
+    config = replace(engine_config(args), gpu_memory_utilization=round(mem_util, 4))
+    return ["--executor-id", f"exec-{i}", "--heartbeat-ttl", str(args.heartbeat_ttl)] + (
+        engine_argv(config)
+    )
 
 
 def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     common = ["--redis-url", redis_url, *broker.broker_argv(args), "--log-level", args.log_level]
     if args.log_json:
         common.append("--log-json")
-    mml = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-    if args.tokenizer:
-        mml += ["--tokenizer", args.tokenizer]  # renderer and gateway
+    # The renderer and the gateway take the context length, eos ids and vocabulary from the
+    # executors' status (shared/model_limits.py), not from flags.
+    tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
     children = [
         Child(
             "scheduler",
@@ -232,7 +154,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         children.append(
             Child(
                 f"renderer-{i}",
-                ["renderer", *common, "--model", args.model, *mml, "--consumer-name", f"r{i}"],
+                ["renderer", *common, "--model", args.model, *tok, "--consumer-name", f"r{i}"],
             )
         )
     gpus = visible_gpus() if args.device in ("auto", "cuda") else []
@@ -250,7 +172,7 @@ def build_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(groups[i % len(groups)])} if many else {}
         children.append(Child(f"executor-{i}", argv, env))
     gw = ["gateway", *common, "--model", args.model, "--host", args.host]
-    gw += ["--port", str(args.port), "--gateway-id", "gw-0", *mml]
+    gw += ["--port", str(args.port), "--gateway-id", "gw-0", *tok]
     if args.served_model_name:
         gw += ["--served-model-name", args.served_model_name]
     if args.api_key:

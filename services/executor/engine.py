@@ -41,6 +41,7 @@ from voltserve.services.executor.request import (
 )
 from voltserve.services.executor.spec.acceptance import num_accepted
 from voltserve.shared.config import EngineConfig
+from voltserve.shared.model_limits import ModelLimits
 from voltserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,12 @@ class LLMEngine:
         self._nonfinite_total = 0
         self._nonfinite_message = nonfinite_message(str(getattr(runner, "dtype", "")))
 
+    def limits(self) -> ModelLimits:
+        """What this engine enforces, decided here once (the runner's context after the sliding
+        window cap, then the KV capacity cap above): published in the executor's status hash,
+        read by the gateway and the renderer."""
+        return ModelLimits(self.max_model_len, tuple(self.eos_token_ids), self.vocab_size)
+
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(
@@ -144,16 +151,20 @@ class LLMEngine:
         params: SamplingParams,
         output_token_ids: Sequence[int] | None = None,
         arrival_time: float | None = None,
+        validated: bool = False,
     ) -> None:
         """Queue a request. output_token_ids (failover resume): tokens already generated; they
-        are recomputed as context and sampling continues at output position len(output)."""
+        are recomputed as context and sampling continues at output position len(output).
+        validated: the caller's edge already ran params.validate() (the gateway, for every
+        request that comes through the services); in-process callers leave it False."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         output = list(output_token_ids or [])
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        params.validate()
+        if not validated:
+            params.validate()
         for name, ids in (("prompt", prompt), ("output_token_ids", output)):
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 bad = next(t for t in ids if not 0 <= t < self.vocab_size)
@@ -215,8 +226,9 @@ class LLMEngine:
         if self._grammar_pool is None:
             from voltserve.services.executor.grammar import GrammarCompilerPool
 
-            source = getattr(self.runner, "tokenizer_source", None) or self.config.model
-            self._grammar_pool = GrammarCompilerPool(source, self.vocab_size, self.eos_token_ids)
+            self._grammar_pool = GrammarCompilerPool(
+                self.config.model, self.vocab_size, self.eos_token_ids
+            )
         return self._grammar_pool
 
     def _admit_compiled(self, wait: float = 0.0) -> list[RequestOutput]:
@@ -634,9 +646,11 @@ class LLMEngine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        validated: bool = False,
     ) -> list[list[int]]:
         """Run prompts to completion (tests, CLI); returns the generated token ids of each.
-        Requests already queued keep running alongside; only these prompts' outputs return."""
+        Requests already queued keep running alongside; only these prompts' outputs return.
+        validated: as add_request's."""
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -647,7 +661,7 @@ class LLMEngine:
         ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, validated=validated)
         pending = set(ids)
         while pending:
             for out in self.step():

@@ -129,7 +129,7 @@ class GGUFQuantConfig(QuantConfig):
             counts[kind] = counts.get(kind, 0) + 1
         return "gguf " + " ".join(f"{k}x{n}" for k, n in sorted(counts.items()))
 
-    def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
+    def method_for(self, prefixes: list[str]) -> LinearMethod:
         kinds = [self.types.get(p, ("F32", p))[0] for p in prefixes]
         if all(k in FLOAT_TYPES for k in kinds):
             return UnquantizedMethod()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import json
 import logging
 import os
 import signal
 import socket
 
+from voltserve.services.executor.engine_args import add_engine_flags, engine_config
 from voltserve.shared import broker, startup
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -20,58 +19,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voltserve executor", description=__doc__)
-    p.add_argument(
-        "--model", required=True, help="Hugging Face checkpoint folder or GGUF file / folder"
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float16", "half", "bfloat16", "float32", "float"],
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV cache size in blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-enable-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--cuda-graph-sizes",
-        type=graph_sizes,
-        default=(),
-        help="decode batch sizes to capture, comma-separated (default 1,2,4,8,16,24,...)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "-tp",
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="GPUs (one process each) that run the model as one executor; rank r uses the r-th "
-        "visible GPU",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=speculative_config,
-        default=None,
-        help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
-        'methods "draft_model" and "eagle" take "model": the draft / EAGLE head folder',
-    )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["awq", "gptq", "compressed-tensors", "gguf"],
-        help="force the quantization method (default: from the checkpoint)",
-    )
-    p.add_argument(
-        "--max-gpu-memory",
-        type=memory_size,
-        default=None,
-        help="GPU memory budget (bytes, or 16GiB / 16GB ...): KV sizing uses min(card, budget)",
-    )
+    add_engine_flags(p)
     p.add_argument(
         "--executor-id",
         default=os.environ.get("VOLTSERVE_EXECUTOR_ID") or f"{socket.gethostname()}-{os.getpid()}",
@@ -88,74 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     add_log_level_flag(p)
     return p
-
-
-def graph_sizes(text: str) -> tuple[int, ...]:
-    """--cuda-graph-sizes: "1,8,64" -> (1, 8, 64); every size a positive integer."""
-    try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of integers: {text!r}"
-        ) from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers: {text!r}")
-    return sizes
-
-
-def speculative_config(text: str) -> dict:
-    """--speculative-config: a JSON object with vLLM's keys, validated here so a bad one is a
-    usage error naming the key, not a failure at engine start."""
-    from voltserve.services.executor.spec.config import SpeculativeConfig
-
-    try:
-        return json.loads(SpeculativeConfig.from_json(text).to_json())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9}
-_UNITS.update({"gb": 10**9, "t": 10**12, "tb": 10**12})
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def memory_size(text: str) -> int:
-    """--max-gpu-memory: "17179869184", "16GiB", "16GB", "16g", "1.5 TiB" -> bytes."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m[2].lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"not a memory size: {text!r} (bytes, or a number with KB/MB/GB/TB or KiB/MiB/GiB/TiB)"
-        )
-    n = int(float(m[1]) * _UNITS[unit])
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
-    return n
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
-    return EngineConfig(
-        model=args.model,
-        dtype=dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-        max_gpu_memory=args.max_gpu_memory,
-    )
 
 
 def service_config(args: argparse.Namespace):

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from voltserve.services.executor import crash_hook
 from voltserve.shared import broker, streams
 from voltserve.shared.metrics import StatusHistogram, stats_to_status
+from voltserve.shared.model_limits import ModelLimits
 from voltserve.shared.protocol import (
     AbortRequest,
     EngineRequest,
@@ -39,7 +40,10 @@ SEEN_CAPACITY = 200_000
 
 
 class Engine(Protocol):
-    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=None, arrival_time=None) -> None: ...  # fmt: skip
+    max_model_len: int
+
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=None, arrival_time=None, validated=False) -> None: ...  # fmt: skip
+    def limits(self) -> ModelLimits: ...
     def abort_request(self, ids: list[str]) -> list[Any]: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -167,8 +171,8 @@ class EngineLoop:
             # the resend wins; drop the old copy quietly.
             self.engine.abort_request([req.request_id])
             del self.live[req.request_id]
-        max_len = getattr(self.engine, "max_model_len", None)
-        if req.output_token_ids and max_len is not None:
+        max_len = self.engine.max_model_len
+        if req.output_token_ids:
             if len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
                 # A resumed request that had already filled the context: it ends as it would
                 # have on the executor that died.
@@ -178,13 +182,15 @@ class EngineLoop:
                 return
         try:
             params = SamplingParams.from_dict(dict(req.sampling))
-            params.validate()
+            # Validated where the request entered (the gateway); the renderer only lowered
+            # max_tokens / min_tokens to the context and set the eos ids.
             self.engine.add_request(
                 req.request_id,
                 list(req.prompt_token_ids),
                 params,
                 output_token_ids=list(req.output_token_ids) or None,
                 arrival_time=req.arrival_time or None,
+                validated=True,
             )
         except (ValueError, TypeError) as e:
             logger.warning("rejecting request %s: %s", req.request_id, e)
@@ -256,6 +262,7 @@ class ExecutorService:
         self.seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.stop = asyncio.Event()
         self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
+        self._limits = engine.limits().to_status()
 
     # ---- engine thread -> I/O loop ----
 
@@ -318,7 +325,9 @@ class ExecutorService:
                 "instance": self.instance,
                 "model": self.cfg.model,
                 "max_num_seqs": self.cfg.max_num_seqs,
-                "max_model_len": getattr(self.loop_.engine, "max_model_len", ""),
+                # max_model_len, eos_token_ids, vocab_size: what the gateway and the renderer
+                # hold requests to (shared/model_limits.py).
+                **self._limits,
                 "step_rate": round(rate, 2),
                 "steps": steps,
                 "time": time.time(),

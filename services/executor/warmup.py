@@ -18,7 +18,7 @@ import sys
 
 from voltserve.kernels import compile_cache
 from voltserve.services import launcher
-from voltserve.services.executor import main as executor_main
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.shared import startup
 from voltserve.shared.logging import setup_logging
 
@@ -39,10 +39,8 @@ def main(argv: list[str]) -> None:
         p.exit(1, f"voltserve warmup: --model {args.model} does not exist\n")
     if args.jobs is not None:
         os.environ[compile_cache.JOBS_ENV] = str(max(1, args.jobs))
-    engine_args = executor_main.build_parser().parse_args(
-        launcher.executor_args(args, 0, args.gpu_memory_utilization)
-    )
-    config = executor_main.engine_config(engine_args)
+    # The serve flags hold every engine flag (engine_args.py): executor 0's config.
+    config = engine_config(args)
 
     with startup.fatal_errors("warmup"):
         # Imported here so `--help` does not pay for torch.

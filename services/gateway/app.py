@@ -35,6 +35,8 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         # Reads (/health, /v1/models, /metrics) answer at once while the broker is away.
         reading = request.method in ("GET", "HEAD")
         with broker.fail_fast() if reading else contextlib.nullcontext():
+            if request.method == "POST" or request.path == "/v1/models":
+                await gw.refresh_limits()
             resp = await handler(request)
         status = 499 if request.get(routes.CLIENT_GONE) else resp.status
         return resp
@@ -44,6 +46,9 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         if e.status == 413:
             resp.force_close()  # the rest of the body is not read: this connection is done
         return resp
+    except RenderFailed as e:  # the executors' limits are not known yet (render.LimitsUnknown)
+        status = e.status
+        return APIError(e.status, e.message, param=e.param).response()
     except RedisConnectionError as e:
         status = 503
         return unavailable(gw.redis, e).response()
@@ -115,6 +120,9 @@ async def ping(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     gw: GatewayState = request.app["gw"]
+    # A model is listed only once an executor can serve it and has published the context it
+    # enforces (none while starting).
+    listed = gw.renderer.limits is not None and await executors_ready(gw, request.app)
     data = [
         {
             "id": name,
@@ -125,9 +133,7 @@ async def models(request: web.Request) -> web.Response:
             "parent": None,
             "max_model_len": gw.max_model_len,
         }
-        for name in gw.served_model_names
-        # A model is listed only once an executor can serve it (none while starting).
-        if await executors_ready(gw, request.app)
+        for name in (gw.served_model_names if listed else [])
     ]
     return web.json_response({"object": "list", "data": data})
 

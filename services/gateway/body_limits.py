@@ -6,9 +6,11 @@ answer says `Connection: close`, and what the client still sends is discarded fo
 DRAIN_S seconds (so that a client busy sending reads the 413 instead of a reset), then the
 connection is closed.
 
-The default limit follows from the context: enough for max_model_len tokens of the longest
-token's text, JSON-escaped, plus room for the rest of a request (sampling fields, tools, a
-schema). A larger body could not hold a prompt that fits.
+The default limit follows from the model's longest context (render.position_limit, which bounds
+the context every executor enforces; the gateway sizes it at start-up, before any executor has
+published): enough for that many tokens of the longest token's text, JSON-escaped, plus room for
+the rest of a request (sampling fields, tools, a schema). A larger body could not hold a prompt
+that fits.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         "--max-request-bytes",
         type=_positive_int,
         default=None,
-        help="largest request body; past it a 413 (default: max_model_len x the longest "
+        help="largest request body; past it a 413 (default: the model's longest context x the "
+        "longest "
         f"token's UTF-8 bytes x {JSON_BYTES_PER_TEXT_BYTE} + 1 MiB)",
     )
 

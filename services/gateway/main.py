@@ -24,9 +24,10 @@ from voltserve.services.gateway.state import GatewayState
 from voltserve.services.gateway.tool_parsers import TOOL_PARSERS
 from voltserve.services.gateway.tools import ChatTooling
 from voltserve.services.gateway.web_ui import add_web_ui_flag
-from voltserve.services.renderer.render import Renderer
+from voltserve.services.renderer.render import Renderer, position_limit
 from voltserve.shared import broker, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
+from voltserve.shared.model_limits import PublishedLimits
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
-    p.add_argument("--max-model-len", type=int, default=None)
     add_request_flags(p)
     add_tool_flags(p)
     add_web_ui_flag(p)
@@ -84,7 +84,10 @@ def tool_flags_argv(args: argparse.Namespace) -> list[str]:
 def build_state(args: argparse.Namespace) -> GatewayState:
     # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
     with startup.fatal_errors("gateway", also=(OSError,)):
-        renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
+        renderer = Renderer(args.model, tokenizer_path=args.tokenizer)
+        # Buffers sized before an executor published its limits: by the model's own longest
+        # context, which bounds every executor's (render.position_limit).
+        ceiling = position_limit(args.model)
     names = args.served_model_name or [args.model]
     gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
     try:
@@ -103,13 +106,13 @@ def build_state(args: argparse.Namespace) -> GatewayState:
         renderer=renderer,
         served_model_names=names,
         model_path=args.model,
-        max_model_len=renderer.max_model_len,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes
-        or default_max_request_bytes(renderer.max_model_len, renderer.span.max_token_bytes),
-        metrics=GatewayMetrics(names[0], renderer.max_model_len),
+        or default_max_request_bytes(ceiling, renderer.span.max_token_bytes),
+        metrics=GatewayMetrics(names[0], ceiling),
         dispatcher=OutputDispatcher(redis, gateway_id),
         tooling=tooling,
+        limits=PublishedLimits(redis),
     )
 
 

@@ -11,6 +11,7 @@ from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.renderer.render import Renderer
 from voltserve.shared.appender import StreamAppender
+from voltserve.shared.model_limits import PublishedLimits
 
 
 @dataclass
@@ -20,7 +21,6 @@ class GatewayState:
     renderer: Renderer  # tokenizer + chat template, for /tokenize and detokenization
     served_model_names: list[str]
     model_path: str
-    max_model_len: int
     api_key: str | None
     max_request_bytes: int  # --max-request-bytes or its default (body_limits.py)
     metrics: GatewayMetrics
@@ -32,10 +32,25 @@ class GatewayState:
     # --enable-auto-tool-choice / --tool-call-parser / --reasoning-parser (tools.ChatTooling);
     # None: no tool parsing, no reasoning split.
     tooling: Any = None
+    # The executors' published limits (shared/model_limits.py), followed into renderer.limits
+    # by refresh_limits. None: the renderer's limits are used as they are (tests set them).
+    limits: PublishedLimits | None = None
 
     def __post_init__(self) -> None:
         if self.appender is None:
             self.appender = StreamAppender(self.redis)
+
+    async def refresh_limits(self) -> None:
+        """renderer.limits <- what the executors published (at most one Redis read a second
+        once known). Until an executor has published, they stay None and whatever needs them
+        answers a 503 (render.LimitsUnknown)."""
+        if self.limits is not None:
+            self.renderer.limits = await self.limits.get()
+
+    @property
+    def max_model_len(self) -> int:
+        """The context the executors enforce (render.LimitsUnknown until one published)."""
+        return self.renderer.max_model_len
 
     @property
     def tokenizer(self) -> Any:

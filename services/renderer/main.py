@@ -6,7 +6,10 @@ vs:render (the gateway puts there those with a small payload and no grammar to b
 for one on vs:render:large, which holds long prompts and grammar constraints and is taken one
 request at a time. Each of those is bounded: a prompt that cannot fit is refused after at most
 about max_model_len tokens of tokenization (render.Renderer.check_text_length), one that fits is
-tokenized in full, and the tokenizer releases the GIL while it works."""
+tokenized in full, and the tokenizer releases the GIL while it works.
+
+The context length, eos ids and vocabulary are the executors' (shared/model_limits.py), read
+from their status hashes; a batch that arrives before any executor published them waits."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any
 from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
 from voltserve.shared import broker, metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
+from voltserve.shared.model_limits import PublishedLimits
 from voltserve.shared.protocol import RenderRequest
 
 logger = logging.getLogger(__name__)
@@ -41,9 +45,15 @@ class RendererService:
         renderer: Renderer,
         stream: str | None = None,
         delete_handled: bool = False,
+        limits: PublishedLimits | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.redis = redis
         self.renderer = renderer
+        # The executors' published limits, followed into renderer.limits before each batch
+        # (None: the renderer's own limits are used as they are, as tests set them).
+        self.limits = limits
+        self.stop = stop
         self.stream = stream or streams.render_stream()
         # Delete each entry once handled (the large queue: its payloads may be megabytes, and
         # the stream would otherwise keep them until trimmed).
@@ -68,6 +78,11 @@ class RendererService:
             else:
                 logger.warning("unexpected %s on %s", type(msg).__name__, self.stream)
         if reqs:
+            if self.limits is not None:
+                # Until an executor has published, the batch waits (unacknowledged): the
+                # gateway forwards nothing before it knows the limits, so this is only the
+                # moment between its refresh and ours.
+                self.renderer.limits = await self.limits.wait(self.stop)
             await self._render(reqs)
         if self.delete_handled:  # only once handled: a failure above leaves them for redelivery
             self.entries.extend(msg_id for msg_id, _ in items)
@@ -120,7 +135,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="voltserve renderer", description=__doc__)
     broker.add_broker_flags(p)
     p.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--consumer-name", default=None, help="default: host-pid")
     metrics.add_metrics_port_flag(p)
@@ -131,8 +145,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     # An unreadable tokenizer or config will not fix itself: exit with the fatal code.
     with startup.fatal_errors("renderer", also=(OSError,)):
-        renderer = Renderer(args.model, args.max_model_len, tokenizer_path=args.tokenizer)
+        renderer = Renderer(args.model, tokenizer_path=args.tokenizer)
     redis = streams.connect(args.redis_url, outage_timeout_s=args.redis_outage_timeout)
+    limits = PublishedLimits(redis)
     startup.freeze_heap()
     consumer = args.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
     stop = asyncio.Event()
@@ -141,8 +156,10 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     # The large queue's requests go one at a time (each replica takes one, the others wait for
     # the next free replica) and leave the stream once handled.
-    small = RendererService(redis, renderer, streams.render_stream())
-    large = RendererService(redis, renderer, streams.render_large_stream(), delete_handled=True)
+    small = RendererService(redis, renderer, streams.render_stream(), limits=limits, stop=stop)
+    large = RendererService(
+        redis, renderer, streams.render_large_stream(), True, limits=limits, stop=stop
+    )
     lanes = [(small, 64), (large, 1)]
     logger.info("renderer %s consuming %s", consumer, ", ".join(s.stream for s, _ in lanes))
     try:

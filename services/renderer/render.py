@@ -26,6 +26,7 @@ from voltserve.services.renderer.prompt_length import (
 from voltserve.services.renderer.token_span import TokenSpan, token_span
 from voltserve.shared import gguf_files
 from voltserve.shared.gguf_files import is_gguf
+from voltserve.shared.model_limits import ModelLimits
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.structured import ConstraintError, check_shape, to_grammar
@@ -50,7 +51,12 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def model_max_len(model: str) -> int:
+def position_limit(model: str) -> int:
+    """The longest context the model itself allows (config.json's max_position_embeddings, a
+    GGUF file's context length): an upper bound of any executor's max_model_len, for sizing
+    buffers before an executor has published its limits (the gateway's default body limit and
+    its token-count histograms). The context a request is held to is ModelLimits.max_model_len.
+    """
     if is_gguf(model):
         return gguf_files.context_length(model)
     cfg = _read_json(Path(model) / "config.json")
@@ -58,24 +64,7 @@ def model_max_len(model: str) -> int:
     for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions"):
         if isinstance(cfg.get(key), int):
             return cfg[key]
-    raise ValueError(f"cannot find the context length in {model}/config.json; pass --max-model-len")
-
-
-def eos_token_ids(model: str, tokenizer: Any) -> list[int]:
-    """generation_config.json's eos_token_id, else config.json's, else the tokenizer's (a GGUF
-    file: its metadata's eos / eot ids)."""
-    if is_gguf(model):
-        ids = gguf_files.eos_token_ids(model)
-        if ids:
-            return ids
-    for name in ("generation_config.json", "config.json"):
-        eos = _read_json(Path(model) / name).get("eos_token_id")
-        if isinstance(eos, int):
-            return [eos]
-        if isinstance(eos, list) and eos:
-            return [int(x) for x in eos]
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return [eos] if isinstance(eos, int) else []
+    raise ValueError(f"cannot find the context length in {model}/config.json")
 
 
 @dataclass
@@ -107,22 +96,52 @@ def context_error(limit: int, n_prompt: int, where: str, at_least: bool = False)
     )
 
 
+class LimitsUnknown(RenderFailed):
+    """No executor has published its limits yet (the model is still starting)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "the model is not ready yet: no executor has published its limits (context length, "
+            "eos ids, vocabulary); retry once GET /health answers 200",
+        )
+
+
 class Renderer:
+    """limits: what the executors enforce (shared/model_limits.py), set by whoever follows
+    their status (the renderer and gateway services); None until one has published, and then
+    every length, eos or vocabulary check raises LimitsUnknown (a 503)."""
+
     def __init__(
         self,
         model: str,
-        max_model_len: int | None = None,
+        limits: ModelLimits | None = None,
         tokenizer: Any = None,
         tokenizer_path: str | None = None,
     ):
         if tokenizer is None:
             tokenizer = load_tokenizer(model, tokenizer_path)
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len or model_max_len(model)
-        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        self.limits = limits
         self.template: ChatTemplate | None = from_tokenizer(self.tokenizer)
-        self.vocab_size = len(self.tokenizer)
         self.span: TokenSpan = token_span(self.tokenizer)
+
+    def _limits(self) -> ModelLimits:
+        if self.limits is None:
+            raise LimitsUnknown()
+        return self.limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self._limits().max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._limits().eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._limits().vocab_size
 
     # ---- prompt -> token ids ---------------------------------------------------------------
 
@@ -317,10 +336,8 @@ class Renderer:
         if params.structured is not None:
             check_constraint(params.structured)
         params.eos_token_ids = list(self.eos_token_ids)
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RenderFailed(400, str(e)) from e
+        # Validated once, by the gateway; fit_context only lowers max_tokens (to at least 1)
+        # and min_tokens with it, which keeps the parameters valid.
         out = []
         for i in range(max(1, req.n)):
             p = SamplingParams.from_dict(params.to_dict())

@@ -9,6 +9,7 @@ import subprocess
 
 from voltserve.services import launcher
 from voltserve.services.executor import main as executor_main
+from voltserve.services.executor.engine_args import engine_config
 
 from voltserve.cli import command as voltserve_command
 
@@ -21,11 +22,7 @@ def test_warmup_engine_config_is_the_first_executors():
     args = launcher.build_parser().parse_args(flags)
     (child,) = [c for c in launcher.build_children(args, "redis://x") if c.name == "executor-0"]
     served = executor_main.engine_config(executor_main.build_parser().parse_args(child.argv[1:]))
-    warm = executor_main.engine_config(
-        executor_main.build_parser().parse_args(
-            launcher.executor_args(args, 0, args.gpu_memory_utilization)
-        )
-    )
+    warm = engine_config(args)  # what services/executor/warmup.py builds
     assert warm == served
     assert warm.max_model_len == 4096 and warm.cuda_graph_sizes == (1, 8, 64)
     assert warm.enforce_eager and warm.max_num_seqs == 64

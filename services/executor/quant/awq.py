@@ -71,7 +71,7 @@ class AWQConfig(QuantConfig):
     def describe(self) -> str:
         return self.variant
 
-    def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
+    def method_for(self, prefixes: list[str]) -> LinearMethod:
         if prefixes == ["lm_head"] or any(module_listed(p, self.skip) for p in prefixes):
             return UnquantizedMethod()
         return GroupQuantMethod(

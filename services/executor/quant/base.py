@@ -221,7 +221,7 @@ class QuantConfig:
 
     name = "none"
 
-    def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
+    def method_for(self, prefixes: list[str]) -> LinearMethod:
         """prefixes: the checkpoint names of the linear's shards (e.g. the q/k/v_proj of one
         merged qkv_proj), without the tensor suffix."""
         return UnquantizedMethod()

@@ -79,7 +79,7 @@ class CompressedTensorsConfig(QuantConfig):
                 return w
         return None
 
-    def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
+    def method_for(self, prefixes: list[str]) -> LinearMethod:
         schemes = [self._scheme(p) for p in prefixes]
         if all(s is None for s in schemes):
             return UnquantizedMethod()

@@ -64,7 +64,7 @@ class GPTQConfig(QuantConfig):
                 return None if neg else dict(over or {})
         return {}
 
-    def method_for(self, prefixes: list[str], layer_kind: str = "linear") -> LinearMethod:
+    def method_for(self, prefixes: list[str]) -> LinearMethod:
         if prefixes == ["lm_head"] and not self.quant_lm_head:
             return UnquantizedMethod()
         overs = [self._overrides(p) for p in prefixes]

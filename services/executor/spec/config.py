@@ -105,6 +105,10 @@ class SpeculativeConfig:
         return cls.from_dict(d)
 
     def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized object (every bound filled in): from_dict(to_dict()) is self."""
         d: dict[str, Any] = {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -115,4 +119,4 @@ class SpeculativeConfig:
             d["disable_by_batch_size"] = self.disable_by_batch_size
         if self.model is not None:
             d["model"] = self.model
-        return json.dumps(d)
+        return d
