@@ -213,12 +213,6 @@ def _moe_config(arch: str, get: Any) -> dict[str, Any]:
     return cfg
 
 
-def eos_token_ids(path: str | Path) -> list[int]:
-    meta = read_metadata(path, ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"])
-    ids = [int(v) for v in meta.values() if v is not None]
-    return list(dict.fromkeys(ids))
-
-
 def context_length(path: str | Path) -> int:
     arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
     v = read_metadata(path, [f"{arch}.context_length"]).get(f"{arch}.context_length")

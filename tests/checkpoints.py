@@ -120,6 +120,22 @@ def checkpoint(arch: str, shard_size: str | None = None) -> Path:
     )
 
 
+def limits(arch: str, max_model_len: int | None = None):
+    """The ModelLimits an executor serving `arch`'s checkpoint publishes (for tests of the
+    renderer and gateway without one): its context (capped at a sliding window), the loader's
+    eos ids, its vocabulary."""
+    import json
+
+    from voltserve.services.executor.loader import read_eos_token_ids
+    from voltserve.shared.model_limits import ModelLimits
+
+    path = checkpoint(arch)
+    cfg = json.loads((path / "config.json").read_text())
+    n = max_model_len or cfg["max_position_embeddings"]
+    n = min(n, cfg.get("sliding_window") or n)
+    return ModelLimits(n, tuple(read_eos_token_ids(path)), cfg["vocab_size"])
+
+
 def copy_checkpoint(arch: str, dest: Path) -> Path:
     """A private copy to break on purpose (loader error tests)."""
     shutil.copytree(checkpoint(arch), dest)

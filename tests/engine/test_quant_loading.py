@@ -195,6 +195,7 @@ def test_split_gguf_loads_like_one_file() -> None:
 
 
 def test_renderer_reads_tokenizer_and_template_from_gguf(tmp_path) -> None:
+    from voltserve.services.executor.gguf_source import GGUFSource
     from voltserve.services.renderer.render import Renderer
 
     d = qc.gguf_checkpoint("qwen2", qc.q4_k_m_types, "Q4_K_M")
@@ -204,8 +205,8 @@ def test_renderer_reads_tokenizer_and_template_from_gguf(tmp_path) -> None:
     assert r.tokenizer.encode(text, add_special_tokens=False) == tok.encode(
         text, add_special_tokens=False
     )
-    assert r.max_model_len == 512
-    assert r.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]
+    # The context and eos ids are the executor's (GGUFSource), published to the renderer.
+    assert GGUFSource(d / "model.gguf").eos_token_ids() == [tok.convert_tokens_to_ids("<|im_end|>")]
     msgs = [{"role": "user", "content": "hi"}]
     assert r.chat_prompt(msgs) == tok.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True

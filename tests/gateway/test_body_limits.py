@@ -18,7 +18,7 @@ from voltserve.services.gateway.body_limits import (
     nests_deeper,
 )
 from voltserve.services.gateway.errors import APIError
-from voltserve.services.renderer.render import Renderer
+from voltserve.services.renderer.render import Renderer, position_limit
 
 from tests.checkpoints import checkpoint
 
@@ -36,7 +36,7 @@ def test_default_holds_a_full_context_of_any_token(rng) -> None:
     writes it (non-ASCII as \\u escapes), fits in the default limit's share for the prompt:
     the rest (REQUEST_OVERHEAD_BYTES) stays free for the other fields."""
     renderer = Renderer(str(checkpoint("qwen2")))
-    tok, ctx = renderer.tokenizer, renderer.max_model_len
+    tok, ctx = renderer.tokenizer, position_limit(str(checkpoint("qwen2")))
     limit = default_max_request_bytes(ctx, renderer.span.max_token_bytes)
     texts = [tok.decode([t]) for t in range(len(tok))]
     texts += ["中文🦙", "é" * 6]  # tokenized into several tokens: fewer copies fit, but do

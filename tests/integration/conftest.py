@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from voltserve.shared import streams
+from voltserve.shared.model_limits import ModelLimits, combine
 
 from tests.checkpoints import checkpoint
 from tests.ports import free_port
@@ -169,6 +171,24 @@ class Stack:
         finally:
             r.close()
         raise TimeoutError(f"executor {name} alive={alive} not reached; logs:\n{self.logs()}")
+
+    def limits(self) -> ModelLimits:
+        """What the stack's live executors published (shared/model_limits.py): the context,
+        eos ids and vocabulary the gateway and the renderer hold requests to."""
+        r = self.valkey.client()
+        try:
+            found = []
+            for eid in r.smembers(streams.executors_key()):
+                eid = eid.decode()
+                if r.exists(streams.executor_alive_key(eid)):
+                    lim = ModelLimits.from_status(r.hgetall(streams.executor_status_key(eid)))
+                    if lim is not None:
+                        found.append(lim)
+        finally:
+            r.close()
+        out = combine(found)
+        assert out is not None, "no executor has published its limits"
+        return out
 
     def _healthy(self, gateway: str) -> bool:
         try:

@@ -26,7 +26,7 @@ from voltserve.services.gateway.params import (
     MAX_STOP_TOKEN_IDS,
 )
 from voltserve.services.gateway.tools import MAX_TOOLS
-from voltserve.services.renderer.render import Renderer
+from voltserve.services.renderer.render import Renderer, position_limit
 
 MODEL = "tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -129,7 +129,7 @@ async def test_lone_surrogate_is_400_and_pairs_work(http) -> None:
 
 async def test_body_over_the_size_limit_is_413(stack, http) -> None:
     r = Renderer(stack.model)
-    limit = default_max_request_bytes(r.max_model_len, r.span.max_token_bytes)
+    limit = default_max_request_bytes(position_limit(stack.model), r.span.max_token_bytes)
     raw = json.dumps(cmp(prompt="a" * (limit + random.randint(1, 4096)))).encode()
     paths = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"]
     for path in paths + ["/detokenize", "/v1/nope"]:

@@ -12,14 +12,14 @@ from voltserve.services.renderer.render import Renderer
 from voltserve.shared import streams
 from voltserve.shared.protocol import EngineRequest, RenderRequest, RequestError
 
-from tests.checkpoints import checkpoint
+from tests.checkpoints import checkpoint, limits
 
 
 async def test_handle_batch_renders_in_order_skips_done_and_reports_bad(redis_url):
     print("seed", seed := random.randrange(2**31))
     rng = random.Random(seed)
     r = streams.connect(redis_url)
-    renderer = Renderer(str(checkpoint("qwen2")))
+    renderer = Renderer(str(checkpoint("qwen2")), limits("qwen2"))
     svc = RendererService(r, renderer)
     n = rng.randrange(4, 40)
     reqs = [
@@ -59,7 +59,7 @@ async def test_large_queue_entries_leave_the_stream_once_handed_on(redis_url, rn
     """The large queue's payloads (long prompts) are deleted from the stream in the round trip
     that hands them on, not kept until the stream is trimmed."""
     r = streams.connect(redis_url)
-    renderer = Renderer(str(checkpoint("qwen2")))
+    renderer = Renderer(str(checkpoint("qwen2")), limits("qwen2"))
     large = streams.render_large_stream()
     svc = RendererService(r, renderer, large, delete_handled=True)
     reqs = [

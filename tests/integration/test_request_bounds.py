@@ -41,7 +41,7 @@ from voltserve.services.gateway.params import (
     MAX_STOP_TOKEN_IDS,
 )
 from voltserve.services.gateway.tools import MAX_TOOLS
-from voltserve.services.renderer.render import Renderer
+from voltserve.services.renderer.render import Renderer, position_limit
 
 from tests.checkpoints import tokenizer as ckpt_tokenizer
 
@@ -161,7 +161,7 @@ async def small_requests_during(stack: Stack, busy: asyncio.Task) -> list[float]
 
 async def test_body_past_the_limit_is_413_unread_and_not_held(stack, rng) -> None:
     r = Renderer(stack.model)
-    limit = default_max_request_bytes(r.max_model_len, r.span.max_token_bytes)
+    limit = default_max_request_bytes(position_limit(stack.model), r.span.max_token_bytes)
     empty = len(json.dumps({"model": MODEL, "prompt": "", "max_tokens": 1}))
 
     def body(size: int) -> bytes:
@@ -228,7 +228,7 @@ def test_413_does_not_wait_for_the_body_nor_hold_the_connection(stack, rng) -> N
 
 
 async def test_prompt_past_the_character_bound_is_refused_at_the_gateway(stack, rng) -> None:
-    r = Renderer(stack.model)
+    r = Renderer(stack.model, stack.limits())
     cpt = r.span.chars_per_token
     assert cpt is not None
     text = "b" * ((r.max_model_len - 1) * cpt + rng.randint(1, 5000))

@@ -24,7 +24,7 @@ from voltserve.services.renderer.render import Renderer, RenderFailed
 from voltserve.services.renderer.token_span import MAX_COMPOSED, token_span
 from voltserve.shared.protocol import RenderRequest
 
-from tests.checkpoints import checkpoint
+from tests.checkpoints import checkpoint, limits
 
 # Characters that stress a tokenizer's spans: combining marks (NFC composes them), CJK, emoji
 # (4-byte UTF-8, split over byte tokens), whitespace runs, digits, the special tokens' text.
@@ -37,7 +37,7 @@ FAST_S = 5.0
 
 @pytest.fixture(scope="module")
 def renderer() -> Renderer:
-    return Renderer(str(checkpoint("qwen2")))
+    return Renderer(str(checkpoint("qwen2")), limits("qwen2"))
 
 
 def text_of(rng: random.Random, n: int) -> str:
@@ -166,7 +166,7 @@ def test_count_in_pieces_never_refuses_what_fits(rng, renderer: Renderer) -> Non
 
 
 def _with_limit(renderer: Renderer, limit: int, bounded: bool) -> Renderer:
-    r = Renderer(str(checkpoint("qwen2")), max_model_len=limit, tokenizer=renderer.tokenizer)
+    r = Renderer(str(checkpoint("qwen2")), limits("qwen2", limit), tokenizer=renderer.tokenizer)
     if not bounded:
         r.span = dataclasses.replace(r.span, chars_per_token=None)
     return r

@@ -12,12 +12,12 @@ from voltserve.services.renderer.render import Renderer, RenderFailed
 from voltserve.shared.protocol import RenderRequest
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import checkpoint
+from tests.checkpoints import checkpoint, limits
 
 
 @pytest.fixture(scope="module")
 def renderer() -> Renderer:
-    return Renderer(str(checkpoint("qwen2")))
+    return Renderer(str(checkpoint("qwen2")), limits("qwen2"))
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -77,7 +77,7 @@ def test_seeds_and_eos(renderer: Renderer) -> None:
     out = renderer.render(request(n=3, sampling=SamplingParams(seed=seed).to_dict()))
     assert [e.request_id for e in out] == ["r1.0", "r1.1", "r1.2"]
     assert [e.sampling["seed"] for e in out] == [seed, seed + 1, seed + 2]
-    assert out[0].sampling["eos_token_ids"] == renderer.eos_token_ids != []
+    assert out[0].sampling["eos_token_ids"] == list(renderer.eos_token_ids) != []
     drawn = [e.sampling["seed"] for e in renderer.render(request(n=4))]
     assert len(set(drawn)) == 4 and all(0 <= s < (1 << 63) for s in drawn)
 
