@@ -31,52 +31,67 @@ logger = logging.getLogger(__name__)
 
 FORCE_REF_ENV = "VOLTSERVE_FORCE_REF"
 
-# op -> (kernel family modules searched for `<op>_cuda`, in order; module and name of the reference)
+# op -> (kernel modules searched for `<op>_cuda`, in order; module and name of the reference).
+# Modules are dotted paths inside voltserve.kernels (subpackage.file).
 _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "rms_norm": (("rmsnorm",), "rmsnorm", "rms_norm_ref"),
-    "fused_add_rms_norm": (("rmsnorm",), "rmsnorm", "fused_add_rms_norm_ref"),
-    "rotary_embedding": (("rotary",), "rotary", "rotary_embedding_ref"),
-    "silu_and_mul": (("activation",), "activation", "silu_and_mul_ref"),
-    "reshape_and_cache": (("kv_cache",), "kv_cache", "reshape_and_cache_ref"),
+    "rms_norm": (("elementwise.rmsnorm",), "elementwise.rmsnorm", "rms_norm_ref"),
+    "fused_add_rms_norm": (
+        ("elementwise.rmsnorm",),
+        "elementwise.rmsnorm",
+        "fused_add_rms_norm_ref",
+    ),
+    "rotary_embedding": (("attention.rotary",), "attention.rotary", "rotary_embedding_ref"),
+    "silu_and_mul": (("elementwise.activation",), "elementwise.activation", "silu_and_mul_ref"),
+    "reshape_and_cache": (("attention.kv_cache",), "attention.kv_cache", "reshape_and_cache_ref"),
     # rotary_embedding then reshape_and_cache in one launch (what the models call).
-    "rotary_and_cache": (("rotary_cache",), "rotary_cache", "rotary_and_cache_ref"),
+    "rotary_and_cache": (
+        ("attention.rotary_cache",),
+        "attention.rotary_cache",
+        "rotary_and_cache_ref",
+    ),
     # Per-head q/k RMSNorm, then rotary_and_cache, in one launch (q/k-norm models: Qwen3).
-    "qk_norm_rope_and_cache": (("qk_norm_rope",), "qk_norm_rope", "qk_norm_rope_and_cache_ref"),
+    "qk_norm_rope_and_cache": (
+        ("attention.qk_norm_rope",),
+        "attention.qk_norm_rope",
+        "qk_norm_rope_and_cache_ref",
+    ),
     # prefill_attention_fa.paged_attention_cuda: the flash kernel where it covers the shape
-    # (head dims 64 and 128), the CUDA-core kernel of prefill_attention.py otherwise.
+    # (head dims 64 and 128), the CUDA-core kernel of attention/prefill.py otherwise.
     "paged_attention": (
         (
-            "prefill_attention_fa",
-            "prefill_attention",
-            "attention",
-            "paged_attention",
-            "attention_ref",
+            "attention.prefill_fa",
+            "attention.prefill",
+            "attention.ref",
         ),
-        "attention_ref",
+        "attention.ref",
         "paged_attention_ref",
     ),
     "paged_decode_attention": (
-        ("attention", "paged_attention", "decode_attention", "attention_ref"),
-        "attention_ref",
+        ("attention.decode", "attention.ref"),
+        "attention.ref",
         "paged_decode_attention_ref",
     ),
     # Linears of up to 8 rows (decode); models/layers.py calls it only for such inputs.
-    "gemv": (("gemv",), "gemv", "gemv_ref"),
+    "gemv": (("linear.gemv",), "linear.gemv", "gemv_ref"),
     # The gate_up projection with silu_and_mul fused into its output (out = the activation).
-    "gemv_gate_up": (("gemv",), "gemv", "gemv_gate_up_ref"),
+    "gemv_gate_up": (("linear.gemv",), "linear.gemv", "gemv_gate_up_ref"),
     # The qkv projection with rotary and the KV-cache write fused into its output (decode).
-    "gemv_qkv_rope": (("gemv_qkv_rope",), "gemv_qkv_rope", "gemv_qkv_rope_ref"),
+    "gemv_qkv_rope": (("linear.gemv_qkv_rope",), "linear.gemv_qkv_rope", "gemv_qkv_rope_ref"),
     # MoE: the router's top-k (torch on the device, capturable) and the routed experts
     # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
-    "moe_topk": (("moe_routing",), "moe_routing", "moe_topk_ref"),
-    "moe_experts": (("moe_experts",), "moe_experts", "moe_experts_ref"),
+    "moe_topk": (("moe.routing",), "moe.routing", "moe_topk_ref"),
+    "moe_experts": (("moe.experts",), "moe.experts", "moe_experts_ref"),
     # Linears with group-quantized weights (quant_linear.py picks the kernel by row count; the
     # model calls quant_linear.quant_linear(x, w, bias, ops), which reads impl["quant_linear"]).
-    "quant_linear": (("quant_linear",), "quant_linear", "quant_linear_ref"),
-    "apply_penalties": (("sampling",), "sampling", "apply_penalties_ref"),
-    "sample": (("sampling",), "sampling", "sample_ref"),
+    "quant_linear": (("linear.quant_linear",), "linear.quant_linear", "quant_linear_ref"),
+    "apply_penalties": (("sampling.sampling",), "sampling.sampling", "apply_penalties_ref"),
+    "sample": (("sampling.sampling",), "sampling.sampling", "sample_ref"),
     # Structured outputs: -inf where the grammar's bitmask forbids a token (masked rows only).
-    "apply_token_bitmask": (("grammar_mask",), "grammar_mask", "apply_token_bitmask_ref"),
+    "apply_token_bitmask": (
+        ("sampling.grammar_mask",),
+        "sampling.grammar_mask",
+        "apply_token_bitmask_ref",
+    ),
 }
 
 # Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
@@ -262,7 +277,7 @@ def _rotary_and_cache_capturable(
     slot_mapping: torch.Tensor,
 ) -> None:
     # rotary_and_cache_ref's meaning; its cache write syncs (boolean mask), this one never does.
-    from voltserve.kernels.rotary import rotary_embedding_ref
+    from voltserve.kernels.attention.rotary import rotary_embedding_ref
 
     rotary_embedding_ref(positions, q, k, head_dim, cos_sin_cache, is_neox)
     T, kv_heads = k.shape[0], k_cache.shape[1]
@@ -287,7 +302,7 @@ def _qk_norm_rope_and_cache_capturable(
     slot_mapping: torch.Tensor,
 ) -> None:
     # qk_norm_rope_and_cache_ref's meaning, with the never-syncing cache write.
-    from voltserve.kernels.qk_norm_rope import _norm_heads
+    from voltserve.kernels.attention.qk_norm_rope import _norm_heads
 
     kn = _norm_heads(k, k_weight, eps, head_dim)
     q.copy_(_norm_heads(q, q_weight, eps, head_dim))

@@ -86,7 +86,7 @@ def bench_decode(
 ):
     """Seconds per launch and the KV bytes it reads. cold: each launch after a copy of
     EVICT_BYTES (evicting the KV from L2), timed as that graph less a graph of the copies."""
-    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+    from voltserve.kernels.attention.decode import paged_decode_attention_cuda
 
     q, k, v, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
     out = torch.empty_like(q)
@@ -170,15 +170,15 @@ def sweep_job(
     """Build (compile and warm) one variant, then time it while holding the sweep's GPU lock
     (only one process times at a time; the others compile on the CPU meanwhile). The row has
     its time and its largest difference from the torch reference (a broken variant shows)."""
-    from voltserve.kernels.attention_ref import paged_decode_attention_ref
-    from voltserve.kernels.decode_attention import (
+    from voltserve.kernels.attention.decode import (
         MERGE_MAX_PARTITIONS,
         decode_workspace,
         launch_with_threads,
         num_partitions,
         paged_decode_attention_cuda,
     )
-    from voltserve.kernels.launch_geometry import device_sms
+    from voltserve.kernels.attention.ref import paged_decode_attention_ref
+    from voltserve.kernels.runtime.launch_geometry import device_sms
 
     torch.manual_seed(batch * 7919 + context)
     q, k, v_cache, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
@@ -287,15 +287,15 @@ def sweep_line(r: dict) -> str:
 
 def partition_for(batch: int, context: int, kvh: int, group: int, head_dim: int) -> int:
     """The partition size the launcher picks for this point (reported next to its time)."""
-    from voltserve.kernels.decode_attention import default_partition
-    from voltserve.kernels.launch_geometry import device_sms
+    from voltserve.kernels.attention.decode import default_partition
+    from voltserve.kernels.runtime.launch_geometry import device_sms
 
     sms = device_sms(torch.cuda.current_device())
     return default_partition(kvh * group, kvh, head_dim, batch, context, sms)
 
 
 def bench_prefill(q_len: int, kvh: int, group: int, head_dim: int) -> float:
-    from voltserve.kernels.prefill_attention import paged_attention_cuda
+    from voltserve.kernels.attention.prefill import paged_attention_cuda
 
     H = kvh * group
     n_blocks = q_len // BLOCK

@@ -79,8 +79,8 @@ def eager_time_ms(fn: Callable[[], object], iters: int = 20) -> float:
 
 def make_cases(T: int, H: int, inter: int, dt: torch.dtype, rotate: bool):
     """name -> (list of closures over distinct buffer sets, bytes moved by one call)."""
-    from voltserve.kernels.activation import silu_and_mul_cuda
-    from voltserve.kernels.rmsnorm import fused_add_rms_norm_cuda, rms_norm_cuda
+    from voltserve.kernels.elementwise.activation import silu_and_mul_cuda
+    from voltserve.kernels.elementwise.rmsnorm import fused_add_rms_norm_cuda, rms_norm_cuda
 
     es = torch.finfo(dt).bits // 8
     dev = "cuda"

@@ -24,8 +24,8 @@ make_awq_checkpoint.py: round-to-nearest min/max per group), and the engine runs
 figures of one run on one card. `--int4-modules experts` (default) quantizes the experts only
 (attention stays fp16, modules_to_not_convert); `all` the attention projections too. The router,
 norms, embedding and lm_head stay fp16 either way. The int4 floor counts the bytes of the
-engine's packed form (kernels/quant_pack.py: 8 codes per int32 word, a scale and an offset in the
-run dtype per group, the zero point folded into the offset), the experts' part checked against
+engine's packed form (kernels/linear/quant_pack.py: 8 codes per int32 word, a scale and an offset in
+the run dtype per group, the zero point folded into the offset), the experts' part checked against
 the loaded layers' buffers: an expert of Qwen3-30B-A3B is 3 x 2048 x 768 x (1/2 + 4/128) bytes,
 0.27 of its fp16 bytes. With fp16 attention and lm_head, the floor itself allows 1.41x fp16 at 8 layers and 1.78x
 at 48 (`int4.floor_speedup_vs_fp16`, `int4.floor.full_model_speedup_vs_fp16`); with `all`, 1.77x
@@ -152,9 +152,10 @@ INT4_SKIP = {"experts": ("self_attn",), "all": ()}  # --int4-modules -> modules 
 def int4_bytes_read(
     cfg, dtype: torch.dtype, layers: int, experts_per_layer: float, group: int, modules: str
 ) -> dict[str, float]:
-    """bytes_read for the int4 g`group` checkpoint as the engine holds it (kernels/quant_pack.py:
-    per weight [N, K] the codes, N x K/8 int32 words, and a scale and an offset per group in the
-    run dtype). modules: "experts" (attention fp16) or "all" (attention int4 too)."""
+    """bytes_read for the int4 g`group` checkpoint as the engine holds it
+    (kernels/linear/quant_pack.py: per weight [N, K] the codes, N x K/8 int32 words, and a scale and
+    an offset per group in the run dtype). modules: "experts" (attention fp16) or "all" (attention
+    int4 too)."""
     size = torch.tensor([], dtype=dtype).element_size()
 
     def packed(n: int, k: int) -> int:
@@ -195,9 +196,9 @@ def loaded_expert_bytes(engine) -> float | None:
 
 def fused_int4_decode_layers(engine, k: int) -> str:
     """ "served/total": how many MoE layers' batch-1 steps the fused int4 kernels
-    (kernels/moe_quant_decode.py) take, read after the engine ran (each layer makes their flat
+    (kernels/moe/quant_decode.py) take, read after the engine ran (each layer makes their flat
     weights on first use); the rest dequantize (services/executor/quant/experts.py)."""
-    from voltserve.kernels import moe_quant_decode as mq
+    from voltserve.kernels.moe import quant_decode as mq
 
     layers = [m for m in engine.runner.model.modules() if hasattr(m, "w13_qweight")]
     served = 0
@@ -505,7 +506,7 @@ def _run_engine(
         op: engine.runner.ops.impl.get(op) for op in ("moe_experts", "moe_topk", "gemv")
     }
     result["cuda_graphs"] = engine.runner.graphs is not None
-    from voltserve.kernels.moe_experts import wmma_enabled
+    from voltserve.kernels.moe.experts import wmma_enabled
 
     result["grouped_gemm"] = "wmma" if wmma_enabled() else "simt"
     if int4 is not None:

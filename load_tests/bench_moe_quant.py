@@ -1,7 +1,7 @@
 """MoE experts at decode on the GPU, fp16 against group-quantized: per token count (1..8), the
-time of one layer's routed experts through the fp16 decode kernels (kernels/moe_decode.py) and
+time of one layer's routed experts through the fp16 decode kernels (kernels/moe/decode.py) and
 through the fused int4 g128 (AWQ / GPTQ) and int8 g32 (GGUF Q8_0) kernels
-(kernels/moe_quant_decode.py), with the HBM copy bandwidth measured in the same run and each
+(kernels/moe/quant_decode.py), with the HBM copy bandwidth measured in the same run and each
 path's fraction of its bytes-read floor (the distinct routed experts' weights, codes + scales +
 offsets, over the copy bandwidth).
 
@@ -12,7 +12,7 @@ events, median of 7.
 
     python load_tests/bench_moe_quant.py --out bench_moe_quant.json [--tokens 1,2,4,8]
 
---topk times the router's top-k instead (kernels/moe_routing.py moe_topk_cuda: softmax, top-k,
+--topk times the router's top-k instead (kernels/moe/routing.py moe_topk_cuda: softmax, top-k,
 normalisation in one launch) at each family's router shape, us per call from CUDA-graph replays
 of back-to-back calls on the same logits (they stay in L2, as the router GEMV leaves them):
 
@@ -40,7 +40,7 @@ FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
 
 
 def packed(rows: int, K: int, bits: int, g: int, gen):
-    from voltserve.kernels.quant_pack import pack_group_quant
+    from voltserve.kernels.linear.quant_pack import pack_group_quant
 
     codes = torch.randint(0, 2**bits, (rows, K), generator=gen, device="cuda", dtype=torch.uint8)
     s = (torch.rand(rows, K // g, generator=gen, device="cuda") + 0.5) * (0.04 / 2**bits)
@@ -78,7 +78,7 @@ TOPK_ROUTERS = {
 
 
 def bench_topk(tokens: list[int], seed: int) -> list[dict]:
-    from voltserve.kernels.moe_routing import moe_topk_cuda, moe_topk_ref
+    from voltserve.kernels.moe.routing import moe_topk_cuda, moe_topk_ref
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = bench_topk(tokens, args.seed)
         write_json(args.out, {"env": env_info("cuda"), "dtype": "float16", "topk": rows})
         return
-    from voltserve.kernels import moe_quant_decode as mq
-    from voltserve.kernels.moe_decode import moe_decode
-    from voltserve.kernels.moe_experts import moe_experts_ref
+    from voltserve.kernels.moe import quant_decode as mq
+    from voltserve.kernels.moe.decode import moe_decode
+    from voltserve.kernels.moe.experts import moe_experts_ref
 
     bw = measure_copy_bandwidth("cuda")
     gbps = bw["bandwidth_GBps"]

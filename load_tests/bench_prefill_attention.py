@@ -1,6 +1,6 @@
-"""Prefill attention speed: the flash kernel (kernels/prefill_attention_fa.py, wmma with the whole
+"""Prefill attention speed: the flash kernel (kernels/attention/prefill_fa.py, wmma with the whole
 key loop in linked C++, `flash`: what the engine runs for head dims 64 and 128) vs the CUDA-core
-numba kernel (kernels/prefill_attention.py, `numba_cuda_core`: the engine's fallback for other
+numba kernel (kernels/attention/prefill.py, `numba_cuda_core`: the engine's fallback for other
 head dims) vs torch's scaled_dot_product_attention on contiguous tensors (`sdpa`: whatever
 backend torch picks, flash or memory-efficient on SM80+, math or efficient on SM70).
 
@@ -122,13 +122,13 @@ def bench(
     if "flash" in kernels:
         # The flash kernel itself (the engine's entry, paged_attention_cuda, would hand a head
         # dim it does not cover to the CUDA-core kernel; this reports the error instead).
-        from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+        from voltserve.kernels.attention.prefill_fa import paged_attention_fa_cuda
 
         fns["flash"] = paged(paged_attention_fa_cuda)
     if "sdpa" in kernels:
         fns["sdpa"] = sdpa
     if "numba_cuda_core" in kernels:
-        from voltserve.kernels.prefill_attention import paged_attention_cuda
+        from voltserve.kernels.attention.prefill import paged_attention_cuda
 
         fns["numba_cuda_core"] = paged(paged_attention_cuda)
     kernels = fns

@@ -1,8 +1,8 @@
 """Quantized linears against fp16 on the GPU: per shape and row count, the time of fp16 cuBLAS
 (F.linear), the fp16 GEMV kernel (ops.gemv, rows <= 8) and the int4 / int8 paths of
-kernels/quant_linear.py (auto = the path quant_linear picks; gemv / tc / dequant each forced),
-with the HBM copy bandwidth measured in the same run and each GEMV's fraction of its weight-read
-floor (packed codes + scales + offsets over the copy bandwidth).
+kernels/linear/quant_linear.py (auto = the path quant_linear picks; gemv / tc / dequant each
+forced), with the HBM copy bandwidth measured in the same run and each GEMV's fraction of its
+weight-read floor (packed codes + scales + offsets over the copy bandwidth).
 
 Shapes: Llama-3-8B (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and
 Qwen2.5-7B (3584->4608, 3584->3584, 3584->37888, 18944->3584). gate_up is also timed fused with
@@ -78,7 +78,7 @@ def tile_name(tile) -> str:
 
 
 def make_weight(K, N, bits, g, gen):
-    from voltserve.kernels.quant_pack import pack_group_quant
+    from voltserve.kernels.linear.quant_pack import pack_group_quant
 
     codes = torch.randint(0, 2**bits, (N, K), generator=gen, device="cuda", dtype=torch.uint8)
     s = (torch.rand(N, K // g, generator=gen, device="cuda") + 0.5) * (0.04 / 2**bits)
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
     from voltserve.kernels.dispatch import KernelDispatch
-    from voltserve.kernels.quant_gemm_tc import CANDIDATES, config_for, quant_gemm_tc_cuda
-    from voltserve.kernels.quant_gemv import quant_gemv_cuda, quant_gemv_gate_up_cuda
-    from voltserve.kernels.quant_linear import (
+    from voltserve.kernels.linear.quant_gemm_tc import CANDIDATES, config_for, quant_gemm_tc_cuda
+    from voltserve.kernels.linear.quant_gemv import quant_gemv_cuda, quant_gemv_gate_up_cuda
+    from voltserve.kernels.linear.quant_linear import (
         quant_gate_up_silu,
         quant_linear,
         quant_path,
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                                     of_floor=floor / t,
                                 )
                         if rows > 8 and auto != "dequant":
-                            from voltserve.kernels.quant_linear import _dequant_linear
+                            from voltserve.kernels.linear.quant_linear import _dequant_linear
 
                             t = timed(lambda w: _dequant_linear(x, w, None, ops, out), ws)
                             record(

@@ -201,8 +201,8 @@ def decode_timings(engine, batch: int, args, rng) -> dict[str, Any]:
 
 def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     """One row per op of the decode step at padded batch size bs."""
-    from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports
-    from voltserve.kernels.sampling import chunked_argmax
+    from voltserve.kernels.linear.gemv import gemv_cuda, gemv_gate_up_cuda, supports
+    from voltserve.kernels.sampling.sampling import chunked_argmax
     from voltserve.services.executor.linear_plan import gate_up_impl, linear_impl
 
     runner = engine.runner
@@ -293,7 +293,7 @@ def op_table(engine, bs: int, args) -> list[dict[str, Any]]:
     )
     qkv_fused = att[0]._qkv_rope_fused(ops, xq, decode_meta, model.cos_sin_cache)
     if qkv_fused:
-        from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_cuda
+        from voltserve.kernels.linear.gemv_qkv_rope import gemv_qkv_rope_cuda
 
         qkv_out = torch.empty(bs, q_size + 2 * kv_size, device=dev, dtype=dt)
         t_fused = time_op(

@@ -152,7 +152,7 @@ for stage in $STAGES; do
       run bench_gemm $PY load_tests/bench_gemm.py --rows "${GEMM_ROWS:-64,256,8192}" --out "$OUT/bench_gemm.json"
       ;;
     quant|quant-tests|quant-bench)
-      # Quantized linears (kernels/quant_*.py). quant-tests: the GPU tests (every path at
+      # Quantized linears (kernels/linear/quant_*.py). quant-tests: the GPU tests (every path at
       # Llama-3-8B and Qwen2.5-7B shapes, graphs; numba compiles ~20 kernel variants per
       # process). quant-bench: int4/int8 against fp16 cuBLAS / GEMV with the copy bandwidth of
       # the same run (QUANT_ROWS, QUANT_MODELS=llama,qwen, QUANT_TILES=1 adds the GEMV tile
@@ -315,7 +315,7 @@ PYEOF
       if [ "$stage" != moe-bench ]; then
         XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-4}")
         run moe_tests $PY -P -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
-        # the fused int4/int8 expert kernels (kernels/moe_quant_decode.py) at Qwen3-30B-A3B shapes
+        # the fused int4/int8 expert kernels (kernels/moe/quant_decode.py) at Qwen3-30B-A3B shapes
         run moe_quant_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_moe_quant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != moe-tests ]; then

@@ -41,8 +41,8 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-# The kernel cache (kernels/compile_cache.py) never touches the user's: every test session gets
-# a fresh folder (subprocesses inherit it), removed at exit. VOLTSERVE_TEST_CACHE_DIR names a
+# The kernel cache (kernels/runtime/compile_cache.py) never touches the user's: every test session
+# gets a fresh folder (subprocesses inherit it), removed at exit. VOLTSERVE_TEST_CACHE_DIR names a
 # folder to keep instead (e.g. to rerun GPU tests without recompiling).
 import atexit  # noqa: E402
 import shutil  # noqa: E402

@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write a small random-weight checkpoint with a trained tokenizer",
     ),
     "check-kernels": (
-        "voltserve.kernels.check",
+        "voltserve.kernels.runtime.check",
         "compile every kernel for a compute capability (no GPU needed)",
     ),
 }

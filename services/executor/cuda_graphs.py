@@ -33,7 +33,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels.sampling import chunked_argmax
+from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.sampler import flag_nonfinite
 from voltserve.shared import startup

@@ -2,10 +2,10 @@
 sampler's), loaded from the kernel cache or compiled, before KV sizing and CUDA-graph capture.
 
 Which kernels, and for which argument types, is not written down anywhere: it is what the
-forward passes launch. So the runner traces them (kernels/compile_cache.py `traced_launches`:
-each launch is recorded, not run; the torch code around it runs as usual): the KV-sizing
-profile forward (prefill at max_num_batched_tokens), the decode forward of every graph batch
-size on the graphs' own static buffers, and one sampling call. The decode forwards are
+forward passes launch. So the runner traces them (kernels/runtime/compile_cache.py
+`traced_launches`: each launch is recorded, not run; the torch code around it runs as usual): the
+KV-sizing profile forward (prefill at max_num_batched_tokens), the decode forward of every graph
+batch size on the graphs' own static buffers, and one sampling call. The decode forwards are
 graph-capturable, so no host code reads a kernel's (unwritten) output; the prefill profile
 forward passes max_query_len, so its launchers do not either. Then `precompile` loads what the
 cache holds and compiles the rest, in parallel worker processes when several are missing.
@@ -26,8 +26,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels import compile_cache
-from voltserve.kernels.sampling import chunked_argmax
+from voltserve.kernels.runtime import compile_cache
+from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.shared import startup
 
 if TYPE_CHECKING:

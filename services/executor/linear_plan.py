@@ -34,8 +34,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 GEMV_ENV = "VOLTSERVE_GEMV"
-# Row buckets: the GEMV kernel variants (kernels/gemv.py VARIANTS) and the smallest decode graph
-# sizes (cuda_graphs.graph_batch_sizes), which agree: rows 3 and 5..7 run the next bucket.
+# Row buckets: the GEMV kernel variants (kernels/linear/gemv.py VARIANTS) and the smallest decode
+# graph sizes (cuda_graphs.graph_batch_sizes), which agree: rows 3 and 5..7 run the next bucket.
 ROW_BUCKETS = (1, 2, 4, 8)
 MAX_ROWS = ROW_BUCKETS[-1]
 DEFAULT_GEMV_ROWS = 2  # LinearPlan.rule(): the measured cross-over on an H200

@@ -21,8 +21,8 @@ from itertools import chain
 
 import numpy as np
 import torch
-from voltserve.kernels import compile_cache
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.kernels.runtime import compile_cache
 from voltserve.services.executor import kernel_warmup, layer_trace
 from voltserve.services.executor.decode_pipeline import (
     DecodePipeline,

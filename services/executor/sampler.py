@@ -3,7 +3,7 @@
 Order per row, as vLLM applies them: logit_bias, the min_tokens mask, penalties
 (repetition / presence / frequency), then temperature, min-p, top-k, top-p (each over what the
 previous one kept, top-p over the renormalised mass) and the seeded Gumbel-max draw
-(kernels/sampling.py). Greedy rows take the argmax of the processed logits, which
+(kernels/sampling/sampling.py). Greedy rows take the argmax of the processed logits, which
 is the argmax of the raw logits when no bias, penalty or mask applies.
 
 Logprobs are log_softmax of the RAW model logits (before bias, penalties, temperature and
@@ -16,9 +16,9 @@ logprobs are those of the masked distribution (renormalised over the allowed tok
 tokens never appear among the top N), which is also what vLLM returns. The masks are filled on
 the host (xgrammar) after the step's forward was launched and before anything here waits for
 the device, so the fill overlaps the GPU's forward; one copy moves them to the device and one
-kernel (kernels/grammar_mask.py) applies them to the constrained rows only. A constrained row's
-draw still depends only on its seed and output position (the mask changes which tokens can win,
-not the noise), so seeded structured requests are batch-invariant too.
+kernel (kernels/sampling/grammar_mask.py) applies them to the constrained rows only. A constrained
+row's draw still depends only on its seed and output position (the mask changes which tokens can
+win, not the noise), so seeded structured requests are batch-invariant too.
 
 Non-finite logits (a row holding NaN or infinity: activations that overflowed, most often fp16
 on a checkpoint trained in bf16) never reach a kernel that indexes by them. Each row's finiteness

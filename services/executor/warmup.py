@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from voltserve.kernels import compile_cache
+from voltserve.kernels.runtime import compile_cache
 from voltserve.services import launcher
 from voltserve.services.executor.engine_args import engine_config
 from voltserve.shared import startup

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 from voltserve.kernels import dispatch
-from voltserve.kernels.attention_ref import paged_decode_attention_ref
-from voltserve.kernels.kv_cache import reshape_and_cache_ref
+from voltserve.kernels.attention.kv_cache import reshape_and_cache_ref
+from voltserve.kernels.attention.ref import paged_decode_attention_ref
 from voltserve.services.executor.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from voltserve.kernels.activation import silu_and_mul_ref
 from voltserve.kernels.dispatch import KernelDispatch
+from voltserve.kernels.elementwise.activation import silu_and_mul_ref
 from voltserve.services.executor import linear_plan as lp
 from voltserve.services.executor.linear_plan import LinearPlan, plan_linears, row_bucket
 from voltserve.services.executor.models.layers import (
@@ -23,7 +23,7 @@ from tests.checkpoints import checkpoint
 
 
 def test_row_buckets_follow_kernel_variants_and_graph_sizes():
-    from voltserve.kernels.gemv import VARIANTS
+    from voltserve.kernels.linear.gemv import VARIANTS
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
     assert lp.ROW_BUCKETS == VARIANTS

@@ -196,7 +196,7 @@ def test_start_up_log_states_expert_memory(caplog) -> None:
 
 def test_routing_ties_follow_torch_topk() -> None:
     """Equal router logits: the chosen experts are torch.topk's, as in transformers."""
-    from voltserve.kernels.moe_routing import moe_topk_ref
+    from voltserve.kernels.moe.routing import moe_topk_ref
 
     logits = torch.zeros(2, 8)
     logits[1, 5] = 1.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels.quant_pack import dequantize
+from voltserve.kernels.linear.quant_pack import dequantize
 from voltserve.services.executor.loader import load_model
 from voltserve.services.executor.quant.experts import GroupQuantExperts
 
@@ -80,7 +80,7 @@ def test_all_experts_dequantize_as_each_one_does(fmt: str) -> None:
 def test_pair_path_equals_the_reference(fmt: str) -> None:
     """The CUDA decode path (apply_pairs: one dequantized expert per (token, slot), batched
     matmuls) against the CPU reference path on the same routing (fp32; summation order only)."""
-    from voltserve.kernels.moe_routing import moe_topk_ref
+    from voltserve.kernels.moe.routing import moe_topk_ref
 
     path, _ = FORMATS[fmt][0]()
     moe = load_model(path, torch.float32, CPU).model.model.layers[0].mlp

@@ -229,7 +229,7 @@ def test_graph_decode_and_the_pipeline_flag_a_row_and_go_on(rng, monkeypatch) ->
     the reference, which reads a sequence's own positions only, as the numba kernel does (the
     torch fallback weights every slot of the table's width, padding entries naming block 0
     included, so NaN in block 0 would reach every row of that step)."""
-    from voltserve.kernels.attention_ref import paged_decode_attention_ref
+    from voltserve.kernels.attention.ref import paged_decode_attention_ref
     from voltserve.services.executor.decode_pipeline import DecodePipeline
 
     from tests.engine.test_graph_padding import _emulated_graph_runner

@@ -161,7 +161,7 @@ def test_per_channel_and_whole_group_shards_load_on_every_rank():
     """The same AWQ group 256 splits across 2 ranks (whole groups; o_proj's one group per row
     serves each rank's columns), and every rank's shards dequantize to its slice of the whole
     weight."""
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     path, _ = qc.awq_checkpoint("llama", 256)
     full = load_model(path, torch.float32, CPU).model.model.layers[0]

@@ -48,7 +48,7 @@ def _eos_ids(path: str) -> tuple[int, ...]:
 def _scores(path: str, context: list[int], params, pos: int) -> torch.Tensor:
     """The sampler's decision scores of output position `pos` after `context`, under
     transformers' logits (the sampling rule restated from its documented semantics)."""
-    from voltserve.kernels.sampling import seeded_uniform_ref
+    from voltserve.kernels.sampling.sampling import seeded_uniform_ref
 
     with torch.no_grad():
         logits = _hf_model(path)(torch.tensor([context])).logits[0, -1].float()

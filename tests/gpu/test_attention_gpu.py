@@ -1,5 +1,5 @@
 """Decode and prefill attention kernels on a real GPU at realistic shapes, against the fp32
-reference (attention_ref.py) run on the same fp16 inputs.
+reference (attention/ref.py) run on the same fp16 inputs.
 
 Error bound: |out - ref| <= 2e-3 + 5e-3 * |ref| elementwise. The kernels accumulate in fp32 (sum
 order differs from torch: ~1e-6 relative) and round the output to fp16 (half an ulp is 4.9e-4
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
+from voltserve.kernels.attention.ref import paged_attention_ref, paged_decode_attention_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +73,7 @@ def check(out, ref):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode(head_dim, group, core):
-    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+    from voltserve.kernels.attention.decode import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     num_kv_heads = 2
@@ -98,7 +98,7 @@ def test_decode(head_dim, group, core):
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_short_single_partition(head_dim, group, core):
     """Contexts within one partition take the direct path (no merge kernel); a 0 row is zero."""
-    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+    from voltserve.kernels.attention.decode import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     seq_lens = [1, 15, 16, 17, 100, 0, 511]
@@ -121,7 +121,7 @@ def test_decode_large_batch_and_bound(head_dim, group, partition_size):
     full-grid choice under a long bound, its longest partition), direct (4096) and the
     launcher's choice (1024-token partitions here), with contexts of every length, empty
     partitions and a padding row."""
-    from voltserve.kernels.decode_attention import paged_decode_attention_cuda
+    from voltserve.kernels.attention.decode import paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     seq_lens = torch.randint(1, 4097, (48,), generator=gen, device="cuda").tolist()
@@ -153,7 +153,7 @@ def test_decode_large_batch_and_bound(head_dim, group, partition_size):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_chunked(head_dim, group):
-    from voltserve.kernels.prefill_attention import paged_attention_cuda
+    from voltserve.kernels.attention.prefill import paged_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     # (seq_len, q_len): whole prompts, chunks after a cached prefix, decode rows in the batch.
@@ -178,7 +178,7 @@ def test_prefill_chunked(head_dim, group):
 def test_decode_cuda_graph_replay_with_new_seq_lens():
     """Capture once with a context bound; replay after changing seq_lens (including 0 rows and
     lengths that span different partition counts) and compare every replay to the reference."""
-    from voltserve.kernels.decode_attention import (
+    from voltserve.kernels.attention.decode import (
         decode_config,
         num_partitions,
         paged_decode_attention_cuda,
@@ -226,7 +226,7 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
     heads of 128 dims, the online core on the group split over two blocks). Captured in a graph with the default workspace and
     replayed with new lengths: every replay must merge again (the arrival counters reset), and
     the counters must be zero after each replay."""
-    from voltserve.kernels.decode_attention import _COUNTERS, paged_decode_attention_cuda
+    from voltserve.kernels.attention.decode import _COUNTERS, paged_decode_attention_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     B, kvh, max_len = 2, 2, 1120  # 18 partitions of 64: the in-kernel merge path
@@ -277,13 +277,13 @@ def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
     ONLINE_THREADS: 8 warps a block, launch_with_threads), captured once and replayed with
     contexts from 1 to the bound: the dynamic spread over the partitions, the in-kernel merge
     and its counters at every length. Llama-3-8B, Qwen2.5-0.5B and Qwen3-30B-A3B heads."""
-    from voltserve.kernels.decode_attention import (
+    from voltserve.kernels.attention.decode import (
         _COUNTERS,
         ONLINE_THREADS,
         launch_with_threads,
         paged_decode_attention_cuda,
     )
-    from voltserve.kernels.launch_geometry import device_sms
+    from voltserve.kernels.runtime.launch_geometry import device_sms
 
     bound = 8192
     sms = device_sms(torch.cuda.current_device())

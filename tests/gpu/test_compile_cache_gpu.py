@@ -27,10 +27,10 @@ KERNELS_SCRIPT = textwrap.dedent(
     """
     import hashlib, json
     import torch
-    from voltserve.kernels import compile_cache
+    from voltserve.kernels.runtime import compile_cache
     from voltserve.kernels.dispatch import KernelDispatch
-    from voltserve.kernels.gemv import gemv_ref
-    from voltserve.kernels.rmsnorm import rms_norm_ref
+    from voltserve.kernels.linear.gemv import gemv_ref
+    from voltserve.kernels.elementwise.rmsnorm import rms_norm_ref
 
     ops = KernelDispatch("cuda", torch.float16)
     assert ops.impl["rms_norm"] == "cuda" and ops.impl["gemv"] == "cuda", ops.impl

@@ -1,5 +1,5 @@
-"""kernels/fast_launch.py on a real GPU: a kernel launched through numba_common.launch gives the
-same result on its first launch (through numba) and on later ones (from the plan), for C and
+"""kernels/runtime/fast_launch.py on a real GPU: a kernel launched through numba_common.launch gives
+the same result on its first launch (through numba) and on later ones (from the plan), for C and
 non-contiguous ('A') tensors and every scalar kind the kernels pass (int, float, bool, numpy
 float32 / int32), inside a CUDA graph too. Outputs are poisoned before every launch; the
 reference is torch."""
@@ -39,8 +39,8 @@ def _reference(x, y, a, b, flip, c, n):
 
 @pytest.mark.parametrize("strided", [False, True])
 def test_plan_launch_equals_numba_launch(strided):
-    from voltserve.kernels.fast_launch import LAUNCHER
-    from voltserve.kernels.numba_common import current_stream, launch
+    from voltserve.kernels.runtime.fast_launch import LAUNCHER
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
 
     seed = torch.seed() % 2**31
     print(f"seed {seed}")
@@ -70,7 +70,7 @@ def test_plan_launch_equals_numba_launch(strided):
 
 
 def test_plan_launch_in_cuda_graph():
-    from voltserve.kernels.numba_common import current_stream, launch
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
 
     kernel = _kernel()
     rows, cols = 8, 64

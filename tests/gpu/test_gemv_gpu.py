@@ -1,5 +1,6 @@
-"""The decode GEMV kernel (kernels/gemv.py) on a real GPU at Llama-3-8B (and Qwen2.5-0.5B) shapes,
-against an fp32 reference and against torch's fp16 linear (cuBLAS); inside a CUDA graph too."""
+"""The decode GEMV kernel (kernels/linear/gemv.py) on a real GPU at Llama-3-8B (and Qwen2.5-0.5B)
+shapes, against an fp32 reference and against torch's fp16 linear (cuBLAS); inside a CUDA graph
+too."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
 @pytest.mark.parametrize("K,N", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 4, 8])
 def test_gemv_matches_reference(K, N, M):
-    from voltserve.kernels.gemv import gemv_cuda, supports
+    from voltserve.kernels.linear.gemv import gemv_cuda, supports
 
     x = torch.randn(M, K, device=DEV, dtype=torch.float16)
     w = torch.empty(N, K, device=DEV, dtype=torch.float16).normal_(0, 0.02)
@@ -55,7 +56,7 @@ def test_gemv_matches_reference(K, N, M):
 
 @pytest.mark.parametrize("M", [1, 3, 8])
 def test_gemv_bias_and_odd_m(M):
-    from voltserve.kernels.gemv import gemv_cuda
+    from voltserve.kernels.linear.gemv import gemv_cuda
 
     K, N = 896, 1152  # Qwen2 qkv (with bias)
     x = torch.randn(M, K, device=DEV, dtype=torch.float16)
@@ -67,7 +68,7 @@ def test_gemv_bias_and_odd_m(M):
 
 
 def test_gemv_in_cuda_graph():
-    from voltserve.kernels.gemv import gemv_cuda
+    from voltserve.kernels.linear.gemv import gemv_cuda
 
     K, N = 4096, 6144
     x = torch.randn(1, K, device=DEV, dtype=torch.float16)
@@ -99,8 +100,8 @@ GATE_UP_SHAPES = [(4096, 28672), (896, 9728)]
 @pytest.mark.parametrize("K,N", GATE_UP_SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
 def test_gemv_gate_up_matches_linear_then_silu(K, N, M):
-    from voltserve.kernels.activation import silu_and_mul_cuda, silu_and_mul_ref
-    from voltserve.kernels.gemv import gemv_cuda, gemv_gate_up_cuda, supports_gate_up
+    from voltserve.kernels.elementwise.activation import silu_and_mul_cuda, silu_and_mul_ref
+    from voltserve.kernels.linear.gemv import gemv_cuda, gemv_gate_up_cuda, supports_gate_up
 
     x = torch.randn(M, K, device=DEV, dtype=torch.float16)
     w = torch.empty(N, K, device=DEV, dtype=torch.float16).normal_(0, 0.04)  # gate ~ N(0, 2.5)
@@ -122,8 +123,8 @@ def test_gemv_gate_up_matches_linear_then_silu(K, N, M):
 
 
 def test_gemv_gate_up_fp32_and_graph():
-    from voltserve.kernels.activation import silu_and_mul_ref
-    from voltserve.kernels.gemv import gemv_gate_up_cuda
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+    from voltserve.kernels.linear.gemv import gemv_gate_up_cuda
 
     K, N = 896, 9728
     x = torch.randn(2, K, device=DEV)

@@ -1,5 +1,5 @@
-"""The qkv GEMV with rotary and the KV-cache write fused (kernels/gemv_qkv_rope.py) on a real GPU
-at Llama-3-8B and Qwen2.5-0.5B shapes: against its reference and against the two launches it
+"""The qkv GEMV with rotary and the KV-cache write fused (kernels/linear/gemv_qkv_rope.py) on a real
+GPU at Llama-3-8B and Qwen2.5-0.5B shapes: against its reference and against the two launches it
 replaces (gemv_cuda, then rotary_and_cache_cuda), with NaN-poisoned outputs, padding slots, and
 inside a CUDA graph."""
 
@@ -19,7 +19,7 @@ SHAPES = [(4096, 32, 8, 128, False), (896, 14, 2, 64, True)]
 
 
 def _inputs(M, K, n_q, n_kv, D, with_bias, blocks=64, bs=16):
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
 
     N = (n_q + 2 * n_kv) * D
     x = torch.randn(M, K, device=DEV, dtype=torch.float16)
@@ -37,13 +37,13 @@ def _inputs(M, K, n_q, n_kv, D, with_bias, blocks=64, bs=16):
 @pytest.mark.parametrize("K,n_q,n_kv,D,with_bias", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 def test_qkv_rope_matches_reference_and_unfused(K, n_q, n_kv, D, with_bias, M):
-    from voltserve.kernels.gemv import gemv_cuda
-    from voltserve.kernels.gemv_qkv_rope import (
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_cuda
+    from voltserve.kernels.linear.gemv import gemv_cuda
+    from voltserve.kernels.linear.gemv_qkv_rope import (
         gemv_qkv_rope_cuda,
         gemv_qkv_rope_ref,
         supports_qkv_rope,
     )
-    from voltserve.kernels.rotary_cache import rotary_and_cache_cuda
 
     x, w, b, pos, cache, kc, vc, slots = _inputs(M, K, n_q, n_kv, D, with_bias)
     args = (pos, cache, kc, vc, slots, n_q, n_kv)
@@ -75,7 +75,7 @@ def test_qkv_rope_matches_reference_and_unfused(K, n_q, n_kv, D, with_bias, M):
 
 
 def test_qkv_rope_in_cuda_graph():
-    from voltserve.kernels.gemv_qkv_rope import gemv_qkv_rope_cuda, gemv_qkv_rope_ref
+    from voltserve.kernels.linear.gemv_qkv_rope import gemv_qkv_rope_cuda, gemv_qkv_rope_ref
 
     K, n_q, n_kv, D = 4096, 32, 8, 128
     x, w, b, pos, cache, kc, vc, slots = _inputs(1, K, n_q, n_kv, D, False)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from voltserve.kernels import grammar_mask
+from voltserve.kernels.sampling import grammar_mask
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams

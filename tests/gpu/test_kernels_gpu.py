@@ -30,7 +30,7 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 257])
 @pytest.mark.parametrize("hidden", [4096, 8192, 12288, 4100])
 def test_rms_norm_gpu(hidden, rows):
-    from voltserve.kernels.rmsnorm import rms_norm_cuda, rms_norm_ref
+    from voltserve.kernels.elementwise.rmsnorm import rms_norm_cuda, rms_norm_ref
 
     x = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
     w = (1 + 0.1 * torch.randn(hidden, device=DEV)).half()
@@ -43,7 +43,10 @@ def test_rms_norm_gpu(hidden, rows):
 @pytest.mark.parametrize("rows", [1, 129, 300])
 @pytest.mark.parametrize("hidden", [4096, 8192, 12288, 4100])
 def test_fused_add_rms_norm_gpu(hidden, rows):
-    from voltserve.kernels.rmsnorm import fused_add_rms_norm_cuda, fused_add_rms_norm_ref
+    from voltserve.kernels.elementwise.rmsnorm import (
+        fused_add_rms_norm_cuda,
+        fused_add_rms_norm_ref,
+    )
 
     x = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
     res = torch.randn(rows, hidden, device=DEV, dtype=torch.float16)
@@ -60,7 +63,7 @@ def test_fused_add_rms_norm_gpu(hidden, rows):
 
 
 def test_silu_and_mul_gpu():
-    from voltserve.kernels.activation import silu_and_mul_cuda, silu_and_mul_ref
+    from voltserve.kernels.elementwise.activation import silu_and_mul_cuda, silu_and_mul_ref
 
     x = torch.randn(100, 2 * 14336, device=DEV, dtype=torch.float16) * 3
     out = silu_and_mul_cuda(x, out=nan_like(torch.empty(100, 14336, device=DEV).half()))
@@ -72,7 +75,7 @@ def test_silu_and_mul_gpu():
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (128, 64)])
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rotary_gpu(head_dim, rotary_dim, is_neox):
-    from voltserve.kernels.rotary import (
+    from voltserve.kernels.attention.rotary import (
         build_cos_sin_cache,
         rotary_embedding_cuda,
         rotary_embedding_ref,
@@ -100,7 +103,7 @@ def test_rotary_gpu(head_dim, rotary_dim, is_neox):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_reshape_and_cache_gpu(head_dim):
-    from voltserve.kernels.kv_cache import reshape_and_cache_cuda, reshape_and_cache_ref
+    from voltserve.kernels.attention.kv_cache import reshape_and_cache_cuda, reshape_and_cache_ref
 
     T, kv_heads, block_size, num_blocks = 500, 8, 16, 64
     qkv = torch.randn(T, 3, kv_heads, head_dim, device=DEV, dtype=torch.float16)
@@ -135,7 +138,7 @@ def _sampling_batch(B: int, V: int):
 def _filter_ambiguous(args, row: int, tol: float = 1e-5) -> bool:
     """min-p's threshold or top-p's cut (over the renormalised min-p/top-k survivors, the vLLM
     order) within rounding on this row."""
-    from voltserve.kernels.sampling import sample_keep_ref
+    from voltserve.kernels.sampling.sampling import sample_keep_ref
 
     logits, temp, top_k, top_p, min_p = (a[row : row + 1].cpu() for a in args[:5])
     t = float(temp) if float(temp) > 1e-5 else 1.0
@@ -154,7 +157,7 @@ def _filter_ambiguous(args, row: int, tol: float = 1e-5) -> bool:
 
 
 def test_sample_gpu_matches_reference():
-    from voltserve.kernels.sampling import sample_cuda, sample_ref
+    from voltserve.kernels.sampling.sampling import sample_cuda, sample_ref
 
     args = _sampling_batch(48, 128256)
     out = torch.full((48,), -7, device=DEV, dtype=torch.int64)
@@ -166,7 +169,7 @@ def test_sample_gpu_matches_reference():
 
 
 def test_sample_gpu_batch_invariant_and_graph_capturable():
-    from voltserve.kernels.sampling import sample_cuda
+    from voltserve.kernels.sampling.sampling import sample_cuda
 
     args = _sampling_batch(16, 128256)
     whole = sample_cuda(*args).cpu()
@@ -193,7 +196,7 @@ def test_sample_gpu_batch_invariant_and_graph_capturable():
 
 
 def test_argmax_and_penalties_gpu():
-    from voltserve.kernels.sampling import (
+    from voltserve.kernels.sampling.sampling import (
         apply_penalties_cuda,
         apply_penalties_ref,
         argmax_cuda,

@@ -27,8 +27,8 @@ PACKED = {"Q6_K": (8, 16), "Q8_0": (8, 32), "int4 g128": (4, 128), "Q4_K": (4, 3
 @pytest.mark.parametrize("rows", [128_256, 262_144])
 @pytest.mark.parametrize("kind", list(PACKED))
 def test_dequantize_vocabulary_rows(kind: str, rows: int) -> None:
-    from voltserve.kernels import quant_dequant
-    from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+    from voltserve.kernels.linear import quant_dequant
+    from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
 
     bits, group = PACKED[kind]
     K = 512  # the rows are what matters; a short K keeps the test to a second
@@ -66,8 +66,8 @@ def _gguf_bytes(kind: str, rows: int, K: int, gen: torch.Generator) -> torch.Ten
     [("Q6_K", 128_256, 4096), ("Q8_0", 262_144, 2560)],  # Llama 3 8B; Gemma 3 4B's sizes
 )
 def test_compute_logits_through_the_gguf_lm_head(kind: str, vocab: int, hidden: int) -> None:
-    from voltserve.kernels import quant_linear
     from voltserve.kernels.dispatch import KernelDispatch
+    from voltserve.kernels.linear import quant_linear
     from voltserve.services.executor.gguf_source import GGUFQuantConfig, dequantize_raw
     from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 

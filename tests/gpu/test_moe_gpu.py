@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels.moe_experts import WMMA_ENV, moe_experts_cuda, moe_experts_ref, supports
-from voltserve.kernels.moe_routing import moe_topk_cuda, moe_topk_ref
+from voltserve.kernels.moe.experts import WMMA_ENV, moe_experts_cuda, moe_experts_ref, supports
+from voltserve.kernels.moe.routing import moe_topk_cuda, moe_topk_ref
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig

@@ -1,4 +1,4 @@
-"""On a CUDA GPU: the fused group-quantized MoE decode kernels (kernels/moe_quant_decode.py)
+"""On a CUDA GPU: the fused group-quantized MoE decode kernels (kernels/moe/quant_decode.py)
 against their torch reference (moe_experts_ref on the dequantized experts) at Qwen3-30B-A3B
 shapes (hidden 2048, 128 experts, top-8, expert intermediate 768): int4 group 128 (AWQ / GPTQ),
 int4 group 16 (the SPLIT variant: GGUF Q2_K/Q3_K) and int8 group 32 (GGUF Q8_0), for 1, 4 and 8
@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels import moe_quant_decode as mq
-from voltserve.kernels.moe_routing import moe_topk_ref
-from voltserve.kernels.quant_pack import pack_group_quant
+from voltserve.kernels.linear.quant_pack import pack_group_quant
+from voltserve.kernels.moe import quant_decode as mq
+from voltserve.kernels.moe.routing import moe_topk_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -176,11 +176,11 @@ def test_runner_decodes_awq_experts_through_the_fused_kernels(monkeypatch) -> No
 
 def test_dense_all_kernel_equals_the_reference_dequantize() -> None:
     """The batched path's dequantize of every expert (quant/experts.py dense_all) through
-    kernels/quant_dequant, in row slabs (the stacked experts pass the grid's row limit), equals
-    the torch reference bit for bit."""
+    kernels/linear/quant_dequant, in row slabs (the stacked experts pass the grid's row limit),
+    equals the torch reference bit for bit."""
     from dataclasses import replace
 
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.linear.quant_pack import dequantize
     from voltserve.services.executor.quant import experts as qe
 
     w13, _ = _weights("int4-g128")  # flat [E * 2I, H]

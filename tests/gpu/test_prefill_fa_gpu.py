@@ -1,4 +1,4 @@
-"""The flash prefill (kernels/prefill_attention_fa.py + prefill_attention_fa.cu, the engine's
+"""The flash prefill (kernels/attention/prefill_fa.py + attention/prefill_fa.cu, the engine's
 prefill attention for head dims 64 and 128) on a real GPU, against the fp32 reference
 (attention_ref.paged_attention_ref) on the same fp16 inputs.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels.attention_ref import paged_attention_ref
+from voltserve.kernels.attention.ref import paged_attention_ref
 
 from tests.gpu.test_attention_gpu import make_cache
 
@@ -90,7 +90,7 @@ def _gen():
 
 
 def run_fa(q, k, v, tables, sl, qsl, scale, max_q=None):
-    from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+    from voltserve.kernels.attention.prefill_fa import paged_attention_fa_cuda
 
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     res = paged_attention_fa_cuda(q, k, v, tables, sl, qsl, scale, out, max_query_len=max_q)
@@ -176,7 +176,7 @@ def test_fa_lazy_rescale_growing_scores():
 def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
     """One long prompt against SDPA in fp32 on the gathered K/V (causal from the top left,
     which is this layout's meaning when q_len == seq_len)."""
-    from voltserve.kernels.attention_ref import gather_kv
+    from voltserve.kernels.attention.ref import gather_kv
 
     gen = _gen()
     kvh = 1
@@ -199,7 +199,7 @@ def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
 def test_engine_entry_flash_or_cuda_core(monkeypatch, head_dim, group):
     """What the engine runs (KernelDispatch's paged_attention on CUDA, fp16): the flash kernel
     for head dims 64 and 128, the CUDA-core kernel for 96 and 256; both match the reference."""
-    from voltserve.kernels import prefill_attention_fa as fa
+    from voltserve.kernels.attention import prefill_fa as fa
     from voltserve.kernels.dispatch import KernelDispatch
 
     ops = KernelDispatch("cuda", torch.float16, force_ref=False)
@@ -224,7 +224,7 @@ def test_engine_entry_flash_or_cuda_core(monkeypatch, head_dim, group):
 
 
 def test_fa_rejects_unsupported_shapes():
-    from voltserve.kernels.prefill_attention_fa import paged_attention_fa_cuda
+    from voltserve.kernels.attention.prefill_fa import paged_attention_fa_cuda
 
     q = torch.zeros((4, 2, 96), dtype=torch.float16, device="cuda")
     cache = torch.zeros((2, 2, 16, 96), dtype=torch.float16, device="cuda")

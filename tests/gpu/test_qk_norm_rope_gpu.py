@@ -50,14 +50,14 @@ def poisoned_caches(kv_heads: int, dtype=torch.float16):
 
 
 def cos_sin():
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
 
     return build_cos_sin_cache(HEAD_DIM, MAX_POS, THETA).to(DEV)
 
 
 def check(qkv, qkv_in, positions, slots, cache, q_w, k_w, k_cache, v_cache, heads, kv_heads):
     """qkv / caches after the kernel, against the reference run on qkv_in (the inputs)."""
-    from voltserve.kernels.qk_norm_rope import qk_norm_rope_and_cache_ref
+    from voltserve.kernels.attention.qk_norm_rope import qk_norm_rope_and_cache_ref
 
     qkv_ref = qkv_in.clone()
     k_ref, v_ref = poisoned_caches(kv_heads, k_cache.dtype)
@@ -72,8 +72,8 @@ def check(qkv, qkv_in, positions, slots, cache, q_w, k_w, k_cache, v_cache, head
     assert torch.equal(qkv[:, q_size:], qkv_in[:, q_size:])
     torch.testing.assert_close(v_cache, v_ref, **EXACT)
     if qkv.dtype == torch.float16:
-        from voltserve.kernels.kv_cache import reshape_and_cache_ref
-        from voltserve.kernels.rmsnorm import rms_norm_ref
+        from voltserve.kernels.attention.kv_cache import reshape_and_cache_ref
+        from voltserve.kernels.elementwise.rmsnorm import rms_norm_ref
 
         from tests.rotary_tolerance import assert_within, rotated_bound
 
@@ -98,7 +98,7 @@ def check(qkv, qkv_in, positions, slots, cache, q_w, k_w, k_cache, v_cache, head
 
 
 def run_once(T, heads, kv_heads, dtype=torch.float16):
-    from voltserve.kernels.qk_norm_rope import fusable, qk_norm_rope_and_cache_cuda
+    from voltserve.kernels.attention.qk_norm_rope import fusable, qk_norm_rope_and_cache_cuda
 
     cache = cos_sin()
     q_w, k_w = weights(dtype)
@@ -126,7 +126,7 @@ def test_qk_norm_rope_gpu_fp32(T):
 def test_qk_norm_rope_gpu_fallback():
     """GPT-J style is outside the kernel: the launcher runs the separate kernels, with the
     reference's result."""
-    from voltserve.kernels.qk_norm_rope import (
+    from voltserve.kernels.attention.qk_norm_rope import (
         qk_norm_rope_and_cache_cuda,
         qk_norm_rope_and_cache_ref,
     )
@@ -155,7 +155,7 @@ def test_qk_norm_rope_gpu_fallback():
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_qk_norm_rope_gpu_graph_capture(T, shape):
     """No host sync and no allocation inside: captured once, replayed on fresh static inputs."""
-    from voltserve.kernels.qk_norm_rope import qk_norm_rope_and_cache_cuda
+    from voltserve.kernels.attention.qk_norm_rope import qk_norm_rope_and_cache_cuda
 
     heads, kv_heads = SHAPES[shape]
     cache = cos_sin()

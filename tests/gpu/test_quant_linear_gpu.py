@@ -1,4 +1,4 @@
-"""Quantized linears on a real GPU (kernels/quant_linear.py and the kernels it routes to: the
+"""Quantized linears on a real GPU (kernels/linear/quant_linear.py and the kernels it routes to: the
 fused dequantize-GEMV, the tensor-core GEMM, dequantize + cuBLAS) against the reference (F.linear
 with the dequantized weight, in fp32) at Llama-3-8B and Qwen2.5-7B shapes, every row count from
 batch-1 decode to an 8K prefill chunk, poisoned outputs, bias, input permutation, int4 / int8
@@ -28,7 +28,7 @@ ROWS = [1, 3, 8, 17, 64, 255, 256, 2048, 8192]
 
 @functools.cache
 def weight(K: int, N: int, bits: int, g: int, perm: bool = False, dtype=torch.float16):
-    from voltserve.kernels.quant_pack import pack_group_quant
+    from voltserve.kernels.linear.quant_pack import pack_group_quant
 
     gen = torch.Generator(device=DEV).manual_seed(K * 31 + N + bits * 7 + g)
     codes = torch.randint(0, 2**bits, (N, K), generator=gen, device=DEV, dtype=torch.uint8)
@@ -51,7 +51,7 @@ def ops():
 def check(out: torch.Tensor, x: torch.Tensor, w, bias) -> None:
     """out against the fp32 product with the (unrounded) dequantized weight: no worse than the
     reference model's own fp16 F.linear by more than a few fp16 ulps of the output's scale."""
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     assert not torch.isnan(out).any(), "poisoned (NaN) outputs left"
     xp = x if w.perm is None else x[:, w.perm]
@@ -65,7 +65,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w, bias) -> None:
 
 
 def run_linear(K, N, rows, bits=4, g=128, bias=False, perm=False):
-    from voltserve.kernels.quant_linear import quant_linear
+    from voltserve.kernels.linear.quant_linear import quant_linear
 
     w = weight(K, N, bits, g, perm)
     x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
@@ -104,7 +104,7 @@ def test_act_order_permutation(rows):
 
 
 def test_paths_by_row_count():
-    from voltserve.kernels.quant_linear import DEQUANT, GEMV, TC, quant_path
+    from voltserve.kernels.linear.quant_linear import DEQUANT, GEMV, TC, quant_path
 
     w = weight(4096, 4096, 4, 128)
     paths = [quant_path(r, torch.float16, w) for r in (1, 4, 5, 8, 9, 64, 65)]
@@ -117,9 +117,9 @@ def test_paths_by_row_count():
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("K,N", [(4096, 28672), (3584, 37888)])
 def test_gate_up_silu(K, N, rows):
-    from voltserve.kernels.activation import silu_and_mul_ref
-    from voltserve.kernels.quant_linear import quant_gate_up_silu
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+    from voltserve.kernels.linear.quant_linear import quant_gate_up_silu
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     w = weight(K, N, 4, 128)
     x = torch.randn(rows, K, device=DEV, dtype=torch.float16) * 2
@@ -133,8 +133,8 @@ def test_gate_up_silu(K, N, rows):
 
 
 def test_gemv_fp32_runs():
-    from voltserve.kernels.quant_gemv import quant_gemv_cuda, supports
-    from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+    from voltserve.kernels.linear.quant_gemv import quant_gemv_cuda, supports
+    from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
 
     gen = torch.Generator(device=DEV).manual_seed(5)
     K, N = 4096, 1024
@@ -162,9 +162,9 @@ def _capture(fn):
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 256])
 def test_cuda_graph_capture_and_replay(rows):
-    from voltserve.kernels.activation import silu_and_mul_ref
-    from voltserve.kernels.quant_linear import quant_gate_up_silu, quant_linear
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+    from voltserve.kernels.linear.quant_linear import quant_gate_up_silu, quant_linear
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     o = ops()
     w = weight(4096, 6144, 4, 128)
@@ -192,8 +192,8 @@ def test_cuda_graph_capture_and_replay(rows):
 
 
 def test_dequantize_kernel_matches_reference():
-    from voltserve.kernels.quant_dequant import dequantize_into, supports
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.linear.quant_dequant import dequantize_into, supports
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     for bits, g in ((4, 128), (4, 16), (8, 32)):
         w = weight(4096, 4096, bits, g)
@@ -208,7 +208,7 @@ def test_dequantize_kernel_matches_reference():
 
 
 def test_tc_split_k_matches_unsplit():
-    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+    from voltserve.kernels.linear.quant_gemm_tc import quant_gemm_tc_cuda
 
     w = weight(14336, 4096, 4, 128)
     x = torch.randn(17, 14336, device=DEV, dtype=torch.float16)
@@ -225,7 +225,7 @@ def test_tc_split_k_matches_unsplit():
 def test_tc_every_tile_config(bits, g, rows):
     """The tensor-core GEMM at the row counts that pick each default tile config (16, 32, 64 and
     128 rows; full and partial row tiles, two 128-row tiles), down_proj's K."""
-    from voltserve.kernels.quant_gemm_tc import quant_gemm_tc_cuda
+    from voltserve.kernels.linear.quant_gemm_tc import quant_gemm_tc_cuda
 
     w = weight(14336, 4096, bits, g)
     x = torch.randn(rows, 14336, device=DEV, dtype=torch.float16)
@@ -237,7 +237,7 @@ def test_tc_every_tile_config(bits, g, rows):
 
 
 def _candidates():
-    from voltserve.kernels.quant_gemm_tc import CANDIDATES
+    from voltserve.kernels.linear.quant_gemm_tc import CANDIDATES
 
     return [c for cs in CANDIDATES.values() for c in cs]
 
@@ -250,7 +250,7 @@ def _candidates():
 def test_tc_other_tile_configs(cfg):
     """Tile configs the defaults do not use: K steps of 128 (K = 4160 ends in a half-filled step,
     the K tail) and 2 x 2 fragments a warp; a partial row tile, with and without split-K."""
-    from voltserve.kernels.quant_gemm_tc import TileConfig, quant_gemm_tc_cuda
+    from voltserve.kernels.linear.quant_gemm_tc import TileConfig, quant_gemm_tc_cuda
 
     cfg = cfg if isinstance(cfg, TileConfig) else TileConfig(*cfg)
     w = weight(4160, 4096, 4, 64)
@@ -269,7 +269,7 @@ def check_qkv_rope(y, x, w, b, args, kr, vr) -> None:
     copies of the caches as they were before): the dequantized product in fp32, rounded to
     fp16, rotated, cached. The caches start random, so comparing them whole also checks that
     only live slots were written."""
-    from voltserve.kernels.quant_gemv import quant_qkv_rope_ref
+    from voltserve.kernels.linear.quant_gemv import quant_qkv_rope_ref
 
     pos, cache, kc, vc, slots, n_q, n_kv = args
     bf = None if b is None else b.float()
@@ -287,8 +287,8 @@ def check_qkv_rope(y, x, w, b, args, kr, vr) -> None:
 def test_qkv_rope_fused(K, n_q, n_kv, bias, rows):
     """quant_qkv_rope (fused for <= 8 rows, quant_linear + rotary_and_cache beyond) against the
     reference: the dequantized product in fp32, rounded to fp16, rotated, cached."""
-    from voltserve.kernels.quant_linear import quant_qkv_rope
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
+    from voltserve.kernels.linear.quant_linear import quant_qkv_rope
 
     D, bs, blocks = 128, 16, 8
     N = (n_q + 2 * n_kv) * D
@@ -323,7 +323,7 @@ def test_gemv_forms(K, N, bits, g, rows, form):
     fp16 F.linear's own error) holds for half2's fp16 runs: 16 products per half rounded to
     fp16 add ~2**-11 of a run's magnitude each, and K / 16 such runs average out far below
     2**-9 of the output scale (quant_gemv's module doc)."""
-    from voltserve.kernels.quant_gemv import form_for, quant_gemv_cuda
+    from voltserve.kernels.linear.quant_gemv import form_for, quant_gemv_cuda
 
     w = weight(K, N, bits, g)
     x = torch.randn(rows, K, device=DEV, dtype=torch.float16)
@@ -352,8 +352,8 @@ def test_half2_x_range(K, N, rows, xs):
     ~ 1e-4 (scaled x and products are fp16 subnormals: 2**-17 absolute per rounding). Bound:
     2**-7 * sum_k |x_k| (8 |s| + |o + 8 s|) for the runs (|c - 8| <= 8), 2**-17 * sum_k (|s| +
     |o + 8 s|) for subnormal rounding, then the fp16 output's rounding (2**-11 |y| + 2**-25)."""
-    from voltserve.kernels.quant_gemv import quant_gemv_cuda
-    from voltserve.kernels.quant_pack import dequantize
+    from voltserve.kernels.linear.quant_gemv import quant_gemv_cuda
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     w = weight(K, N, 4, 128)
     gen = torch.Generator(device=DEV).manual_seed(K + rows)
@@ -386,8 +386,9 @@ def test_gemv_split_k(K, N, rows, ks):
     (R, U) of tile_for and at R = 2 (every launch half2, int4 g128), against the reference and
     within fp32 summation order (plus one fp16 ulp of the output) of KS = 1; gate_up fused
     (gate_up's shape) and qkv_rope (qkv's shape, 32 q and 8 kv heads of 128) the same way."""
-    from voltserve.kernels.activation import silu_and_mul_ref
-    from voltserve.kernels.quant_gemv import (
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+    from voltserve.kernels.linear.quant_gemv import (
         GATE_UP,
         quant_gemv_cuda,
         quant_gemv_gate_up_cuda,
@@ -395,8 +396,7 @@ def test_gemv_split_k(K, N, rows, ks):
         tile_for,
         variant_for,
     )
-    from voltserve.kernels.quant_pack import dequantize
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.linear.quant_pack import dequantize
 
     w = weight(K, N, 4, 128)
     x = torch.randn(rows, K, device=DEV, dtype=torch.float16)

@@ -40,8 +40,8 @@ def poisoned_caches(head_dim: int, dtype=torch.float16):
 
 def check(qkv, qkv_in, positions, slots, cos_sin_cache, is_neox, k_cache, v_cache, head_dim):
     """qkv / caches after the kernel, against the reference run on qkv_in (the inputs)."""
-    from voltserve.kernels.kv_cache import reshape_and_cache_ref
-    from voltserve.kernels.rotary_cache import rotary_and_cache_ref
+    from voltserve.kernels.attention.kv_cache import reshape_and_cache_ref
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_ref
 
     T = qkv.shape[0]
     qkv_ref = qkv_in.clone()
@@ -74,8 +74,8 @@ def check(qkv, qkv_in, positions, slots, cos_sin_cache, is_neox, k_cache, v_cach
 @pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rotary_and_cache_gpu(T, head_dim, rotary_dim, is_neox):
-    from voltserve.kernels.rotary import build_cos_sin_cache
-    from voltserve.kernels.rotary_cache import rotary_and_cache_cuda
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_cuda
 
     cache = build_cos_sin_cache(rotary_dim, 131072, 500000.0, SCALING).to(DEV)
     qkv, positions, slots = fresh_inputs(T, head_dim)
@@ -90,8 +90,8 @@ def test_rotary_and_cache_gpu_fallback_and_contiguous():
     """int32 slots are outside what the fused kernel is registered for: the launcher falls back
     to the two kernels, with the same result. Contiguous q/k (what a q/k-norm model passes)
     take the fused kernel."""
-    from voltserve.kernels.rotary import build_cos_sin_cache
-    from voltserve.kernels.rotary_cache import rotary_and_cache_cuda
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_cuda
 
     head_dim, T = 128, 33
     cache = build_cos_sin_cache(head_dim, 131072, 500000.0, SCALING).to(DEV)
@@ -117,8 +117,8 @@ def test_rotary_and_cache_gpu_fallback_and_contiguous():
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_rotary_and_cache_gpu_graph_capture(T, head_dim):
     """No host sync and no allocation inside: captured once, replayed on fresh static inputs."""
-    from voltserve.kernels.rotary import build_cos_sin_cache
-    from voltserve.kernels.rotary_cache import rotary_and_cache_cuda
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_cuda
 
     cache = build_cos_sin_cache(head_dim, 131072, 500000.0, SCALING).to(DEV)
     qkv, positions, slots = fresh_inputs(T, head_dim)

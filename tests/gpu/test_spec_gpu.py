@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels.attention_ref import paged_attention_ref
+from voltserve.kernels.attention.ref import paged_attention_ref
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.shared.config import EngineConfig
@@ -147,7 +147,7 @@ def test_verify_attention_matches_reference(q: int, group: int, head_dim: int, k
 def test_structured_spec_on_gpu() -> None:
     """Constrained requests (regex, choice; greedy and seeded) beside unconstrained ones under
     speculation on the GPU: verify rows masked on the device from GrammarState.fill_draft
-    (kernels/grammar_mask.py), output equal to speculation off (fp32) and inside the
+    (kernels/sampling/grammar_mask.py), output equal to speculation off (fp32) and inside the
     constraint. Needs xgrammar."""
     pytest.importorskip("xgrammar")
     import re

@@ -1,5 +1,5 @@
-"""The building block of the linked tensor-core C++ (kernels/wmma_ptx.cu, through
-kernels/wmma_ptx.py) on a real GPU: one warp's 16x16 tile product through the linked PTX (A
+"""The building block of the linked tensor-core C++ (kernels/runtime/wmma_ptx.cu, through
+kernels/runtime/wmma_ptx.py) on a real GPU: one warp's 16x16 tile product through the linked PTX (A
 row-major, B row- or column-major, k = 16 and 64) against torch in fp32. fp16 products are exact
 in fp32 and the sums are fp32, so the bound is 1e-4 absolute for |a|, |b| <= 1 at k <= 64.
 """
@@ -18,8 +18,8 @@ pytestmark = [
 @pytest.mark.parametrize("k", [16, 64])
 @pytest.mark.parametrize("b_col", [0, 1])
 def test_wmma_tile(k, b_col):
-    from voltserve.kernels.numba_common import current_stream, launch
-    from voltserve.kernels.wmma_ptx import wmma_gemm16_kernel
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
+    from voltserve.kernels.runtime.wmma_ptx import wmma_gemm16_kernel
 
     seed = torch.seed() % 2**31
     print(f"seed {seed}")

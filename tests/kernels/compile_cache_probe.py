@@ -19,7 +19,7 @@ import sys
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 
 from numba.core import sigutils  # noqa: E402
-from voltserve.kernels import compile_cache  # noqa: E402
+from voltserve.kernels.runtime import compile_cache  # noqa: E402
 
 
 def load_module(path: str):

@@ -19,8 +19,7 @@ import torch
 if not torch.cuda.is_available():  # the root conftest does this too; keep the file standalone
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-from voltserve.kernels.attention_ref import paged_attention_ref  # noqa: E402
-from voltserve.kernels.decode_attention import (  # noqa: E402
+from voltserve.kernels.attention.decode import (  # noqa: E402
     BLOCK_SIZE,
     MERGE_MAX_PARTITIONS,
     decode_config,
@@ -28,7 +27,8 @@ from voltserve.kernels.decode_attention import (  # noqa: E402
     decode_reduce_kernel,
     num_partitions,
 )
-from voltserve.kernels.prefill_attention import prefill_config, prefill_kernel  # noqa: E402
+from voltserve.kernels.attention.prefill import prefill_config, prefill_kernel  # noqa: E402
+from voltserve.kernels.attention.ref import paged_attention_ref  # noqa: E402
 
 THREADS = 32
 PARTITION = 32
@@ -284,7 +284,7 @@ def test_prefill_matches_reference(seed, head_dim, num_heads, num_kv_heads, seq_
 
 
 def test_choose_partition():
-    from voltserve.kernels.decode_attention import (
+    from voltserve.kernels.attention.decode import (
         choose_partition,
         default_partition,
         direct_partition_limit,
@@ -312,7 +312,7 @@ def test_choose_partition():
 
 
 def test_launch_config_narrows_wide_groups_for_the_online_core():
-    from voltserve.kernels.decode_attention import launch_config
+    from voltserve.kernels.attention.decode import launch_config
 
     sms = 132
     # Llama-3-8B (4 query heads per KV head), batch 1: the online core, one block per KV head.
@@ -340,7 +340,7 @@ def test_launch_config_caps_long_bounds_for_the_online_core():
     partitions spread the context); uncapped it was 128 partitions of 64 tokens on the block core
     plus the merge kernel. Where even 32
     partitions are too many blocks (batch 8, Llama-3-8B), the block core's choice stands."""
-    from voltserve.kernels.decode_attention import MERGE_MAX_PARTITIONS, launch_config
+    from voltserve.kernels.attention.decode import MERGE_MAX_PARTITIONS, launch_config
 
     sms = 132
     for bound in (4352, 8192, 32768):
@@ -370,7 +370,7 @@ def test_online_core_takes_8_warps_under_long_bounds():
     warps a KV block and the grid stays one wave (batch 1 under a server's 8K bound), else 128
     (short bounds: 64-token partitions; Llama-3-8B under 32K: 256 blocks, two waves at one
     block per SM). An explicit thread count is kept."""
-    from voltserve.kernels.decode_attention import launch_with_threads
+    from voltserve.kernels.attention.decode import launch_with_threads
 
     sms = 132
 

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 import torch
-from voltserve.kernels.check import check_ptx
 from voltserve.kernels.registry import KERNELS
+from voltserve.kernels.runtime.check import check_ptx
 
 # The cc 7.0 compile check is CI's job (CUDA 12 NVVM from pip, no GPU). GPU hosts here run the
 # CUDA 13 toolkit of their image, which dropped Volta, so there the check cannot target 7.0.
@@ -41,7 +41,8 @@ def test_check_kernels_reports_a_failing_kernel(tmp_path):
     CI trusts). One small kernel, so this costs a few seconds."""
     code = textwrap.dedent(
         """
-        from voltserve.kernels import check, registry
+        from voltserve.kernels.runtime import check
+        from voltserve.kernels import registry
         spec = registry.KernelSpec("activation", "silu_and_mul_kernel", ("void(float16[:, ::1])",))
         registry.KERNELS[:] = [spec]
         check.main(["--cc", "7.0", "--no-ptxas", "--jobs", "1"])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from voltserve.kernels.sampling import chunked_argmax
+from voltserve.kernels.sampling.sampling import chunked_argmax
 
 
 @pytest.mark.parametrize("vocab", [128256, 151936, 32000, 1000, 7])

@@ -1,5 +1,5 @@
-"""The kernel cache (kernels/compile_cache.py): compiled code is stored and loaded for cc 7.0
-without a GPU (the CUDA 12 NVVM and nvJitLink of numba-cuda[cu12]), in fresh processes.
+"""The kernel cache (kernels/runtime/compile_cache.py): compiled code is stored and loaded for
+cc 7.0 without a GPU (the CUDA 12 NVVM and nvJitLink of numba-cuda[cu12]), in fresh processes.
 
 - a hit loads the cubin that was stored (a plain kernel, a generated-source kernel, a kernel
   linking the WMMA C++), and a later process finds it without compiling;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from voltserve.kernels.compile_cache import (
+from voltserve.kernels.runtime.compile_cache import (
     CorruptEntry,
     decode_entry,
     encode_entry,
@@ -38,7 +38,7 @@ needs_cc70_toolchain = pytest.mark.skipif(
 KERNELS = """
 import functools
 from numba import cuda
-from voltserve.kernels.compile_cache import cached, cached_factory
+from voltserve.kernels.runtime.compile_cache import cached, cached_factory
 
 SIG = "void(float32[::1], float32[::1])"
 
@@ -73,7 +73,7 @@ PROBE = [
 """
 
 WMMA = """
-from voltserve.kernels.wmma_ptx import wmma_gemm16_kernel
+from voltserve.kernels.runtime.wmma_ptx import wmma_gemm16_kernel
 
 PROBE = [("wmma", wmma_gemm16_kernel, "void(float32[::1], float16[::1], float16[::1], int32, int32)")]
 """
@@ -250,7 +250,7 @@ def test_entry_framing_detects_truncation_and_corruption(tmp_path):
 
 
 def test_tests_never_use_the_users_cache():
-    from voltserve.kernels.compile_cache import cache_root
+    from voltserve.kernels.runtime.compile_cache import cache_root
 
     assert os.environ["VOLTSERVE_CACHE_DIR"]
     assert cache_root() == Path(os.environ["VOLTSERVE_CACHE_DIR"])

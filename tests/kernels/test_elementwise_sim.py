@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import activation, kv_cache, rmsnorm, rotary
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.attention import kv_cache, rotary
+from voltserve.kernels.elementwise import activation, rmsnorm
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 # On a GPU host the simulator is off; the GPU tests cover these kernels there.
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
@@ -98,7 +99,7 @@ def test_one_chunk_choice():
 
 
 def test_vec_ok():
-    from voltserve.kernels.vec_io import vec_ok
+    from voltserve.kernels.runtime.vec_io import vec_ok
 
     qkv = torch.empty(5, 48, dtype=torch.float16)
     assert vec_ok(qkv, qkv[:, 16:32], torch.empty(64))

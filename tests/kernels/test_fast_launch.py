@@ -12,7 +12,7 @@ from pathlib import Path
 import numba_cuda
 import numpy as np
 import torch
-from voltserve.kernels.fast_launch import c_strides, numba_layout, tensor_params
+from voltserve.kernels.runtime.fast_launch import c_strides, numba_layout, tensor_params
 
 
 def _numba_module(rel: str):

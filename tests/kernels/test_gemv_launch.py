@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import gemv
+from voltserve.kernels.linear import gemv
 
 
 @pytest.fixture

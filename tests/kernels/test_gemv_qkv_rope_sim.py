@@ -1,4 +1,4 @@
-"""The qkv GEMV with rotary and the KV-cache write in its epilogue (kernels/gemv_qkv_rope.py)
+"""The qkv GEMV with rotary and the KV-cache write in its epilogue (kernels/linear/gemv_qkv_rope.py)
 against its reference (F.linear, then rotary_and_cache_ref) in the CUDA simulator: fresh random
 inputs, NaN-poisoned output and caches, padding slots, bias on and off, fp16 and fp32; and the
 host-side pieces (supports, dispatch, the model routing on the CPU)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import gemv, gemv_qkv_rope
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.rotary import build_cos_sin_cache
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
+from voltserve.kernels.linear import gemv, gemv_qkv_rope
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 SCALING = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}

@@ -1,4 +1,4 @@
-"""The skinny decode matrix product (kernels/gemv.py) against torch's linear, in the CUDA
+"""The skinny decode matrix product (kernels/linear/gemv.py) against torch's linear, in the CUDA
 simulator: fresh random inputs, NaN-poisoned outputs, fp32 and fp16, every M variant's code path
 (full steps, a guarded partial step, a partial last group of rows, bias on and off)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import gemv
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.linear import gemv
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 
@@ -124,7 +124,7 @@ GATE_UP_CASES = [
 
 @pytest.mark.parametrize("M,inter,K,with_bias,dtype", GATE_UP_CASES)
 def test_gemv_gate_up_matches_linear_then_silu(M, inter, K, with_bias, dtype):
-    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
 
     x = torch.randn(M, K).to(dtype)
     w = (torch.randn(2 * inter, K) * 2 / K**0.5).to(dtype)  # gate over silu's curved range
@@ -141,7 +141,7 @@ def test_gemv_gate_up_matches_linear_then_silu(M, inter, K, with_bias, dtype):
 
 
 def test_gemv_gate_up_host_side():
-    from voltserve.kernels.activation import silu_and_mul_ref
+    from voltserve.kernels.elementwise.activation import silu_and_mul_ref
 
     w = torch.randn(16, 32)
     x = torch.randn(3, 32)

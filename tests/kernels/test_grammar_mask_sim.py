@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from voltserve.kernels import grammar_mask
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.runtime.numba_common import SIM, launch
+from voltserve.kernels.sampling import grammar_mask
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from voltserve.kernels import launch_geometry as lg
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.quant_pack import GroupQuantWeight, _check_group
+from voltserve.kernels.linear.quant_pack import GroupQuantWeight, _check_group
+from voltserve.kernels.runtime import launch_geometry as lg
+from voltserve.kernels.runtime.numba_common import SIM, launch
 from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES
 
 GRID_MAX = (2**31 - 1, 65_535, 65_535)
@@ -82,7 +82,7 @@ def test_an_oversized_grid_is_refused_naming_the_kernel_and_dimension() -> None:
     """The launch a Q6_K lm_head of 128,256 rows made when the dequantize kernel put a weight's
     rows on gridDim.y (the driver answered CUDA_ERROR_INVALID_VALUE). The check refuses it
     before the launch, in the simulator (which would not) as on a GPU, and inside a recording."""
-    from voltserve.kernels import quant_dequant
+    from voltserve.kernels.linear import quant_dequant
 
     args = (t(128_256, 512, dtype=I32), t(128_256, 256), t(128_256, 256), t(128_256, 4096), 4)
     with pytest.raises(lg.LaunchGeometryError, match=r"dequant_int8_kernel.*gridDim\.y = 128,256"):
@@ -104,7 +104,7 @@ def test_an_oversized_grid_is_refused_naming_the_kernel_and_dimension() -> None:
     ],
 )
 def test_every_limit_is_checked(grid, block, dimension) -> None:
-    from voltserve.kernels.sampling import argmax_kernel
+    from voltserve.kernels.sampling.sampling import argmax_kernel
 
     with lg.recording(), pytest.raises(lg.LaunchGeometryError) as err:
         launch(argmax_kernel, grid, block, (t(1, 8, dtype=F32), t(1, dtype=I64)))
@@ -112,7 +112,7 @@ def test_every_limit_is_checked(grid, block, dimension) -> None:
 
 
 def test_limits_at_the_boundary_pass_and_a_wrong_argument_count_is_refused() -> None:
-    from voltserve.kernels.sampling import argmax_kernel
+    from voltserve.kernels.sampling.sampling import argmax_kernel
 
     args = (t(1, 8, dtype=F32), t(1, dtype=I64))
     with lg.recording() as launches:
@@ -124,7 +124,7 @@ def test_limits_at_the_boundary_pass_and_a_wrong_argument_count_is_refused() -> 
 
 
 def test_meta_tensors_are_no_gpu_tensors_outside_a_recording() -> None:
-    from voltserve.kernels import quant_dequant
+    from voltserve.kernels.linear import quant_dequant
 
     w = quant_weight(1024, 512, 8, 32)
     out = t(1024, 512)
@@ -184,14 +184,14 @@ def _linears(hidden: int) -> list[tuple[int, int]]:
 
 def path_for(T: int, dtype: torch.dtype, w: GroupQuantWeight) -> str:
     """quant_linear.quant_path as a recording sees it (meta tensors count as GPU tensors)."""
-    from voltserve.kernels import quant_linear
+    from voltserve.kernels.linear import quant_linear
 
     with lg.recording():
         return quant_linear.quant_path(T, dtype, w)
 
 
 def _check_quant_launches(launches, path: str, w: GroupQuantWeight, T: int) -> None:
-    from voltserve.kernels import quant_dequant, quant_gemm_tc
+    from voltserve.kernels.linear import quant_dequant, quant_gemm_tc
 
     N, K = w.shape
     if path == "gemv":
@@ -221,7 +221,7 @@ def _check_quant_launches(launches, path: str, w: GroupQuantWeight, T: int) -> N
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_quant_linear_every_path_at_model_shapes(fmt: str) -> None:
-    from voltserve.kernels import quant_linear
+    from voltserve.kernels.linear import quant_linear
 
     bits, group, act_order = FORMATS[fmt]
     seen = set()
@@ -238,7 +238,7 @@ def test_quant_linear_every_path_at_model_shapes(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_quant_fused_decode_gemvs(fmt: str) -> None:
     """The decode GEMV's gate_up (SiLU epilogue) and qkv_rope (rotary and the KV write) kinds."""
-    from voltserve.kernels import quant_gemv
+    from voltserve.kernels.linear import quant_gemv
 
     bits, group, act_order = FORMATS[fmt]
     for hidden, T in itertools.product(HIDDENS, GEMV_ROWS):
@@ -259,7 +259,7 @@ def test_quant_fused_decode_gemvs(fmt: str) -> None:
 def test_quant_paths_in_fp32_and_with_the_split_k_of_each_card(fmt: str) -> None:
     """fp32 runs take the GEMV and the dequantize path only; the tensor-core GEMM's split-K
     depends on the SM count (V100's 80, H100's 132)."""
-    from voltserve.kernels import quant_gemm_tc, quant_linear
+    from voltserve.kernels.linear import quant_gemm_tc, quant_linear
 
     bits, group, _ = FORMATS[fmt]
     for V, hidden in itertools.product(VOCABS, HIDDENS):
@@ -282,8 +282,8 @@ def test_stacked_experts_and_fused_moe_decode(fmt: str) -> None:
     """Quantized MoE experts: the stacked experts dequantized in one launch (Qwen3-30B-A3B: 128
     experts x 1,536 gate_up rows = 196,608 rows) and the fused decode kernels up to the token
     counts they take."""
-    from voltserve.kernels import moe_quant_decode as mq
-    from voltserve.kernels import quant_dequant
+    from voltserve.kernels.linear import quant_dequant
+    from voltserve.kernels.moe import quant_decode as mq
 
     bits, group, _ = FORMATS[fmt]
     for E, H, inter, k in ((128, 2048, 768, 8), (8, 4096, 14336, 2)):
@@ -309,7 +309,7 @@ def test_stacked_experts_and_fused_moe_decode(fmt: str) -> None:
 
 
 def test_gemv_lm_head_gate_up_and_qkv_rope() -> None:
-    from voltserve.kernels import gemv, gemv_qkv_rope
+    from voltserve.kernels.linear import gemv, gemv_qkv_rope
 
     for dtype, hidden, M in itertools.product((F16, F32), HIDDENS, range(1, gemv.MAX_M + 1)):
         for V in VOCABS:  # the lm_head, or tied embeddings read as one
@@ -341,7 +341,7 @@ def test_gemv_lm_head_gate_up_and_qkv_rope() -> None:
 
 
 def test_sampling_and_grammar_mask_over_the_vocabulary() -> None:
-    from voltserve.kernels import grammar_mask, sampling
+    from voltserve.kernels.sampling import grammar_mask, sampling
 
     for B, V in itertools.product(BATCHES, VOCABS):
         logits = t(B, V, dtype=F32)
@@ -366,14 +366,8 @@ def test_sampling_and_grammar_mask_over_the_vocabulary() -> None:
 
 
 def test_per_token_kernels_at_prefill_chunks() -> None:
-    from voltserve.kernels import (
-        activation,
-        kv_cache,
-        qk_norm_rope,
-        rmsnorm,
-        rotary,
-        rotary_cache,
-    )
+    from voltserve.kernels.attention import kv_cache, qk_norm_rope, rotary, rotary_cache
+    from voltserve.kernels.elementwise import activation, rmsnorm
 
     for dtype, T in itertools.product((F16, F32), TOKENS):
         for hidden in HIDDENS:
@@ -411,7 +405,7 @@ HEADS = ((32, 8, 128), (64, 8, 128), (28, 4, 128), (14, 2, 64), (8, 8, 256))  # 
 
 
 def test_decode_attention_over_batches_and_contexts() -> None:
-    from voltserve.kernels import decode_attention
+    from voltserve.kernels.attention import decode as decode_attention
 
     for (H, kvh, D), B, context, sms in itertools.product(
         HEADS, BATCHES, (1024, 32_768, 131_072), SMS
@@ -428,7 +422,8 @@ def test_decode_attention_over_batches_and_contexts() -> None:
 
 @pytest.mark.parametrize("seqs", [1, 32, 256])
 def test_prefill_attention_over_chunks_and_prompts(seqs: int) -> None:
-    from voltserve.kernels import prefill_attention, prefill_attention_fa
+    from voltserve.kernels.attention import prefill as prefill_attention
+    from voltserve.kernels.attention import prefill_fa as prefill_attention_fa
 
     T = CHUNK
     q_len = T // seqs
@@ -464,7 +459,8 @@ MOE = ((128, 2048, 768, 8), (8, 4096, 14_336, 2), (60, 2048, 1408, 4))  # (E, H,
 
 @pytest.mark.parametrize("wmma", ["1", "0"])
 def test_moe_routing_and_experts(wmma: str, monkeypatch) -> None:
-    from voltserve.kernels import moe_experts, moe_routing
+    from voltserve.kernels.moe import experts as moe_experts
+    from voltserve.kernels.moe import routing as moe_routing
 
     monkeypatch.setenv(moe_experts.WMMA_ENV, wmma)
     for (E, H, inter, k), T, dtype in itertools.product(MOE, (1, 8, 64, 256, CHUNK), (F16, F32)):

@@ -1,4 +1,4 @@
-"""The fused group-quantized MoE decode kernels (kernels/moe_quant_decode.py) against their
+"""The fused group-quantized MoE decode kernels (kernels/moe/quant_decode.py) against their
 torch reference (moe_experts_ref on the dequantized experts) in the CUDA simulator: int4 codes
 with group 32 and 16 (the SPLIT variant), int8 with group 16, fp16 and fp32, NaN-poisoned
 intermediate and outputs, an expert that receives no token and one that receives every token.
@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels import moe_quant_decode as mq
-from voltserve.kernels.activation import silu_and_mul_ref
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.quant_gemv import GATE_UP, is_split
-from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+from voltserve.kernels.linear.quant_gemv import GATE_UP, is_split
+from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.moe import quant_decode as mq
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 from tests.kernels.test_moe_sim import _routing
 
@@ -145,7 +145,7 @@ def test_host_side_rules():
 
 
 def test_fused_kernels_take_batches_while_they_read_fewer_bytes() -> None:
-    from voltserve.kernels.moe_quant_decode import fused_pays
+    from voltserve.kernels.moe.quant_decode import fused_pays
 
     assert fused_pays(1, 8, 128) and fused_pays(8, 2, 8)  # decode sizes: always
     assert fused_pays(128, 8, 128) and not fused_pays(129, 8, 128)  # Qwen3-30B-A3B: T*k <= 8E

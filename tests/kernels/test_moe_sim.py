@@ -1,5 +1,5 @@
-"""The MoE kernels (kernels/moe_decode.py, kernels/moe_grouped.py) and the routing ops
-(kernels/moe_routing.py) against their torch references, in the CUDA simulator: fresh random
+"""The MoE kernels (kernels/moe/decode.py, kernels/moe/grouped.py) and the routing ops
+(kernels/moe/routing.py) against their torch references, in the CUDA simulator: fresh random
 inputs (seed printed), NaN-poisoned outputs, fp32 and fp16, an expert that receives no token and
 one that receives every token."""
 
@@ -11,11 +11,12 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from voltserve.kernels import moe_decode, moe_grouped
-from voltserve.kernels.activation import silu_and_mul_ref
-from voltserve.kernels.moe_experts import moe_experts_ref
-from voltserve.kernels.moe_routing import max_tiles, moe_align_ref, moe_topk_ref
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+from voltserve.kernels.moe import decode as moe_decode
+from voltserve.kernels.moe import grouped as moe_grouped
+from voltserve.kernels.moe.experts import moe_experts_ref
+from voltserve.kernels.moe.routing import max_tiles, moe_align_ref, moe_topk_ref
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 
@@ -146,7 +147,7 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize("E,k,T,renorm,dtype,rnd", TOPK_CASES, ids=map(_case_id, TOPK_CASES))
 def test_topk_kernel_matches_reference(rng, E, k, T, renorm, dtype, rnd):
-    from voltserve.kernels.moe_routing import TOPK_THREADS, moe_topk_kernel, topk_grid
+    from voltserve.kernels.moe.routing import TOPK_THREADS, moe_topk_kernel, topk_grid
 
     from tests.moe_topk_cases import router_logits, topk_by_rule, weight_tolerance
 
@@ -172,7 +173,7 @@ def test_topk_kernel_matches_reference(rng, E, k, T, renorm, dtype, rnd):
 def test_topk_kernel_ids_stay_in_range_on_nan_rows(rng):
     """A NaN or +inf logit (or a row of -inf) makes torch's softmax NaN; the kernel still writes
     k distinct ids within 0..E-1 (the expert kernels index weights by them) and every weight."""
-    from voltserve.kernels.moe_routing import TOPK_THREADS, moe_topk_kernel, topk_grid
+    from voltserve.kernels.moe.routing import TOPK_THREADS, moe_topk_kernel, topk_grid
 
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     T, E, k = 3, 60, 4

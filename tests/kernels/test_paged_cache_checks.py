@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels.attention_common import check_paged_cache
+from voltserve.kernels.attention.common import check_paged_cache
 
 
 def _args(D=64, dtype=torch.float16):

@@ -2,7 +2,7 @@
 
 KernelDispatch on CUDA with fp16 resolves `paged_attention` to prefill_attention_fa's entry,
 which sends head dims 64 and 128 with up to 64 query heads per KV head to the flash kernel and
-every other shape to the CUDA-core kernel of prefill_attention.py, passing `out` and
+every other shape to the CUDA-core kernel of attention/prefill.py, passing `out` and
 `max_query_len` through. The kernels themselves are stand-ins here; their results are checked
 on a GPU (tests/gpu/test_prefill_fa_gpu.py, tests/gpu/test_attention_gpu.py).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import prefill_attention, prefill_attention_fa
+from voltserve.kernels.attention import prefill as prefill_attention
+from voltserve.kernels.attention import prefill_fa as prefill_attention_fa
 from voltserve.kernels.dispatch import KernelDispatch
 
 

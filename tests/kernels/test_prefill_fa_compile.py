@@ -1,4 +1,4 @@
-"""The flash prefill (kernels/prefill_attention_fa.cu + prefill_attention_fa.py) compiles for
+"""The flash prefill (kernels/attention/prefill_fa.cu + attention/prefill_fa.py) compiles for
 Volta without a GPU.
 
 1. The .cu alone: NVRTC (CUDA 12 from pip) to PTX for compute_70, Volta's wmma instructions in
@@ -24,8 +24,8 @@ import textwrap
 
 import pytest
 import torch
-from voltserve.kernels.check import check_ptx, compile_cu_ptx
-from voltserve.kernels.prefill_attention_fa import FA_CU, MIN_BLOCKS, smem_bytes
+from voltserve.kernels.attention.prefill_fa import FA_CU, MIN_BLOCKS, smem_bytes
+from voltserve.kernels.runtime.check import check_ptx, compile_cu_ptx
 
 # As the other cc 7.0 compile checks: GPU hosts here run a CUDA 13 toolkit, which dropped Volta.
 pytestmark = pytest.mark.skipif(
@@ -59,11 +59,11 @@ def test_fa_cu_compiles_for_volta():
 _LTO_SCRIPT = textwrap.dedent(
     """
     import json, re
-    from voltserve.kernels.check import _patch_device_cc
+    from voltserve.kernels.runtime.check import _patch_device_cc
     _patch_device_cc((7, 0))
     from cuda.bindings import nvjitlink, nvrtc
     from numba import cuda
-    from voltserve.kernels import prefill_attention_fa as fa
+    from voltserve.kernels.attention import prefill_fa as fa
     from voltserve.kernels.registry import _PREFILL_FA_SIG
 
     def cu_ltoir(path):
@@ -154,7 +154,7 @@ def test_fa_kernels_link_for_volta(cc70_check):
     from voltserve.kernels.registry import _PREFILL_FA_SIG
 
     for d in (128, 64):
-        name = f"prefill_attention_fa.prefill_fa_kernel_d{d}"
+        name = f"attention.prefill_fa.prefill_fa_kernel_d{d}"
         ptx = cc70_check.ptx(name, _PREFILL_FA_SIG)
         assert f".extern .func  (.param .b32 func_retval0) vs_fa_prefill_d{d}" in ptx
         r = cc70_check.result(name, _PREFILL_FA_SIG)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from voltserve.kernels import dispatch, qk_norm_rope
+from voltserve.kernels import dispatch
+from voltserve.kernels.attention import qk_norm_rope
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.rotary import build_cos_sin_cache
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 
@@ -108,8 +109,8 @@ def test_qk_norm_rope_kernel(dtype, head_dim, rotary_dim, warps):
 def test_ref_is_the_unfused_path() -> None:
     """The reference is, bit for bit, what the model ran before the fused op: rms_norm_ref on the
     heads of q and of k (new tensors), then rotary_and_cache_ref."""
-    from voltserve.kernels.rmsnorm import rms_norm_ref
-    from voltserve.kernels.rotary_cache import rotary_and_cache_ref
+    from voltserve.kernels.attention.rotary_cache import rotary_and_cache_ref
+    from voltserve.kernels.elementwise.rmsnorm import rms_norm_ref
 
     T, heads, kv_heads, head_dim = 6, 4, 2, 64
     qkv, positions, slots, cos_sin, q_w, k_w, k_cache, v_cache = make_inputs(

@@ -1,4 +1,4 @@
-"""The dequantize kernel (kernels/quant_dequant.py, the prefill path's scratch fill) against
+"""The dequantize kernel (kernels/linear/quant_dequant.py, the prefill path's scratch fill) against
 quant_pack.dequantize in the CUDA simulator: int4 and int8, groups 16 / 32 / K, fp16 and fp32,
 a NaN-poisoned output, launched with the production grid (`grid_for`) and block. A lowered grid
 limit folds the rows over gridDim.y and .z as a GPU launch does past 65,535 rows (a
@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
-from voltserve.kernels import quant_dequant
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.linear import quant_dequant
+from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))

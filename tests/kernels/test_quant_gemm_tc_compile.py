@@ -1,13 +1,14 @@
-"""The quantized tensor-core GEMM (kernels/quant_gemm_tc.py) as `voltserve check-kernels --cc 7.0`
-compiled it: the wmma intrinsics of kernels/wmma_inline.py are in the kernel's own PTX (shared
-memory forms, no linked C call), and every registered tile config fits Volta without spills
-and in the registers its block size leaves (65536 an SM: 128 a thread at 512 threads)."""
+"""The quantized tensor-core GEMM (kernels/linear/quant_gemm_tc.py) as
+`voltserve check-kernels --cc 7.0` compiled it: the wmma intrinsics of
+kernels/runtime/wmma_inline.py are in the kernel's own PTX (shared memory forms, no linked C call),
+and every registered tile config fits Volta without spills and in the registers its block size
+leaves (65536 an SM: 128 a thread at 512 threads)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from voltserve.kernels import quant_gemm_tc as tc
+from voltserve.kernels.linear import quant_gemm_tc as tc
 from voltserve.kernels.registry import KERNELS
 
 pytestmark = pytest.mark.skipif(

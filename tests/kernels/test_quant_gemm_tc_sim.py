@@ -1,6 +1,6 @@
-"""The tensor-core quantized GEMM's numba side (kernels/quant_gemm_tc.py) in the CUDA simulator,
-with Python stand-ins for the two linked wmma functions (the simulator cannot run C++; their
-PTX is checked by check-kernels and on the GPU): tile fills, dequantisation into the B tile,
+"""The tensor-core quantized GEMM's numba side (kernels/linear/quant_gemm_tc.py) in the CUDA
+simulator, with Python stand-ins for the two linked wmma functions (the simulator cannot run C++;
+their PTX is checked by check-kernels and on the GPU): tile fills, dequantisation into the B tile,
 the register pipelining over K steps, the zero-filled K tail of a 128 step, partial row and
 column tiles, every tile config (16, 32, 64 and 128 rows; 4 and 8 warps), split-K partials and
 their reduction, bias, int4 (groups 16 to 128) and int8, NaN-poisoned outputs. Seeded by the
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from voltserve.kernels import quant_gemm_tc as tc
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.linear import quant_gemm_tc as tc
+from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 

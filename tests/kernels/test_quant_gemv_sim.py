@@ -1,6 +1,6 @@
-"""The fused dequantize-GEMV (kernels/quant_gemv.py) against F.linear with the dequantized weight
-in the CUDA simulator: int4 and int8 codes, group sizes 16 (the SPLIT variant), 32, 128 and K,
-1, 3 and 8 rows, bias on and off, fp16 and fp32, NaN-poisoned outputs, a guarded partial step
+"""The fused dequantize-GEMV (kernels/linear/quant_gemv.py) against F.linear with the dequantized
+weight in the CUDA simulator: int4 and int8 codes, group sizes 16 (the SPLIT variant), 32, 128 and
+K, 1, 3 and 8 rows, bias on and off, fp16 and fp32, NaN-poisoned outputs, a guarded partial step
 and a partial last group of rows; the gate_up variant against linear then silu_and_mul.
 Seeded: the seed is printed, VOLTSERVE_TEST_SEED overrides it."""
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from voltserve.kernels import quant_gemv
-from voltserve.kernels.activation import silu_and_mul_ref
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.elementwise.activation import silu_and_mul_ref
+from voltserve.kernels.linear import quant_gemv
+from voltserve.kernels.linear.quant_pack import dequantize, pack_group_quant
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 SEED = int(os.environ.get("VOLTSERVE_TEST_SEED", random.randrange(2**31)))
@@ -281,7 +281,7 @@ def test_qgemv_half2_exact_sums(M):
 def test_half2_stand_ins():
     """The simulator's f16x2 stand-ins round once per operation, keep subnormals, overflow to
     inf; the half2 constants decode codes exactly."""
-    from voltserve.kernels.half2 import h2_bits, h2_vals, h2f, h2fma, h2mul
+    from voltserve.kernels.runtime.half2 import h2_bits, h2_vals, h2f, h2fma, h2mul
 
     a, b = h2_bits(1.0 + 2.0**-10, -3.0), h2_bits(1.0 - 2.0**-11, 2.0**-20)
     assert h2_vals(h2fma(a, b, h2_bits(-1.0, 0.0))) == (
@@ -325,7 +325,7 @@ def test_host_side_rules():
 
 @pytest.mark.parametrize("M,bits,g,dtype", [(1, 4, 32, torch.float32), (2, 8, 16, torch.float16)])
 def test_qgemv_qkv_rope_matches_reference(M, bits, g, dtype):
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
 
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
     gen = torch.Generator().manual_seed(SEED + 11 * M)
@@ -380,9 +380,9 @@ def test_qgemv_qkv_rope_matches_reference(M, bits, g, dtype):
 
 
 def test_quant_qkv_rope_cpu_composition():
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
     from voltserve.kernels.dispatch import KernelDispatch
-    from voltserve.kernels.quant_linear import quant_qkv_rope
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.linear.quant_linear import quant_qkv_rope
 
     gen = torch.Generator().manual_seed(SEED)
     n_q, n_kv, D, K = 2, 1, 16, 64
@@ -450,7 +450,7 @@ SPLIT_K_CASES = [
 
 @pytest.mark.parametrize("M,N,bits,g,K,form,rt", SPLIT_K_CASES)
 def test_qgemv_split_k(M, N, bits, g, K, form, rt):
-    from voltserve.kernels.quant_linear import quant_linear_ref
+    from voltserve.kernels.linear.quant_linear import quant_linear_ref
 
     gen = torch.Generator().manual_seed(SEED + 29 * M + K)
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
@@ -477,7 +477,7 @@ def test_qgemv_gate_up_split_k(M, form):
     """gate_up with KS = 2 and 4 (R = 4: two columns a group; 3 columns, so the last group is
     half used and, at KS = 2, the second group of the second block has no column): as KS = 1
     before the epilogue's roundings, and the silu_and_mul of the reference."""
-    from voltserve.kernels.quant_linear import quant_gate_up_ref
+    from voltserve.kernels.linear.quant_linear import quant_gate_up_ref
 
     gen = torch.Generator().manual_seed(SEED + 31 * M)
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
@@ -517,7 +517,7 @@ def test_qgemv_qkv_rope_split_k(M):
     """qkv_rope with KS = 2 and 4 (one rotary pair a group): out and the K / V caches as KS = 1
     writes them and as the reference (fp32 x and caches: the epilogue's roundings are exact
     no-ops, so the split's fp32 regrouping is all that differs)."""
-    from voltserve.kernels.rotary import build_cos_sin_cache
+    from voltserve.kernels.attention.rotary import build_cos_sin_cache
 
     gen = torch.Generator().manual_seed(SEED + 37 * M)
     print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")

@@ -1,7 +1,7 @@
-"""Group-quantized weights on CPU (kernels/quant_pack.py, quant_linear.py): packing round-trips
-the codes exactly, dequantize is codes * scale + offset, and quant_linear is F.linear with the
-dequantized weight (the reference model's math), for bits 4 and 8, every group size the kernels
-serve, with and without an input permutation. Randomised: seed printed, VOLTSERVE_TEST_SEED
+"""Group-quantized weights on CPU (kernels/linear/quant_pack.py, quant_linear.py): packing
+round-trips the codes exactly, dequantize is codes * scale + offset, and quant_linear is F.linear
+with the dequantized weight (the reference model's math), for bits 4 and 8, every group size the
+kernels serve, with and without an input permutation. Randomised: seed printed, VOLTSERVE_TEST_SEED
 overrides it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from voltserve.kernels.quant_linear import quant_gate_up_silu, quant_linear, quant_linear_ref
-from voltserve.kernels.quant_pack import (
+from voltserve.kernels.linear.quant_linear import quant_gate_up_silu, quant_linear, quant_linear_ref
+from voltserve.kernels.linear.quant_pack import (
     concat_rows,
     dequantize,
     narrow_rows,
@@ -159,7 +159,7 @@ def test_dispatch_resolves_quant_linear_and_env_switch(monkeypatch):
 
 
 def test_scratch_is_reused_and_sized_once():
-    from voltserve.kernels.quant_linear import QuantScratch
+    from voltserve.kernels.linear.quant_linear import QuantScratch
 
     s = QuantScratch()
     a = s.get(4, 8, torch.float32, torch.device("cpu"))

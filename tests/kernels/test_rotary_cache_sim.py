@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from voltserve.kernels import dispatch, rotary_cache
+from voltserve.kernels import dispatch
+from voltserve.kernels.attention import rotary_cache
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.numba_common import SIM, launch
-from voltserve.kernels.rotary import build_cos_sin_cache
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 
@@ -130,8 +131,8 @@ def test_capturable_fallback_equals_reference(is_neox) -> None:
 
 def test_ref_is_rotary_then_cache() -> None:
     # The fused reference on its own terms: equal to the two references it names, in order.
-    from voltserve.kernels.kv_cache import reshape_and_cache_ref
-    from voltserve.kernels.rotary import rotary_embedding_ref
+    from voltserve.kernels.attention.kv_cache import reshape_and_cache_ref
+    from voltserve.kernels.attention.rotary import rotary_embedding_ref
 
     T, heads, kv_heads, head_dim = 6, 4, 2, 32
     qkv, positions, slots, cache, k_cache, v_cache = make_inputs(

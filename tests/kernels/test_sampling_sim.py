@@ -3,8 +3,8 @@
 Sampled ids must equal sample_ref's exactly, and both must keep what vLLM keeps: min-p, then
 top-k over its survivors, then top-p over the renormalised mass of what is left (checked here
 against a plain per-row implementation of that order). The only tolerated differences are the
-documented boundary cases (kernels/sampling.py): a row where some token's kept mass before it
-lies within float rounding of top_p times the kept mass, or a probability within rounding of
+documented boundary cases (kernels/sampling/sampling.py): a row where some token's kept mass before
+it lies within float rounding of top_p times the kept mass, or a probability within rounding of
 min_p times the largest, may keep one token more or fewer. Fresh random inputs make that
 practically impossible here, and the test names the row if it happens."""
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from voltserve.kernels import sampling
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.runtime.numba_common import SIM, launch
+from voltserve.kernels.sampling import sampling
 
 pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 BLOCK = 32  # one simulated warp keeps the simulator fast; the kernel takes any multiple of 32

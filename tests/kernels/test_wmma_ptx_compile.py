@@ -1,5 +1,5 @@
-"""The tensor-core device functions (kernels/wmma_ptx.cu) compile to PTX for compute_70 with the
-CUDA 12 NVRTC from pip (no GPU, no driver), hold Volta's wmma instructions, and link with the
+"""The tensor-core device functions (kernels/runtime/wmma_ptx.cu) compile to PTX for compute_70 with
+the CUDA 12 NVRTC from pip (no GPU, no driver), hold Volta's wmma instructions, and link with the
 numba kernel that calls them into an sm_70 cubin (nvJitLink): the extern prototypes numba
 emits match the C++ definitions."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from voltserve.kernels.check import check_ptx, compile_cu_ptx
-from voltserve.kernels.wmma_ptx import WMMA_CU
+from voltserve.kernels.runtime.check import check_ptx, compile_cu_ptx
+from voltserve.kernels.runtime.wmma_ptx import WMMA_CU
 
 SIG = "void(float32[::1], float16[::1], float16[::1], int32, int32)"  # wmma_gemm16_kernel
 
@@ -44,7 +44,7 @@ def test_wmma_kernel_links_for_volta(cc70_check):
     """The numba kernel's PTX and the .cu's, linked by nvJitLink into one sm_70 cubin (the check
     links every kernel of a module with CUDA_SOURCES): the extern prototype numba emits matches
     the C++ definition."""
-    name = "wmma_ptx.wmma_gemm16_kernel"
+    name = "runtime.wmma_ptx.wmma_gemm16_kernel"
     ptx = cc70_check.ptx(name, SIG)
     assert ".extern .func  (.param .b32 func_retval0) vs_wmma_gemm16" in ptx
     r = cc70_check.result(name, SIG)

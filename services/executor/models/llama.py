@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from voltserve.kernels import qk_norm_rope
+from voltserve.kernels.attention import qk_norm_rope
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
     Linear,

@@ -7,19 +7,19 @@ expert tensors reach here split per expert, services/executor/gguf_source.py, an
 gate/up and down different ggml types). Each one is unpacked
 by the format's `GroupQuantMethod.unpack` into codes / scales / offsets (the linear path's
 ShardCodes), gate and up are merged along N as for a dense gate_up_proj, every expert is packed
-once with kernels/quant_pack.pack_group_quant, and the packed tensors are stacked per layer:
+once with kernels/linear/quant_pack.pack_group_quant, and the packed tensors are stacked per layer:
 
     w13_qweight [E, 2I, H / P] int32, w13_scales / w13_offsets [E, 2I, H / g] (run dtype)
     w2_qweight  [E, H,  I / P] int32, w2_scales  / w2_offsets  [E, H,  I / g]
     (+ w13_perm [E, H] / w2_perm [E, I] int64 for GPTQ act-order)
 
-`apply` is the torch reference: it dequantizes experts (kernels/quant_pack.dequantize's rule,
+`apply` is the torch reference: it dequantizes experts (kernels/linear/quant_pack.dequantize's rule,
 rounded once to the run dtype) and runs the float experts path. On CPU it dequantizes only the
 experts that received a token (syncs with the host). On CUDA nothing syncs, so a CUDA graph can
 hold the step: with fewer (token, slot) pairs than experts (decode), one dequantized expert per
 pair and batched matmuls (`apply_pairs`); otherwise every expert of the layer once, then the
 float expert kernels (ops.moe_experts). Decode batches of at most 8 tokens run the fused
-kernels of kernels/moe_quant_decode.py instead (the routed experts' codes read and dequantized
+kernels of kernels/moe/quant_decode.py instead (the routed experts' codes read and dequantized
 in registers), when the dispatch runs the fp16 experts' kernels (impl["moe_experts"] == "cuda")
 and the experts are not act-order; the dequantizing paths stay for prefill and for the rest.
 
@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels.quant_pack import GroupQuantWeight, dequantize, pack_group_quant
+from voltserve.kernels.linear.quant_pack import GroupQuantWeight, dequantize, pack_group_quant
 from voltserve.services.executor.models.moe import ExpertsMethod, FusedExperts
 from voltserve.services.executor.quant.group import GroupQuantMethod, merge_shards, unpack_local
 from voltserve.services.executor.tp.sharding import TPSplitError
@@ -180,8 +180,8 @@ class GroupQuantExperts(ExpertsMethod):
     ) -> torch.Tensor:
         """The float weights [E', N, K] (checkpoint input order) of `experts` (int64 ids, may
         repeat; None: all E) from the stacked tensors in one dequantize, with no host sync.
-        kernel: on CUDA, kernels/quant_dequant's one-pass kernel where it takes the weight (the
-        torch reference's fp32 temporaries took ~15 ms a layer for Qwen3-30B-A3B's experts)."""
+        kernel: on CUDA, kernels/linear/quant_dequant's one-pass kernel where it takes the weight
+        (the torch reference's fp32 temporaries took ~15 ms a layer for Qwen3-30B-A3B's experts)."""
         ws = layer.quant_weights[param]
         w0 = ws[0]
         N, K = w0.out_features, w0.in_features
@@ -215,7 +215,7 @@ class GroupQuantExperts(ExpertsMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        from voltserve.kernels.moe_experts import moe_experts_ref
+        from voltserve.kernels.moe.experts import moe_experts_ref
 
         if x.is_cuda:
             # No host sync (graph-capturable). Decode batches the fused kernels take (behind the
@@ -242,8 +242,8 @@ class GroupQuantExperts(ExpertsMethod):
         return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
 
     def _fused(self, layer: FusedExperts, ops, x: torch.Tensor, topk_ids: torch.Tensor):
-        """kernels/moe_quant_decode's launcher when it serves this step, else None."""
-        from voltserve.kernels import moe_quant_decode as mq
+        """kernels/moe/quant_decode's launcher when it serves this step, else None."""
+        from voltserve.kernels.moe import quant_decode as mq
 
         if ops is None or ops.impl.get("moe_experts") != "cuda":
             return None
@@ -276,7 +276,7 @@ class GroupQuantExperts(ExpertsMethod):
     ) -> torch.Tensor:
         """moe_experts_ref's products with one dequantized expert per (token, slot) pair, as
         batched matmuls (no host sync: every shape follows from T and k)."""
-        from voltserve.kernels.activation import silu_and_mul_ref
+        from voltserve.kernels.elementwise.activation import silu_and_mul_ref
 
         T, k = topk_ids.shape
         # The router never yields an id outside 0..E-1; the clamp is for the start-up trace
@@ -296,10 +296,10 @@ __all__ = ["GroupQuantExperts"]
 
 
 def _dequantize(w: GroupQuantWeight, kernel: bool) -> torch.Tensor:
-    """dequantize(w), through kernels/quant_dequant on CUDA when `kernel` and it takes w (the
+    """dequantize(w), through kernels/linear/quant_dequant on CUDA when `kernel` and it takes w (the
     same values: it is tested against dequantize)."""
     if kernel and w.qweight.is_cuda:
-        from voltserve.kernels import quant_dequant
+        from voltserve.kernels.linear import quant_dequant
 
         out = torch.empty((w.out_features, w.in_features), dtype=w.dtype, device=w.qweight.device)
         if quant_dequant.supports(w, out):

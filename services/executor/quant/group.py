@@ -1,7 +1,7 @@
 """The linear method shared by every integer format: each shard's checkpoint tensors are kept as
 loaded, then turned into codes + float32 scales/offsets by the format's `unpack`, concatenated
 along N (q/k/v, gate/up) and packed once for the group-quantized kernels
-(voltserve.kernels.quant_linear)."""
+(voltserve.kernels.linear.quant_linear)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels import quant_linear as qk
-from voltserve.kernels.quant_pack import MIN_GROUP, pack_group_quant
+from voltserve.kernels.linear import quant_linear as qk
+from voltserve.kernels.linear.quant_pack import MIN_GROUP, pack_group_quant
 from voltserve.services.executor.quant.base import (
     LinearMethod,
     Shard,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from voltserve.kernels.sampling import chunked_argmax
+from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec.graphs import count

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.kernels.rotary import build_cos_sin_cache
 from voltserve.services.executor.models.layers import AttentionMetadata, Linear
 from voltserve.services.executor.models.llama import DecoderLayer, KVCache, ModelArch
 from voltserve.shared import startup

@@ -63,7 +63,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from voltserve.kernels.sampling import chunked_argmax
+from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.shared import startup
 

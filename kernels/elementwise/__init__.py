@@ -1,0 +1,1 @@
+"""Row-wise kernels: RMSNorm (plain and fused with the residual add) and silu_and_mul."""

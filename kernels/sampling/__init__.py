@@ -1,0 +1,1 @@
+"""Sampling: penalties, the seeded sampling rule, and the structured-output token mask."""
