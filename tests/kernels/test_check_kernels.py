@@ -43,7 +43,9 @@ def test_check_kernels_reports_a_failing_kernel(tmp_path):
         """
         from voltserve.kernels.runtime import check
         from voltserve.kernels import registry
-        spec = registry.KernelSpec("activation", "silu_and_mul_kernel", ("void(float16[:, ::1])",))
+        spec = registry.KernelSpec(
+            "elementwise.activation", "silu_and_mul_kernel", ("void(float16[:, ::1])",)
+        )
         registry.KERNELS[:] = [spec]
         check.main(["--cc", "7.0", "--no-ptxas", "--jobs", "1"])
         """
@@ -54,9 +56,9 @@ def test_check_kernels_reports_a_failing_kernel(tmp_path):
         [sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL activation.silu_and_mul_kernel" in proc.stdout
+    assert "FAIL elementwise.activation.silu_and_mul_kernel" in proc.stdout
     assert "0/1 kernel signatures compiled" in proc.stdout
-    assert "FAILED: activation.silu_and_mul_kernel" in proc.stderr
+    assert "FAILED: elementwise.activation.silu_and_mul_kernel" in proc.stderr
 
 
 def test_check_ptx_rejects_non_volta_ptx():

@@ -194,7 +194,7 @@ def test_rms_norm_launchers_pass_eps_as_the_registered_type(monkeypatch):
         x = torch.randn(rows, 64)
         rmsnorm.rms_norm_cuda(x, w, 1e-6)
         rmsnorm.fused_add_rms_norm_cuda(x, x.clone(), w, 1e-6)
-    registered = {s.attr: s.signatures[0] for s in KERNELS if s.module == "rmsnorm"}
+    registered = {s.attr: s.signatures[0] for s in KERNELS if s.module == "elementwise.rmsnorm"}
     assert len({k for k, _ in seen}) == 4
     for kernel, args in seen:
         name = next(n for n, sig in registered.items() if getattr(rmsnorm, n) is kernel)
