@@ -200,7 +200,7 @@ def drive(runner, reqs, max_new: int, chunk: int) -> None:
             ScheduledRequest(r, min(chunk, r.num_tokens - r.num_computed_tokens)) for r in live
         ]
         plan = StepPlan(sched, sum(s.num_new_tokens for s in sched))
-        sampled = iter(runner.execute(plan))
+        sampled = iter(runner.execute(plan).sampled)
         for s in sched:
             samples = s.samples
             s.request.num_computed_tokens += s.num_new_tokens

@@ -36,8 +36,10 @@ from voltserve.services.executor.request import (
     Request,
     RequestOutput,
     RequestStatus,
+    RunnerOutput,
     SampledIds,
     SampledToken,
+    StepPlan,
 )
 from voltserve.services.executor.spec.acceptance import num_accepted
 from voltserve.shared.config import EngineConfig
@@ -48,6 +50,21 @@ logger = logging.getLogger(__name__)
 
 # Engine-drawn seeds stay in the non-negative int64 range the sampler takes.
 _SEED_BITS = 63
+
+
+def stop_reason(req: Request, token: int) -> str | None:
+    """The stop rule, after `token` was appended to the request's output: "stop" on a stop or
+    EOS token (unless ignore_eos; not before min_tokens) or when its grammar has terminated,
+    "length" at max_tokens or the context limit (Request.max_output_tokens), else None."""
+    n = len(req.output_token_ids)
+    if token in req.stop_token_set and n >= req.params.min_tokens:
+        return "stop"
+    if n >= req.max_output_tokens:
+        return "length"
+    g = req.grammar
+    if g is not None and g.terminated:
+        return "stop"
+    return None
 
 
 @dataclass
@@ -208,7 +225,7 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             output_token_ids=output,
         )
-        # What _check_stop reads, derived once (params do not change after this point).
+        # What stop_reason reads, derived once (params do not change after this point).
         request.stop_token_set = frozenset(params.stop_token_ids) | frozenset(
             () if params.ignore_eos else params.eos_token_ids
         )
@@ -340,14 +357,23 @@ class LLMEngine:
                     f"({self.block_manager.num_free_blocks} free blocks)"
                 )
             return []
-        sampled = self.runner.execute(plan)
-        take = getattr(self.runner, "take_prompt_logprobs", None)
-        prompt_lp = take() if take is not None else None
-        if prompt_lp:
-            self._store_prompt_logprobs(prompt_lp)
+        out = self.runner.execute(plan)
+        if self.proposer is not None:
+            self.proposer.observe(out)
+        return self._postprocess(plan, out, early or [])
+
+    def _postprocess(
+        self, plan: StepPlan, out: RunnerOutput, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """The step's results applied to its requests: computed positions advance, each sampling
+        request's tokens are emitted under the stop rule (stop_reason) and, for a verify row
+        group, speculative acceptance; finished requests leave. Appends to and returns outputs:
+        a delta for every request that got a token or ended."""
+        if out.prompt_logprobs:
+            self._store_prompt_logprobs(out.prompt_logprobs)
+        sampled = out.sampled
         # The sampler's greedy fast path hands back bare ids: no SampledToken per row.
         ids = sampled.token_ids if type(sampled) is SampledIds else None
-        outputs: list[RequestOutput] = early or []
         append = outputs.append
         any_finished = False
         i = 0
@@ -359,78 +385,103 @@ class LLMEngine:
         num_generated = 0
         for s in plan.scheduled:
             req = s.request
-            if s.spec_token_ids:
-                n_rows = len(s.spec_token_ids) + 1
-                out = self._accept(req, s.spec_token_ids, sampled, ids, i)
-                i += n_rows
-                num_generated += len(out.new_token_ids)
-                if req.request_id in awaiting:  # failover resume: its first token this run
-                    awaiting.discard(req.request_id)
-                    self._prompt_tokens_total += len(req.prompt_token_ids)
-                if out.finish_reason is not None:
-                    any_finished = True
-                append(out)
-                continue
-            before = req.num_computed_tokens
-            after = before + s.num_new_tokens
-            req.num_computed_tokens = after
-            if after // bs > before // bs:  # a block became full: register it for reuse
-                cache_full_blocks(req)
-            out_ids = req.output_token_ids
-            prompt_len = len(req.prompt_token_ids)
-            if after != prompt_len + len(out_ids):
-                continue  # a prefill chunk that does not reach the end: nothing sampled
-            if ids is not None:
-                token, tok = ids[i], None
+            spec = s.spec_token_ids
+            if spec:
+                # A verify row group: the target's tokens after the last known token and after
+                # each proposal; kept while they equal the proposals (spec/acceptance.py).
+                m = len(spec)
+                if ids is not None:
+                    targets, toks = ids[i : i + m + 1], None
+                else:
+                    toks = sampled[i : i + m + 1]
+                    targets = [t.token_id for t in toks]
+                i += m + 1
+                n_acc = num_accepted(list(spec), targets)
+                self._spec_drafts += 1
+                self._spec_draft_tokens += m
+                for j in range(n_acc):
+                    self._spec_accepted_per_pos[j] += 1
+                o = self._emit(req, targets[: n_acc + 1], toks, True)
             else:
-                tok = sampled[i]
-                token = tok.token_id
-            i += 1
-            if token < 0:  # NONFINITE: this row's logits held NaN or infinity
-                any_finished = True
-                append(self._nonfinite_failed(req, len(out_ids)))
-                continue
+                before = req.num_computed_tokens
+                after = before + s.num_new_tokens
+                req.num_computed_tokens = after
+                if after // bs > before // bs:  # a block became full: register it for reuse
+                    cache_full_blocks(req)
+                if after != len(req.prompt_token_ids) + len(req.output_token_ids):
+                    continue  # a prefill chunk that does not reach the end: nothing sampled
+                if ids is not None:
+                    o = self._emit(req, (ids[i],), None, False)
+                else:
+                    o = self._emit(req, (sampled[i].token_id,), sampled[i : i + 1], False)
+                i += 1
             rid = req.request_id
-            if rid in awaiting:
+            if rid in awaiting:  # its first token this run (a failover resume: this run's)
                 awaiting.discard(rid)
-                self._prompt_tokens_total += prompt_len
-            out_ids.append(token)
-            p = req.params
-            # = _check_stop(req, token), with the request's derived stop set and length limit.
-            if token in req.stop_token_set and len(out_ids) >= p.min_tokens:
-                reason = "stop"
-            elif len(out_ids) >= req.max_output_tokens:
-                reason = "length"
-            else:
-                reason = None
-            g = req.grammar
-            if g is not None:
-                if not g.accept(token):
-                    any_finished = True
-                    append(self._grammar_failed(req, token, len(out_ids) - 1))
-                    continue
-                if reason is None and g.terminated:
-                    reason = "stop"
-            if reason is not None:
-                self.batcher.finish(req, reason)
-                del self.requests[rid]
+                self._prompt_tokens_total += len(req.prompt_token_ids)
+            num_generated += len(o.new_token_ids)
+            if o.finish_reason is not None:
                 any_finished = True
-            logprobs = None
-            if p.logprobs is not None:
-                logprobs = [tok if tok is not None else SampledToken(token)]
-            append(RequestOutput(rid, [token], logprobs, reason, prompt_len, req.num_cached_tokens))
-            if len(out_ids) == 1 and p.prompt_logprobs is not None:
-                outputs[-1].prompt_logprobs = self._prompt_logprobs_of(req)
-                outputs[-1].prompt_token_ids = req.prompt_token_ids
-            num_generated += 1
+            append(o)
         self._generation_tokens_total += num_generated
         if i != len(sampled):
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {i} sampling requests")
-        if prompt_lp and self._fail_nonfinite_prompts(plan.scheduled, outputs):
+        if out.nonfinite_prompts and self._fail_nonfinite_prompts(
+            plan.scheduled, out.nonfinite_prompts, outputs
+        ):
             any_finished = True
         if any_finished:
             self.batcher.remove_finished()
         return outputs
+
+    def _emit(self, req: Request, tokens, toks, verify: bool) -> RequestOutput:
+        """Append tokens (the one sampled token, or a verify group's accepted proposals and the
+        target's own) to the request's output one by one until the stop rule ends it; toks:
+        their SampledTokens (None: bare ids). After a verify group, the KV of the emitted tokens
+        counts as computed and the slots of the rejected proposals go back."""
+        out_ids = req.output_token_ids
+        p = req.params
+        g = req.grammar
+        reason = None
+        emitted: list[int] = []
+        for t in tokens:
+            if t < 0:  # NONFINITE (a proposal never equals it, so it ends the accepted run)
+                return self._nonfinite_failed(req, len(out_ids))
+            # The matcher advances over emitted tokens only: each was drawn under the mask of
+            # the grammar state after the accepted tokens before it (GrammarState.fill_draft).
+            if g is not None and not g.accept(t):
+                return self._grammar_failed(req, t, len(out_ids))
+            out_ids.append(t)
+            emitted.append(t)
+            reason = stop_reason(req, t)
+            if reason is not None:
+                break
+        if verify:
+            # KV is valid for the last known token and the accepted proposals: one position
+            # per emitted token (the newest emitted token is computed by the next step).
+            bs = self.block_size
+            before = req.num_computed_tokens
+            req.num_computed_tokens = after = before + len(emitted)
+            if after // bs > before // bs:
+                self.block_manager.cache_full_blocks(req)
+            if reason is None:
+                self.block_manager.take_back(req, after + 1)
+        rid = req.request_id
+        if reason is not None:
+            self.batcher.finish(req, reason)
+            del self.requests[rid]
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [
+                toks[j] if toks is not None else SampledToken(t) for j, t in enumerate(emitted)
+            ]
+        prompt_len = len(req.prompt_token_ids)
+        o = RequestOutput(rid, emitted, logprobs, reason, prompt_len, req.num_cached_tokens)
+        if p.prompt_logprobs is not None and len(out_ids) == len(emitted):
+            # The request's first tokens: its prompt logprobs go with them.
+            o.prompt_logprobs = self._prompt_logprobs_of(req)
+            o.prompt_token_ids = req.prompt_token_ids
+        return o
 
     # ---- speculation -------------------------------------------------------------------------
 
@@ -459,65 +510,6 @@ class LLMEngine:
                 # target could never sample it under the mask).
                 prop = prop[: r.grammar.valid_prefix(prop)]
             r.spec_token_ids = prop
-
-    def _accept(self, req: Request, spec, sampled, ids, i: int) -> RequestOutput:
-        """A verify row group: keep the target's tokens while they equal the proposals
-        (spec/acceptance.py), stop/length checked token by token inside the accepted run, then
-        give back the slots of the rejected tokens."""
-        m = len(spec)
-        if ids is not None:
-            targets, toks = ids[i : i + m + 1], None
-        else:
-            toks = sampled[i : i + m + 1]
-            targets = [t.token_id for t in toks]
-        n_acc = num_accepted(list(spec), targets)
-        self._spec_drafts += 1
-        self._spec_draft_tokens += m
-        for j in range(n_acc):
-            self._spec_accepted_per_pos[j] += 1
-        out_ids = req.output_token_ids
-        p = req.params
-        reason = None
-        emitted: list[int] = []
-        g = req.grammar
-        for t in targets[: n_acc + 1]:
-            if t < 0:  # NONFINITE (a proposal never equals it, so it ends the accepted run)
-                return self._nonfinite_failed(req, len(out_ids))
-            # The matcher advances over emitted tokens only: each was drawn under the mask of
-            # the grammar state after the accepted tokens before it (GrammarState.fill_draft).
-            if g is not None and not g.accept(t):
-                return self._grammar_failed(req, t, len(out_ids))
-            out_ids.append(t)
-            emitted.append(t)
-            if t in req.stop_token_set and len(out_ids) >= p.min_tokens:
-                reason = "stop"
-            elif len(out_ids) >= req.max_output_tokens:
-                reason = "length"
-            elif g is not None and g.terminated:
-                reason = "stop"
-            if reason is not None:
-                break
-        # KV is valid for the last known token and the accepted proposals: one position per
-        # emitted token (the newest emitted token is computed by the next step).
-        bs = self.block_size
-        before = req.num_computed_tokens
-        req.num_computed_tokens = after = before + len(emitted)
-        if after // bs > before // bs:
-            self.block_manager.cache_full_blocks(req)
-        rid = req.request_id
-        if reason is not None:
-            self.batcher.finish(req, reason)
-            del self.requests[rid]
-        else:
-            self.block_manager.take_back(req, after + 1)
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = [
-                toks[j] if toks is not None else SampledToken(t) for j, t in enumerate(emitted)
-            ]
-        return RequestOutput(
-            rid, emitted, logprobs, reason, len(req.prompt_token_ids), req.num_cached_tokens
-        )
 
     def _grammar_failed(self, req: Request, token: int, pos: int) -> RequestOutput:
         """The matcher rejected a token the sampler drew under the grammar's own mask: a bug
@@ -561,14 +553,16 @@ class LLMEngine:
         out.error_type = NONFINITE_TYPE
         return out
 
-    def _fail_nonfinite_prompts(self, scheduled, outputs: list[RequestOutput]) -> bool:
-        """Requests of this step whose prompt-logprobs rows were not finite (the runner marks
+    def _fail_nonfinite_prompts(
+        self, scheduled, nonfinite: set[str], outputs: list[RequestOutput]
+    ) -> bool:
+        """Requests of this step whose prompt-logprobs rows were not finite (the runner names
         them) end with an error instead of what they produced; True if there were any. Their
         KV is finite: a NaN in the KV would have reached their own sampled row too."""
         failed = False
         for s in scheduled:
             req = s.request
-            if not req.nonfinite_prompt or req.finish_reason == "error":
+            if req.request_id not in nonfinite or req.finish_reason == "error":
                 continue
             failed = True
             self._nonfinite_total += 1
@@ -600,18 +594,6 @@ class LLMEngine:
             logger.error("%s: no prompt logprobs for positions %s", req.request_id, missing[:5])
         req.prompt_lp = None
         return [None] + [got.get(p) for p in range(1, n)]
-
-    def _check_stop(self, req: Request, token_id: int) -> str | None:
-        """The stop rule that step() applies inline (kept as its readable definition)."""
-        p = req.params
-        n = len(req.output_token_ids)
-        if n >= p.min_tokens and (
-            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in p.eos_token_ids)
-        ):
-            return "stop"
-        if n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
-            return "length"
-        return None
 
     # ---- state -------------------------------------------------------------------------------
 

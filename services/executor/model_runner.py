@@ -38,7 +38,7 @@ from voltserve.services.executor.loader import (
 )
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.quant.group import reserve_quant_scratch
-from voltserve.services.executor.request import Request, SampledToken, StepPlan
+from voltserve.services.executor.request import Request, RunnerOutput, StepPlan
 from voltserve.services.executor.sampler import Sampler, SampleRow, finite_rows
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.draft_model import load_draft
@@ -289,11 +289,10 @@ class ModelRunner:
                 self.draft = load_eagle_head(spec["model"], self.arch, self.dtype, self.device)
         # The hidden-state seam: a proposer that reads the target's last hidden states (EAGLE)
         # sets keep_hidden_states; each eager forward, and each verify graph replay, then
-        # leaves (request, first position, rows) in _hidden_out for take_hidden_states().
+        # puts (request, first position, rows) in the step's RunnerOutput.hidden_states.
         # Decode-only steps then replay the verify graphs (the decode graphs return logits
         # only), or run eagerly without them.
         self.keep_hidden_states = False
-        self._hidden_out: list[tuple[Request, int, torch.Tensor]] = []
         self._staged: tuple[list[Request], list[int], np.ndarray] = ([], [], np.zeros(1))
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
@@ -328,7 +327,6 @@ class ModelRunner:
             self.draft.model.ops = self.ops
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self._prompt_rows: list[tuple[Request, int, int, int]] = []
-        self.prompt_logprobs_out: dict[str, list[tuple[int, dict]]] = {}
         self._alloc_host_buffers(config.max_num_batched_tokens, config.max_num_seqs)
         self._tables = BlockTableMirror(self.max_blocks_per_seq, 2 * config.max_num_seqs)
         if kernel_warmup.needs_compile(self):
@@ -804,8 +802,10 @@ class ModelRunner:
                 out.append((r, start, int(qsl[b]), end - start))
         return out
 
-    def _compute_prompt_logprobs(self, logits: torch.Tensor) -> None:
-        """logits: one row per prompt-logprob row of this step, in _prompt_rows order."""
+    def _compute_prompt_logprobs(self, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """logits: one row per prompt-logprob row of this step, in _prompt_rows order; the
+        entries go to out.prompt_logprobs, requests with a non-finite row to
+        out.nonfinite_prompts."""
         rows = self._prompt_rows
         targets: list[int] = []
         for r, start, _, count in rows:
@@ -822,14 +822,13 @@ class ModelRunner:
             top_v, top_i = tv.cpu().tolist(), ti.cpu().tolist()
         chosen_l, rank_l = chosen.cpu().tolist(), rank.cpu().tolist()
         finite_l = finite_rows(logits).cpu().tolist()
-        out = self.prompt_logprobs_out
         i = 0
         for r, start, _, count in rows:
             if not all(finite_l[i : i + count]):
                 # NaN logprobs must never be sent: the request ends with an error instead.
-                r.nonfinite_prompt = True
+                out.nonfinite_prompts.add(r.request_id)
             n_top = r.params.prompt_logprobs or 0
-            entries = out.setdefault(r.request_id, [])
+            entries = out.prompt_logprobs.setdefault(r.request_id, [])
             for j in range(count):
                 top = []
                 if n_top:
@@ -838,11 +837,6 @@ class ModelRunner:
                     (start + 1 + j, {"logprob": chosen_l[i], "rank": int(rank_l[i]), "top": top})
                 )
                 i += 1
-
-    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, dict]]]:
-        """Prompt logprobs computed since the last call: request id -> [(position, entry)]."""
-        out, self.prompt_logprobs_out = self.prompt_logprobs_out, {}
-        return out
 
     def _stage_decode(self, plan: StepPlan) -> list[Request]:
         """Write a decode-only step (one new token per request, each sampling) into the CUDA
@@ -888,8 +882,8 @@ class ModelRunner:
                 )
             tables[b, nblk:] = 0
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
-        """One SampledToken per scheduled request that samples, in plan order."""
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """The step's results (request.py, RunnerOutput); reads request state only."""
         if self.tp is None:
             return self._execute(plan)
         # One thread at a time talks to the group: a step's broadcasts and collectives never
@@ -907,13 +901,18 @@ class ModelRunner:
                 raise
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> list[SampledToken]:
-        if not plan.scheduled:
-            return []
+    def _execute(self, plan: StepPlan) -> RunnerOutput:
+        out = RunnerOutput()
+        if plan.scheduled:
+            out.sampled = self._run(plan, out)
+        return out
+
+    def _run(self, plan: StepPlan, out: RunnerOutput):
+        """The sampled tokens of a non-empty step (prompt logprobs and hidden states go to out)."""
         if self.keep_hidden_states or any(s.spec_token_ids for s in plan.scheduled):
-            out = self._execute_verify(plan)
-            if out is not None:
-                return out
+            sampled = self._execute_verify(plan, out)
+            if sampled is not None:
+                return sampled
         if (
             self.graphs is not None
             and self.graphs.can_run(len(plan.scheduled))
@@ -942,20 +941,20 @@ class ModelRunner:
                 batch.meta.max_query_len or 0,
             )
         if self._prompt_rows:
-            logits = self._forward(batch, batch.logits_indices)
-            self._compute_prompt_logprobs(logits[len(rows) :])
+            logits = self._forward(batch, batch.logits_indices, out)
+            self._compute_prompt_logprobs(logits[len(rows) :], out)
             if not rows:
                 return []
             logits = logits[: len(rows)]
         elif rows:
-            logits = self._forward(batch, batch.logits_indices)
+            logits = self._forward(batch, batch.logits_indices, out)
         else:
             # A step of prefill chunks only: write their KV, sample nothing.
-            self._forward(batch, batch.logits_indices[:0])
+            self._forward(batch, batch.logits_indices[:0], out)
             return []
         return self.sampler(logits, rows)
 
-    def _execute_verify(self, plan: StepPlan) -> list[SampledToken] | None:
+    def _execute_verify(self, plan: StepPlan, out: RunnerOutput):
         """A step with proposals to verify (or, for EAGLE, any decode-only step: the verify
         graph also returns the hidden states) as a verify graph replay; None when no verify
         graph covers it (it then runs eagerly, counted when it has proposals)."""
@@ -985,14 +984,16 @@ class ModelRunner:
             q = vg.q
             for b, r in enumerate(reqs):
                 # Views of the graph's output: the proposer takes them before the next step.
-                self._hidden_out.append((r, starts[b], h[b * q : b * q + counts[b]]))
+                out.hidden_states.append((r, starts[b], h[b * q : b * q + counts[b]]))
         eos = tuple(self.eos_token_ids)
         rows = [row for r, sp in zip(reqs, specs) for row in verify_sample_rows(r, sp, eos)]
         return self.sampler(logits, rows)
 
-    def _forward(self, batch: DeviceBatch, logits_indices: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, batch: DeviceBatch, logits_indices: torch.Tensor, out: RunnerOutput
+    ) -> torch.Tensor:
         """The target's forward over the prepared batch; with keep_hidden_states, its last
-        hidden states per request are kept for take_hidden_states()."""
+        hidden states per request go to out.hidden_states."""
         if not self.keep_hidden_states:
             return self.model(
                 batch.input_ids, batch.positions, batch.meta, self.kv_caches, logits_indices
@@ -1000,7 +1001,7 @@ class ModelRunner:
         h = self.model.hidden_states(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         reqs, starts, qsl = self._staged
         for b, r in enumerate(reqs):
-            self._hidden_out.append((r, starts[b], h[int(qsl[b]) : int(qsl[b + 1])]))
+            out.hidden_states.append((r, starts[b], h[int(qsl[b]) : int(qsl[b + 1])]))
         return self.model.compute_logits(h, logits_indices)
 
     def scrub_kv_blocks(self, blocks: list[int]) -> None:
@@ -1014,12 +1015,6 @@ class ModelRunner:
         for k, v in chain(self.kv_caches, self.draft_kv_caches):
             k.index_fill_(0, idx, 0)
             v.index_fill_(0, idx, 0)
-
-    def take_hidden_states(self) -> list[tuple[Request, int, torch.Tensor]]:
-        """(request, first position, [n, hidden] rows) of every request the eager forwards
-        computed since the last call, in step order (keep_hidden_states only)."""
-        out, self._hidden_out = self._hidden_out, []
-        return out
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

@@ -57,9 +57,6 @@ class Request:
     # Structured output: the request's GrammarState (grammar_state.py) once its grammar is
     # compiled; None for an unconstrained request.
     grammar: Any = None
-    # A prompt-logprobs row of this request had non-finite logits (set by the runner): the
-    # engine ends it with an error, as its prompt logprobs cannot be sent.
-    nonfinite_prompt: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -154,6 +151,25 @@ class SampledIds(Sequence[SampledToken]):
 
     def __repr__(self) -> str:
         return f"SampledIds({self.token_ids!r})"
+
+
+@dataclass
+class RunnerOutput:
+    """What ModelRunner.execute returns for one StepPlan: everything the step computed, for the
+    engine's post-processing (engine.py) and the proposer (spec/proposer.py)."""
+
+    # One per sampling row, in plan order: a request's one token, or a verify row group's
+    # 1 + len(spec_token_ids) target tokens. A row whose logits were not finite (NaN or
+    # infinity) holds NONFINITE instead of a token. SampledIds on the sampler's greedy path.
+    sampled: Sequence[SampledToken] = ()
+    # params.prompt_logprobs: request id -> [(prompt position, entry)] computed by this step.
+    prompt_logprobs: dict[str, list[tuple[int, dict]]] = field(default_factory=dict)
+    # Requests with a prompt-logprobs row of non-finite logits: they end with an error, as
+    # their prompt logprobs cannot be sent.
+    nonfinite_prompts: set[str] = field(default_factory=set)
+    # The target's last hidden states, (request, first position, [n, hidden] rows) per request
+    # in step order, when the proposer reads them (Proposer.needs_hidden_states).
+    hidden_states: list[tuple[Request, int, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -10,7 +10,7 @@ chunking, preemption and failover exactly when the cache is right.
 
 from __future__ import annotations
 
-from voltserve.services.executor.request import SampledToken, StepPlan
+from voltserve.services.executor.request import RunnerOutput, SampledToken, StepPlan
 
 
 class KVEchoRunner:
@@ -35,7 +35,7 @@ class KVEchoRunner:
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
         self.num_steps += 1
         self.plans.append(
             [
@@ -47,7 +47,8 @@ class KVEchoRunner:
         out = []
         for s in plan.scheduled:
             r = s.request
-            tokens = r.all_token_ids
+            # A verify row group computes the proposals after the known tokens.
+            tokens = r.all_token_ids + list(s.spec_token_ids)
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             assert 0 < s.num_new_tokens and end <= len(tokens)
             assert len(r.block_ids) * self.block_size >= end, "not enough blocks for the step"
@@ -57,11 +58,13 @@ class KVEchoRunner:
             for p in range(start, end):
                 self.kv[self._slot(r.block_ids, p)] = tokens[p]
             if s.samples:
-                ctx = [self.kv[self._slot(r.block_ids, p)] for p in range(end)]
-                out.append(
-                    SampledToken(self.next_token(ctx, r.seed, r.num_output_tokens, r.params))
-                )
-        return out
+                # One row per proposal plus one: the token after each known prefix.
+                m = len(s.spec_token_ids)
+                for j in range(m + 1):
+                    ctx = [self.kv[self._slot(r.block_ids, p)] for p in range(end - m + j)]
+                    tok = self.next_token(ctx, r.seed, r.num_output_tokens + j, r.params)
+                    out.append(SampledToken(tok))
+        return RunnerOutput(out)
 
     def next_token(self, ctx: list[int], seed: int, out_pos: int, params) -> int:
         h = 1469598103934665603

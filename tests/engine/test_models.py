@@ -72,7 +72,7 @@ def test_prefix_reuse_reads_cached_kv(runners) -> None:
     b.num_computed_tokens = 32
     for _ in range(4):
         n = b.num_tokens - b.num_computed_tokens
-        (tok,) = runner.execute(StepPlan([ScheduledRequest(b, n)], n))
+        (tok,) = runner.execute(StepPlan([ScheduledRequest(b, n)], n)).sampled
         b.num_computed_tokens += n
         b.output_token_ids.append(tok.token_id)
     want, _ = hf_greedy(checkpoint("qwen3"), shared + tail[:5], 4)
@@ -100,7 +100,7 @@ def test_prefill_only_step_samples_nothing(runners) -> None:
     runner = runners["mistral"]
     r = Request("p", list(range(1, 30)), SamplingParams(), seed=1, arrival_time=0.0)
     r.block_ids = [0, 1]
-    assert runner.execute(StepPlan([ScheduledRequest(r, 20)], 20)) == []
+    assert list(runner.execute(StepPlan([ScheduledRequest(r, 20)], 20)).sampled) == []
 
 
 def test_runner_exposes_engine_interface(runners) -> None:

@@ -1,9 +1,9 @@
 """EAGLE proposer: a one-layer head (eagle_head.py) reads the target's last hidden states and
 proposes k tokens greedily, one batched head forward per token.
 
-Where the features come from: the proposer sets `runner.keep_hidden_states`, and the runner
-then hands out the target's final hidden state of every row it computes (per request: the first
-position and the rows; `take_hidden_states`). They collect per request in `Request.spec_state`
+Where the features come from: the proposer sets `needs_hidden_states`, and the runner then hands
+out the target's final hidden state of every row it computes (per request: the first position
+and the rows; `RunnerOutput.hidden_states`, which `observe` keeps until the next proposal). They collect per request in `Request.spec_state`
 (a `_Features`: the target's features from some position on), a later row at a position
 replacing what an earlier one left there (the rows of rejected proposals are recomputed by the
 next verify step), and only features below `num_computed_tokens` count.
@@ -50,6 +50,8 @@ def _tokens(r: Request, start: int, n: int) -> list[int]:
 
 
 class EagleProposer(Proposer):
+    needs_hidden_states = True
+
     def __init__(self, num_speculative_tokens: int, runner, block_manager) -> None:
         super().__init__(num_speculative_tokens)
         if not isinstance(getattr(runner, "draft", None), LoadedHead):
@@ -62,12 +64,17 @@ class EagleProposer(Proposer):
         self.device = runner.device
         # The seam: from now on the target's forward also hands out its hidden states.
         runner.keep_hidden_states = True
+        self._hidden: list[tuple[Request, int, torch.Tensor]] = []
+
+    def observe(self, output) -> None:
+        self._hidden.extend(output.hidden_states)
 
     def _collect(self) -> list[Request]:
         """Move the hidden states of the runner's last steps into their requests' state; the
         requests that got some, in step order."""
         fed: dict[str, Request] = {}
-        for r, s, h in self.runner.take_hidden_states():
+        hidden, self._hidden = self._hidden, []
+        for r, s, h in hidden:
             st = r.spec_state
             if not isinstance(st, _Features) or not st.start <= s <= st.start + len(st.feats):
                 # First rows, a recomputation from an earlier position, or a gap.

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from voltserve.services.executor.request import Request
+from voltserve.services.executor.request import Request, RunnerOutput
 
 
 class Proposer(ABC):
+    # Whether the runner hands out the target's last hidden states (RunnerOutput.hidden_states).
+    needs_hidden_states = False
+
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
+
+    def observe(self, output: RunnerOutput) -> None:
+        """Every step's runner output, before the engine post-processes it and before the next
+        propose() (a proposer that reads the target's hidden states keeps them here)."""
+        return None  # noqa: PLR1711 (most proposers read nothing from the step)
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> list[list[int]]:
