@@ -12,7 +12,7 @@ no-op replay), as on a GPU; `--no-graphs` times the eager `prepare()` path inste
 
 Phases per step (perf_counter around the engine's own methods, nothing changed in the engine):
   schedule       Batcher.schedule
-  prepare        ModelRunner._stage_decode (graph) or ModelRunner.prepare (eager)
+  prepare        InputBatch.stage_decode (graph) or InputBatch.prepare (eager)
   forward        the null forward (graph replay / model call): ~0, reported to show it is out
   sample         the sampler (argmax over the tiny vocab + the device->host copy + Python)
   execute_other  the rest of ModelRunner.execute
@@ -162,8 +162,9 @@ def build_engine(model_dir: Path, args, num_blocks: int, max_seqs: int, graphs: 
 def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
     runner = engine.runner
     engine.batcher.schedule = clock.wrap(engine.batcher.schedule, "schedule")
-    runner.prepare = clock.wrap(runner.prepare, "prepare")
-    runner._stage_decode = clock.wrap(runner._stage_decode, "prepare")
+    staged = runner.input_batch
+    staged.prepare = clock.wrap(staged.prepare, "prepare")
+    staged.stage_decode = clock.wrap(staged.stage_decode, "prepare")
     runner.model = clock.wrap(runner.model, "forward")
     if runner.graphs is not None:
         runner.graphs.replay_staged = clock.wrap(runner.graphs.replay_staged, "forward")

@@ -195,10 +195,10 @@ class DecodePipeline:
         B = len(reqs)
         if ids_from is None:
             ids = [r.last_token_id for r in reqs]
-            runner.stage_decode_rows(reqs, positions, ids)
+            runner.input_batch.stage_decode_rows(g, reqs, positions, ids)
             g.replay_staged(B)
         else:
-            runner.stage_decode_rows(reqs, positions, None)
+            runner.input_batch.stage_decode_rows(g, reqs, positions, None)
             g.replay_staged(B, ids_on_device=ids_from.device_ids())
         buf = self._bufs[self._next_buf]
         self._next_buf ^= 1

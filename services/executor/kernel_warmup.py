@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 from voltserve.kernels.runtime import compile_cache
 from voltserve.kernels.sampling.sampling import chunked_argmax
+from voltserve.services.executor import kv_sizing
+from voltserve.services.executor.spec import graph_setup
 from voltserve.shared import startup
 
 if TYPE_CHECKING:
@@ -47,8 +49,8 @@ def trace(runner: ModelRunner, graph_batch: int | None) -> list[tuple]:
     profile, the decode graph forwards (graph_batch: the graph batch limit, None without graphs)
     and a sampling call."""
     with compile_cache.traced_launches() as launches:
-        tmp = runner._alloc_kv_caches(runner._profile_blocks(), scratch=False)
-        runner._profile_forward(tmp)
+        tmp = kv_sizing.alloc_kv_caches(runner, kv_sizing.profile_blocks(runner), scratch=False)
+        kv_sizing.profile_forward(runner, tmp)
         del tmp
         if graph_batch is not None:
             _trace_decode_graphs(runner, graph_batch)
@@ -65,7 +67,7 @@ def _trace_decode_graphs(runner: ModelRunner, graph_batch: int) -> None:
     # write the scratch block) at the real block table width, which sets the partitioning.
     probe = SimpleNamespace(
         model=runner.model,
-        kv_caches=runner._alloc_kv_caches(1),
+        kv_caches=kv_sizing.alloc_kv_caches(runner, 1),
         device=runner.device,
         max_blocks_per_seq=runner.max_blocks_per_seq,
     )
@@ -77,16 +79,16 @@ def _trace_decode_graphs(runner: ModelRunner, graph_batch: int) -> None:
 def _trace_spec_graphs(runner: ModelRunner, graph_batch: int) -> None:
     """The forwards of speculation's graphs (spec/graphs.py), on their own static buffers and
     one-block caches, as for the decode graphs."""
-    if not runner.spec_graph_sizes(graph_batch):
+    if not graph_setup.spec_graph_sizes(runner, graph_batch):
         return
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
     sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
-    draft_kv = runner._alloc_kv_caches(1, arch=runner.draft.arch) if runner.draft else []
-    verify, draft = runner.build_spec_graphs(
-        sizes, runner._alloc_kv_caches(1), draft_kv, capture=False
+    draft_kv = kv_sizing.alloc_kv_caches(runner, 1, arch=runner.draft.arch) if runner.draft else []
+    verify, draft = graph_setup.build_spec_graphs(
+        runner, sizes, kv_sizing.alloc_kv_caches(runner, 1), draft_kv, capture=False
     )
-    catchup = runner.build_draft_catchup_graphs(verify.sizes, draft_kv, capture=False)
+    catchup = graph_setup.build_draft_catchup_graphs(runner, verify.sizes, draft_kv, capture=False)
     for g in (verify, draft, catchup):
         for bs in g.sizes if g is not None else ():
             g._forward(bs)

@@ -13,6 +13,7 @@ from voltserve.kernels import dispatch
 from voltserve.kernels.attention.kv_cache import reshape_and_cache_ref
 from voltserve.kernels.attention.ref import paged_decode_attention_ref
 from voltserve.services.executor.cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig
@@ -75,7 +76,7 @@ def test_capturable_fallbacks_equal_references() -> None:
 def test_emulated_graph_decode_equals_eager() -> None:
     cfg = EngineConfig(model=str(checkpoint("qwen2")), num_kv_blocks=40, max_model_len=128)
     eager, graph = ModelRunner(cfg), ModelRunner(cfg)
-    graph.kv_caches = graph._alloc_kv_caches(40, scratch=True)
+    graph.kv_caches = alloc_kv_caches(graph, 40, scratch=True)
     graph.ops.reshape_and_cache = dispatch._reshape_and_cache_capturable
     graph.ops.rotary_and_cache = dispatch._rotary_and_cache_capturable
     graph.ops.paged_decode_attention = dispatch._paged_decode_attention_capturable
@@ -124,7 +125,7 @@ def _reference_staging(plan, bs: int, width: int, padded: int):
 
 def _emulated_graph_runner(cfg: EngineConfig, max_batch: int) -> ModelRunner:
     runner = ModelRunner(cfg)
-    runner.kv_caches = runner._alloc_kv_caches(cfg.num_kv_blocks, scratch=True)
+    runner.kv_caches = alloc_kv_caches(runner, cfg.num_kv_blocks, scratch=True)
     runner.ops.reshape_and_cache = dispatch._reshape_and_cache_capturable
     runner.ops.rotary_and_cache = dispatch._rotary_and_cache_capturable
     runner.ops.paged_decode_attention = dispatch._paged_decode_attention_capturable
@@ -167,11 +168,11 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     runner = _emulated_graph_runner(cfg, seqs)
     g = runner.graphs
     staged = 0
-    inner = runner._stage_decode
+    inner = runner.input_batch.stage_decode
 
-    def checked(plan):
+    def checked(graphs, plan):
         nonlocal staged
-        out = inner(plan)
+        out = inner(graphs, plan)
         n = g.padded_size(len(plan.scheduled))
         ids, pos, slots, lens, tables = _reference_staging(plan, 16, g.width, n)
         assert g.host_ids[:n].tolist() == ids
@@ -182,7 +183,7 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
         staged += 1
         return out
 
-    runner._stage_decode = checked
+    runner.input_batch.stage_decode = checked
     graph_engine, eager_engine = LLMEngine(cfg, runner), LLMEngine(cfg)
     V = len(tokenizer())
     shared = [rng.randrange(V) for _ in range(32)]
@@ -208,4 +209,4 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     assert g.num_replays == staged > 20
     assert graph_engine.batcher.num_preemptions > 0
     # More requests than mirror rows went through: rows were reclaimed and reused.
-    assert len(arrivals) > len(runner._tables.table)
+    assert len(arrivals) > len(runner.input_batch.tables.table)

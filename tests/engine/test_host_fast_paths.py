@@ -9,7 +9,7 @@ from dataclasses import asdict
 import msgpack
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.model_runner import BlockTableMirror
+from voltserve.services.executor.input_batch import BlockTableMirror
 from voltserve.services.executor.request import Request, SampledIds, SampledToken
 from voltserve.services.executor.sampler import Sampler, SampleRow
 from voltserve.shared.protocol import RequestDelta, StepOutput, decode, encode
@@ -171,7 +171,7 @@ def test_prepare_equals_per_row_rebuild(rng) -> None:
             r.block_ids = rng.sample(range(200), -(-(r.num_computed_tokens + n) // bs) + extra)
             sched.append(ScheduledRequest(r, n))
         plan = StepPlan(sched, sum(s.num_new_tokens for s in sched))
-        batch, rows = runner.prepare(plan)
+        batch, rows = runner.input_batch.prepare(plan)
         ids, pos, slots, lens, qsl, logit_rows = [], [], [], [], [0], []
         width = max(-(-(s.request.num_computed_tokens + s.num_new_tokens) // bs) for s in sched)
         tables = []

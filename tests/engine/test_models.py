@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from voltserve.services.executor.kv_sizing import kv_bytes_per_block
 from voltserve.services.executor.loader import (
     ModelLoadError,
     load_model,
@@ -119,7 +120,7 @@ def test_cpu_kv_cache_sized_from_bytes() -> None:
     path = checkpoint("qwen2")
     r = ModelRunner(EngineConfig(model=str(path), cpu_kv_cache_bytes=1 << 20))
     # 2 layers * K,V * 2 kv heads * 16 tokens * 16 dims * 4 bytes = 8 KiB per block
-    assert r.kv_bytes_per_block() == 8192 and r.num_kv_blocks == 128
+    assert kv_bytes_per_block(r) == 8192 and r.num_kv_blocks == 128
     assert r.kv_caches[0][0].shape == (128, 2, 16, 16)
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.spec.draft_model import known_tokens
+from voltserve.services.executor.spec.graph_setup import build_draft_catchup_graphs
 
 from tests.checkpoints import checkpoint
 from tests.engine.test_spec_graphs import (
@@ -26,8 +27,8 @@ from tests.engine.test_spec_graphs import (
 def _with_catchup_graphs(eng) -> list[int]:
     """Give the engine's runner emulated catch-up graphs; the sizes they replayed at."""
     runner = eng.runner
-    c = runner.build_draft_catchup_graphs(
-        runner.verify_graphs.sizes, runner.draft_kv_caches, capture=False
+    c = build_draft_catchup_graphs(
+        runner, runner.verify_graphs.sizes, runner.draft_kv_caches, capture=False
     )
     replayed: list[int] = []
     _emulate(c, replayed)

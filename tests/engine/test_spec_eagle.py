@@ -342,8 +342,8 @@ def test_bad_configs_refused(tmp_path, seed):
 
 
 def test_refused_under_tensor_parallelism(head_dir):
-    from voltserve.services.executor.model_runner import check_tp_model
     from voltserve.services.executor.tp.sharding import TPSplitError
+    from voltserve.services.executor.tp.worker import check_tp_model
 
     cfg = EngineConfig(
         model=str(checkpoint("llama")),

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.request import ScheduledRequest
+from voltserve.services.executor.spec import graph_setup
 from voltserve.services.executor.spec.graphs import (
     SPEC_GRAPHS_ENV,
     VerifyGraphRunner,
@@ -176,11 +178,11 @@ def _graph_engine(spec, max_batch: int = 16, **kw):
     cfg = _cfg(spec, **kw)
     runner = _emulated_graph_runner(cfg, max_batch)
     if runner.draft is not None:
-        runner.draft_kv_caches = runner._alloc_kv_caches(
-            cfg.num_kv_blocks, scratch=True, arch=runner.draft.arch
+        runner.draft_kv_caches = alloc_kv_caches(
+            runner, cfg.num_kv_blocks, scratch=True, arch=runner.draft.arch
         )
-    verify, draft = runner.build_spec_graphs(
-        runner.graphs.sizes, runner.kv_caches, runner.draft_kv_caches, capture=False
+    verify, draft = graph_setup.build_spec_graphs(
+        runner, runner.graphs.sizes, runner.kv_caches, runner.draft_kv_caches, capture=False
     )
     sizes: dict[str, list[int]] = {"verify": [], "draft": []}
     _emulate(verify, sizes["verify"])
@@ -285,13 +287,14 @@ def test_spec_graph_sizes(monkeypatch) -> None:
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "0")
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     runner = LLMEngine(_cfg(spec)).runner
-    assert runner.spec_graph_sizes(16) == []
+    sizes = graph_setup.spec_graph_sizes
+    assert sizes(runner, 16) == []
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "1")
     # Rows (3 per sequence) up to the largest decode graph's, or up to 8 sequences' rows.
-    assert runner.spec_graph_sizes(16) == [1, 2, 4, 8]
-    assert runner.spec_graph_sizes(2) == [1, 2]
-    assert runner.spec_graph_sizes(256)[-1] == 80  # 80 * 3 <= 256 < 88 * 3
-    assert LLMEngine(_cfg(None)).runner.spec_graph_sizes(16) == []
+    assert sizes(runner, 16) == [1, 2, 4, 8]
+    assert sizes(runner, 2) == [1, 2]
+    assert sizes(runner, 256)[-1] == 80  # 80 * 3 <= 256 < 88 * 3
+    assert sizes(LLMEngine(_cfg(None)).runner, 16) == []
 
 
 def _proposals(eng: LLMEngine) -> list[tuple[str, int, list[int]]]:
@@ -343,7 +346,7 @@ def test_draft_step_graphs_write_the_eager_kv(method, head, seed) -> None:
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_start_up_trace_runs_the_spec_graph_forwards(method, head) -> None:
+def test_start_up_trace_runs_the_spec_graph_forwards(method, head, monkeypatch) -> None:
     """The start-up compile phase's trace (kernel_warmup) builds speculation's graphs on
     one-block caches and runs each size's forward: the verify graphs' and the proposer's step
     graphs' (with k + 1 rows per sequence and the EAGLE head's features)."""
@@ -352,14 +355,14 @@ def test_start_up_trace_runs_the_spec_graph_forwards(method, head) -> None:
 
     runner = ModelRunner(_cfg(_spec(method, head)))
     seen = []
-    orig = runner.build_spec_graphs
+    orig = graph_setup.build_spec_graphs
 
     def build(*a, **kw):
         v, d = orig(*a, **kw)
         seen.append((v, d))
         return v, d
 
-    runner.build_spec_graphs = build
+    monkeypatch.setattr(graph_setup, "build_spec_graphs", build)
     kernel_warmup._trace_spec_graphs(runner, 16)
     ((v, d),) = seen
     assert v.sizes == [1, 2, 4, 8] and d.sizes == [1, 2, 4, 8, 16] and v.q == 4

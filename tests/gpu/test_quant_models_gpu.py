@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from voltserve.services.executor.kv_sizing import kv_bytes_per_block
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig
@@ -163,7 +164,7 @@ def test_max_gpu_memory_caps_the_kv_pool() -> None:
     budget = 2 * 2**30
     assert budget < total
     capped = _runner(path, "float16", eager=True, num_kv_blocks=None, max_gpu_memory=budget)
-    per = capped.kv_bytes_per_block()
+    per = kv_bytes_per_block(capped)
     assert capped.num_kv_blocks < full_blocks
     # the KV pool fits in the budget's share (weights and activations of this model are small)
     assert capped.num_kv_blocks * per <= budget * capped.config.gpu_memory_utilization

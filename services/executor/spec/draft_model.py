@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from voltserve.kernels.sampling.sampling import chunked_argmax
+from voltserve.services.executor.input_batch import attention_metadata
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec.graphs import count
@@ -277,11 +278,11 @@ def draft_metadata(
     )
     slots = tables.long()[row_of, pos_t // block_size] * block_size + pos_t % block_size
     qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=slots.to(device),
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=qsl_t.to(device),
-        is_decode=decode,
-        max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
+    return attention_metadata(
+        slots.to(device),
+        tables.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        qsl_t.to(device),
+        decode,
+        int((qsl_t[1:] - qsl_t[:-1]).max()),
     )

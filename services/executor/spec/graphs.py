@@ -5,7 +5,7 @@ The verify step. With k proposed tokens per request (k fixed per server by
 --speculative-config), a verify step computes 1 + m rows per decoding request (m <= k: the last
 known token and the proposals the batcher kept), every row sampling. Its graph is captured for
 B sequences of q = k + 1 rows each, for the decode graphs' batch sizes whose B * q rows fit in
-the largest decode graph's, or B <= 8 (ModelRunner.spec_graph_sizes says why; a step of B
+the largest decode graph's, or B <= 8 (spec/graph_setup.py spec_graph_sizes says why; a step of B
 requests replays the graph of the next captured size), with a fixed row
 layout: row j of sequence b is flat row b * q + j. Rows past a request's 1 + m, and every row of
 the padding sequences B..padded-1, are padding rows (token 0, position 0, slot -1: no KV write,

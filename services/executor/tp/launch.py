@@ -1,6 +1,6 @@
 """Starting a tensor-parallel group: rank 0 is the executor process itself (engine loop, Redis
 I/O, sampler); it spawns ranks 1..N-1 as fresh processes (torch.multiprocessing, spawn), each
-loading its own shards on its own device and then running `worker_loop`.
+loading its own shards on its own device and then running `worker_loop` (tp/worker.py).
 
 Failure is loud and total: a watchdog thread in rank 0 ends the executor (exit code 1) when a
 rank exits, so its heartbeat stops and the scheduler fails its requests over; a watchdog in each
@@ -125,6 +125,7 @@ def worker_main(
     """Rank `rank` (>= 1): load the shards, join the start-up collectives, serve steps.
     compile_only (`voltserve warmup`): stop after the compile phase, as rank 0 does."""
     from voltserve.services.executor.model_runner import ModelRunner
+    from voltserve.services.executor.tp.worker import worker_loop
     from voltserve.shared.logging import setup_logging
 
     setup_logging(f"executor-tp{rank}", os.environ.get("VOLTSERVE_LOG_LEVEL", "info"), False)
@@ -139,7 +140,7 @@ def worker_main(
         raise
     if not compile_only:
         startup.freeze_heap()
-        runner.worker_loop()
+        worker_loop(runner)
     runner.tp.destroy()
 
 
