@@ -135,7 +135,10 @@ class LLMEngine:
             from voltserve.services.executor.spec.proposer import make_proposer
 
             self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
-            self.proposer = make_proposer(self.spec_config, runner, self.block_manager)
+            # The runner built it at start-up (with its model, KV cache and graphs, if any); a
+            # runner without a model (tests) leaves it to the engine.
+            self.proposer = runner.proposer or make_proposer(self.spec_config)
+            self.proposer.bind(self.block_manager)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self._spec_drafts = 0
         self._spec_draft_tokens = 0

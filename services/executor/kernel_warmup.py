@@ -84,12 +84,12 @@ def _trace_spec_graphs(runner: ModelRunner, graph_batch: int) -> None:
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
     sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
-    draft_kv = kv_sizing.alloc_kv_caches(runner, 1, arch=runner.draft.arch) if runner.draft else []
-    verify, draft = graph_setup.build_spec_graphs(
-        runner, sizes, kv_sizing.alloc_kv_caches(runner, 1), draft_kv, capture=False
+    verify = graph_setup.build_verify_graphs(
+        runner, sizes, kv_sizing.alloc_kv_caches(runner, 1), capture=False
     )
-    catchup = graph_setup.build_draft_catchup_graphs(runner, verify.sizes, draft_kv, capture=False)
-    for g in (verify, draft, catchup):
+    # The proposer's own graphs (a draft model's or EAGLE head's steps and catch-up).
+    own = runner.proposer.make_graphs(runner, sizes, verify.sizes, capture=False)
+    for g in (verify, *own.values()):
         for bs in g.sizes if g is not None else ():
             g._forward(bs)
 

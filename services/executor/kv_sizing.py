@@ -24,12 +24,13 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(runner: ModelRunner) -> int:
+    """The target's KV bytes per block (this rank's KV heads under tensor parallelism), plus
+    what the proposer's own KV cache adds (spec/proposer.py)."""
     elem = torch.empty((), dtype=runner.kv_cache_dtype).element_size()
-    # The target's KV heads are this rank's (tensor parallelism); a draft model is whole.
-    heads = [(runner.arch, runner.num_kv_heads)]
-    if runner.draft is not None:
-        heads.append((runner.draft.arch, runner.draft.arch.num_kv_heads))
-    return sum(a.num_layers * 2 * h * runner.block_size * a.head_dim * elem for a, h in heads)
+    a = runner.arch
+    target = a.num_layers * 2 * runner.num_kv_heads * runner.block_size * a.head_dim * elem
+    proposer = runner.proposer
+    return target + (proposer.kv_bytes_per_block(runner) if proposer is not None else 0)
 
 
 def decide_num_blocks(runner: ModelRunner) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
 
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
@@ -33,14 +32,9 @@ from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import RunnerOutput, StepPlan
 from voltserve.services.executor.sampler import Sampler
 from voltserve.services.executor.spec.config import SpeculativeConfig
-from voltserve.services.executor.spec.draft_model import load_draft
-from voltserve.services.executor.spec.eagle_head import load_eagle_head
-from voltserve.services.executor.spec.graph_setup import (
-    build_draft_catchup_graphs,
-    build_spec_graphs,
-    spec_graph_sizes,
-)
-from voltserve.services.executor.spec.graphs import StepGraphs, VerifyGraphRunner, verify_row_counts
+from voltserve.services.executor.spec.graph_setup import build_verify_graphs, spec_graph_sizes
+from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
+from voltserve.services.executor.spec.proposer import Proposer, make_proposer
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.worker import TPSession
 from voltserve.shared import startup
@@ -110,27 +104,20 @@ class ModelRunner:
         self.arch = loaded.arch
         if layer_trace.enabled():
             layer_trace.install(self.model)
-        # Speculation with a draft model or an EAGLE head: loaded beside the target, before KV
-        # sizing, so its weights and its KV cache (the target's block layout) count against the
-        # memory. Either has .model and .arch.
-        self.draft = None
-        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Speculation (spec/proposer.py): the proposer loads what it runs (a draft model, an
+        # EAGLE head) beside the target, before KV sizing, so its weights and its KV cache (the
+        # target's block layout) count against the memory.
         spec = config.speculative_config
-        method = SpeculativeConfig.from_dict(spec).method if spec is not None else None
-        if method == "draft_model":
-            with startup.phase("loading the draft model", self.startup_times):
-                self.draft = load_draft(
-                    spec["model"], config.model, self.arch, self.dtype, self.device
-                )
-        elif method == "eagle":
-            with startup.phase("loading the EAGLE head", self.startup_times):
-                self.draft = load_eagle_head(spec["model"], self.arch, self.dtype, self.device)
-        # The hidden-state seam: a proposer that reads the target's last hidden states (EAGLE)
-        # sets keep_hidden_states; each eager forward, and each verify graph replay, then
-        # puts (request, first position, rows) in the step's RunnerOutput.hidden_states.
-        # Decode-only steps then replay the verify graphs (the decode graphs return logits
-        # only), or run eagerly without them.
-        self.keep_hidden_states = False
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = make_proposer(SpeculativeConfig.from_dict(spec))
+            self.proposer.load(self)
+        # The hidden-state seam: for a proposer that reads the target's last hidden states
+        # (EAGLE), each eager forward, and each verify graph replay, puts (request, first
+        # position, rows) in the step's RunnerOutput.hidden_states. Decode-only steps then
+        # replay the verify graphs (the decode graphs return logits only), or run eagerly
+        # without them.
+        self.keep_hidden_states = self.proposer is not None and self.proposer.needs_hidden_states
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.vocab_size: int = loaded.arch.vocab_size
         # This rank's KV heads (all of them without tensor parallelism).
@@ -160,8 +147,8 @@ class ModelRunner:
             self.model.ops = self.ops
         use_graphs = use_graphs and why_not is None
         self.sampler = Sampler(self.ops, self.device)
-        if self.draft is not None:
-            self.draft.model.ops = self.ops
+        if self.proposer is not None:
+            self.proposer.use_ops(self.ops)
         self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
         self.input_batch = InputBatch(
             self.device,
@@ -182,16 +169,15 @@ class ModelRunner:
         if compile_only:
             return
         # Logits rows the graphs' shared output buffers take after the sizing: the decode
-        # graphs' largest size, the verify graphs' largest size times its rows per sequence
-        # (twice with a draft model: its catch-up graphs have the verify graphs' rows).
+        # graphs' largest size, the verify graphs' largest size times its rows per sequence,
+        # and the proposer's graphs' (a draft model's catch-up graphs have the verify rows).
         self._graph_logits_rows = 0
         if use_graphs:
             verify = spec_graph_sizes(self, graph_batch)
             if verify:
-                spec = SpeculativeConfig.from_dict(config.speculative_config)
-                verify_rows = max(verify) * (spec.num_speculative_tokens + 1)
-                if method == "draft_model":
-                    verify_rows *= 2
+                sc = SpeculativeConfig.from_dict(config.speculative_config)
+                verify_rows = max(verify) * (sc.num_speculative_tokens + 1)
+                verify_rows += self.proposer.graph_logits_rows(verify_rows)
             else:
                 verify_rows = 0
             self._graph_logits_rows = graph_batch + verify_rows
@@ -202,18 +188,14 @@ class ModelRunner:
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
             ph.detail = f"{self.num_kv_blocks} blocks of {self.block_size} tokens"
         self.kv_caches = kv_sizing.alloc_kv_caches(self, self.num_kv_blocks)
-        if self.draft is not None:
-            self.draft_kv_caches = kv_sizing.alloc_kv_caches(
-                self, self.num_kv_blocks, arch=self.draft.arch
-            )
+        if self.proposer is not None:
+            self.proposer.alloc_kv(self, self.num_kv_blocks)
         self.graphs = None
         self.pipeline: DecodePipeline | None = None
         self.compiled_in_capture: list[str] = []
-        # Speculation's graphs (spec/graphs.py): the verify step and the proposer's
-        # single-token steps; how many steps ran in graphs and how many eagerly.
+        # Speculation's graphs (spec/graphs.py): the target's verify step here, the proposer's
+        # own in the proposer; how many steps ran in graphs and how many eagerly.
         self.verify_graphs: VerifyGraphRunner | None = None
-        self.draft_graphs: StepGraphs | None = None
-        self.draft_catchup_graphs: VerifyGraphRunner | None = None
         self.spec_graph_counts = dict.fromkeys(
             ("verify_graph", "verify_eager", "draft_graph", "draft_eager"), 0
         )
@@ -234,12 +216,10 @@ class ModelRunner:
                 )
             if spec is not None and spec_graph_sizes(self, graph_batch):
                 with startup.phase("capturing speculative CUDA graphs", self.startup_times) as ph:
-                    self.verify_graphs, self.draft_graphs = build_spec_graphs(
-                        self, self.graphs.sizes, self.kv_caches, self.draft_kv_caches
+                    self.verify_graphs = build_verify_graphs(
+                        self, self.graphs.sizes, self.kv_caches
                     )
-                    self.draft_catchup_graphs = build_draft_catchup_graphs(
-                        self, self.verify_graphs.sizes, self.draft_kv_caches
-                    )
+                    self.proposer.capture_graphs(self, self.graphs.sizes, self.verify_graphs.sizes)
                     ph.detail = f"verify sizes {self.verify_graphs.sizes}"
             if self.tp_session is not None:
                 self.graphs.before_replay = (
@@ -404,16 +384,18 @@ class ModelRunner:
         return self.model.compute_logits(h, logits_indices)
 
     def scrub_kv_blocks(self, blocks: list[int]) -> None:
-        """Zero these KV blocks in every layer (target and draft): they held a request whose
-        activations went non-finite. Attention reads only a sequence's own positions, but a
-        kernel that weights a masked slot by zero still turns a stale NaN there into NaN
-        (0 * NaN), so NaN must not wait in a free block for the next request. Queued on the
-        step stream: a step launched ahead that still writes them runs first. Rank 0's cache
-        only under tensor parallelism."""
+        """Zero these KV blocks in every layer (the target's and the proposer's own): they held
+        a request whose activations went non-finite. Attention reads only a sequence's own
+        positions, but a kernel that weights a masked slot by zero still turns a stale NaN there
+        into NaN (0 * NaN), so NaN must not wait in a free block for the next request. Queued
+        on the step stream: a step launched ahead that still writes them runs first. Rank 0's
+        cache only under tensor parallelism."""
         idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        for k, v in chain(self.kv_caches, self.draft_kv_caches):
+        for k, v in self.kv_caches:
             k.index_fill_(0, idx, 0)
             v.index_fill_(0, idx, 0)
+        if self.proposer is not None:
+            self.proposer.scrub_kv_blocks(idx)
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks of a tensor-parallel group to exit and wait for them

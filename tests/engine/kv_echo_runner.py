@@ -27,6 +27,7 @@ class KVEchoRunner:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
+        self.proposer = None  # no model: the engine makes a model-free proposer itself
         self.kv = [-1] * (num_kv_blocks * block_size)
         self.num_steps = 0
         # Per step: (request id, num_new_tokens, num_computed_tokens before, samples).

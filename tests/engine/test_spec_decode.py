@@ -374,7 +374,7 @@ def test_draft_model_greedy_equals_spec_off(seed, draft, kw):
     prompts, outs = _recorded(seed, (11, 17) if "num_kv_blocks" in kw else (3, 40))
     spec = {"method": "draft_model", "model": str(checkpoint(draft)), "num_speculative_tokens": 3}
     eng = engine(spec, **kw)
-    assert eng.runner.draft is not None and eng.runner.draft_kv_caches
+    assert eng.proposer.draft is not None and eng.proposer.kv
     assert run(eng, prompts, greedy(30)) == outs
     st = eng.stats()
     assert st.spec_decode_num_drafts > 0

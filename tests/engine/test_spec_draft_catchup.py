@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import torch
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.spec.draft_model import known_tokens
-from voltserve.services.executor.spec.graph_setup import build_draft_catchup_graphs
 
 from tests.checkpoints import checkpoint
 from tests.engine.test_spec_graphs import (
@@ -27,12 +26,12 @@ from tests.engine.test_spec_graphs import (
 def _with_catchup_graphs(eng) -> list[int]:
     """Give the engine's runner emulated catch-up graphs; the sizes they replayed at."""
     runner = eng.runner
-    c = build_draft_catchup_graphs(
-        runner, runner.verify_graphs.sizes, runner.draft_kv_caches, capture=False
-    )
+    p = runner.proposer
+    c = p.make_graphs(runner, runner.graphs.sizes, runner.verify_graphs.sizes, p.kv, False)
+    c = c["catchup"]
     replayed: list[int] = []
     _emulate(c, replayed)
-    runner.draft_catchup_graphs = c
+    p.catchup_graphs = c
     return replayed
 
 
@@ -90,6 +89,6 @@ def test_catch_up_graphs_write_the_eager_kv(seed) -> None:
     if parted:
         return
     n = eng.runner.num_kv_blocks  # the scratch block past them differs (padding rows)
-    for (k1, v1), (k2, v2) in zip(eng.runner.draft_kv_caches, ref.runner.draft_kv_caches):
+    for (k1, v1), (k2, v2) in zip(eng.proposer.kv, ref.proposer.kv):
         torch.testing.assert_close(k1[:n], k2[:n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v1[:n], v2[:n], atol=1e-4, rtol=1e-4)

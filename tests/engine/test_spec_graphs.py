@@ -24,6 +24,7 @@ from voltserve.services.executor.spec.graphs import (
     verify_batch_sizes,
     verify_row_counts,
 )
+from voltserve.services.executor.spec.model_proposer import ModelProposer
 from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -177,18 +178,20 @@ def _graph_engine(spec, max_batch: int = 16, **kw):
     draft replay ran at."""
     cfg = _cfg(spec, **kw)
     runner = _emulated_graph_runner(cfg, max_batch)
-    if runner.draft is not None:
-        runner.draft_kv_caches = alloc_kv_caches(
-            runner, cfg.num_kv_blocks, scratch=True, arch=runner.draft.arch
-        )
-    verify, draft = graph_setup.build_spec_graphs(
-        runner, runner.graphs.sizes, runner.kv_caches, runner.draft_kv_caches, capture=False
+    p = runner.proposer
+    draft = None
+    verify = graph_setup.build_verify_graphs(
+        runner, runner.graphs.sizes, runner.kv_caches, capture=False
     )
+    if isinstance(p, ModelProposer):
+        p.kv = alloc_kv_caches(runner, cfg.num_kv_blocks, scratch=True, arch=p.draft.arch)
+        draft = p.make_graphs(runner, runner.graphs.sizes, verify.sizes, p.kv, capture=False)
+        p.step_graphs = draft = draft["step"]
     sizes: dict[str, list[int]] = {"verify": [], "draft": []}
     _emulate(verify, sizes["verify"])
     if draft is not None:
         _emulate(draft, sizes["draft"])
-    runner.verify_graphs, runner.draft_graphs = verify, draft
+    runner.verify_graphs = verify
     return LLMEngine(cfg, runner), sizes
 
 
@@ -324,7 +327,7 @@ def test_draft_step_graphs_write_the_eager_kv(method, head, seed) -> None:
     prompts = _prompts(seed, 3)
     params = _greedy(12)
     (eng, _), (ref, _) = _graph_engine(spec), _graph_engine(spec)
-    ref.runner.draft_graphs = None
+    ref.proposer.step_graphs = None
     ref.proposer.runner = ref.runner
     a, b = _proposals(eng), _proposals(ref)
     got, want = eng.generate(prompts, params), ref.generate(prompts, params)
@@ -340,7 +343,7 @@ def test_draft_step_graphs_write_the_eager_kv(method, head, seed) -> None:
     if parted:
         return  # the parted proposals' KV differs
     n = eng.runner.num_kv_blocks  # the scratch block past them differs (padding rows)
-    for (k1, v1), (k2, v2) in zip(eng.runner.draft_kv_caches, ref.runner.draft_kv_caches):
+    for (k1, v1), (k2, v2) in zip(eng.proposer.kv, ref.proposer.kv):
         torch.testing.assert_close(k1[:n], k2[:n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v1[:n], v2[:n], atol=1e-4, rtol=1e-4)
 
@@ -355,16 +358,20 @@ def test_start_up_trace_runs_the_spec_graph_forwards(method, head, monkeypatch) 
 
     runner = ModelRunner(_cfg(_spec(method, head)))
     seen = []
-    orig = graph_setup.build_spec_graphs
+    verify, own = graph_setup.build_verify_graphs, runner.proposer.make_graphs
 
     def build(*a, **kw):
-        v, d = orig(*a, **kw)
-        seen.append((v, d))
-        return v, d
+        seen.append(verify(*a, **kw))
+        return seen[-1]
 
-    monkeypatch.setattr(graph_setup, "build_spec_graphs", build)
+    def make(*a, **kw):
+        seen.append(own(*a, **kw)["step"])
+        return {"step": seen[-1]}
+
+    monkeypatch.setattr(graph_setup, "build_verify_graphs", build)
+    monkeypatch.setattr(runner.proposer, "make_graphs", make)
     kernel_warmup._trace_spec_graphs(runner, 16)
-    ((v, d),) = seen
+    (v, d) = seen
     assert v.sizes == [1, 2, 4, 8] and d.sizes == [1, 2, 4, 8, 16] and v.q == 4
     assert v.with_hidden == (method == "eagle") and (d.features is not None) == v.with_hidden
 

@@ -284,10 +284,11 @@ def test_spec_graphs_equal_spec_eager_and_spec_off(method: str, tmp_path) -> Non
     base = _engine("llama", "float32", None, graph_batch=40)
     eager = _engine("llama", "float32", spec, eager=True, graph_batch=40)
     graph = _engine("llama", "float32", spec, graph_batch=40)
-    assert eager.runner.verify_graphs is None and eager.runner.draft_graphs is None
+    step_graphs = getattr(eager.proposer, "step_graphs", None)
+    assert eager.runner.verify_graphs is None and step_graphs is None
     vg = graph.runner.verify_graphs
     assert vg is not None and vg.sizes == [1, 2, 4, 8] and vg.q == 5
-    dg = graph.runner.draft_graphs
+    dg = getattr(graph.proposer, "step_graphs", None)
     assert (dg is not None) == (method != "ngram")
     calls = spy(graph) if method == "eagle" else None
     counts = graph.runner.spec_graph_counts
@@ -318,7 +319,7 @@ def test_spec_graphs_equal_spec_eager_and_spec_off(method: str, tmp_path) -> Non
         assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
         # Catch-ups of up to 8 requests after their first replay the catch-up graphs.
         assert counts["catchup_graph"] > 0 and counts["catchup_eager"] > 0, counts
-        assert graph.runner.draft_catchup_graphs.sizes == vg.sizes
+        assert graph.proposer.catchup_graphs.sizes == vg.sizes
     if method == "eagle":
         _check_against_reference(head, calls[:60])
 

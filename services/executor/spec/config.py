@@ -6,9 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle")
-# Methods that read a checkpoint folder ("model").
-WITH_MODEL = ("draft_model", "eagle")
+from voltserve.services.executor.spec.registry import METHODS
+
 # Methods vLLM knows that this build does not run yet: refused by name, never ignored.
 # (eagle3: its heads fuse three target layers' hidden states and propose from a reduced draft
 # vocabulary, a different checkpoint format and a second hidden-state seam.)
@@ -48,7 +47,7 @@ class SpeculativeConfig:
                 f"--speculative-config: method {method!r} is not supported yet "
                 f"(supported: {', '.join(METHODS)})"
             )
-        if method not in METHODS:
+        if not isinstance(method, str) or method not in METHODS:
             raise ValueError(
                 f"--speculative-config: unknown method {method!r} (supported: {', '.join(METHODS)})"
             )
@@ -86,9 +85,9 @@ class SpeculativeConfig:
                 f"got {dbs!r}"
             )
         model = d.get("model")
-        if method in WITH_MODEL:
+        what = METHODS[method].model
+        if what is not None:
             if not isinstance(model, str) or not model:
-                what = "draft checkpoint" if method == "draft_model" else "EAGLE head checkpoint"
                 raise ValueError(
                     f'--speculative-config: method {method!r} needs "model": the {what} folder'
                 )

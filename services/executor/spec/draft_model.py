@@ -14,7 +14,9 @@ stale draft KV could only make proposals worse, never the output different: acce
 (acceptance.py) keeps the target's tokens whatever is proposed, and the greedy draft is a
 point-mass proposal.
 
-Where the runner captured them (spec/graphs.py), both parts replay CUDA graphs: the catch-up of
+The proposer owns the draft: it loads it at the runner's start-up, sizes and allocates its KV
+cache with the target's, and captures its graphs after the target's (the Proposer hooks).
+Where it captured them (spec/graphs.py), both parts replay CUDA graphs: the catch-up of
 every proposing request, when each has at most k + 1 tokens to catch up (after a verify step:
 its accepted proposals and the target's own token), runs the draft's catch-up graphs (the verify
 graphs' layout on the draft's model and cache), and its argmax feeds the single-token step
@@ -35,8 +37,9 @@ from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.input_batch import attention_metadata
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
-from voltserve.services.executor.spec.graphs import count
-from voltserve.services.executor.spec.proposer import Proposer
+from voltserve.services.executor.spec.graph_setup import build_step_graphs, graph_pool
+from voltserve.services.executor.spec.graphs import StepGraphs, VerifyGraphRunner, count
+from voltserve.services.executor.spec.model_proposer import ModelProposer, alloc_proposer_kv
 from voltserve.shared import startup
 
 logger = logging.getLogger(__name__)
@@ -78,16 +81,64 @@ def _vocab(path: str) -> dict[str, int] | None:
         return None
 
 
-class DraftModelProposer(Proposer):
-    def __init__(self, num_speculative_tokens: int, runner, block_manager) -> None:
-        super().__init__(num_speculative_tokens)
-        if getattr(runner, "draft", None) is None:
-            raise ValueError("the draft_model method needs a runner that loaded the draft")
+class DraftModelProposer(ModelProposer):
+    what = "draft_model"
+
+    def __init__(self, num_speculative_tokens: int, path: str) -> None:
+        super().__init__(num_speculative_tokens, path)
+        self.step_graphs: StepGraphs | None = None
+        self.catchup_graphs: VerifyGraphRunner | None = None
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def load(self, runner) -> None:
         self.runner = runner
-        self.bm = block_manager
-        self.model = runner.draft.model
-        self.kv = runner.draft_kv_caches
         self.device = runner.device
+        with startup.phase("loading the draft model", runner.startup_times):
+            self.draft = load_draft(
+                self.path, runner.config.model, runner.arch, runner.dtype, runner.device
+            )
+        self.model = self.draft.model
+
+    def graph_logits_rows(self, verify_rows: int) -> int:
+        return verify_rows  # the catch-up graphs have the verify graphs' rows
+
+    def make_graphs(self, runner, decode_sizes, verify_sizes, kv=None, capture=True) -> dict:
+        """The single-token step graphs (the decode sizes) and the catch-up graphs (the verify
+        layout on the draft's model and KV cache: the verify sizes, up to k + 1 rows each,
+        logits only)."""
+        if kv is None:
+            kv = alloc_proposer_kv(runner, 1, self.draft.arch)
+        head = self.model
+
+        def fwd(ids, feats, pos, meta, kv):
+            return head(ids, pos, meta, kv, None, fp32_logits=False), None
+
+        graphs = {
+            "step": build_step_graphs(
+                runner, fwd, None, kv, decode_sizes, "draft model CUDA graphs", capture
+            )
+        }
+        if verify_sizes:
+            graphs["catchup"] = VerifyGraphRunner(
+                self.model,
+                kv,
+                runner.device,
+                runner.max_blocks_per_seq,
+                runner.block_size,
+                self.k + 1,
+                list(verify_sizes),
+                capture=capture,
+                pool=graph_pool(runner),
+                what="draft model catch-up CUDA graphs",
+            )
+        return graphs
+
+    def capture_graphs(self, runner, decode_sizes, verify_sizes) -> None:
+        graphs = self.make_graphs(runner, decode_sizes, verify_sizes, self.kv)
+        self.step_graphs, self.catchup_graphs = graphs["step"], graphs.get("catchup")
+
+    # ---- per step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[list[int]]:
@@ -115,7 +166,7 @@ class DraftModelProposer(Proposer):
         tables = self._tables(reqs)
         # Catch-up forward: every known token the draft has not computed; its last row's
         # logits give the first proposal (on the device after a graph replay).
-        c = getattr(self.runner, "draft_catchup_graphs", None)
+        c = self.catchup_graphs
         if c is not None and self._catch_up_fits(c, rows):
             first: list[int] | torch.Tensor = self._graph_catch_up(c, rows)
             count(self.runner, "catchup_graph")
@@ -126,7 +177,7 @@ class DraftModelProposer(Proposer):
             r.spec_state = (r.num_preemptions, r.num_tokens)
         # k - 1 single-token steps over the requests that still want more: as graph replays
         # when the runner captured them for this many requests (spec/graphs.py), else eagerly.
-        g = getattr(self.runner, "draft_graphs", None)
+        g = self.step_graphs
         kmax = max(k for *_, k in rows)
         if kmax > 1 and g is not None and g.can_run(len(rows)):
             drafts = self._graph_steps(g, rows, reqs, first, kmax)

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 from voltserve.services.executor.request import Request, RequestStatus
 from voltserve.services.executor.spec.draft_model import block_tables, draft_metadata
-from voltserve.services.executor.spec.eagle_head import LoadedHead
-from voltserve.services.executor.spec.graphs import count
-from voltserve.services.executor.spec.proposer import Proposer
+from voltserve.services.executor.spec.eagle_head import load_eagle_head
+from voltserve.services.executor.spec.graph_setup import build_step_graphs
+from voltserve.services.executor.spec.graphs import StepGraphs, count
+from voltserve.services.executor.spec.model_proposer import ModelProposer, alloc_proposer_kv
+from voltserve.shared import startup
 
 
 @dataclass
@@ -49,22 +51,45 @@ def _tokens(r: Request, start: int, n: int) -> list[int]:
     return (p[start:] + r.output_token_ids)[:n]
 
 
-class EagleProposer(Proposer):
+class EagleProposer(ModelProposer):
+    # The seam: the target's forward also hands out its hidden states.
     needs_hidden_states = True
+    what = "eagle"
 
-    def __init__(self, num_speculative_tokens: int, runner, block_manager) -> None:
-        super().__init__(num_speculative_tokens)
-        if not isinstance(getattr(runner, "draft", None), LoadedHead):
-            raise ValueError("the eagle method needs a runner that loaded the EAGLE head")
-        self.runner = runner
-        self.bm = block_manager
-        self.head = runner.draft.model
-        self.target = runner.model
-        self.kv = runner.draft_kv_caches
-        self.device = runner.device
-        # The seam: from now on the target's forward also hands out its hidden states.
-        runner.keep_hidden_states = True
+    def __init__(self, num_speculative_tokens: int, path: str) -> None:
+        super().__init__(num_speculative_tokens, path)
+        self.step_graphs: StepGraphs | None = None
         self._hidden: list[tuple[Request, int, torch.Tensor]] = []
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def load(self, runner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.target = runner.model
+        with startup.phase("loading the EAGLE head", runner.startup_times):
+            self.draft = load_eagle_head(self.path, runner.arch, runner.dtype, runner.device)
+        self.head = self.draft.model
+
+    def make_graphs(self, runner, decode_sizes, verify_sizes, kv=None, capture=True) -> dict:
+        """The head's single-row step graphs (the decode sizes): token and feature in, logits
+        and the head's output feature out."""
+        if kv is None:
+            kv = alloc_proposer_kv(runner, 1, self.draft.arch)
+        target, head = self.target, self.head
+
+        def fwd(ids, feats, pos, meta, kv):
+            h = head(target.model.embed_tokens(ids), feats, pos, meta, kv)
+            return target.compute_logits(h, None, fp32_logits=False), h
+
+        feature = (runner.arch.hidden_size, runner.dtype)
+        what = "EAGLE head CUDA graphs"
+        return {"step": build_step_graphs(runner, fwd, feature, kv, decode_sizes, what, capture)}
+
+    def capture_graphs(self, runner, decode_sizes, verify_sizes) -> None:
+        self.step_graphs = self.make_graphs(runner, decode_sizes, verify_sizes, self.kv)["step"]
+
+    # ---- per step ----------------------------------------------------------------------------
 
     def observe(self, output) -> None:
         self._hidden.extend(output.hidden_states)
@@ -155,7 +180,7 @@ class EagleProposer(Proposer):
         drafts = [[t] for t in self._argmax(h)]
         # k - 1 single-row steps: the head's own output is the next feature. As graph replays
         # when the runner captured them for this many requests (spec/graphs.py), else eagerly.
-        g = getattr(self.runner, "draft_graphs", None)
+        g = self.step_graphs
         kmax = max(ks)
         if kmax > 1 and g is not None and g.can_run(nprop):
             self._graph_steps(g, reqs[:nprop], ks, drafts, h)

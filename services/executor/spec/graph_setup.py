@@ -43,19 +43,22 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     )
 
 
-def build_spec_graphs(
-    runner: ModelRunner, decode_sizes: list[int], kv_caches, draft_kv_caches, capture: bool = True
-) -> tuple[VerifyGraphRunner, StepGraphs | None]:
-    """The verify graphs (spec_graph_sizes) and, for a draft model or an EAGLE head with
-    k > 1, the graphs of its single-token steps (the decode sizes); capture=False: the
-    static buffers only (the start-up trace runs their forwards)."""
+def graph_pool(runner: ModelRunner):
+    """The decode graphs' memory pool, which speculation's graphs share (None before them)."""
+    return getattr(getattr(runner, "graphs", None), "pool", None)
+
+
+def build_verify_graphs(
+    runner: ModelRunner, decode_sizes: list[int], kv_caches, capture: bool = True
+) -> VerifyGraphRunner:
+    """The target's verify graphs (spec_graph_sizes, among the decode sizes), returning the
+    hidden states too when the proposer reads them; capture=False: the static buffers only
+    (the start-up trace runs their forwards)."""
     sc = SpeculativeConfig.from_dict(runner.config.speculative_config)
     q = sc.num_speculative_tokens + 1
-    pool = getattr(getattr(runner, "graphs", None), "pool", None)
     sizes = spec_graph_sizes(runner, decode_sizes[-1])
     sizes = [s for s in sizes if s in decode_sizes]
-    eagle = sc.method == "eagle"
-    verify = VerifyGraphRunner(
+    return VerifyGraphRunner(
         runner.model,
         kv_caches,
         runner.device,
@@ -63,59 +66,35 @@ def build_spec_graphs(
         runner.block_size,
         q,
         sizes,
-        with_hidden=eagle,
+        with_hidden=runner.keep_hidden_states,
         capture=capture,
-        pool=pool,
+        pool=graph_pool(runner),
     )
-    if runner.draft is None or q <= 2:
-        return verify, None
-    target, head = runner.model, runner.draft.model
-    if eagle:
 
-        def fwd(ids, feats, pos, meta, kv):
-            h = head(target.model.embed_tokens(ids), feats, pos, meta, kv)
-            return target.compute_logits(h, None, fp32_logits=False), h
 
-        feature = (runner.arch.hidden_size, runner.dtype)
-    else:
-
-        def fwd(ids, feats, pos, meta, kv):
-            return head(ids, pos, meta, kv, None, fp32_logits=False), None
-
-        feature = None
-    draft = StepGraphs(
+def build_step_graphs(
+    runner: ModelRunner,
+    fwd,
+    feature,
+    kv_caches,
+    decode_sizes: list[int],
+    what: str,
+    capture: bool = True,
+) -> StepGraphs | None:
+    """A proposer's single-token step graphs (the decode sizes) over fwd on its KV cache;
+    None with k = 1 (no step after the catch-up)."""
+    sc = SpeculativeConfig.from_dict(runner.config.speculative_config)
+    if sc.num_speculative_tokens + 1 <= 2:
+        return None
+    return StepGraphs(
         fwd,
-        draft_kv_caches,
+        kv_caches,
         runner.device,
         runner.max_blocks_per_seq,
         runner.block_size,
         list(decode_sizes),
         feature,
-        what="EAGLE head CUDA graphs" if eagle else "draft model CUDA graphs",
+        what=what,
         capture=capture,
-        pool=pool,
-    )
-    return verify, draft
-
-
-def build_draft_catchup_graphs(
-    runner: ModelRunner, sizes: list[int], draft_kv_caches, capture: bool = True
-) -> VerifyGraphRunner | None:
-    """The draft model's catch-up forward (spec/draft_model.py) as graphs of the verify
-    layout on the draft's model and KV cache: `sizes` sequences (the verify sizes) of up to
-    k + 1 rows, logits only. None unless the method is draft_model."""
-    sc = SpeculativeConfig.from_dict(runner.config.speculative_config)
-    if sc.method != "draft_model" or runner.draft is None or not sizes:
-        return None
-    return VerifyGraphRunner(
-        runner.draft.model,
-        draft_kv_caches,
-        runner.device,
-        runner.max_blocks_per_seq,
-        runner.block_size,
-        sc.num_speculative_tokens + 1,
-        list(sizes),
-        capture=capture,
-        pool=getattr(getattr(runner, "graphs", None), "pool", None),
-        what="draft model catch-up CUDA graphs",
+        pool=graph_pool(runner),
     )

@@ -33,6 +33,12 @@ class NgramProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.n_min, self.n_max = n_min, n_max
 
+    @classmethod
+    def from_config(cls, config) -> NgramProposer:
+        return cls(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
     def propose(self, requests: list[Request]) -> list[list[int]]:
         out = []
         for r in requests:
