@@ -17,6 +17,7 @@ The static buffers are typed views of ONE device byte buffer, laid out
 with a pinned host twin of the same layout. The runner's decode path (`stage` + `replay_staged`)
 writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
 the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
+The buffers, the capture and the padding are graph_set.py's, shared with speculation's graphs.
 
 Sampling stays outside the graph: the graph ends with the logits of every row (in the model's
 dtype) and their argmax (captured with the step, so the sampler's greedy fast path launches
@@ -28,15 +29,15 @@ those ids on the device (the pipelined decode) reads them clamped to a valid id.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 from voltserve.kernels.sampling.sampling import chunked_argmax
+from voltserve.services.executor.graph_set import GraphSet, Staging
+from voltserve.services.executor.input_batch import attention_metadata
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.sampler import flag_nonfinite
-from voltserve.shared import startup
 
 if TYPE_CHECKING:
     from voltserve.services.executor.model_runner import ModelRunner
@@ -63,7 +64,9 @@ def graph_batch_sizes(max_batch: int, wanted: tuple[int, ...] = ()) -> list[int]
     return sizes
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(GraphSet):
+    what = "decode CUDA graphs"
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -76,56 +79,49 @@ class CudaGraphRunner:
         self.model = runner.model
         self.kv_caches = runner.kv_caches
         self.device = runner.device
-        self.sizes = graph_batch_sizes(max_batch, sizes)
-        n, width = self.sizes[-1], runner.max_blocks_per_seq
+        graph_sizes = graph_batch_sizes(max_batch, sizes)
+        n, width = graph_sizes[-1], runner.max_blocks_per_seq
         dev = self.device
         self.width = width
-        # Byte offsets of the fields (8-byte fields first, so every view is aligned).
-        self._off_tables = 28 * n
-        nbytes = self._off_tables + 4 * n * width
-        pin = dev.type == "cuda"
-        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if pin else self._host
-        self._copy_done = torch.cuda.Event() if pin else None
-        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables) = (
-            self._views(self._dev, n, width)
+        # 8-byte fields first, so every view is aligned: tables start at byte 28 * n.
+        self.st = Staging(
+            [
+                ("ids", torch.int64, (n,)),
+                ("pos", torch.int64, (n,)),
+                ("slots", torch.int64, (n,)),
+                ("seq_lens", torch.int32, (n,)),
+                ("tables", torch.int32, (n, width)),
+            ],
+            dev,
         )
-        h = self._views(self._host, n, width)
-        self.host_ids, self.host_pos, self.host_slots, self.host_seq_lens, self.host_tables = (
-            t.numpy() for t in h
-        )
+        d, h = self.st.dev, self.st.host
+        self.input_ids, self.positions, self.slot_mapping = d["ids"], d["pos"], d["slots"]
+        self.seq_lens, self.block_tables = d["seq_lens"], d["tables"]
+        self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
+        self.host_seq_lens, self.host_tables = h["seq_lens"], h["tables"]
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.host_slots.fill(-1)
         self.host_seq_lens.fill(1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every size's logits are rows of one buffer (allocated by the largest size's eager
         # warm-up, before any capture): outputs kept per size would hold sum(sizes) logits rows
         # in the graph pool (~1 GB at Llama-3's vocabulary and the default ladder to 256),
         # memory the KV sizing does not see. Only one graph replays at a time, and a step's
         # logits are read before the next replay on the same stream.
         self._logits: torch.Tensor | None = None
-        self.outputs: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
-        self.num_replays = 0
         # Called with (padded size, staged device bytes) just before a replay (runner-set).
         self.before_replay = None
-        if capture:
-            self._capture_all()
-
-    @staticmethod
-    def _views(buf: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, ...]:
-        i64 = buf[: 24 * n].view(torch.int64)
-        i32 = buf[24 * n :].view(torch.int32)
-        return i64[:n], i64[n : 2 * n], i64[2 * n : 3 * n], i32[:n], i32[n:].view(n, width)
+        # The capture makes the memory pool (self.pool) that speculation's graphs share.
+        self._init_graphs(graph_sizes, capture, pool=None)
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            seq_lens=self.seq_lens[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
+        return attention_metadata(
+            self.slot_mapping[:bs],
+            self.block_tables[:bs],
+            self.seq_lens[:bs],
+            self.query_start_loc[: bs + 1],
             is_decode=True,
         )
 
@@ -140,21 +136,14 @@ class CudaGraphRunner:
             fp32_logits=False,
         )
 
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        # Kept: speculation's graphs (spec/graphs.py) are captured into the same pool.
-        self.pool = pool = torch.cuda.graph_pool_handle()
-        for bs in startup.progress(list(reversed(self.sizes)), "capturing CUDA graphs"):
-            # Warm up eagerly first: cuBLAS picks its kernels and workspaces, the decode attention
-            # sizes its merge counters (numba compiled everything in the start-up compile phase).
-            self._shared_logits(self._forward(bs))
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[bs], self.argmax[bs] = self.graph_body(bs)
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+    def _warm_up(self, bs: int) -> None:
+        # cuBLAS picks its kernels and workspaces, the decode attention sizes its merge counters
+        # (numba compiled everything in the start-up compile phase); the largest size, first,
+        # allocates the shared logits buffer outside the capture.
+        self._shared_logits(self._forward(bs))
+
+    def _record(self, bs: int) -> None:
+        self.outputs[bs], self.argmax[bs] = self.graph_body(bs)
 
     def _shared_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The one logits buffer of every size, shaped on the first (the largest) forward."""
@@ -174,12 +163,6 @@ class CudaGraphRunner:
         out.copy_(logits)
         return out, flag_nonfinite(chunked_argmax(out), out)
 
-    def can_run(self, num_seqs: int) -> bool:
-        return 0 < num_seqs <= self.sizes[-1]
-
-    def padded_size(self, num_seqs: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
-
     # ---- the runner's decode path: fill the host twin, one copy, replay ----------------------
 
     def stage(self, num_seqs: int, zero_rows: bool = True) -> int:
@@ -189,8 +172,7 @@ class CudaGraphRunner:
         padding rows [num_seqs, padded) are, and the caller writes rows [0, num_seqs) of
         host_tables over their full width), and calls replay_staged."""
         bs = self.padded_size(num_seqs)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous step's copy has left the host buffer
+        self.st.wait()  # the previous step's copy has left the host buffer
         self.host_tables[0 if zero_rows else num_seqs : bs] = 0
         if bs > num_seqs:
             self.host_ids[num_seqs:bs] = 0
@@ -214,15 +196,12 @@ class CudaGraphRunner:
         a NONFINITE id there is read as 0, in the same copy: that row's request ends with an
         error and its step is dropped, but the embedding lookup must not index out of range)."""
         bs = self.padded_size(num_seqs)
-        if self._dev is not self._host:
-            n = self._off_tables + 4 * bs * self.width  # the rows the bs graph reads
-            self._dev[:n].copy_(self._host[:n], non_blocking=True)
-            self._copy_done.record()
+        n = self.st.end_of("tables", bs)  # the bytes the bs graph reads
+        self.st.upload(n)
         if ids_on_device is not None:
             torch.clamp(ids_on_device, min=0, out=self.input_ids[:num_seqs])
         if self.before_replay is not None:
             # Tensor parallelism: the other ranks receive these inputs and replay their twin.
-            self.before_replay(bs, self._dev[: self._off_tables + 4 * bs * self.width])
-        self.graphs[bs].replay()
-        self.num_replays += 1
+            self.before_replay(bs, self.st.device_bytes(n))
+        self._replay(bs)
         return self.outputs[bs][:num_seqs]

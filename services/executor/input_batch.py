@@ -5,9 +5,9 @@ slots, block tables, sequence lengths, query starts, logits rows) and copies it 
 one transfer. Decode-only steps that a CUDA graph covers are written straight into the graph's
 pinned staging buffer (already in the graph's dtypes and padded layout), and verify steps
 (speculation) into the verify graph's. The block tables of recently staged requests are kept as
-rows of one array across steps (BlockTableMirror). `attention_metadata` is where the runner's
-attention metadata is built (the eager step, a tensor-parallel rank's copy of it, the KV sizing's
-profile forward, a proposer's own forward).
+rows of one array across steps (BlockTableMirror). `attention_metadata` is where attention
+metadata is built (the eager step, a tensor-parallel rank's copy of it, the KV sizing's profile
+forward, a proposer's own forward, the decode and speculative CUDA graphs).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def attention_metadata(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     is_decode: bool,
-    max_query_len: int,
+    max_query_len: int | None = None,
 ) -> AttentionMetadata:
     """The attention metadata of a forward over paged KV: block tables, lengths and query
-    starts as the kernels take them (int32), slots as given (int64)."""
+    starts as the kernels take them (int32; a tensor that is already int32 is passed as it is,
+    so a CUDA graph's static buffers stay the ones it reads), slots as given (int64)."""
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables.to(torch.int32),

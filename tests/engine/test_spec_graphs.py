@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.graph_set import padded_size
 from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.request import ScheduledRequest
 from voltserve.services.executor.spec import graph_setup
 from voltserve.services.executor.spec.graphs import (
     SPEC_GRAPHS_ENV,
     VerifyGraphRunner,
-    padded_size,
     stage_step_rows,
     verify_batch_sizes,
     verify_row_counts,

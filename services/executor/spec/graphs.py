@@ -56,7 +56,6 @@ VOLTSERVE_SPEC_GRAPHS=0 (the decode graphs stay on).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -64,8 +63,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from voltserve.kernels.sampling.sampling import chunked_argmax
-from voltserve.services.executor.models.layers import AttentionMetadata
-from voltserve.shared import startup
+from voltserve.services.executor.graph_set import GraphSet, Staging
+from voltserve.services.executor.input_batch import attention_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +81,6 @@ def count(runner, key: str) -> None:
     counts = getattr(runner, "spec_graph_counts", None)
     if counts is not None:
         counts[key] = counts.get(key, 0) + 1
-
-
-def padded_size(sizes: Sequence[int], n: int) -> int | None:
-    """The captured size a batch of n sequences replays (the smallest >= n); None: none."""
-    if n < 1:
-        return None
-    i = bisect.bisect_left(sizes, n)
-    return sizes[i] if i < len(sizes) else None
 
 
 def verify_row_counts(scheduled, q: int) -> list[int] | None:
@@ -112,99 +103,7 @@ def verify_batch_sizes(sizes: Sequence[int], q: int, fits: Callable[[int], bool]
     return [s for s in sizes if fits(s * q)]
 
 
-class _Staging:
-    """Named fields as typed views of one device byte buffer, with a pinned host twin (numpy
-    views) of the same layout; `upload(nbytes)` moves its first nbytes in one copy."""
-
-    def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device) -> None:
-        offs, off = {}, 0
-        for name, dt, shape in fields:
-            size = torch.empty((), dtype=dt).element_size()
-            off = -(-off // size) * size
-            offs[name] = off
-            off += size * int(np.prod(shape))
-        self.nbytes = off
-        self.offsets = offs
-        pin = torch.device(device).type == "cuda"
-        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=pin)
-        self._dev = torch.zeros(off, dtype=torch.uint8, device=device) if pin else self._host
-        self._copy_done = torch.cuda.Event() if pin else None
-        self.dev: dict[str, torch.Tensor] = {}
-        self.host: dict[str, np.ndarray] = {}
-        for name, dt, shape in fields:
-            n = int(np.prod(shape))
-            a = offs[name]
-            b = a + n * torch.empty((), dtype=dt).element_size()
-            self.dev[name] = self._dev[a:b].view(dt).view(shape)
-            self.host[name] = self._host[a:b].view(dt).view(shape).numpy()
-
-    def end_of(self, name: str, rows: int) -> int:
-        """The byte just past rows [0, rows) of field name."""
-        row = self.dev[name][0].numel() * self.dev[name].element_size()
-        return self.offsets[name] + rows * row
-
-    def wait(self) -> None:
-        """The previous upload has left the host twin (it may be written again)."""
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
-
-    def upload(self, nbytes: int) -> None:
-        if self._dev is not self._host:
-            self._dev[:nbytes].copy_(self._host[:nbytes], non_blocking=True)
-            self._copy_done.record()
-
-
-class _GraphSet:
-    """Graphs of one forward per captured size, outputs kept per size (captured largest first,
-    all in one memory pool). Subclasses define _forward(bs) -> tuple of output tensors."""
-
-    what = "graphs"
-
-    def _init_graphs(self, sizes: list[int], capture: bool, pool=None) -> None:
-        """pool: a CUDA graph memory pool to capture into (the decode graphs'): one replay runs
-        at a time on the one stream, and no graph's output is another's scratch memory (outputs
-        stay referenced, or were allocated before capture), so the graphs may share it."""
-        self.sizes = sizes
-        self.pool = pool
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.num_replays = 0
-        self.replays_by_size: dict[int, int] = {}
-        if capture and sizes:
-            self._capture_all()
-
-    def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        for bs in startup.progress(list(reversed(self.sizes)), f"capturing {self.what}"):
-            self._forward(bs)  # eager warm-up: cuBLAS workspaces, attention counters
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
-        logger.info("captured %s for batch sizes %s", self.what, self.sizes)
-
-    def _replay(self, bs: int) -> None:
-        self.graphs[bs].replay()
-        self.num_replays += 1
-        self.replays_by_size[bs] = self.replays_by_size.get(bs, 0) + 1
-
-    def can_run(self, num_seqs: int) -> bool:
-        return padded_size(self.sizes, num_seqs) is not None
-
-    def padded_size(self, num_seqs: int) -> int:
-        bs = padded_size(self.sizes, num_seqs)
-        if bs is None:
-            raise ValueError(f"no captured size for {num_seqs} sequences (sizes {self.sizes})")
-        return bs
-
-
-class VerifyGraphRunner(_GraphSet):
+class VerifyGraphRunner(GraphSet):
     """The target's verify step over B sequences x q rows (see the module docstring)."""
 
     what = "verify CUDA graphs"
@@ -232,7 +131,7 @@ class VerifyGraphRunner(_GraphSet):
         self.with_hidden = with_hidden
         n = sizes[-1] if sizes else 1
         N = n * q
-        self.st = _Staging(
+        self.st = Staging(
             [
                 ("ids", torch.int64, (N,)),
                 ("pos", torch.int64, (N,)),
@@ -255,12 +154,12 @@ class VerifyGraphRunner(_GraphSet):
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         d, R = self.st.dev, bs * self.q
         pos = d["pos"][:R]
-        meta = AttentionMetadata(
-            slot_mapping=d["slots"][:R],
+        meta = attention_metadata(
+            d["slots"][:R],
             # Each sequence's table row repeated for its q rows (expand: no host sync).
-            block_tables=d["tables"][:bs, None].expand(bs, self.q, self.width).reshape(R, -1),
-            seq_lens=(pos + 1).to(torch.int32),
-            query_start_loc=self.query_start_loc[: R + 1],
+            d["tables"][:bs, None].expand(bs, self.q, self.width).reshape(R, -1),
+            pos + 1,
+            self.query_start_loc[: R + 1],
             is_decode=True,
         )
         h = self.model.hidden_states(d["ids"][:R], pos, meta, self.kv_caches)
@@ -376,7 +275,7 @@ def stage_step_rows(
         lens[b] = p + 1
 
 
-class StepGraphs(_GraphSet):
+class StepGraphs(GraphSet):
     """A proposer's single-token steps (draft model: token -> logits; EAGLE head: token and
     feature -> the head's output feature), decode batches of the proposing requests."""
 
@@ -398,7 +297,7 @@ class StepGraphs(_GraphSet):
         self.fwd, self.kv_caches, self.device = forward, kv_caches, device
         self.width, self.block_size, self.what = width, block_size, what
         n = sizes[-1] if sizes else 1
-        self.st = _Staging(
+        self.st = Staging(
             [
                 ("ids", torch.int64, (n,)),
                 ("pos", torch.int64, (n,)),
@@ -421,11 +320,11 @@ class StepGraphs(_GraphSet):
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         d = self.st.dev
-        meta = AttentionMetadata(
-            slot_mapping=d["slots"][:bs],
-            block_tables=d["tables"][:bs],
-            seq_lens=d["seq_lens"][:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
+        meta = attention_metadata(
+            d["slots"][:bs],
+            d["tables"][:bs],
+            d["seq_lens"][:bs],
+            self.query_start_loc[: bs + 1],
             is_decode=True,
         )
         feats = self.features[:bs] if self.features is not None else None

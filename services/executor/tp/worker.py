@@ -161,7 +161,7 @@ def worker_loop(runner: ModelRunner) -> None:
         if kind == GRAPH:
             bs, nbytes = hdr[1], hdr[2]
             g = runner.graphs
-            group.broadcast(g._dev[:nbytes])
+            group.broadcast(g.st.device_bytes(nbytes))
             g.graphs[bs].replay()
             continue
         if kind != EAGER:
