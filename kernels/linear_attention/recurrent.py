@@ -1,0 +1,191 @@
+"""Decode: the gated delta rule for one token of each request of a batch (1-256 requests),
+state read once from the pool and written back in place (see __init__ for the math and pools).
+
+Kernel design (CUDA cores: per request and head the step is two matrix-vector products and a
+rank-one update of the fp32 state, 4 flops per 4-byte state element read and written, so it is
+bound by the state's bytes; tensor cores have nothing to do). A block owns one (request, value
+head, 32-column tile of the state): 128 threads in 4 warps, lane = state column (a warp reads a
+128-byte row segment, coalesced), warp w = rows w, w + 4, ... (up to 32 rows a thread, held in
+registers between the read and the write). Per block: q and k of the key head are loaded and
+L2-normalised (block reductions), g and beta computed from a and b (gating.gates); the state
+tile is read once, decayed, S^T k reduced over rows (per-warp partials through shared memory),
+the rank-one update applied, S^T q reduced the same way, and the tile written back. Grid:
+(Dv / 32, Hv, batch) = 192 blocks at batch 1 for Qwen3.5-27B (48 heads, Dv 128).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import cuda
+from voltserve.kernels.compile_cache import cached
+from voltserve.kernels.launch_geometry import on_gpu
+from voltserve.kernels.linear_attention.gating import gates, gates_ref
+from voltserve.kernels.numba_common import block_sum, current_stream, float32, launch
+
+L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
+COLS = 32  # state columns a block owns (one per lane)
+WARPS = 4
+THREADS = WARPS * 32
+MAX_DK = 128  # key dims: rows a thread keeps = MAX_DK / WARPS
+ROWS = MAX_DK // WARPS
+
+
+def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def gated_delta_rule_decode_ref(
+    q: torch.Tensor,  # [B, Hk, Dk]
+    k: torch.Tensor,  # [B, Hk, Dk]
+    v: torch.Tensor,  # [B, Hv, Dv]
+    a: torch.Tensor,  # [B, Hv]
+    b: torch.Tensor,  # [B, Hv]
+    A_log: torch.Tensor,  # [Hv] fp32
+    dt_bias: torch.Tensor,  # [Hv] fp32
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] fp32, updated in place
+    slots: torch.Tensor,  # [B] int64, -1 = padding row
+) -> torch.Tensor:
+    """One decode step for every request; returns o [B, Hv, Dv] in v's dtype (zeros on padding
+    rows) and writes each request's new state into state_pool[slots[i]]."""
+    B, Hk, Dk = q.shape
+    Hv = v.shape[1]
+    out = torch.zeros_like(v)
+    live = (slots >= 0).nonzero().flatten()
+    if live.numel() == 0:
+        return out
+    idx = slots[live].long()
+    rep = Hv // Hk
+    qn = l2norm_ref(q[live].float()).repeat_interleave(rep, dim=1) / math.sqrt(Dk)
+    kn = l2norm_ref(k[live].float()).repeat_interleave(rep, dim=1)
+    g, beta = gates_ref(a[live], b[live], A_log, dt_bias)
+    S = state_pool[idx] * g.exp()[..., None, None]  # [n, Hv, Dk, Dv]
+    kv = torch.einsum("nhkv,nhk->nhv", S, kn)
+    delta = (v[live].float() - kv) * beta[..., None]
+    S = S + kn[..., :, None] * delta[..., None, :]
+    state_pool[idx] = S
+    out[live] = torch.einsum("nhkv,nhk->nhv", S, qn).to(v.dtype)
+    return out
+
+
+@cached
+@cuda.jit
+def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, scale):
+    col_tile, h, req = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    lane, warp = tid & 31, tid >> 5
+    Dk, Dv = q.shape[2], v.shape[2]
+    hk = h // (v.shape[1] // q.shape[1])
+    j = col_tile * COLS + lane
+    slot = slots[req]
+    if slot < 0:  # padding row: the whole block leaves before any barrier
+        if warp == 0 and j < Dv:
+            out[req, h, j] = 0.0
+        return
+    qs = cuda.shared.array(MAX_DK, float32)
+    ks = cuda.shared.array(MAX_DK, float32)
+    part = cuda.shared.array((WARPS, COLS), float32)
+    scratch = cuda.shared.array(32, float32)
+    qv = float32(0.0)
+    kv = float32(0.0)
+    if tid < Dk:
+        qv = float32(q[req, hk, tid])
+        kv = float32(k[req, hk, tid])
+    qinv = float32(1.0) / math.sqrt(block_sum(qv * qv, scratch) + float32(L2_EPS))
+    kinv = float32(1.0) / math.sqrt(block_sum(kv * kv, scratch) + float32(L2_EPS))
+    if tid < Dk:
+        qs[tid] = qv * qinv * scale
+        ks[tid] = kv * kinv
+    g, beta = gates(a[req, h], b[req, h], a_log[h], dt_bias[h])
+    decay = float32(math.exp(g))
+    cuda.syncthreads()
+
+    s = cuda.local.array(ROWS, float32)
+    ok = j < Dv
+    acc = float32(0.0)
+    for r in range(ROWS):
+        i = warp + r * WARPS
+        s[r] = 0.0
+        if ok and i < Dk:
+            s[r] = state_pool[slot, h, i, j] * decay
+            acc += s[r] * ks[i]
+    part[warp, lane] = acc
+    cuda.syncthreads()
+    kvm = part[0, lane]
+    for w in range(1, WARPS):
+        kvm += part[w, lane]
+    delta = float32(0.0)
+    if ok:
+        delta = (float32(v[req, h, j]) - kvm) * beta
+    cuda.syncthreads()  # every warp has read part before it is reused
+    acc = float32(0.0)
+    for r in range(ROWS):
+        i = warp + r * WARPS
+        if ok and i < Dk:
+            sv = s[r] + ks[i] * delta
+            state_pool[slot, h, i, j] = sv
+            acc += sv * qs[i]
+    part[warp, lane] = acc
+    cuda.syncthreads()
+    if warp == 0 and ok:
+        o = part[0, lane]
+        for w in range(1, WARPS):
+            o += part[w, lane]
+        out[req, h, j] = o
+
+
+def check_shapes(q: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor) -> None:
+    Hk, Dk = q.shape[-2:]
+    Hv, Dv = v.shape[-2:]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} must be a multiple of key heads {Hk}")
+    if Dk > MAX_DK:
+        raise ValueError(f"key head dim {Dk} exceeds the kernels' {MAX_DK}")
+    if tuple(state_pool.shape[1:]) != (Hv, Dk, Dv) or state_pool.dtype != torch.float32:
+        raise ValueError(
+            f"state pool {tuple(state_pool.shape)} {state_pool.dtype}: want [slots, {Hv}, {Dk},"
+            f" {Dv}] float32"
+        )
+
+
+def decode_launches(q, k, v, a, b, A_log, dt_bias, state_pool, slots, out) -> list[tuple]:
+    """(kernel, grid, block, args) of the decode step (tests run the same list in the
+    simulator)."""
+    B, Hv, Dv = v.shape
+    if B == 0:
+        return []
+    scale = np.float32(q.shape[2] ** -0.5)
+    return [
+        (
+            gdn_decode_kernel,
+            ((Dv + COLS - 1) // COLS, Hv, B),
+            THREADS,
+            (q, k, v, a, b, A_log, dt_bias, state_pool, slots, out, scale),
+        )
+    ]
+
+
+def gated_delta_rule_decode_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Same meaning as gated_delta_rule_decode_ref; one launch, no host sync (graph-safe)."""
+    if not on_gpu(q):
+        raise ValueError("gated_delta_rule_decode_cuda needs CUDA tensors")
+    check_shapes(q, v, state_pool)
+    out = torch.empty_like(v)
+    stream = current_stream()
+    for kernel, grid, block, args in decode_launches(
+        q, k, v, a, b, A_log, dt_bias, state_pool, slots, out
+    ):
+        launch(kernel, grid, block, args, stream)
+    return out
