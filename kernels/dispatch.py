@@ -92,6 +92,33 @@ _OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
         "sampling.grammar_mask",
         "apply_token_bitmask_ref",
     ),
+    # Gated DeltaNet (linear attention) layers: states in slot-indexed pools (see
+    # linear_attention/__init__.py). Dotted names: files of the linear_attention subpackage.
+    "causal_conv1d_prefill": (
+        ("linear_attention.conv",),
+        "linear_attention.conv",
+        "causal_conv1d_prefill_ref",
+    ),
+    "causal_conv1d_decode": (
+        ("linear_attention.conv",),
+        "linear_attention.conv",
+        "causal_conv1d_decode_ref",
+    ),
+    "gated_delta_rule_prefill": (
+        ("linear_attention.chunk",),
+        "linear_attention.chunk",
+        "gated_delta_rule_prefill_ref",
+    ),
+    "gated_delta_rule_decode": (
+        ("linear_attention.recurrent",),
+        "linear_attention.recurrent",
+        "gated_delta_rule_decode_ref",
+    ),
+    "gated_rms_norm": (
+        ("linear_attention.gated_norm",),
+        "linear_attention.gated_norm",
+        "gated_rms_norm_ref",
+    ),
 }
 
 # Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
@@ -246,6 +273,11 @@ class KernelDispatch:
     quant_linear: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
     sample: Callable[..., torch.Tensor]
+    causal_conv1d_prefill: Callable[..., torch.Tensor]
+    causal_conv1d_decode: Callable[..., torch.Tensor]
+    gated_delta_rule_prefill: Callable[..., torch.Tensor]
+    gated_delta_rule_decode: Callable[..., torch.Tensor]
+    gated_rms_norm: Callable[..., torch.Tensor]
 
 
 def _reshape_and_cache_capturable(

@@ -438,3 +438,56 @@ KERNELS += [
         "qgemv_qkv_rope_int4_m1_half2_ks4",
     )
 ]
+
+# linear_attention/: the Gated DeltaNet layers (Qwen3-Next, Qwen3.5 / 3.6). q, k, v, a, b and the
+# conv input are views of the fused projections (any layout); A_log and dt_bias fp32 [Hv]; the
+# recurrent state pool fp32 [slots, Hv, Dk, Dv]; slots int64 (-1: padding); cu_seqlens int64.
+_QKV = "{t}[:, :, :], {t}[:, :, :], {t}[:, :, :], {t}[:, :], {t}[:, :], float32[::1], float32[::1]"
+KERNELS += [
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_prefill_kernel",
+        _both(
+            "void({t}[:, :], {t}[:, ::1], {t}[:, :, ::1], int64[::1], int64[::1], boolean[::1],"
+            " {t}[:, ::1])"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_state_kernel",
+        _both("void({t}[:, :], {t}[:, :, ::1], int64[::1], int64[::1], boolean[::1])"),
+    ),
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_decode_kernel",
+        _both("void({t}[:, :], {t}[:, ::1], {t}[:, :, ::1], int64[::1], {t}[:, ::1])"),
+    ),
+    KernelSpec(
+        "linear_attention.recurrent",
+        "gdn_decode_kernel",
+        _both("void(" + _QKV + ", float32[:, :, :, ::1], int64[::1], {t}[:, :, ::1], float32)"),
+    ),
+    KernelSpec(
+        "linear_attention.chunk",
+        "gdn_chunk_prep_kernel",
+        _both(
+            "void(" + _QKV + ", int64[::1], int64[::1], float32[:, :, ::1], float32[:, :, ::1],"
+            " float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1],"
+            " float32)"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.chunk",
+        "gdn_chunk_scan_kernel",
+        _both(
+            "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1],"
+            " float32[:, :, ::1], float32[:, ::1], int64[::1], int64[::1], boolean[::1],"
+            " float32[:, :, :, ::1], {t}[:, :, ::1])"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.gated_norm",
+        "gated_rms_norm_kernel",
+        _both("void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, ::1], float32)"),
+    ),
+]

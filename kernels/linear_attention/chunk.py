@@ -54,6 +54,10 @@ SLICE = 32  # Dk / Dv columns staged at a time in the prep kernel
 PAIRS = CHUNK * CHUNK // THREADS  # (t, s) pairs a thread accumulates
 ITEMS = CHUNK * SLICE // THREADS  # (t, column) items a thread computes per slice
 COLS = 32  # state columns a scan block owns
+# Shared row strides padded by one word: threads of a warp reading down a column hit distinct
+# banks (shared array shapes must be plain constants, hence the names).
+A_LD = CHUNK + 1
+SLICE_LD = SLICE + 1
 STATE_ITEMS = MAX_DK * COLS // THREADS
 OUT_ITEMS = CHUNK * COLS // THREADS
 
@@ -140,15 +144,15 @@ def gdn_chunk_prep_kernel(
     bt = cuda.shared.array(CHUNK, float32)
     iq = cuda.shared.array(CHUNK, float32)
     ik = cuda.shared.array(CHUNK, float32)
-    A = cuda.shared.array((CHUNK, CHUNK + 1), float32)
-    ksl = cuda.shared.array((CHUNK, SLICE + 1), float32)
-    qsl = cuda.shared.array((CHUNK, SLICE + 1), float32)
+    A = cuda.shared.array((CHUNK, A_LD), float32)
+    ksl = cuda.shared.array((CHUNK, SLICE_LD), float32)
+    qsl = cuda.shared.array((CHUNK, SLICE_LD), float32)
 
     if tid < CHUNK:
         gv = float32(0.0)
         bv = float32(0.0)
         if tid < L:
-            gv, bv = gates(a[t0 + tid, h], b[t0 + tid, h], a_log[h], dt_bias[h])
+            gv, bv = gates(a[t0 + tid, h], b[t0 + tid, h], a_log[h], dt_bias[h], b)
         cs[tid] = gv
         bt[tid] = bv
     cuda.syncthreads()

@@ -98,7 +98,7 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     if tid < Dk:
         qs[tid] = qv * qinv * scale
         ks[tid] = kv * kinv
-    g, beta = gates(a[req, h], b[req, h], a_log[h], dt_bias[h])
+    g, beta = gates(a[req, h], b[req, h], a_log[h], dt_bias[h], b)
     decay = float32(math.exp(g))
     cuda.syncthreads()
 
