@@ -46,7 +46,7 @@ from voltserve.kernels.compile_cache import cached
 from voltserve.kernels.launch_geometry import on_gpu
 from voltserve.kernels.linear_attention.gating import gates, gates_ref
 from voltserve.kernels.linear_attention.recurrent import L2_EPS, MAX_DK, check_shapes, l2norm_ref
-from voltserve.kernels.numba_common import current_stream, float32, launch
+from voltserve.kernels.numba_common import SIM, current_stream, float32, launch
 
 CHUNK = 64
 THREADS = 256
@@ -58,6 +58,13 @@ COLS = 32  # state columns a scan block owns
 # banks (shared array shapes must be plain constants, hence the names).
 A_LD = CHUNK + 1
 SLICE_LD = SLICE + 1
+STAGE = CHUNK * SLICE_LD  # the scan kernel's operand staging buffer (floats)
+KT = STAGE // MAX_DK  # tokens of K' staged at a time in the state update
+# The prep kernel is capped at 128 registers a thread (ptxas takes 163 for sm_70 when free, 28
+# bytes of spill at the cap): two 256-thread blocks per SM instead of one. The scan kernel is left
+# free (255, one block per SM): at 128 it spills 712 bytes inside its loops. The simulator takes
+# no such option.
+PREP_JIT = {} if SIM else {"max_registers": 128}
 STATE_ITEMS = MAX_DK * COLS // THREADS
 OUT_ITEMS = CHUNK * COLS // THREADS
 
@@ -115,7 +122,7 @@ def gated_delta_rule_prefill_ref(
 
 
 @cached
-@cuda.jit
+@cuda.jit(**PREP_JIT)
 def gdn_chunk_prep_kernel(
     q, k, v, a, b, a_log, dt_bias, cu_seqlens, slots, w_out, u_out, qs_out, kd_out, qk_out,
     cs_out, scale,
@@ -286,6 +293,11 @@ def gdn_chunk_scan_kernel(
         return
     S = cuda.shared.array((MAX_DK, COLS), float32)
     vn = cuda.shared.array((CHUNK, COLS), float32)
+    stage = cuda.shared.array(STAGE, float32)
+    # Micro-tiles: rows tr * MT + r (r < MT) and columns tc + 16 c (c < 2); MT = 4 token rows in
+    # V' and O, 8 state rows in the update.
+    tr, tc = tid // 16, tid % 16
+    acc = cuda.local.array(16, float32)
     init = has_initial[seq]
     for m in range(STATE_ITEMS):
         p = tid + m * THREADS
@@ -294,42 +306,83 @@ def gdn_chunk_scan_kernel(
         if init and i < Dk and j0 + jj < Dv:
             x = state_pool[slot, h, i, j0 + jj]
         S[i, jj] = x
-    cuda.syncthreads()
     t0 = start
     while t0 < end:
         L = min(CHUNK, end - t0)
-        for m in range(OUT_ITEMS):  # V' = U - W S
-            p = tid + m * THREADS
-            t, jj = p // COLS, p % COLS
-            x = float32(0.0)
-            if t < L and j0 + jj < Dv:
-                x = u[t0 + t, h, j0 + jj]
-                for i in range(Dk):
-                    x -= w[t0 + t, h, i] * S[i, jj]
-            vn[t, jj] = x
-        cuda.syncthreads()
-        for m in range(OUT_ITEMS):  # O = Q' S + (intra-chunk scores) V'
-            p = tid + m * THREADS
-            t, jj = p // COLS, p % COLS
-            if t < L and j0 + jj < Dv:
-                o = float32(0.0)
-                for i in range(Dk):
-                    o += qs[t0 + t, h, i] * S[i, jj]
-                for s in range(t + 1):
-                    o += qk[t0 + t, h, s] * vn[s, jj]
-                out[t0 + t, h, j0 + jj] = o
-        cuda.syncthreads()
+        # V' = U - W S, then O = Q' S + P V' (P: the masked intra-chunk scores, zero above the
+        # diagonal and past L, so the sum runs over the whole chunk).
+        for phase in range(2):
+            for e in range(8):
+                acc[e] = 0.0
+            nk = Dk if phase == 0 else Dk + CHUNK
+            for k0 in range(0, nk, SLICE):
+                cuda.syncthreads()  # the previous readers of stage (and writers of S) are done
+                for m in range(ITEMS):  # stage[t][kk] = W, Q' or P over 32 of the K index
+                    p = tid + m * THREADS
+                    t, kk = p // SLICE, p % SLICE
+                    x = float32(0.0)
+                    kx = k0 + kk
+                    if t < L and kx < nk:
+                        if phase == 0:
+                            x = w[t0 + t, h, kx]
+                        elif kx < Dk:
+                            x = qs[t0 + t, h, kx]
+                        else:
+                            x = qk[t0 + t, h, kx - Dk]
+                    stage[t * SLICE_LD + kk] = x
+                cuda.syncthreads()
+                for kk in range(min(SLICE, nk - k0)):
+                    kx = k0 + kk
+                    b0 = float32(0.0)
+                    b1 = float32(0.0)
+                    if kx < Dk:
+                        b0 = S[kx, tc]
+                        b1 = S[kx, tc + 16]
+                    else:
+                        b0 = vn[kx - Dk, tc]
+                        b1 = vn[kx - Dk, tc + 16]
+                    for r in range(4):
+                        a_ = stage[(tr * 4 + r) * SLICE_LD + kk]
+                        acc[2 * r] += a_ * b0
+                        acc[2 * r + 1] += a_ * b1
+            for r in range(4):
+                t = tr * 4 + r
+                for c in range(2):
+                    j = j0 + tc + 16 * c
+                    if phase == 0:
+                        x = float32(0.0)
+                        if t < L and j < Dv:
+                            x = u[t0 + t, h, j] - acc[2 * r + c]
+                        vn[t, tc + 16 * c] = x
+                    elif t < L and j < Dv:
+                        out[t0 + t, h, j] = acc[2 * r + c]
+        # S <- exp(c_L) S + K'^T V', K' staged 16 tokens at a time ([16][MAX_DK]).
+        for e in range(16):
+            acc[e] = 0.0
+        for s0 in range(0, L, KT):
+            cuda.syncthreads()
+            for m in range(KT * MAX_DK // THREADS):
+                p = tid + m * THREADS
+                tt, i = p // MAX_DK, p % MAX_DK
+                x = float32(0.0)
+                if s0 + tt < L and i < Dk:
+                    x = kd[t0 + s0 + tt, h, i]
+                stage[p] = x
+            cuda.syncthreads()
+            for tt in range(min(KT, L - s0)):
+                b0 = vn[s0 + tt, tc]
+                b1 = vn[s0 + tt, tc + 16]
+                for r in range(8):
+                    a_ = stage[tt * MAX_DK + tr * 8 + r]
+                    acc[2 * r] += a_ * b0
+                    acc[2 * r + 1] += a_ * b1
         dl = float32(math.exp(cs[t0 + L - 1, h]))
-        for m in range(STATE_ITEMS):  # S <- exp(c_L) S + K'^T V'
-            p = tid + m * THREADS
-            i, jj = p // COLS, p % COLS
-            if i < Dk:
-                x = S[i, jj] * dl
-                for t in range(L):
-                    x += kd[t0 + t, h, i] * vn[t, jj]
-                S[i, jj] = x
-        cuda.syncthreads()
+        for r in range(8):
+            i = tr * 8 + r
+            S[i, tc] = S[i, tc] * dl + acc[2 * r]
+            S[i, tc + 16] = S[i, tc + 16] * dl + acc[2 * r + 1]
         t0 += CHUNK
+    cuda.syncthreads()
     for m in range(STATE_ITEMS):
         p = tid + m * THREADS
         i, jj = p // COLS, p % COLS

@@ -94,12 +94,17 @@ def find_ptxas() -> str | None:
     return shutil.which("ptxas")
 
 
-def _ptxas_info(ptxas: str, ptx: str, cc: tuple[int, int]) -> tuple[int, int, int]:
+def _ptxas_info(
+    ptxas: str, ptx: str, cc: tuple[int, int], max_registers: int | None = None
+) -> tuple[int, int, int]:
+    """Registers, spill bytes and static shared memory of the PTX assembled for sm_XY, under the
+    kernel's own register cap (`cuda.jit(max_registers=...)`, applied when numba links)."""
+    cap = [f"-maxrregcount={max_registers}"] if max_registers else []
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "k.ptx", Path(d) / "k.cubin"
         src.write_text(ptx)
         proc = subprocess.run(
-            [ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", str(src), "-o", str(dst)],
+            [ptxas, f"-arch=sm_{cc[0]}{cc[1]}", *cap, "-v", str(src), "-o", str(dst)],
             capture_output=True,
             text=True,
         )
@@ -230,7 +235,8 @@ def compile_one(task: Task) -> Result:
         if linked and task.use_ptxas:
             res.registers, res.spill_bytes, res.shared_bytes = link_info([ptx, *linked], task.cc)
         elif task.use_ptxas and (ptxas := find_ptxas()):
-            res.registers, res.spill_bytes, res.shared_bytes = _ptxas_info(ptxas, ptx, task.cc)
+            cap = getattr(kernel, "targetoptions", {}).get("max_registers")
+            res.registers, res.spill_bytes, res.shared_bytes = _ptxas_info(ptxas, ptx, task.cc, cap)
     except Exception as e:  # noqa: BLE001 - reported per kernel by the caller
         msg = str(e).strip()
         res.error = f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"
