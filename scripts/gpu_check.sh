@@ -10,6 +10,7 @@
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
+# `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn;
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
 # MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
@@ -328,6 +329,14 @@ PYEOF
         [ "${MOE_WMMA:-0}" = 0 ] || run bench_moe_simt env VOLTSERVE_MOE_WMMA=0 $PY load_tests/bench_moe.py --layers "${MOE_LAYERS:-8}" --batch-sizes "${MOE_BATCHES:-64,256}" --model-dir "$MOE_DIR" --skip-transformers --runs 1 --out "$OUT/bench_moe_simt.json"
         [ "${MOE_SERVING:-1}" = 0 ] || run serving_moe $PY load_tests/bench_serving.py --launch "$MOE_DIR" --num-prompts 256 --input-len 1024 --output-len 256 --transformers-baseline --hf-batch-size 32 --hf-max-prompts 32 --out "$OUT/serving_moe.json" -- --log-level "${SERVING_LOG:-debug}"
       fi
+      ;;
+    gdn)
+      # The Gated DeltaNet kernels (kernels/linear_attention/): their GPU tests at the Qwen3.5 /
+      # Qwen3-Next shapes against our references and transformers' torch functions, then
+      # bench_gdn (decode at batch 1/64/256 against the bytes floor, chunked prefill of 1 x 4096
+      # and 8 x 1024 against its roofline, transformers as the anchor).
+      run gdn_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_linear_attention_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      run bench_gdn $PY load_tests/bench_gdn.py --out "$OUT/bench_gdn.json"
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the
