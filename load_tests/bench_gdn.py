@@ -115,9 +115,10 @@ def bench_decode(B: int, copy_gbps: float, calls: int, iters: int) -> dict:
     floor_ms = nbytes / copy_gbps / 1e6
     g = -A_log.exp() * F.softplus(a.float() + dt_bias)
     init = pools[0].clone()
+    qh, kh = (x.repeat_interleave(HV // HK, dim=1) for x in (q, k))  # per value head
     hf_ms = event_time_ms(
         lambda: torch_recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], g[:, None], b.sigmoid()[:, None],
+            qh[:, None], kh[:, None], v[:, None], g[:, None], b.sigmoid()[:, None],
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
         ),
         iters,
@@ -188,13 +189,14 @@ def bench_prefill(lens: list[int], copy_gbps: float, fp32_tflops: float, iters: 
 
     g = -A_log.exp() * F.softplus(a.float() + dt_bias)
     beta = b.sigmoid()
+    q, k = (x.repeat_interleave(HV // HK, dim=1) for x in (q, k))  # per value head, as the model
     equal = len(set(lens)) == 1  # equal lengths: one batched call, else one call a sequence
 
     def hf():
         if equal:
             B, n = N, lens[0]
             return torch_chunk_gated_delta_rule(
-                q.view(B, n, HK, DK), k.view(B, n, HK, DK), v.view(B, n, HV, DV),
+                q.view(B, n, HV, DK), k.view(B, n, HV, DK), v.view(B, n, HV, DV),
                 g.view(B, n, HV), beta.view(B, n, HV), initial_state=pool,
                 output_final_state=True, use_qk_l2norm_in_kernel=True,
             )  # fmt: skip

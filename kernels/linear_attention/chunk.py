@@ -105,10 +105,10 @@ def gated_delta_rule_prefill_ref(
             cs = g[:, c].cumsum(-1)
             L = cs.shape[1]
             diff = cs[:, :, None] - cs[:, None, :]
-            causal = torch.ones(L, L, dtype=torch.bool).tril()
+            causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
             decay = torch.where(causal, diff, float("-inf")).exp()
             A = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-            eye = torch.eye(L).expand(Hv, L, L)
+            eye = torch.eye(L, device=q.device).expand(Hv, L, L)
             M = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
             W = M @ (kc * (bc * cs.exp())[..., None])
             U = M @ (vc * bc[..., None])

@@ -49,6 +49,12 @@ def hf_gates(a, b, A_log, dt_bias):
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
+def per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """q or k repeated to the value heads (value head h reads key head h // (hv // hk)), as the
+    model does before transformers' torch functions (some versions of them do not)."""
+    return x.repeat_interleave(hv // x.shape[-2], dim=-2)
+
+
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("batch", [1, 64, 256])
 def test_decode_matches_references(model, batch):
@@ -74,7 +80,8 @@ def test_decode_matches_references(model, batch):
     live = (slots >= 0).nonzero().flatten()
     g, beta = hf_gates(a[live], b[live], A_log, dt_bias)
     want, state = torch_recurrent_gated_delta_rule(
-        q[live, None], k[live, None], v[live, None], g[:, None], beta[:, None],
+        per_value_head(q[live, None], hv), per_value_head(k[live, None], hv), v[live, None],
+        g[:, None], beta[:, None],
         initial_state=pool[slots[live]], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     torch.testing.assert_close(out[live], want[:, 0], **OUT_TOL)
@@ -112,8 +119,9 @@ def test_prefill_matches_references(model, lens):
         s = slice(int(cu[i]), int(cu[i + 1]))
         init = pool[slots[i]][None] if has_initial[i] else None
         want, state = torch_chunk_gated_delta_rule(
-            q[None, s], k[None, s], v[None, s], g[None, s], beta[None, s], initial_state=init,
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            per_value_head(q[None, s], hv), per_value_head(k[None, s], hv), v[None, s],
+            g[None, s], beta[None, s], initial_state=init, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         torch.testing.assert_close(out[s], want[0], **OUT_TOL)
         torch.testing.assert_close(got_pool[slots[i]], state[0], **STATE_TOL)
