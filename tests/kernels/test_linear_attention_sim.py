@@ -55,6 +55,12 @@ def hf_gates(a, b, A_log, dt_bias):
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
+def per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """q or k repeated to the value heads (value head h reads key head h // (hv // hk)), as the
+    model does before transformers' torch functions (some versions of them do not)."""
+    return x.repeat_interleave(hv // x.shape[-2], dim=-2)
+
+
 def varlen(lens: list[int]) -> torch.Tensor:
     cu = [0]
     for n in lens:
@@ -161,7 +167,8 @@ def test_recurrent_decode(rng, dtype):
     live = torch.tensor([0, 2])
     g, beta = hf_gates(a[live], b[live], A_log, dt_bias)
     want, state = hf.torch_recurrent_gated_delta_rule(
-        q[live, None], k[live, None], v[live, None], g[:, None], beta[:, None],
+        per_value_head(q[live, None], Hv), per_value_head(k[live, None], Hv), v[live, None],
+        g[:, None], beta[:, None],
         initial_state=pool[slots[live]], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     torch.testing.assert_close(out[live].float(), want[:, 0].float(), **TOL[dtype])
@@ -206,8 +213,9 @@ def test_chunked_prefill(rng):
         s = slice(int(cu[i]), int(cu[i + 1]))
         init = pool[slots[i]][None] if has_initial[i] else None
         want, state = hf.torch_chunk_gated_delta_rule(
-            q[None, s], k[None, s], v[None, s], g[None, s], beta[None, s], initial_state=init,
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            per_value_head(q[None, s], Hv), per_value_head(k[None, s], Hv), v[None, s],
+            g[None, s], beta[None, s], initial_state=init, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         torch.testing.assert_close(out[s], want[0], **tol)
         torch.testing.assert_close(got_pool[slots[i]], state[0], **tol)
