@@ -42,11 +42,11 @@ import math
 import numpy as np
 import torch
 from numba import cuda
-from voltserve.kernels.compile_cache import cached
-from voltserve.kernels.launch_geometry import on_gpu
 from voltserve.kernels.linear_attention.gating import gates, gates_ref
 from voltserve.kernels.linear_attention.recurrent import L2_EPS, MAX_DK, check_shapes, l2norm_ref
-from voltserve.kernels.numba_common import SIM, current_stream, float32, launch
+from voltserve.kernels.runtime.compile_cache import cached
+from voltserve.kernels.runtime.launch_geometry import on_gpu
+from voltserve.kernels.runtime.numba_common import SIM, current_stream, float32, launch
 
 CHUNK = 64
 THREADS = 256

@@ -23,9 +23,9 @@ import math
 import torch
 import torch.nn.functional as F
 from numba import cuda
-from voltserve.kernels.compile_cache import cached
-from voltserve.kernels.launch_geometry import on_gpu
-from voltserve.kernels.numba_common import current_stream, float32, launch, round_like
+from voltserve.kernels.runtime.compile_cache import cached
+from voltserve.kernels.runtime.launch_geometry import on_gpu
+from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, round_like
 
 THREADS = 256
 MAX_STATE = 8  # kernel - 1 inputs a thread holds (Qwen3-Next / 3.5: 3)

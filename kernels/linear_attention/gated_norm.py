@@ -17,9 +17,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from numba import cuda
-from voltserve.kernels.compile_cache import cached
-from voltserve.kernels.launch_geometry import on_gpu
-from voltserve.kernels.numba_common import block_sum, current_stream, float32, launch, round_like
+from voltserve.kernels.runtime.compile_cache import cached
+from voltserve.kernels.runtime.launch_geometry import on_gpu
+from voltserve.kernels.runtime.numba_common import (
+    block_sum,
+    current_stream,
+    float32,
+    launch,
+    round_like,
+)
 
 MAX_THREADS = 1024
 

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from numba import cuda, float32
-from voltserve.kernels.numba_common import round_like
+from voltserve.kernels.runtime.numba_common import round_like
 
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
 

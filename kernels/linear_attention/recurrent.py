@@ -20,10 +20,10 @@ import math
 import numpy as np
 import torch
 from numba import cuda
-from voltserve.kernels.compile_cache import cached
-from voltserve.kernels.launch_geometry import on_gpu
 from voltserve.kernels.linear_attention.gating import gates, gates_ref
-from voltserve.kernels.numba_common import block_sum, current_stream, float32, launch
+from voltserve.kernels.runtime.compile_cache import cached
+from voltserve.kernels.runtime.launch_geometry import on_gpu
+from voltserve.kernels.runtime.numba_common import block_sum, current_stream, float32, launch
 
 L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
 COLS = 32  # state columns a block owns (one per lane)

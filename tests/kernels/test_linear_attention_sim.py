@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 from voltserve.kernels import dispatch
-from voltserve.kernels.launch_geometry import recording
 from voltserve.kernels.linear_attention import chunk, conv, gated_norm, recurrent
-from voltserve.kernels.numba_common import SIM, launch
+from voltserve.kernels.runtime.launch_geometry import recording
+from voltserve.kernels.runtime.numba_common import SIM, launch
 
 sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 NAN = float("nan")
