@@ -274,71 +274,6 @@ def gdn_chunk_prep_kernel(
         cs_out[t0 + tid, h] = cs[tid]
 
 
-ZERO8 = (float32(0.0),) * 8
-
-
-@cuda.jit(device=True, inline="always")
-def _fma4x2(acc, a0, a1, a2, a3, b0, b1):
-    """acc (rows 0..3 x columns 0..1, row-major) + a b^T."""
-    return (
-        acc[0] + a0 * b0,
-        acc[1] + a0 * b1,
-        acc[2] + a1 * b0,
-        acc[3] + a1 * b1,
-        acc[4] + a2 * b0,
-        acc[5] + a2 * b1,
-        acc[6] + a3 * b0,
-        acc[7] + a3 * b1,
-    )
-
-
-@cuda.jit(device=True, inline="always")
-def _vn_row(vn, u, v0, v1, t, t0, L, h, j0, tc, Dv):
-    x0 = float32(0.0)
-    x1 = float32(0.0)
-    if t < L:
-        if j0 + tc < Dv:
-            x0 = u[t0 + t, h, j0 + tc] - v0
-        if j0 + tc + 16 < Dv:
-            x1 = u[t0 + t, h, j0 + tc + 16] - v1
-    vn[t, tc] = x0
-    vn[t, tc + 16] = x1
-
-
-@cuda.jit(device=True, inline="always")
-def _store_vn(vn, u, acc, t0, L, h, j0, r0, tc, Dv):
-    """V' rows r0..r0+3 = U - acc (zero past L and past Dv)."""
-    _vn_row(vn, u, acc[0], acc[1], r0, t0, L, h, j0, tc, Dv)
-    _vn_row(vn, u, acc[2], acc[3], r0 + 1, t0, L, h, j0, tc, Dv)
-    _vn_row(vn, u, acc[4], acc[5], r0 + 2, t0, L, h, j0, tc, Dv)
-    _vn_row(vn, u, acc[6], acc[7], r0 + 3, t0, L, h, j0, tc, Dv)
-
-
-@cuda.jit(device=True, inline="always")
-def _out_row(out, v0, v1, t, t0, L, h, j0, tc, Dv):
-    if t < L:
-        if j0 + tc < Dv:
-            out[t0 + t, h, j0 + tc] = v0
-        if j0 + tc + 16 < Dv:
-            out[t0 + t, h, j0 + tc + 16] = v1
-
-
-@cuda.jit(device=True, inline="always")
-def _store_out(out, acc, t0, L, h, j0, r0, tc, Dv):
-    _out_row(out, acc[0], acc[1], r0, t0, L, h, j0, tc, Dv)
-    _out_row(out, acc[2], acc[3], r0 + 1, t0, L, h, j0, tc, Dv)
-    _out_row(out, acc[4], acc[5], r0 + 2, t0, L, h, j0, tc, Dv)
-    _out_row(out, acc[6], acc[7], r0 + 3, t0, L, h, j0, tc, Dv)
-
-
-@cuda.jit(device=True, inline="always")
-def _update_state(S, acc, dl, r0, tc):
-    """S rows r0..r0+3, columns tc and tc + 16: S exp(c_L) + acc (each thread owns these)."""
-    for r in range(4):
-        S[r0 + r, tc] = S[r0 + r, tc] * dl + acc[2 * r]
-        S[r0 + r, tc + 16] = S[r0 + r, tc + 16] * dl + acc[2 * r + 1]
-
-
 @cached
 @cuda.jit
 def gdn_chunk_scan_kernel(
@@ -359,10 +294,10 @@ def gdn_chunk_scan_kernel(
     S = cuda.shared.array((MAX_DK, COLS), float32)
     vn = cuda.shared.array((CHUNK, COLS), float32)
     stage = cuda.shared.array(STAGE, float32)
-    # Micro-tiles of 4 rows x 2 columns a thread, accumulated in an 8-float tuple (registers):
-    # rows tr * 4 + r, columns tc + 16 c. V' and O are [64 x 32]: one tile a thread; the state
-    # update [128 x 32]: two (rows tr * 4 + r and 64 + tr * 4 + r).
+    # Micro-tiles: rows tr * MT + r (r < MT) and columns tc + 16 c (c < 2); MT = 4 token rows in
+    # V' and O, 8 state rows in the update.
     tr, tc = tid // 16, tid % 16
+    acc = cuda.local.array(16, float32)
     init = has_initial[seq]
     for m in range(STATE_ITEMS):
         p = tid + m * THREADS
@@ -377,7 +312,8 @@ def gdn_chunk_scan_kernel(
         # V' = U - W S, then O = Q' S + P V' (P: the masked intra-chunk scores, zero above the
         # diagonal and past L, so the sum runs over the whole chunk).
         for phase in range(2):
-            acc = ZERO8
+            for e in range(8):
+                acc[e] = 0.0
             nk = Dk if phase == 0 else Dk + CHUNK
             for k0 in range(0, nk, SLICE):
                 cuda.syncthreads()  # the previous readers of stage (and writers of S) are done
@@ -397,29 +333,32 @@ def gdn_chunk_scan_kernel(
                 cuda.syncthreads()
                 for kk in range(min(SLICE, nk - k0)):
                     kx = k0 + kk
+                    b0 = float32(0.0)
+                    b1 = float32(0.0)
                     if kx < Dk:
                         b0 = S[kx, tc]
                         b1 = S[kx, tc + 16]
                     else:
                         b0 = vn[kx - Dk, tc]
                         b1 = vn[kx - Dk, tc + 16]
-                    base = tr * 4 * SLICE_LD + kk
-                    acc = _fma4x2(
-                        acc,
-                        stage[base],
-                        stage[base + SLICE_LD],
-                        stage[base + 2 * SLICE_LD],
-                        stage[base + 3 * SLICE_LD],
-                        b0,
-                        b1,
-                    )
-            if phase == 0:
-                _store_vn(vn, u, acc, t0, L, h, j0, tr * 4, tc, Dv)
-            else:
-                _store_out(out, acc, t0, L, h, j0, tr * 4, tc, Dv)
-        # S <- exp(c_L) S + K'^T V', K' staged KT tokens at a time ([KT][MAX_DK]).
-        lo = ZERO8
-        hi = ZERO8
+                    for r in range(4):
+                        a_ = stage[(tr * 4 + r) * SLICE_LD + kk]
+                        acc[2 * r] += a_ * b0
+                        acc[2 * r + 1] += a_ * b1
+            for r in range(4):
+                t = tr * 4 + r
+                for c in range(2):
+                    j = j0 + tc + 16 * c
+                    if phase == 0:
+                        x = float32(0.0)
+                        if t < L and j < Dv:
+                            x = u[t0 + t, h, j] - acc[2 * r + c]
+                        vn[t, tc + 16 * c] = x
+                    elif t < L and j < Dv:
+                        out[t0 + t, h, j] = acc[2 * r + c]
+        # S <- exp(c_L) S + K'^T V', K' staged 16 tokens at a time ([16][MAX_DK]).
+        for e in range(16):
+            acc[e] = 0.0
         for s0 in range(0, L, KT):
             cuda.syncthreads()
             for m in range(KT * MAX_DK // THREADS):
@@ -433,17 +372,15 @@ def gdn_chunk_scan_kernel(
             for tt in range(min(KT, L - s0)):
                 b0 = vn[s0 + tt, tc]
                 b1 = vn[s0 + tt, tc + 16]
-                base = tt * MAX_DK + tr * 4
-                lo = _fma4x2(
-                    lo, stage[base], stage[base + 1], stage[base + 2], stage[base + 3], b0, b1
-                )
-                base += 64
-                hi = _fma4x2(
-                    hi, stage[base], stage[base + 1], stage[base + 2], stage[base + 3], b0, b1
-                )
+                for r in range(8):
+                    a_ = stage[tt * MAX_DK + tr * 8 + r]
+                    acc[2 * r] += a_ * b0
+                    acc[2 * r + 1] += a_ * b1
         dl = float32(math.exp(cs[t0 + L - 1, h]))
-        _update_state(S, lo, dl, tr * 4, tc)
-        _update_state(S, hi, dl, 64 + tr * 4, tc)
+        for r in range(8):
+            i = tr * 8 + r
+            S[i, tc] = S[i, tc] * dl + acc[2 * r]
+            S[i, tc + 16] = S[i, tc + 16] * dl + acc[2 * r + 1]
         t0 += CHUNK
     cuda.syncthreads()
     for m in range(STATE_ITEMS):

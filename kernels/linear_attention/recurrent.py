@@ -104,19 +104,13 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
 
     s = cuda.local.array(ROWS, float32)
     ok = j < Dv
-    # Every load is unconditional (indices clamped into the tile, the value masked after), so
-    # the thread's ROWS loads are all in flight at once instead of one per branch.
-    jc = min(j, Dv - 1)
-    for r in range(ROWS):
-        s[r] = state_pool[slot, h, min(warp + r * WARPS, Dk - 1), jc]
     acc = float32(0.0)
     for r in range(ROWS):
         i = warp + r * WARPS
-        x = s[r] * decay
-        if not ok or i >= Dk:
-            x = float32(0.0)
-        s[r] = x
-        acc += x * ks[min(i, Dk - 1)]
+        s[r] = 0.0
+        if ok and i < Dk:
+            s[r] = state_pool[slot, h, i, j] * decay
+            acc += s[r] * ks[i]
     part[warp, lane] = acc
     cuda.syncthreads()
     kvm = part[0, lane]
