@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,26 +37,17 @@ import torch.nn.functional as F
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.bench_kernels_elementwise import graph_time_ms  # noqa: E402
-from load_tests.common import env_info, git_commit, measure_copy_bandwidth, write_json  # noqa: E402
+from load_tests.common import (  # noqa: E402
+    env_info,
+    event_time_ms,
+    git_commit,
+    measure_copy_bandwidth,
+    write_json,
+)
 
 HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.5-27B
 CHUNK = 64
 ROTATE_BYTES = 512 << 20  # state bytes cycled over per graph: > 8x the H100/H200 L2
-
-
-def event_time_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def gemm_tflops(dtype: torch.dtype, n: int = 8192, iters: int = 10) -> float:

@@ -29,7 +29,7 @@ import torch
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
-from load_tests.common import measure_copy_bandwidth  # noqa: E402
+from load_tests.common import event_time_ms, measure_copy_bandwidth  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # per rotation: > 8x the H100/H200 L2 (50-60 MB)
 
@@ -59,21 +59,6 @@ def graph_time_ms(fns: list[Callable[[], object]], calls: int, replays: int) -> 
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     del graph
-    return statistics.median(times)
-
-
-def eager_time_ms(fn: Callable[[], object], iters: int = 20) -> float:
-    """Events around one eager call: launch CPU cost + GPU time (shown for contrast only)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -143,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             "buffer_sets": len(fns),
             "gb_per_s": gbps,
             "fraction_of_copy": gbps / copy_bw,
-            "eager_single_call_ms": eager_time_ms(fns[0]),
+            "eager_single_call_ms": event_time_ms(fns[0], warmup=1),
         }
         del fns
         torch.cuda.empty_cache()
