@@ -1,10 +1,12 @@
-"""Errors a client sees from a stack that cannot serve yet: 401 without the API key, 503 "starting"
-on /health with no executor, 503 when the scheduler's admission queue is full."""
+"""Errors a client sees from a stack that cannot serve: 401 without the API key, 503 "starting"
+on /health with no executor, 503 when the scheduler's admission queue is full (after the only
+executor is gone: the limits it published stay known, so requests queue for the next one)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +39,31 @@ def no_executor_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                 if time.monotonic() > deadline:
                     raise TimeoutError(s.logs()) from None
                 time.sleep(0.2)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def executor_gone_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A stack whose only executor served one request and was then killed: the gateway and the
+    renderer keep the limits it published, and new requests wait in the scheduler's queue."""
+    s = Stack(tiny_model, tmp_path_factory.mktemp("gone"))
+    try:
+        s.add_scheduler("scheduler-0", "--max-queued-requests", "1")
+        s.add_renderer()
+        s.add_executor()
+        s.add_gateway("gateway-0", "--api-key", KEY)
+        s.wait_ready()
+        client = openai.OpenAI(base_url=s.base_url() + "/v1", api_key=KEY, max_retries=0)
+        client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+        s.kill("executor-0")
+        # Until the scheduler itself has seen the executor go (it says so in its log): a request
+        # sent before that would be placed on the dead executor and failed over into the queue.
+        deadline = time.monotonic() + 120
+        while not re.search(r"executor executor-0 \(instance \w+\) is gone", s.logs("scheduler-0")):
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.1)
         yield s
     finally:
         s.stop()
@@ -79,8 +106,8 @@ def test_api_key(no_executor_stack: Stack) -> None:
         good.completions.create(model="other", prompt="x", max_tokens=2)
 
 
-async def test_queue_full_is_503(no_executor_stack: Stack) -> None:
-    url = no_executor_stack.base_url() + "/v1/completions"
+async def test_queue_full_is_503(executor_gone_stack: Stack) -> None:
+    url = executor_gone_stack.base_url() + "/v1/completions"
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
@@ -89,13 +116,13 @@ async def test_queue_full_is_503(no_executor_stack: Stack) -> None:
             return r.status, await r.json()
 
     async with aiohttp.ClientSession() as s:
-        # No executor and room for one waiting request: of two, exactly one is refused.
+        # No live executor and room for one waiting request: of two, exactly one is refused.
         tasks = [
             asyncio.create_task(post(s, body)),
             asyncio.create_task(post(s, dict(body, stream=True))),
         ]
         done, pending = await asyncio.wait(tasks, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        assert len(done) == 1, no_executor_stack.logs()
+        assert len(done) == 1, executor_gone_stack.logs()
         status, err = done.pop().result()
         assert status == 503, err
         assert "--max-queued-requests=1" in err["error"]["message"]
@@ -107,7 +134,7 @@ async def test_queue_full_is_503(no_executor_stack: Stack) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
     # The openai client sees the same status (n=2: the second choice finds the queue full).
     client = openai.AsyncOpenAI(
-        base_url=no_executor_stack.base_url() + "/v1", api_key=KEY, max_retries=0
+        base_url=executor_gone_stack.base_url() + "/v1", api_key=KEY, max_retries=0
     )
     with pytest.raises(openai.APIStatusError) as e:
         await asyncio.wait_for(
