@@ -5,7 +5,7 @@ the launcher `<op>_cuda` when its kernel file defines one; launchers are looked 
 getattr, so a kernel that lands later needs no change here. A launcher takes the same arguments
 as its reference and has the same effect (returns the same thing, or writes the same tensors in
 place). `VOLTSERVE_FORCE_REF=1` (or `force_ref=True`) keeps every op on the reference, which is how
-GPU tests compare the two. A few ops have their own switch (`_OP_ENV`): `VOLTSERVE_GEMV=0` keeps
+GPU tests compare the two. A few ops have their own switch (`Op.env`): `VOLTSERVE_GEMV=0` keeps
 the decode linears on cuBLAS, to compare the two end to end.
 
 CUDA graphs: a captured step may not synchronise with the host. The references for
@@ -26,153 +26,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from voltserve.kernels import registry
 
 logger = logging.getLogger(__name__)
 
 FORCE_REF_ENV = "VOLTSERVE_FORCE_REF"
 
-# op -> (kernel modules searched for `<op>_cuda`, in order; module and name of the reference).
-# Modules are dotted paths inside voltserve.kernels (subpackage.file).
-_OPS: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "rms_norm": (("elementwise.rmsnorm",), "elementwise.rmsnorm", "rms_norm_ref"),
-    "fused_add_rms_norm": (
-        ("elementwise.rmsnorm",),
-        "elementwise.rmsnorm",
-        "fused_add_rms_norm_ref",
-    ),
-    "rotary_embedding": (("attention.rotary",), "attention.rotary", "rotary_embedding_ref"),
-    "silu_and_mul": (("elementwise.activation",), "elementwise.activation", "silu_and_mul_ref"),
-    "reshape_and_cache": (("attention.kv_cache",), "attention.kv_cache", "reshape_and_cache_ref"),
-    # rotary_embedding then reshape_and_cache in one launch (what the models call).
-    "rotary_and_cache": (
-        ("attention.rotary_cache",),
-        "attention.rotary_cache",
-        "rotary_and_cache_ref",
-    ),
-    # Per-head q/k RMSNorm, then rotary_and_cache, in one launch (q/k-norm models: Qwen3).
-    "qk_norm_rope_and_cache": (
-        ("attention.qk_norm_rope",),
-        "attention.qk_norm_rope",
-        "qk_norm_rope_and_cache_ref",
-    ),
-    # prefill_attention_fa.paged_attention_cuda: the flash kernel where it covers the shape
-    # (head dims 64 and 128), the CUDA-core kernel of attention/prefill.py otherwise.
-    "paged_attention": (
-        (
-            "attention.prefill_fa",
-            "attention.prefill",
-            "attention.ref",
-        ),
-        "attention.ref",
-        "paged_attention_ref",
-    ),
-    "paged_decode_attention": (
-        ("attention.decode", "attention.ref"),
-        "attention.ref",
-        "paged_decode_attention_ref",
-    ),
-    # Linears of up to 8 rows (decode); models/layers.py calls it only for such inputs.
-    "gemv": (("linear.gemv",), "linear.gemv", "gemv_ref"),
-    # The gate_up projection with silu_and_mul fused into its output (out = the activation).
-    "gemv_gate_up": (("linear.gemv",), "linear.gemv", "gemv_gate_up_ref"),
-    # The qkv projection with rotary and the KV-cache write fused into its output (decode).
-    "gemv_qkv_rope": (("linear.gemv_qkv_rope",), "linear.gemv_qkv_rope", "gemv_qkv_rope_ref"),
-    # MoE: the router's top-k (torch on the device, capturable) and the routed experts
-    # (fused decode kernels for <= 8 tokens, grouped GEMMs beyond).
-    "moe_topk": (("moe.routing",), "moe.routing", "moe_topk_ref"),
-    "moe_experts": (("moe.experts",), "moe.experts", "moe_experts_ref"),
-    # Linears with group-quantized weights (quant_linear.py picks the kernel by row count; the
-    # model calls quant_linear.quant_linear(x, w, bias, ops), which reads impl["quant_linear"]).
-    "quant_linear": (("linear.quant_linear",), "linear.quant_linear", "quant_linear_ref"),
-    "apply_penalties": (("sampling.sampling",), "sampling.sampling", "apply_penalties_ref"),
-    "sample": (("sampling.sampling",), "sampling.sampling", "sample_ref"),
-    # Structured outputs: -inf where the grammar's bitmask forbids a token (masked rows only).
-    "apply_token_bitmask": (
-        ("sampling.grammar_mask",),
-        "sampling.grammar_mask",
-        "apply_token_bitmask_ref",
-    ),
-    # Gated DeltaNet (linear attention) layers: states in slot-indexed pools (see
-    # linear_attention/__init__.py). Dotted names: files of the linear_attention subpackage.
-    "causal_conv1d_prefill": (
-        ("linear_attention.conv",),
-        "linear_attention.conv",
-        "causal_conv1d_prefill_ref",
-    ),
-    "causal_conv1d_decode": (
-        ("linear_attention.conv",),
-        "linear_attention.conv",
-        "causal_conv1d_decode_ref",
-    ),
-    "gated_delta_rule_prefill": (
-        ("linear_attention.chunk",),
-        "linear_attention.chunk",
-        "gated_delta_rule_prefill_ref",
-    ),
-    "gated_delta_rule_decode": (
-        ("linear_attention.recurrent",),
-        "linear_attention.recurrent",
-        "gated_delta_rule_decode_ref",
-    ),
-    "gated_rms_norm": (
-        ("linear_attention.gated_norm",),
-        "linear_attention.gated_norm",
-        "gated_rms_norm_ref",
-    ),
-}
+# Every op, its reference, its launcher modules and when the launcher serves: the families'
+# tables (kernels/registry.py).
+_OPS = registry.ops()
 
-# Storage dtypes a launcher handles unless its module says otherwise with `<op>_cuda_dtypes`
-# (numba has no bf16 arrays). An op whose launcher cannot take the model's dtype uses the reference.
-_DEFAULT_CUDA_DTYPES = (torch.float16, torch.float32)
-_CUDA_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
-    "paged_attention": (torch.float16,),
-    "paged_decode_attention": (torch.float16,),
-    # Sampling works on fp32 logits whatever the model's dtype.
-    "apply_penalties": None,
-    "sample": None,
-    "apply_token_bitmask": None,
-}
-# The attention kernels are written for 16-token KV blocks.
-_CUDA_BLOCK_SIZES: dict[str, tuple[int, ...]] = {
-    "paged_attention": (16,),
-    "paged_decode_attention": (16,),
-}
-
-# Ops with their own off switch: the env var set to 0/false/no/off keeps the op on its reference.
-_OP_ENV: dict[str, str] = {
-    "gemv": "VOLTSERVE_GEMV",
-    "gemv_gate_up": "VOLTSERVE_GEMV",
-    "gemv_qkv_rope": "VOLTSERVE_GEMV",
-    # Off: the q/k-norm models run rms_norm twice and rotary_and_cache (the separate kernels).
-    "qk_norm_rope_and_cache": "VOLTSERVE_QK_NORM_ROPE",
-    "moe_topk": "VOLTSERVE_MOE_TOPK",
-    "quant_linear": "VOLTSERVE_QUANT_KERNELS",
-}
-
-# References that never synchronise with the host, so a CUDA graph can capture them.
-_CAPTURABLE_REFS = {
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "gemv",
-    "gemv_gate_up",
-    "moe_topk",
-    "quant_linear",
-}
 # What a decode step runs inside a captured graph (sampling stays outside).
-DECODE_GRAPH_OPS = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "reshape_and_cache",
-    "rotary_and_cache",
-    "paged_decode_attention",
-)
-# Not listed: qk_norm_rope_and_cache. The model calls it only where it is the kernel (capturable)
-# or where rms_norm and rotary_and_cache are of its own kind (qk_norm_rope.covers), so those two
-# decide; with VOLTSERVE_QK_NORM_ROPE=0 it is a reference the model never calls.
+DECODE_GRAPH_OPS = tuple(name for name, op in _OPS.items() if op.decode_graph)
 
 
 def _module(name: str) -> ModuleType | None:
@@ -184,12 +49,22 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
+def _dtypes(names: tuple[str, ...] | None) -> tuple[torch.dtype, ...] | None:
+    return None if names is None else tuple(getattr(torch, n) for n in names)
+
+
+def reference(op: str) -> Callable:
+    """The torch reference of `op` (what every op runs on CPU)."""
+    spec = _OPS[op]
+    return getattr(_module(spec.reference_module), spec.reference_name)
+
+
 def force_ref_from_env() -> bool:
     return os.environ.get(FORCE_REF_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def op_disabled_by_env(op: str) -> bool:
-    name = _OP_ENV.get(op)
+    name = _OPS[op].env if op in _OPS else None
     return name is not None and os.environ.get(name, "").strip().lower() in (
         "0",
         "false",
@@ -222,20 +97,16 @@ class KernelDispatch:
         self.quant_scratch: Any = None
         self._fns: dict[str, Callable] = {}
         use_cuda = self.device.type == "cuda" and not self.force_ref
-        for op, (families, ref_mod, ref_name) in _OPS.items():
+        for op, spec in _OPS.items():
             fn, kind = None, "ref"
             if use_cuda and not op_disabled_by_env(op):
-                for fam in families:
+                for fam in spec.launchers:
                     mod = _module(fam)
                     fn = getattr(mod, f"{op}_cuda", None) if mod is not None else None
-                    ok = getattr(mod, f"{op}_cuda_dtypes", None) or _CUDA_DTYPES.get(
-                        op, _DEFAULT_CUDA_DTYPES
-                    )
+                    ok = getattr(mod, f"{op}_cuda_dtypes", None) or _dtypes(spec.cuda_dtypes)
                     if fn is not None and ok is not None and dtype not in ok:
                         fn = None
-                    if fn is not None and block_size not in _CUDA_BLOCK_SIZES.get(
-                        op, (block_size,)
-                    ):
+                    if fn is not None and block_size not in (spec.block_sizes or (block_size,)):
                         fn = None
                     if fn is not None:
                         kind = "cuda"
@@ -244,7 +115,7 @@ class KernelDispatch:
                 fn = _CAPTURABLE_FALLBACKS.get(op)
                 kind = "torch-capturable" if fn is not None else "ref"
             if fn is None:
-                fn = getattr(_module(ref_mod), ref_name)
+                fn = reference(op)
             self._fns[op] = fn
             self.impl[op] = kind
             setattr(self, op, fn)
@@ -252,7 +123,7 @@ class KernelDispatch:
 
     def capturable(self, ops: tuple[str, ...] = DECODE_GRAPH_OPS) -> bool:
         """True when every op in `ops` can be captured in a CUDA graph."""
-        return all(self.impl[op] != "ref" or op in _CAPTURABLE_REFS for op in ops)
+        return all(self.impl[op] != "ref" or _OPS[op].capturable_ref for op in ops)
 
     # Typed aliases so callers get signatures; the attributes set above shadow these.
     rms_norm: Callable[..., torch.Tensor]
@@ -278,6 +149,89 @@ class KernelDispatch:
     gated_delta_rule_prefill: Callable[..., torch.Tensor]
     gated_delta_rule_decode: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# Group-quantized weights. The weight formats' linear and expert methods
+# (services/executor/quant/) reach their kernels only through these, so this file stays the one
+# place that picks kernels. Which quantized kernel serves a row count is the launcher's own rule
+# (linear/quant_linear.quant_path), as the flash-or-CUDA-core choice is prefill_fa's; each entry
+# here runs its reference where impl["quant_linear"] (or, for experts, impl["moe_experts"]) is
+# not "cuda".
+
+
+def quant_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any) -> torch.Tensor:
+    """y = x[:, perm] @ dequantize(w)^T (+ bias) for 2-D x; ops None: the reference."""
+    from voltserve.kernels.linear import quant_linear as q
+
+    return q.quant_linear(x, w, bias, ops)
+
+
+def quant_gate_up_silu(
+    x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any
+) -> torch.Tensor:
+    """silu_and_mul of a merged gate_up quantized linear (one fused launch for decode rows)."""
+    from voltserve.kernels.linear import quant_linear as q
+
+    return q.quant_gate_up_silu(x, w, bias, ops)
+
+
+def quant_qkv_rope(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any, *args: Any):
+    """The quantized qkv projection with rotary and the KV-cache write (quant_linear.py)."""
+    from voltserve.kernels.linear import quant_linear as q
+
+    return q.quant_qkv_rope(x, w, bias, ops, *args)
+
+
+def reserve_quant_scratch(ops: Any, numel: int) -> None:
+    """The dequantize path's scratch for weights of up to numel elements, before graph capture."""
+    from voltserve.kernels.linear import quant_linear as q
+
+    q.reserve_scratch(ops, numel)
+
+
+def dequantize(w: Any, kernel: bool) -> torch.Tensor:
+    """The [N, K] float weight of a group-quantized one: the one-pass CUDA kernel
+    (linear/quant_dequant.py) when `kernel` and it takes w, else the reference rule (the same
+    values: the kernel is tested against it)."""
+    from voltserve.kernels.linear import quant_pack
+
+    if kernel and w.qweight.is_cuda:
+        from voltserve.kernels.linear import quant_dequant
+
+        out = torch.empty((w.out_features, w.in_features), dtype=w.dtype, device=w.qweight.device)
+        if quant_dequant.supports(w, out):
+            return quant_dequant.dequantize_into(w, out)
+    return quant_pack.dequantize(w)
+
+
+def quant_experts_decode(
+    ops: Any, x: torch.Tensor, k: int, num_experts: int
+) -> Callable[..., torch.Tensor] | None:
+    """The fused quantized-experts launcher (moe/quant_decode.py) when it serves this step's
+    tokens (behind the fp16 experts' switch, impl["moe_experts"]), else None. The caller checks
+    the weights with `quant_experts_take`."""
+    from voltserve.kernels.moe import quant_decode as mq
+
+    if ops is None or ops.impl.get("moe_experts") != "cuda":
+        return None
+    if not mq.fused_pays(x.shape[0], k, num_experts):
+        return None
+    return mq.moe_quant_decode
+
+
+def quant_experts_flat(qweight, scales, offsets, w0: Any) -> Any:
+    """A layer's stacked experts as the one flat weight the fused launcher reads."""
+    from voltserve.kernels.moe import quant_decode as mq
+
+    return mq.flat_experts(qweight, scales, offsets, w0)
+
+
+def quant_experts_take(x: torch.Tensor, w13: Any, w2: Any, k: int) -> bool:
+    """Whether the fused launcher takes these flat weights for x."""
+    from voltserve.kernels.moe import quant_decode as mq
+
+    return mq.supports(x, w13, w2, k)
 
 
 def _reshape_and_cache_capturable(

@@ -32,3 +32,87 @@ becomes an error in every later write. At decode the state is the dominant memor
 (64 KiB a head), so fp32 doubles the bytes of that step; the conv state is a copy of recent fp16
 inputs and stays in the storage dtype, exactly.
 """
+
+from voltserve.kernels.registry import KernelSpec, Op, both
+
+# States in slot-indexed pools (above). Launchers take fp16 and fp32 storage (the default).
+OPS = (
+    Op(
+        "causal_conv1d_prefill",
+        "linear_attention.conv.causal_conv1d_prefill_ref",
+        ("linear_attention.conv",),
+    ),
+    Op(
+        "causal_conv1d_decode",
+        "linear_attention.conv.causal_conv1d_decode_ref",
+        ("linear_attention.conv",),
+    ),
+    Op(
+        "gated_delta_rule_prefill",
+        "linear_attention.chunk.gated_delta_rule_prefill_ref",
+        ("linear_attention.chunk",),
+    ),
+    Op(
+        "gated_delta_rule_decode",
+        "linear_attention.recurrent.gated_delta_rule_decode_ref",
+        ("linear_attention.recurrent",),
+    ),
+    Op(
+        "gated_rms_norm",
+        "linear_attention.gated_norm.gated_rms_norm_ref",
+        ("linear_attention.gated_norm",),
+    ),
+)
+
+# q, k, v, a, b and the conv input are views of the fused projections (any layout); A_log and
+# dt_bias fp32 [Hv]; the recurrent state pool fp32 [slots, Hv, Dk, Dv]; slots int64 (-1:
+# padding); cu_seqlens int64.
+_QKV = "{t}[:, :, :], {t}[:, :, :], {t}[:, :, :], {t}[:, :], {t}[:, :], float32[::1], float32[::1]"
+KERNELS = (
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_prefill_kernel",
+        both(
+            "void({t}[:, :], {t}[:, ::1], {t}[:, :, ::1], int64[::1], int64[::1], boolean[::1],"
+            " {t}[:, ::1])"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_state_kernel",
+        both("void({t}[:, :], {t}[:, :, ::1], int64[::1], int64[::1], boolean[::1])"),
+    ),
+    KernelSpec(
+        "linear_attention.conv",
+        "conv_decode_kernel",
+        both("void({t}[:, :], {t}[:, ::1], {t}[:, :, ::1], int64[::1], {t}[:, ::1])"),
+    ),
+    KernelSpec(
+        "linear_attention.recurrent",
+        "gdn_decode_kernel",
+        both("void(" + _QKV + ", float32[:, :, :, ::1], int64[::1], {t}[:, :, ::1], float32)"),
+    ),
+    KernelSpec(
+        "linear_attention.chunk",
+        "gdn_chunk_prep_kernel",
+        both(
+            "void(" + _QKV + ", int64[::1], int64[::1], float32[:, :, ::1], float32[:, :, ::1],"
+            " float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1],"
+            " float32)"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.chunk",
+        "gdn_chunk_scan_kernel",
+        both(
+            "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1],"
+            " float32[:, :, ::1], float32[:, ::1], int64[::1], int64[::1], boolean[::1],"
+            " float32[:, :, :, ::1], {t}[:, :, ::1])"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.gated_norm",
+        "gated_rms_norm_kernel",
+        both("void({t}[:, :], {t}[:, :], {t}[::1], {t}[:, ::1], float32)"),
+    ),
+)

@@ -274,11 +274,11 @@ def compile_all(
     for cc; results in registry order. jobs > 1 spreads the signatures over that many worker
     processes (each signature is independent; a worker keeps what it compiled, such as a shared
     device function or a module's CUDA C++, for the signatures it compiles next)."""
-    from voltserve.kernels.registry import KERNELS
+    from voltserve.kernels import registry
 
     tasks = [
         Task(spec.module, spec.attr, spec.name, sig, cc, use_ptxas, ptx_dir)
-        for spec in KERNELS
+        for spec in registry.kernels()
         if not only or any(o in spec.name for o in only)
         for sig in spec.signatures
     ]

@@ -70,12 +70,17 @@ def dim3(d: Any) -> Dim3:
     return int(d), 1, 1
 
 
+_PACKAGE = "voltserve.kernels."
+
+
 def kernel_name(kernel: Any) -> str:
-    """`module.qualified_name` of a numba kernel's Python function (a kernel generated from
-    source, which has no module, is named by its source's label), for errors and records."""
+    """`module.qualified_name` of a numba kernel's Python function, the module as its dotted path
+    inside voltserve.kernels (`attention.decode.<kernel>`, not to be confused with
+    `moe.decode.<kernel>`; a kernel elsewhere keeps its full module path). A kernel generated
+    from source, which has no module, is named by its source's label. For errors and records."""
     fn = getattr(kernel, "py_func", kernel)
     qual = getattr(fn, "__qualname__", None) or type(kernel).__name__
-    module = str(getattr(fn, "__module__", None) or "").rsplit(".", 1)[-1]
+    module = str(getattr(fn, "__module__", None) or "").removeprefix(_PACKAGE)
     if module:
         return f"{module}.{qual}"
     code = getattr(fn, "__code__", None)

@@ -184,7 +184,7 @@ def test_rms_norm_launchers_pass_eps_as_the_registered_type(monkeypatch):
     made numba compile a float64 one at run time)."""
     import numba
     from numba.core import sigutils
-    from voltserve.kernels.registry import KERNELS
+    from voltserve.kernels import registry
 
     seen = []
     monkeypatch.setattr(rmsnorm, "launch", lambda k, g, b, args, s: seen.append((k, args)))
@@ -194,7 +194,9 @@ def test_rms_norm_launchers_pass_eps_as_the_registered_type(monkeypatch):
         x = torch.randn(rows, 64)
         rmsnorm.rms_norm_cuda(x, w, 1e-6)
         rmsnorm.fused_add_rms_norm_cuda(x, x.clone(), w, 1e-6)
-    registered = {s.attr: s.signatures[0] for s in KERNELS if s.module == "elementwise.rmsnorm"}
+    registered = {
+        s.attr: s.signatures[0] for s in registry.kernels() if s.module == "elementwise.rmsnorm"
+    }
     assert len({k for k, _ in seen}) == 4
     for kernel, args in seen:
         name = next(n for n, sig in registered.items() if getattr(rmsnorm, n) is kernel)

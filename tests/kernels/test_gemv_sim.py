@@ -155,12 +155,13 @@ def test_gemv_gate_up_host_side():
 
 
 def test_dispatch_gemv_gate_up_and_env_switch(monkeypatch):
-    from voltserve.kernels.dispatch import _CAPTURABLE_REFS, KernelDispatch
+    from voltserve.kernels import registry
+    from voltserve.kernels.dispatch import KernelDispatch
 
     monkeypatch.delenv("VOLTSERVE_GEMV", raising=False)
     assert KernelDispatch("cpu").impl["gemv_gate_up"] == "ref"
     assert KernelDispatch("cuda").impl["gemv_gate_up"] == "cuda"
     monkeypatch.setenv("VOLTSERVE_GEMV", "0")
     assert KernelDispatch("cuda").impl["gemv_gate_up"] == "ref"
-    assert "gemv_gate_up" in _CAPTURABLE_REFS
+    assert registry.ops()["gemv_gate_up"].capturable_ref
     assert KernelDispatch("cpu").linear_plan is None

@@ -108,7 +108,18 @@ def test_every_limit_is_checked(grid, block, dimension) -> None:
 
     with lg.recording(), pytest.raises(lg.LaunchGeometryError) as err:
         launch(argmax_kernel, grid, block, (t(1, 8, dtype=F32), t(1, dtype=I64)))
-    assert "sampling.argmax_kernel" in str(err.value) and dimension in str(err.value)
+    assert "kernel sampling.sampling.argmax_kernel:" in str(err.value)
+    assert dimension in str(err.value)
+
+
+def test_kernel_names_tell_same_named_modules_apart() -> None:
+    """attention/decode.py and moe/decode.py both define kernels: an error names each by its
+    dotted path inside voltserve.kernels, not by the file name they share."""
+    from voltserve.kernels.attention.decode import decode_reduce_kernel
+    from voltserve.kernels.moe.decode import moe_decode_down_kernel
+
+    assert lg.kernel_name(decode_reduce_kernel) == "attention.decode.decode_reduce_kernel"
+    assert lg.kernel_name(moe_decode_down_kernel) == "moe.decode.moe_decode_down_kernel"
 
 
 def test_limits_at_the_boundary_pass_and_a_wrong_argument_count_is_refused() -> None:

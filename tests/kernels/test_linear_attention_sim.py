@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
-from voltserve.kernels import dispatch
+from voltserve.kernels import dispatch, registry
 from voltserve.kernels.linear_attention import chunk, conv, gated_norm, recurrent
 from voltserve.kernels.runtime.launch_geometry import recording
 from voltserve.kernels.runtime.numba_common import SIM, launch
@@ -260,9 +260,9 @@ OPS = (
 def test_dispatch_resolves_linear_attention_ops():
     d = dispatch.KernelDispatch("cpu")
     for op in OPS:
-        families, ref_mod, ref_name = dispatch._OPS[op]
+        families = registry.ops()[op].launchers
         assert d.impl[op] == "ref"
-        assert getattr(d, op) is getattr(dispatch._module(ref_mod), ref_name)
+        assert getattr(d, op) is dispatch.reference(op)
         launchers = [getattr(dispatch._module(f), f"{op}_cuda", None) for f in families]
         assert launchers[0] is not None, f"{op}: no launcher in {families[0]}"
 

@@ -64,7 +64,7 @@ _LTO_SCRIPT = textwrap.dedent(
     from cuda.bindings import nvjitlink, nvrtc
     from numba import cuda
     from voltserve.kernels.attention import prefill_fa as fa
-    from voltserve.kernels.registry import _PREFILL_FA_SIG
+    from voltserve.kernels.attention import _PREFILL_FA_SIG
 
     def cu_ltoir(path):
         err, prog = nvrtc.nvrtcCreateProgram(open(path, "rb").read(), b"fa.cu", 0, [], [])
@@ -151,7 +151,7 @@ def test_fa_kernel_lto_link_fits_volta(lto_link, head_dim):
 def test_fa_kernels_link_for_volta(cc70_check):
     """The registered instances, as check-kernels linked them (PTX, no LTO: the C function is an
     ABI call there, so its callee-saved registers count as spill; what runs is the LTO build)."""
-    from voltserve.kernels.registry import _PREFILL_FA_SIG
+    from voltserve.kernels.attention import _PREFILL_FA_SIG
 
     for d in (128, 64):
         name = f"attention.prefill_fa.prefill_fa_kernel_d{d}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from voltserve.kernels import registry
 from voltserve.kernels.linear import quant_gemm_tc as tc
-from voltserve.kernels.registry import KERNELS
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cc 7.0 compile check runs in CI with the CUDA 12 NVVM"
@@ -46,7 +46,9 @@ def check_instance(run, spec, sig, cfg) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # the shared compile of every kernel runs in this test's setup
 def test_qgemm_instances_compile_inline_wmma_for_volta(cc70_check):
-    specs = [k for k in KERNELS if k.module == "linear.quant_gemm_tc" and k.attr in INSTANCES]
+    specs = [
+        k for k in registry.kernels() if k.module == "linear.quant_gemm_tc" and k.attr in INSTANCES
+    ]
     assert {k.attr for k in specs} == set(INSTANCES)
     for spec in specs:
         cfg, bits = INSTANCES[spec.attr]

@@ -149,13 +149,14 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_dispatch_resolves_quant_linear_and_env_switch(monkeypatch):
-    from voltserve.kernels.dispatch import _CAPTURABLE_REFS, KernelDispatch
+    from voltserve.kernels import registry
+    from voltserve.kernels.dispatch import KernelDispatch
 
     monkeypatch.delenv("VOLTSERVE_QUANT_KERNELS", raising=False)
     assert KernelDispatch("cuda", torch.float16).impl["quant_linear"] == "cuda"  # no device touched
     monkeypatch.setenv("VOLTSERVE_QUANT_KERNELS", "0")
     assert KernelDispatch("cuda", torch.float16).impl["quant_linear"] == "ref"
-    assert "quant_linear" in _CAPTURABLE_REFS  # dequantize + F.linear never syncs
+    assert registry.ops()["quant_linear"].capturable_ref  # dequantize + F.linear never syncs
 
 
 def test_scratch_is_reused_and_sized_once():

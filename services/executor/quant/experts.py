@@ -34,7 +34,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels.linear.quant_pack import GroupQuantWeight, dequantize, pack_group_quant
+from voltserve.kernels import dispatch
+from voltserve.kernels.linear.quant_pack import GroupQuantWeight, pack_group_quant
 from voltserve.services.executor.models.moe import ExpertsMethod, FusedExperts
 from voltserve.services.executor.quant.group import GroupQuantMethod, merge_shards, unpack_local
 from voltserve.services.executor.tp.sharding import TPSplitError
@@ -164,7 +165,7 @@ class GroupQuantExperts(ExpertsMethod):
     def dense_expert(self, layer: FusedExperts, param: str, e: int) -> torch.Tensor:
         """Expert e's float weight in the checkpoint's input order, in the run dtype."""
         w = layer.quant_weights[param][e]
-        deq = dequantize(w)
+        deq = dispatch.dequantize(w, kernel=False)
         if w.perm is None:
             return deq
         out = torch.empty_like(deq)
@@ -201,7 +202,7 @@ class GroupQuantExperts(ExpertsMethod):
             offsets=flat("offsets"),
             perm=None,
         )
-        deq = _dequantize(whole, kernel).view(E, N, K)
+        deq = dispatch.dequantize(whole, kernel).view(E, N, K)
         if w0.perm is None:
             return deq
         perm = pick(getattr(layer, f"{param}_perm"))  # [E', K]
@@ -215,8 +216,6 @@ class GroupQuantExperts(ExpertsMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        from voltserve.kernels.moe.experts import moe_experts_ref
-
         if x.is_cuda:
             # No host sync (graph-capturable). Decode batches the fused kernels take (behind the
             # fp16 experts' switch, ops.impl["moe_experts"]) read the routed experts' codes;
@@ -239,15 +238,14 @@ class GroupQuantExperts(ExpertsMethod):
         ids = used.tolist()
         w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in ids])
         w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in ids])
+        moe_experts_ref = dispatch.reference("moe_experts")
         return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
 
     def _fused(self, layer: FusedExperts, ops, x: torch.Tensor, topk_ids: torch.Tensor):
         """kernels/moe/quant_decode's launcher when it serves this step, else None."""
-        from voltserve.kernels.moe import quant_decode as mq
-
-        if ops is None or ops.impl.get("moe_experts") != "cuda":
-            return None
-        if not mq.fused_pays(x.shape[0], topk_ids.shape[1], layer.num_experts):
+        k = topk_ids.shape[1]
+        launcher = dispatch.quant_experts_decode(ops, x, k, layer.num_experts)
+        if launcher is None:
             return None
         if layer.flat_weights is None:
             w13, w2 = (layer.quant_weights[p][0] for p in ("w13", "w2"))
@@ -255,7 +253,7 @@ class GroupQuantExperts(ExpertsMethod):
                 layer.flat_weights = ()  # act-order: a permutation per expert, not served
             else:
                 layer.flat_weights = tuple(
-                    mq.flat_experts(
+                    dispatch.quant_experts_flat(
                         getattr(layer, f"{p}_qweight"),
                         getattr(layer, f"{p}_scales"),
                         getattr(layer, f"{p}_offsets"),
@@ -263,9 +261,9 @@ class GroupQuantExperts(ExpertsMethod):
                     )
                     for p, w in (("w13", w13), ("w2", w2))
                 )
-        if not layer.flat_weights or not mq.supports(x, *layer.flat_weights, topk_ids.shape[1]):
+        if not layer.flat_weights or not dispatch.quant_experts_take(x, *layer.flat_weights, k):
             return None
-        return mq.moe_quant_decode
+        return launcher
 
     def apply_pairs(
         self,
@@ -276,8 +274,7 @@ class GroupQuantExperts(ExpertsMethod):
     ) -> torch.Tensor:
         """moe_experts_ref's products with one dequantized expert per (token, slot) pair, as
         batched matmuls (no host sync: every shape follows from T and k)."""
-        from voltserve.kernels.elementwise.activation import silu_and_mul_ref
-
+        silu_and_mul_ref = dispatch.reference("silu_and_mul")
         T, k = topk_ids.shape
         # The router never yields an id outside 0..E-1; the clamp is for the start-up trace
         # (services/executor/kernel_warmup.py records the router kernel without running it, so
@@ -293,15 +290,3 @@ class GroupQuantExperts(ExpertsMethod):
 
 
 __all__ = ["GroupQuantExperts"]
-
-
-def _dequantize(w: GroupQuantWeight, kernel: bool) -> torch.Tensor:
-    """dequantize(w), through kernels/linear/quant_dequant on CUDA when `kernel` and it takes w (the
-    same values: it is tested against dequantize)."""
-    if kernel and w.qweight.is_cuda:
-        from voltserve.kernels.linear import quant_dequant
-
-        out = torch.empty((w.out_features, w.in_features), dtype=w.dtype, device=w.qweight.device)
-        if quant_dequant.supports(w, out):
-            return quant_dequant.dequantize_into(w, out)
-    return dequantize(w)

@@ -1,7 +1,7 @@
 """The linear method shared by every integer format: each shard's checkpoint tensors are kept as
 loaded, then turned into codes + float32 scales/offsets by the format's `unpack`, concatenated
 along N (q/k/v, gate/up) and packed once for the group-quantized kernels
-(voltserve.kernels.linear.quant_linear)."""
+(voltserve.kernels.linear.quant_linear), reached through kernels/dispatch.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels.linear import quant_linear as qk
+from voltserve.kernels import dispatch
 from voltserve.kernels.linear.quant_pack import MIN_GROUP, pack_group_quant
 from voltserve.services.executor.quant.base import (
     LinearMethod,
@@ -298,15 +298,15 @@ class GroupQuantMethod(LinearMethod):
             return linear(x, layer.dense, layer.bias, ops)
         if x.dim() != 2:
             shape = x.shape
-            y = qk.quant_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.bias, ops)
+            y = dispatch.quant_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.bias, ops)
             return y.view(*shape[:-1], y.shape[-1])
-        return qk.quant_linear(x, layer.qweight, layer.bias, ops)
+        return dispatch.quant_linear(x, layer.qweight, layer.bias, ops)
 
     def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
         if layer.dense is not None:
             return ops.silu_and_mul(self.apply(layer, x, ops))
         # decode rows on CUDA: one fused dequantize-GEMV launch with silu_and_mul in its epilogue
-        return qk.quant_gate_up_silu(x, layer.qweight, layer.bias, ops)
+        return dispatch.quant_gate_up_silu(x, layer.qweight, layer.bias, ops)
 
     def can_fuse_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch) -> bool:
         if layer.dense is not None:
@@ -316,7 +316,7 @@ class GroupQuantMethod(LinearMethod):
         return x.dim() == 2 and ops is not None
 
     def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
-        return qk.quant_qkv_rope(x, layer.qweight, layer.bias, ops, *args)
+        return dispatch.quant_qkv_rope(x, layer.qweight, layer.bias, ops, *args)
 
     def weight_numel(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features
@@ -333,4 +333,4 @@ def reserve_quant_scratch(model, ops) -> None:
         if isinstance(m, Linear) and isinstance(m.method, GroupQuantMethod) and m.dense is None
     ]
     if sizes:
-        qk.reserve_scratch(ops, max(sizes))
+        dispatch.reserve_quant_scratch(ops, max(sizes))
