@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from voltserve.services.executor.spec.config import SpeculativeConfig
 
 
 @dataclass
@@ -35,9 +39,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seeds the engine's choice of per-request seeds for requests that give none.
     seed: int = 0
-    # --speculative-config as its JSON object (vLLM's keys; services/executor/spec/config.py
-    # validates it). None: no speculation.
-    speculative_config: dict | None = None
+    # --speculative-config (vLLM's keys), parsed and validated once by the config's builder
+    # (services/executor/engine_args.engine_config). None: no speculation.
+    speculative_config: SpeculativeConfig | None = None
     # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the
     # checkpoint. A forced method the checkpoint does not use is an error.
     quantization: str | None = None

@@ -131,10 +131,9 @@ class LLMEngine:
         self.proposer = None
         self.spec_config = None
         if config.speculative_config is not None:
-            from voltserve.services.executor.spec.config import SpeculativeConfig
             from voltserve.services.executor.spec.proposer import make_proposer
 
-            self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+            self.spec_config = config.speculative_config
             # The runner built it at start-up (with its model, KV cache and graphs, if any); a
             # runner without a model (tests) leaves it to the engine.
             self.proposer = runner.proposer or make_proposer(self.spec_config)

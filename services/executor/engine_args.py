@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +36,11 @@ def graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def speculative_config(text: str) -> dict[str, Any]:
+def speculative_config(text: str) -> SpeculativeConfig:
     """--speculative-config: a JSON object with vLLM's keys, parsed and validated here (the one
     place), so a bad one is a usage error naming the key, not a failure at engine start."""
     try:
-        return SpeculativeConfig.from_json(text).to_dict()
+        return SpeculativeConfig.from_json(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -95,7 +94,7 @@ class EngineFlag:
         if self.field == "cuda_graph_sizes":
             return [flag, ",".join(str(s) for s in value)]
         if self.field == "speculative_config":
-            return [flag, json.dumps(value)]
+            return [flag, value.to_json()]
         return [flag, str(value)]
 
 
@@ -229,11 +228,9 @@ def engine_config(args: argparse.Namespace | None = None, **fields: Any) -> Engi
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     values["dtype"] = _DTYPE_ALIASES.get(dtype, dtype)
     spec = fields.get("speculative_config")
-    if spec is not None:
-        # Set in code, not through the flag (whose type already parsed it): parsed here, once.
-        if not isinstance(spec, SpeculativeConfig):
-            spec = SpeculativeConfig.from_dict(spec)
-        values["speculative_config"] = spec.to_dict()
+    if spec is not None and not isinstance(spec, SpeculativeConfig):
+        # Set in code as its JSON object, not through the flag (whose type parsed it already).
+        values["speculative_config"] = SpeculativeConfig.from_dict(spec)
     sizes = values.get("cuda_graph_sizes")
     if sizes is not None:
         values["cuda_graph_sizes"] = tuple(int(s) for s in sizes)

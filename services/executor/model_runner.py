@@ -31,7 +31,6 @@ from voltserve.services.executor.prompt_logprobs import compute_prompt_logprobs
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import RunnerOutput, StepPlan
 from voltserve.services.executor.sampler import Sampler
-from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.graph_setup import build_verify_graphs, spec_graph_sizes
 from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
@@ -110,7 +109,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.proposer: Proposer | None = None
         if spec is not None:
-            self.proposer = make_proposer(SpeculativeConfig.from_dict(spec))
+            self.proposer = make_proposer(spec)
             self.proposer.load(self)
         # The hidden-state seam: for a proposer that reads the target's last hidden states
         # (EAGLE), each eager forward, and each verify graph replay, puts (request, first
@@ -175,8 +174,8 @@ class ModelRunner:
         if use_graphs:
             verify = spec_graph_sizes(self, graph_batch)
             if verify:
-                sc = SpeculativeConfig.from_dict(config.speculative_config)
-                verify_rows = max(verify) * (sc.num_speculative_tokens + 1)
+                k = config.speculative_config.num_speculative_tokens
+                verify_rows = max(verify) * (k + 1)
                 verify_rows += self.proposer.graph_logits_rows(verify_rows)
             else:
                 verify_rows = 0

@@ -18,6 +18,7 @@ from voltserve.services.executor.engine_args import (
     engine_argv,
     engine_config,
 )
+from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.shared.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,12 +109,12 @@ def test_builder_parses_the_speculative_config_once_and_refuses_bad_values() -> 
     cfg = engine_config(
         model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
     )
-    assert cfg.speculative_config == {
-        "method": "ngram",
-        "num_speculative_tokens": 2,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 4,
-    }
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 2, 1, 4)
+    # A parsed one is kept as it is; the flag's text parses to the same object.
+    assert engine_config(model="m", speculative_config=cfg.speculative_config) == cfg
+    flag = '{"method": "ngram", "num_speculative_tokens": 2}'
+    args = executor_main.build_parser().parse_args(["--model", "m", "--speculative-config", flag])
+    assert engine_config(args) == cfg
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine_config(model="m", speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="not EngineConfig fields"):
@@ -123,7 +124,15 @@ def test_builder_parses_the_speculative_config_once_and_refuses_bad_values() -> 
     bad = '{"method": "ngram", "num_speculative_tokens": 99}'
     with pytest.raises(SystemExit):
         executor_main.build_parser().parse_args(["--model", "m", "--speculative-config", bad])
-    assert json.loads(json.dumps(cfg.speculative_config)) == cfg.speculative_config
+    # What a child process is given: the flag's JSON, which parses back to the same config.
+    argv = engine_argv(cfg)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 4,
+    }
+    assert engine_config(executor_main.build_parser().parse_args(argv)) == cfg
 
 
 def test_no_other_module_declares_an_engine_flag_or_builds_an_engine_config() -> None:

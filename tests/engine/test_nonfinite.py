@@ -12,6 +12,7 @@ import pytest
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.request import NONFINITE, Request
 from voltserve.services.executor.sampler import Sampler, SampleRow, finite_rows, flag_nonfinite
 from voltserve.shared.config import EngineConfig
@@ -260,7 +261,7 @@ def test_speculative_verify_rows_flag_a_request(rng) -> None:
     proposals; a poisoned request's verify rows end it, the others go on."""
     model = str(checkpoint("llama"))
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    cfg = EngineConfig(model=model, max_model_len=128, num_kv_blocks=48, speculative_config=spec)
+    cfg = engine_config(model=model, max_model_len=128, num_kv_blocks=48, speculative_config=spec)
     V = len(tokenizer())
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reqs = {

@@ -6,9 +6,9 @@ detokenizer (services/gateway/generate.py), not here."""
 from __future__ import annotations
 
 from voltserve.services.executor.engine import LLMEngine, stop_reason
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.request import RunnerOutput, ScheduledRequest, StepPlan
 from voltserve.services.executor.spec.oracle import OracleProposer
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.engine.kv_echo_runner import KVEchoRunner, echo_reference
@@ -19,7 +19,7 @@ VOCAB = 97
 def _engine(k: int = 0, eos: tuple[int, ...] = ()) -> tuple[LLMEngine, KVEchoRunner]:
     runner = KVEchoRunner(64, vocab_size=VOCAB, eos_token_ids=eos)
     spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
-    cfg = EngineConfig(model="none", max_num_batched_tokens=512, speculative_config=spec, seed=5)
+    cfg = engine_config(model="none", max_num_batched_tokens=512, speculative_config=spec, seed=5)
     return LLMEngine(cfg, runner=runner), runner
 
 

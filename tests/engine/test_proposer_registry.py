@@ -5,6 +5,7 @@ it and calls it every step, and speculation's output equals speculation off."""
 from __future__ import annotations
 
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec import registry
 from voltserve.services.executor.spec.config import SpeculativeConfig
@@ -42,7 +43,7 @@ class RepeatProposer(Proposer):
 
 
 def _cfg(spec) -> EngineConfig:
-    return EngineConfig(
+    return engine_config(
         model=str(checkpoint("llama")),
         device="cpu",
         dtype="float32",

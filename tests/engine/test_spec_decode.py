@@ -13,12 +13,12 @@ import pytest
 import torch
 from voltserve.services.executor.block_manager import BlockManager
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.ngram import ngram_lookup
 from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.services.executor.spec.proposer import Proposer
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint
@@ -29,7 +29,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 def engine(spec=None, **kw) -> LLMEngine:
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(checkpoint("llama")),
         device="cpu",
         dtype="float32",
@@ -347,8 +347,8 @@ def test_cli_flag_validated(capsys):
         ["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     )
     cfg = executor_main.engine_config(args)
-    assert cfg.speculative_config["num_speculative_tokens"] == 2
-    assert cfg.speculative_config["prompt_lookup_max"] == 4
+    assert cfg.speculative_config.num_speculative_tokens == 2
+    assert cfg.speculative_config.prompt_lookup_max == 4
     for parser in (executor_main.build_parser(), launcher.build_parser()):
         with pytest.raises(SystemExit):
             parser.parse_args(

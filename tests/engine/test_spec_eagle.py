@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.spec.config import SpeculativeConfig
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
@@ -99,7 +99,7 @@ def eagle(head: Path, k: int = K) -> dict:
 
 
 def engine(spec=None, **kw) -> LLMEngine:
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(checkpoint("llama")),
         device="cpu",
         dtype="float32",
@@ -345,7 +345,7 @@ def test_refused_under_tensor_parallelism(head_dir):
     from voltserve.services.executor.tp.sharding import TPSplitError
     from voltserve.services.executor.tp.worker import check_tp_model
 
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(checkpoint("llama")),
         device="cpu",
         speculative_config=eagle(head_dir),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.graph_set import padded_size
 from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.request import ScheduledRequest
@@ -160,7 +161,7 @@ def _emulate(g, replayed: list[int]) -> None:
 
 
 def _cfg(spec, **kw) -> EngineConfig:
-    return EngineConfig(
+    return engine_config(
         model=str(checkpoint("llama")),
         device="cpu",
         dtype="float32",

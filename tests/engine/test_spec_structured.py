@@ -14,9 +14,9 @@ import re
 
 import pytest
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.services.executor.spec.proposer import Proposer
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint
@@ -29,7 +29,7 @@ CHOICES = ["yes", "no", "maybe so", 'it\'s "x"']
 
 
 def make_engine(spec=None) -> LLMEngine:
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(checkpoint("qwen2")),
         device="cpu",
         dtype="float32",

@@ -15,8 +15,8 @@ import shutil
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.tp.sharding import TPSplitError
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import TINY, _root, greedy_tokens, tokenizer
@@ -74,7 +74,7 @@ def engine(arch: str, tp: int, **kw) -> LLMEngine:
     cfg = dict(max_num_batched_tokens=24, num_kv_blocks=12, max_num_seqs=8)
     cfg.update(kw)
     return LLMEngine(
-        EngineConfig(
+        engine_config(
             model=tp_checkpoint(arch),
             device="cpu",
             dtype="float32",

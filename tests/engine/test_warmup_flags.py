@@ -26,8 +26,8 @@ def test_warmup_engine_config_is_the_first_executors():
     assert warm == served
     assert warm.max_model_len == 4096 and warm.cuda_graph_sizes == (1, 8, 64)
     assert warm.enforce_eager and warm.max_num_seqs == 64
-    assert warm.speculative_config["method"] == "ngram"
-    assert warm.speculative_config["num_speculative_tokens"] == 2
+    assert warm.speculative_config.method == "ngram"
+    assert warm.speculative_config.num_speculative_tokens == 2
     assert warm.quantization == "awq" and warm.max_gpu_memory == 16 * 2**30
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.spec.graphs import (
     StepGraphs,
     VerifyGraphRunner,
@@ -35,7 +34,7 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
         return []
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
-    q = SpeculativeConfig.from_dict(spec).num_speculative_tokens + 1
+    q = spec.num_speculative_tokens + 1
     sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
     limit = min(max(sizes[-1], 8 * q), runner.config.max_num_batched_tokens)
     return verify_batch_sizes(
@@ -54,8 +53,7 @@ def build_verify_graphs(
     """The target's verify graphs (spec_graph_sizes, among the decode sizes), returning the
     hidden states too when the proposer reads them; capture=False: the static buffers only
     (the start-up trace runs their forwards)."""
-    sc = SpeculativeConfig.from_dict(runner.config.speculative_config)
-    q = sc.num_speculative_tokens + 1
+    q = runner.config.speculative_config.num_speculative_tokens + 1
     sizes = spec_graph_sizes(runner, decode_sizes[-1])
     sizes = [s for s in sizes if s in decode_sizes]
     return VerifyGraphRunner(
@@ -83,8 +81,7 @@ def build_step_graphs(
 ) -> StepGraphs | None:
     """A proposer's single-token step graphs (the decode sizes) over fwd on its KV cache;
     None with k = 1 (no step after the catch-up)."""
-    sc = SpeculativeConfig.from_dict(runner.config.speculative_config)
-    if sc.num_speculative_tokens + 1 <= 2:
+    if runner.config.speculative_config.num_speculative_tokens + 1 <= 2:
         return None
     return StepGraphs(
         fwd,

@@ -39,7 +39,7 @@ def check_tp_model(config: EngineConfig) -> None:
     if config.speculative_config is not None:
         # The draft model and the verify step run on rank 0 alone; the other ranks would need
         # to follow both.
-        method = config.speculative_config.get("method") or "draft_model"
+        method = config.speculative_config.method
         raise TPSplitError(
             f"--speculative-config with --tensor-parallel-size {size} is not supported yet "
             f"(method {method!r}); use one of them"
