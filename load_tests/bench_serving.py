@@ -173,8 +173,8 @@ def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
 
 def build_warmup(args: argparse.Namespace, vocab_size: int) -> list[Prompt]:
     """The unmeasured warm-up prompts: fresh random ids as long as a measured prompt, sharing
-    no prefix with any of them. (Warm-up on the first measured prompts, as this bench did up to
-    2bfe88e, left them in the prefix cache: their measured requests skipped most of the prefill.)"""
+    no prefix with any of them. (Warm-up on the first measured prompts would leave them in the
+    prefix cache: their measured requests would skip most of the prefill.)"""
     rng = np.random.default_rng(args.seed + 1_000_003)
     length = args.input_len + (args.prefix_len if args.dataset == "prefix" else 0)
     out_len = min(args.output_len, 4)
@@ -947,7 +947,7 @@ def _run(args, result, model_dir: Path | None, device: str, dtype_spec: str) -> 
     arrivals = arrival_times(len(prompts), args.request_rate, args.seed)
     # --compare-structured: the constrained run gets prompts of its own (same lengths, other
     # ids): on the plain run's prompts every request would hit the prefix cache and the
-    # comparison would measure the cache, not the constraint (as it did at 4ef41cf).
+    # comparison would measure the cache, not the constraint.
     alt_prompts = None
     if args.compare_structured:
         alt_prompts = build_dataset(

@@ -258,8 +258,8 @@ PYEOF
     decode-batched)
       # Batch 64 and 256 at 1K context only (one short batch-1 run, no transformers), once per
       # DECODE_VARIANTS entry (as decode-b1), e.g. "base pipe:VOLTSERVE_PIPELINE_MAX_BATCH=256".
-      # The batch-256 steps slow down through a run (18.1 -> 19.3 ms at 2bfe88e): the clocks log
-      # says whether the card throttles.
+      # The batch-256 steps can slow down through a run: the clocks log says whether the card
+      # throttles.
       clocks_start decode_batched
       decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
       clocks_stop

@@ -69,7 +69,7 @@ def freeze_heap() -> int:
     compiled kernels, captured graphs) into the collector's permanent generation, and returns how
     many. Those objects live as long as the process, yet every full collection walked them all:
     with torch imported that is ~100 ms on a 2-core CPU, and at 256 running requests one such
-    pass stopped the executor for a 182 ms step among 19 ms decode steps (3ab8f04's serving run).
+    pass stopped the executor for a 182 ms step among 19 ms decode steps (BENCHMARKS.md §3).
     Called once by each service after its start-up, where it owns the process."""
     t0 = time.perf_counter()
     gc.collect()

@@ -867,7 +867,7 @@ def launch_config(
     partitions at run time (dynamic_partitions), at most one block per SM: in a served step
     under an 8K bound, 32 partitions (256 blocks, 2 per SM at the online core's ~240 registers)
     took 21.1 us a layer against 12.4 us for 17 (136 blocks) in bench_attention at the same
-    contexts (H200, 676ad18). Bounds whose uncapped grid already runs the online core with the
+    contexts (H200, BENCHMARKS.md §6). Bounds whose uncapped grid already runs the online core with the
     in-kernel merge keep it."""
     auto = partition_size is None and max_partitions is None and online is None
     part = partition_size
@@ -908,8 +908,7 @@ def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads):
 
 # Threads per block of the online core where its partitions are long enough to give each of
 # 8 warps a KV block (partitions of >= 128 tokens: a server's bound at batch 1). One layer at
-# batch 1 under an 8K bound on an H200 (5adcfec, load_tests/results/h200/5adcfec), 256 against
-# 128 threads: Llama-3-8B shape 10.5 / 11.1 / 12.0 / 12.4 / 15.3 us against 10.7 / 12.6 / 14.6
+# batch 1 under an 8K bound on an H200 (BENCHMARKS.md §6), 256 against 128 threads: Llama-3-8B shape 10.5 / 11.1 / 12.0 / 12.4 / 15.3 us against 10.7 / 12.6 / 14.6
 # / 14.7 / 18.1 at 140 / 544 / 1056 / 2048 / 4096 tokens; Qwen2.5-0.5B 10.4 / 10.8 / 11.6 /
 # 11.8 / 12.9 against 11.3 / 12.9 / 13.5 / 13.7 / 15.1. Twice the warps of a partition each
 # walk one KV block where the 4 walked two one after another (1056 tokens: 66 blocks over 16

@@ -10,15 +10,11 @@ sequences, paged KV cache [num_blocks, num_kv_heads, 16, head_dim], causal with 
 sequence at position seq_len - q_len + i, query head h reads KV head h // group). fp16 in and
 out, fp32 softmax and accumulation.
 
-Why this kernel. The tensor-core kernel it replaced (prefill_attention_tc.py, last at ec15aec)
-called small C functions of wmma_ptx.cu once per 32-key tile, so its output accumulator was a
-per-thread array in local memory (read and written every tile: 512 bytes a lane at head dim
-128), and each tile took four block barriers. Here one C++ function runs the loop and the
-accumulators, the warp's query fragments and the softmax state never leave registers. Measured
-at ccb77c3 on an H200 (load_tests/bench_prefill_attention.py, Llama-3-8B heads: 32 query heads,
-8 KV heads, head dim 128), this kernel against the one it replaced: 1 x 1024 tokens 0.347 vs
-0.467 ms, 1 x 4096 1.098 vs 2.272 ms (125.2 vs 60.5 TFLOP/s), 1 x 16384 13.07 vs 27.10 ms,
-1 x 32768 50.08 vs 103.80 ms, every output within 1.95e-3 of SDPA's.
+Why one C++ function runs the whole key loop: calling a small C function once per 32-key tile
+leaves the output accumulator a per-thread array in local memory (read and written every tile:
+512 bytes a lane at head dim 128) and costs four block barriers a tile. Here the accumulators,
+the warp's query fragments and the softmax state never leave registers. Figures against SDPA:
+BENCHMARKS.md §5.
 
 Layout (per thread block: 4 warps, one sequence, one KV head, 64 rows, a row being a (query
 token, query head of that KV head) pair, so each K/V tile is read once for the group):

@@ -238,8 +238,7 @@ def covers(impl: dict[str, str], *args) -> bool:
     own = impl[OP]
     if own == "cuda":
         # The op's arguments carry eps after k_weight; what the kernel covers does not depend
-        # on it. (Measured on an H200 at 829b96c: Qwen3-0.6B batch-1 decode 887.3 tok/s against
-        # 845.2 with the three separate kernels.)
+        # on it. (One launch instead of three: BENCHMARKS.md §1 has the batch-1 figure.)
         positions, q, k, v, q_weight, k_weight, _eps, *rest = args
         return fusable(positions, q, k, v, q_weight, k_weight, *rest)
     return own == impl["rotary_and_cache"] and impl["rms_norm"] != "cuda"

@@ -3,10 +3,9 @@ y[T, N] = x[T, K] @ dequantize(w)^T (+ bias), reference `quant_linear_ref` (quan
 
 numba.cuda throughout; the warp-matrix products are wmma_inline.py's intrinsics (the PTX wmma
 m16n16k16 instructions, f16 in, f32 accumulate, emitted inline), so each warp's accumulator
-fragments stay in registers for the whole K loop and are stored once, in the epilogue. (Up to
-97ae6d1 the products were linked C functions of wmma_ptx.cu (since removed), one call a K step: the
-accumulators went through a per-thread local array on every step, and the call's ABI made the
-caller's live registers and the callee's add up, 174 registers for the 64-row tile.)
+fragments stay in registers for the whole K loop and are stored once, in the epilogue. (Linked C
+functions called once a K step would put the accumulators through a per-thread local array on
+every step, and the call's ABI would add the caller's live registers to the callee's.)
 
 A thread block of 4, 8 or 16 warps owns a BM x BN output tile, BM = 16, 32, 64 or 128 by row
 count (`CONFIGS`, `config_for`), BN = 64 in the defaults (128 or 256 in `CANDIDATES`: 2 or 4

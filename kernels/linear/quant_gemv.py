@@ -33,10 +33,9 @@ Dot-product forms (`form_for` picks one per launch; `form` forces one for benchm
 
 - WEIGHT (fp32 x; fp16 x with int8 codes or int4 split groups at 3-8 rows): each weight
   dequantised as above.
-- FACTORED (fp16 x at 1-2 rows for int8 codes and int4 split groups; measured on an H200 at
-  f0ff47c, when it was the default for all fp16 1-2 row launches: the Llama-3-8B int4 g128
-  linears of a batch-1 step 2.68 ms against 2.89 ms for the per-weight form, gate_up 29.9
-  against 37.2 us, at 2 rows 20-40% faster on every shape): a chunk's codes share one (s, o),
+- FACTORED (fp16 x at 1-2 rows for int8 codes and int4 split groups; faster than the
+  per-weight form on every Llama-3-8B int4 g128 shape at 1-2 rows, BENCHMARKS.md §12): a
+  chunk's codes share one (s, o),
   so the step sums x_k * c_k and x_k per chunk and applies s and o once per chunk (two FFMAs per
   row and input). The masked code word is read as a float proportional to the code
   (quant_common.code_d_expr: one AND for most codes, no shift, no OR), each x element is scaled
@@ -139,10 +138,9 @@ FORMS = (WEIGHT, FACTORED, HALF2)
 # Split-K: warps of a block on the same rows, each over a 1/KS share of K (`_split_k_range`).
 KS_CHOICES = (1, 2, 4)
 # The int4 default at one row (plain and gate_up): two warps of a block on 4 rows, each half of
-# K, one chunk per lane per step. Measured at ccb77c3 on an H200 (bench_quant_linear --tiles,
-# Llama-3-8B, int4 g128, half2; us, against the (4, 2) / gate_up (4, 1) default then): o 5.6
-# vs 7.4, down 13.4 vs 20.2, gate_up 24.4 vs 26.6, qkv (plain) 8.2 vs 8.4. KS = 4 lost on every
-# shape (o 6.8, down 14.0, gate_up 27.9): a quarter of K is too short a walk for its warps.
+# K, one chunk per lane per step: faster than one warp on every Llama-3-8B int4 g128 shape
+# (bench_quant_linear --tiles, BENCHMARKS.md §12), while KS = 4 loses on every shape: a
+# quarter of K is too short a walk for its warps.
 # Rows 2-8, int8 and qkv_rope (2, 2) keep KS = 1: not measured.
 SPLIT_K_M1 = (4, 1, 2)
 

@@ -20,9 +20,8 @@ count picks the kernel (`quant_path`):
   rotary and the KV-cache write (as the fp16 gemv kinds do).
 - up to tc_max_rows() (batched decode, default 64): the dequantize-in-shared-memory GEMM on
   Volta tensor cores (quant_gemm_tc.py, wmma m16n16k16 inline through wmma_inline.py), fp16
-  only. Measured on an H200 at f0ff47c (Llama-3-8B shapes, int4 g128): 1.1-2.6x faster than
-  dequantize + cuBLAS at 16 and 64 rows, 2.2-2.4x slower at 256, where the kernel dequantises
-  each weight once per row tile; so the cut-over sits at 64 (VOLTSERVE_QUANT_TC_MAX_ROWS moves
+  only. Faster than dequantize + cuBLAS at 16 and 64 rows and slower at 256, where the kernel
+  dequantises each weight once per row tile (BENCHMARKS.md §12); so the cut-over sits at 64 (VOLTSERVE_QUANT_TC_MAX_ROWS moves
   it; 0 turns the kernel off).
 - larger T (prefill) and fp32 runs: the layer dequantized into one reused scratch buffer
   (quant_dequant.py), then cuBLAS.
@@ -45,9 +44,9 @@ from voltserve.kernels.runtime.launch_geometry import on_gpu
 
 GEMV_MAX_ROWS = 8  # the GEMV kernels' limit
 GEMV_ROWS_ENV = "VOLTSERVE_QUANT_GEMV_MAX_ROWS"  # the cut-over to the tensor-core GEMM (1..8)
-# Measured on an H200 at 829b96c (int4 g128, Llama-3-8B shapes): at 3-4 rows the GEMV beats the
-# tensor-core GEMM on every linear (gate_up 61 vs 97 us); at 5-8 rows, where the GEMV takes its
-# 8-input variant, the tensor-core GEMM wins on every linear (gate_up 98 vs 131 us, qkv 30 vs 35).
+# At 3-4 rows the GEMV beats the tensor-core GEMM on every int4 g128 Llama-3-8B linear; at 5-8
+# rows, where the GEMV takes its 8-input variant, the tensor-core GEMM wins on every linear
+# (BENCHMARKS.md §12).
 DEFAULT_GEMV_ROWS = 4
 TC_MAX_ROWS_ENV = "VOLTSERVE_QUANT_TC_MAX_ROWS"
 DEFAULT_TC_MAX_ROWS = 64

@@ -73,10 +73,6 @@ class GroupQuantWeight:
         return self.qweight.device
 
     @property
-    def num_groups(self) -> int:
-        return self.scales.shape[1]
-
-    @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 

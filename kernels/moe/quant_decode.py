@@ -63,9 +63,8 @@ MAX_TOKENS = 8  # up to here the fused kernels always serve (decode)
 # Past it they still move fewer bytes than the alternative while the (token, slot) pairs read
 # fewer expert bytes than dequantizing every expert and running the grouped GEMM moves (read
 # the codes, write and read back the fp16 weights: ~9x the int4 bytes of all E experts), so
-# they serve while T * k <= PAIRS_PER_EXPERT * E (Qwen3-30B-A3B: up to 128 tokens). Measured at
-# 603b3f2 on an H200 (8 layers of that shape): the dequantizing path took 123.8 / 127.2 ms a
-# step at batch 64 / 256 against 6.6 / 10.1 ms for fp16 experts.
+# they serve while T * k <= PAIRS_PER_EXPERT * E (Qwen3-30B-A3B: up to 128 tokens; the
+# dequantizing path's cost at batch 64 / 256 is in BENCHMARKS.md §14).
 PAIRS_PER_EXPERT = 8
 MAX_PROGRAMS = MAX_GRID_YZ  # pairs (gate_up) / tokens (down) go on the grid's y dimension
 

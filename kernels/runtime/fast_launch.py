@@ -5,7 +5,7 @@ array (`cuda.as_cuda_array`: the CUDA array interface, a context check, a Memory
 dummy array), types each argument and builds ctypes values, ~150-250 us of host time for a
 launch with a few tensors on the H200 host. CUDA-graph replay hides that in decode, but an eager
 prefill step makes ~5 such launches a layer: a 512-token prefill of Qwen2.5-0.5B spent 67 ms of
-wall time for 2 ms of GPU work (profile_kernels.py --prefill --host-profile, e9c67cc).
+wall time for 2 ms of GPU work (profile_kernels.py --prefill --host-profile; BENCHMARKS.md §1).
 
 How: the first launch of a kernel with a given argument signature goes through numba (which
 compiles or loads the kernel and launches it). Afterwards, a `_Plan` for that signature holds

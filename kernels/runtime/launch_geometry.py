@@ -148,10 +148,6 @@ class Arg:
     dtype: str  # an array's element type, a scalar's Python type
     value: Any = None  # a scalar's value
 
-    @property
-    def is_array(self) -> bool:
-        return self.shape is not None
-
 
 @dataclass(frozen=True)
 class Launch:

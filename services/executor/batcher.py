@@ -71,10 +71,6 @@ class Batcher:
         self.running: list[Request] = []  # admission order: the newest is last
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

@@ -289,16 +289,6 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached free block (blocks in use keep their registration)."""
-        while self._free_cached:
-            block, _ = self._free_cached.popitem(last=False)
-            key = self.block_key[block]
-            self.block_key[block] = None
-            if key is not None:
-                self._table.pop(key, None)
-            self._free_plain.append(block)
-
     def check_invariants(self) -> None:
         """Slow consistency check for tests."""
         free = set(self._free_plain) | set(self._free_cached)

@@ -94,7 +94,7 @@ class LinearPlan:
     @classmethod
     def rule(cls, max_gemv_rows: int = DEFAULT_GEMV_ROWS) -> LinearPlan:
         """The default without timing: GEMV up to max_gemv_rows rows (gate_up fused with its
-        activation), cuBLAS beyond. Read off a measured plan on an H200 (results/h200/42a4a0d): the
+        activation), cuBLAS beyond. Read off a measured plan on an H200 (BENCHMARKS.md §1): the
         GEMV kernel wins at 1 and 2 rows on every Llama-3-8B shape (gate_up at 2 rows within
         4%) and loses at 4 and 8. One exception, from the Qwen2.5-0.5B profile: its lm_head
         (151936 x 896) took 97.6 us on the GEMV kernel and 65.3 us on cuBLAS. Under one GEMV
