@@ -14,6 +14,9 @@ from pathlib import Path
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Mixture-of-experts families: several experts, top-k > 1, dense and MoE layers mixed.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Hybrid linear-attention families (models/qwen3_next.py): Gated DeltaNet layers and a gated
+# full attention every few layers; qwen3_5_vl is the vision-language layout of qwen3_5.
+HYBRID_ARCHS = ("qwen3_5", "qwen3_next", "qwen3_5_vl")
 
 # Small on purpose: the whole model suite must run in well under a minute on 2 CPU cores.
 TINY = dict(
@@ -23,6 +26,13 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=512,
+)
+
+_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
 )
 
 # What makes each checkpoint exercise its architecture's distinct feature.
@@ -70,6 +80,32 @@ ARCH_OVERRIDES: dict[str, dict] = {
         decoder_sparse_step=2,
         mlp_only_layers=[],
     ),
+    # Gated DeltaNet with 2 key heads and 4 value heads (value head h reads key head h // 2),
+    # full attention at layers 2 (layer_types) and 3; head_dim 32 with partial rotary 0.25
+    "qwen3_5": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "full_attention"],
+        **_GDN,
+    ),
+    # fused in_proj_qkvz / in_proj_ba; MoE with a shared expert (top-2 of 4, renormalised)
+    # in every layer; tied embeddings; full_attention_interval 2
+    "qwen3_next": dict(
+        tie_word_embeddings=True,
+        head_dim=32,
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        **_GDN,
+    ),
+    # the vision-language layout (model.language_model., a vision tower that is skipped)
+    "qwen3_5_vl": dict(tie_word_embeddings=False, head_dim=32, num_hidden_layers=4, **_GDN),
     # top-2 of 4, softmax then top-k then renormalise; block_sparse_moe.experts.N.w1/w2/w3
     "mixtral": dict(
         tie_word_embeddings=False,
@@ -113,7 +149,7 @@ def checkpoint(arch: str, shard_size: str | None = None) -> Path:
         _root() / name,
         arch=arch,
         size="tiny",
-        seed=(ARCHS + MOE_ARCHS).index(arch) + 1,
+        seed=(ARCHS + MOE_ARCHS + HYBRID_ARCHS).index(arch) + 1,
         tokenizer=tokenizer(),
         shard_size=shard_size,
         **overrides,
@@ -160,13 +196,26 @@ def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_model_class(path):
+    """The transformers class that loads a checkpoint folder: its vision-language class for
+    that layout (AutoModelForCausalLM would build the text model alone and drop the
+    model.language_model. weights), else AutoModelForCausalLM."""
+    import json
+
+    import transformers
+
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    if archs and archs[0].endswith("ForConditionalGeneration"):
+        return getattr(transformers, archs[0])
+    return transformers.AutoModelForCausalLM
+
+
 def hf_greedy(path, prompt: list[int], n: int, device: str = "cpu", dtype=None):
     """transformers greedy: the n tokens and the raw logits [n, V] (fp32) of each step."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     dtype = dtype or torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = hf_model_class(path).from_pretrained(path, dtype=dtype).to(device)
     model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
     with torch.no_grad():
         out = model.generate(

@@ -24,6 +24,7 @@ import logging
 from collections import OrderedDict
 
 from voltserve.services.executor.request import Request
+from voltserve.services.executor.state_cache import StateSlots
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,15 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+    ):
+        """state_slots: a model with per-request linear-attention state (state_cache.py): each
+        request also takes a slot when it gets its first blocks and gives it back with them."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if block_size < 1:
@@ -46,6 +55,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
         self.ref_counts = [0] * num_blocks
         # The key a block is registered under in the cache table (None: not in the table).
         self.block_key: list[BlockKey | None] = [None] * num_blocks
@@ -141,6 +151,8 @@ class BlockManager:
         new_blocks = self.blocks_needed(num_cached + num_new_tokens) - len(cached_blocks)
         # Hitting a cached free block takes it out of the free pool too.
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         return new_blocks + revived <= self.num_free_blocks
 
     def allocate(self, request: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
@@ -157,6 +169,8 @@ class BlockManager:
         for b in cached_blocks:
             self._take(b)
         request.block_ids = list(cached_blocks)
+        if self.state_slots is not None:
+            request.state_slot = self.state_slots.take()
         self._num_registered[request.request_id] = len(cached_blocks)
         num_cached = len(cached_blocks) * self.block_size
         self._grow(request, num_cached + num_new_tokens)
@@ -245,6 +259,9 @@ class BlockManager:
                 else:
                     self._free_plain.append(b)
         request.block_ids = []
+        if request.state_slot >= 0:
+            self.state_slots.give_back(request.state_slot)
+            request.state_slot = -1
         self._num_registered.pop(request.request_id, None)
         if finished:
             self._keys.pop(request.request_id, None)
@@ -298,3 +315,10 @@ class BlockManager:
             assert (b in self._free_cached) <= (self.block_key[b] is not None)
         for key, b in self._table.items():
             assert self.block_key[b] == key, f"table entry for block {b} is stale"
+
+    def all_free(self) -> bool:
+        """No request holds a block or a state slot."""
+        slots = self.state_slots
+        return self.num_free_blocks == self.num_blocks and (
+            slots is None or slots.num_free == slots.num_slots
+        )

@@ -118,8 +118,11 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         MixtralConfig,
         Qwen2Config,
         Qwen2MoeConfig,
+        Qwen3_5Config,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
     )
 
     classes = {
@@ -130,6 +133,9 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         "qwen3_moe": Qwen3MoeConfig,
         "qwen2_moe": Qwen2MoeConfig,
         "mixtral": MixtralConfig,
+        "qwen3_next": Qwen3NextConfig,
+        "qwen3_5": Qwen3_5TextConfig,
+        "qwen3_5_vl": Qwen3_5Config,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
@@ -143,6 +149,19 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         tie_word_embeddings=arch == "qwen2",
     )
     kwargs.update(overrides)
+    if arch == "qwen3_5_vl":
+        # The vision-language layout: the text model's config in text_config, a token vision
+        # tower (the text part is what voltserve serves).
+        vision = kwargs.pop("vision_config", None) or dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2
+        )
+        tie = kwargs.pop("tie_word_embeddings")
+        eos = kwargs.pop("eos_token_id")
+        kwargs.pop("bos_token_id")
+        vision.setdefault("out_hidden_size", kwargs["hidden_size"])
+        return Qwen3_5Config(
+            text_config=kwargs, vision_config=vision, tie_word_embeddings=tie, eos_token_id=eos
+        )
     return classes[arch](**kwargs)
 
 
@@ -171,13 +190,18 @@ def write_checkpoint(
     model_vocab = (len(tok) + 63) // 64 * 64
     config = make_config(arch, model_vocab, eos, None, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen3_5_vl":
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Wider weights than the 0.02 default give peaked, less tie-prone next-token distributions.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # linears, embeddings, stacked MoE experts
                 p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.05)
-            elif "bias" in name:
+            elif "bias" in name and "dt_bias" not in name:
                 p.normal_(0.0, 0.02)
             else:  # norms
                 p.uniform_(0.8, 1.2)
@@ -192,7 +216,18 @@ def main(argv: list[str]) -> None:
     p.add_argument("dir", help="output folder")
     p.add_argument(
         "--arch",
-        choices=["qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"],
+        choices=[
+            "qwen2",
+            "llama",
+            "mistral",
+            "qwen3",
+            "qwen3_moe",
+            "qwen2_moe",
+            "mixtral",
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_vl",
+        ],
         default="qwen2",
     )
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")

@@ -42,6 +42,7 @@ from voltserve.services.executor.request import (
     StepPlan,
 )
 from voltserve.services.executor.spec.acceptance import num_accepted
+from voltserve.services.executor.state_cache import StateSlots
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.model_limits import ModelLimits
 from voltserve.shared.sampling_params import SamplingParams
@@ -116,8 +117,13 @@ class LLMEngine:
                 capacity,
             )
             self.max_model_len = capacity
+        # Linear-attention models (state_cache.py): a state slot per running request, and no
+        # prefix caching (a cached KV prefix would skip the tokens that build the state).
+        state_cache = getattr(runner, "state_cache", None)
+        slots = None if state_cache is None else StateSlots(state_cache.num_slots)
+        prefix_caching = config.enable_prefix_caching and state_cache is None
         self.block_manager = BlockManager(
-            runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
+            runner.num_kv_blocks, runner.block_size, prefix_caching, slots
         )
         # A pipelined runner launches step N+1 before step N's tokens are back: one slot of
         # lookahead keeps its block allocated at block boundaries.
@@ -657,7 +663,7 @@ class LLMEngine:
 
     def check_all_free(self) -> bool:
         """True when no request holds a block (tests; after everything finished or aborted)."""
-        return self.block_manager.num_free_blocks == self.block_manager.num_blocks
+        return self.block_manager.all_free()
 
 
 __all__ = ["EngineStats", "LLMEngine", "RequestStatus"]

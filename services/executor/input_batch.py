@@ -30,10 +30,12 @@ def attention_metadata(
     query_start_loc: torch.Tensor,
     is_decode: bool,
     max_query_len: int | None = None,
+    state_slots: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """The attention metadata of a forward over paged KV: block tables, lengths and query
     starts as the kernels take them (int32; a tensor that is already int32 is passed as it is,
-    so a CUDA graph's static buffers stay the ones it reads), slots as given (int64)."""
+    so a CUDA graph's static buffers stay the ones it reads), slots and state slots as given
+    (int64)."""
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables.to(torch.int32),
@@ -41,6 +43,7 @@ def attention_metadata(
         query_start_loc=query_start_loc.to(torch.int32),
         is_decode=is_decode,
         max_query_len=max_query_len,
+        state_slots=state_slots,
     )
 
 
@@ -48,10 +51,10 @@ def flat_batch(
     d: list[torch.Tensor], num_seqs: int, width: int, is_decode: bool, max_query_len: int
 ) -> DeviceBatch:
     """The device batch over the flat buffer's parts (ids, positions, slots, block tables,
-    sequence lengths, query starts, logits rows): the eager step's, on rank 0 and, from its
-    broadcast, on the other tensor-parallel ranks."""
+    sequence lengths, query starts, logits rows, state slots): the eager step's, on rank 0 and,
+    from its broadcast, on the other tensor-parallel ranks."""
     meta = attention_metadata(
-        d[2], d[3].view(num_seqs, width), d[4], d[5], is_decode, max_query_len
+        d[2], d[3].view(num_seqs, width), d[4], d[5], is_decode, max_query_len, d[7]
     )
     return DeviceBatch(d[0], d[1], meta, d[6], num_seqs)
 
@@ -200,8 +203,8 @@ class InputBatch:
     def _alloc_host_buffers(self, max_tokens: int, max_seqs: int) -> None:
         self._cap_tokens, self._cap_seqs = max_tokens, max_seqs
         # ids, positions, slots, logits rows (up to one per token under speculation), then
-        # the per-sequence block tables, lengths and query starts.
-        size = 4 * max_tokens + max_seqs * (self.max_blocks_per_seq + 3) + 1
+        # the per-sequence block tables, lengths, query starts and state slots.
+        size = 4 * max_tokens + max_seqs * (self.max_blocks_per_seq + 4) + 1
         pin = self.device.type == "cuda"
         self._host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
@@ -287,6 +290,7 @@ class InputBatch:
             seq_lens,
             qsl,
             np.asarray(logit_rows, np.int64),
+            np.fromiter((r.state_slot for r in reqs), np.int64, B),
         ]
         offs = np.cumsum([0] + [len(x) for x in parts])
         for x, o in zip(parts, offs[:-1]):

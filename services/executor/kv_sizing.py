@@ -28,9 +28,15 @@ def kv_bytes_per_block(runner: ModelRunner) -> int:
     what the proposer's own KV cache adds (spec/proposer.py)."""
     elem = torch.empty((), dtype=runner.kv_cache_dtype).element_size()
     a = runner.arch
-    target = a.num_layers * 2 * runner.num_kv_heads * runner.block_size * a.head_dim * elem
+    target = a.num_kv_layers * 2 * runner.num_kv_heads * runner.block_size * a.head_dim * elem
     proposer = runner.proposer
     return target + (proposer.kv_bytes_per_block(runner) if proposer is not None else 0)
+
+
+def state_cache_bytes(runner: ModelRunner) -> int:
+    """The bytes of the runner's linear-attention state pools (0 without them)."""
+    cache = getattr(runner, "state_cache", None)
+    return 0 if cache is None else cache.nbytes
 
 
 def decide_num_blocks(runner: ModelRunner) -> int:
@@ -38,7 +44,9 @@ def decide_num_blocks(runner: ModelRunner) -> int:
         return runner.config.num_kv_blocks
     per_block = kv_bytes_per_block(runner)
     if runner.device.type != "cuda":
-        n = runner.config.cpu_kv_cache_bytes // per_block
+        # The linear-attention state (state_cache.py) comes out of the same byte budget; on
+        # CUDA it is allocated before the profile, so it counts with the weights.
+        n = (runner.config.cpu_kv_cache_bytes - state_cache_bytes(runner)) // per_block
     else:
         n = profile_gpu_blocks(runner, per_block)
     if n < 1:
@@ -82,8 +90,20 @@ def profile_forward(
         n_seqs, blocks_per
     )
     qsl = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=runner.device)
+    # Linear-attention layers write their state slots (any; the contents do not matter: a
+    # request's prefill starts from zeros).
+    cache = getattr(runner, "state_cache", None)
+    state_slots = None
+    if cache is not None:
+        state_slots = torch.arange(n_seqs, device=runner.device) % cache.num_slots
     meta = attention_metadata(
-        slots, bt, torch.tensor(lens, dtype=torch.int32, device=runner.device), qsl, False, seq
+        slots,
+        bt,
+        torch.tensor(lens, dtype=torch.int32, device=runner.device),
+        qsl,
+        False,
+        seq,
+        state_slots,
     )
     # Sampling rows: up to max_num_seqs logits rows.
     rows = torch.arange(min(runner.config.max_num_seqs, T), device=runner.device) % T
@@ -148,5 +168,5 @@ def alloc_kv_caches(
             torch.zeros(shape, dtype=runner.kv_cache_dtype, device=runner.device),
             torch.zeros(shape, dtype=runner.kv_cache_dtype, device=runner.device),
         )
-        for _ in range(a.num_layers)
+        for _ in range(a.num_kv_layers)
     ]

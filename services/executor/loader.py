@@ -15,6 +15,12 @@ import torch
 from safetensors import safe_open
 from voltserve.services.executor.models.layers import Linear, VocabParallelEmbedding
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
+from voltserve.services.executor.models.qwen3_next import (
+    FULL,
+    LINEAR,
+    HybridArch,
+    Qwen3NextForCausalLM,
+)
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantFormatError
 from voltserve.services.executor.quant.detect import quant_config
 from voltserve.shared.gguf_files import GGUFError, is_gguf
@@ -31,7 +37,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "qwen"},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "moe": "qwen"},
     "MixtralForCausalLM": {"moe": "mixtral"},
+    # Hybrid linear attention (models/qwen3_next.py): Gated DeltaNet layers with a gated full
+    # attention every few layers. The vision-language classes (`vl`) keep the text model's
+    # config in text_config and its weights under model.language_model.; their text part is
+    # served (image inputs are refused by the gateway).
+    "Qwen3NextForCausalLM": {"qk_norm": True, "hybrid": "fused", "moe": "qwen"},
+    "Qwen3_5ForCausalLM": {"qk_norm": True, "hybrid": "split"},
+    "Qwen3_5ForConditionalGeneration": {"qk_norm": True, "hybrid": "split", "vl": True},
 }
+
+# Families whose MoE block has a shared expert behind a sigmoid gate (its size is required).
+_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 
 _DTYPES = {
     "float16": torch.float16,
@@ -72,6 +88,22 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return read_json(cfg)
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's text model config (its own keys over the top level's,
+    architectures and tie_word_embeddings from the top level); a text model's config as is."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        return hf
+    out = dict(text)
+    out["architectures"] = hf.get("architectures")
+    if "tie_word_embeddings" in hf:
+        out["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    for key in ("quantization_config", "dtype", "torch_dtype"):
+        if key in hf and key not in out:
+            out[key] = hf[key]
+    return out
+
+
 def parse_arch(hf: dict[str, Any]) -> ModelArch:
     archs = hf.get("architectures") or []
     name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -80,6 +112,10 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
             f"unsupported architecture {archs or '(config.json has no architectures)'}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
+    if SUPPORTED_ARCHITECTURES[name].get("vl"):
+        if not isinstance(hf.get("text_config"), dict):
+            raise ModelLoadError(f"config.json lacks text_config (needed for {name})")
+        hf = text_config(hf)
     required = [
         "vocab_size",
         "hidden_size",
@@ -105,7 +141,12 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         sliding = None
     attn_bias = bool(hf.get("attention_bias", False))
     moe = _parse_moe(hf, name, flags.get("moe"))
-    return ModelArch(
+    cls, hybrid = ModelArch, {}
+    if flags.get("hybrid"):
+        cls, hybrid = HybridArch, _parse_hybrid(hf, name, flags["hybrid"] == "fused")
+        # transformers' default for these families when config.json says nothing
+        partial = _partial_rotary(hf) or 0.25
+    return cls(
         architecture=name,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -127,6 +168,47 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
         **moe,
+        **hybrid,
+    )
+
+
+def _partial_rotary(hf: dict[str, Any]) -> float | None:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    value = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return None if value is None else float(value)
+
+
+def _parse_hybrid(hf: dict[str, Any], name: str, fused: bool) -> dict[str, Any]:
+    """HybridArch's fields: which layer is which and the Gated DeltaNet shapes."""
+    keys = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    )
+    missing = [k for k in keys if not hf.get(k)]
+    if missing:
+        raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval") or 4)
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    types = tuple(types)
+    bad = sorted({t for t in types if t not in (FULL, LINEAR)})
+    if len(types) != n or bad:
+        raise ModelLoadError(
+            f"config.json: layer_types must list {n} entries of {FULL!r} / {LINEAR!r}"
+            + (f" (got {bad})" if bad else f" (got {len(types)})")
+        )
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+    return dict(
+        layer_types=types,
+        fused_gdn_proj=fused,
+        attn_output_gate=bool(hf.get("attn_output_gate", True)),
+        linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim") or 4),
+        **{k: int(hf[k]) for k in keys},
     )
 
 
@@ -149,7 +231,7 @@ def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, A
         if not v
     ]
     shared = hf.get("shared_expert_intermediate_size")
-    if name == "Qwen2MoeForCausalLM" and shared is None:
+    if name in _SHARED_EXPERT and shared is None:
         # transformers would fall back to its class default and load a shared expert of that
         # size; guessing it here could silently skip the checkpoint's shared expert.
         missing.append("shared_expert_intermediate_size")
@@ -167,7 +249,7 @@ def _parse_moe(hf: dict[str, Any], name: str, family: str | None) -> dict[str, A
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(inter),
         norm_topk_prob=bool(hf.get("norm_topk_prob", family == "mixtral")),
-        shared_expert_intermediate_size=int(shared or 0) if name == "Qwen2MoeForCausalLM" else 0,
+        shared_expert_intermediate_size=int(shared or 0) if name in _SHARED_EXPERT else 0,
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
         decoder_sparse_step=1 if family == "mixtral" else step,
         moe_family=family,
@@ -414,7 +496,11 @@ def load_model(
                 logger.info("converting %s weights to %s on load", src, dtype)
         arch = parse_arch(hf)
         with torch.device(device):
-            model = LlamaForCausalLM(arch, dtype, quant, tp)
+            if isinstance(arch, HybridArch):
+                vl = bool(SUPPORTED_ARCHITECTURES[arch.architecture].get("vl"))
+                model = Qwen3NextForCausalLM(arch, dtype, quant, tp, language_model_prefix=vl)
+            else:
+                model = LlamaForCausalLM(arch, dtype, quant, tp)
     except (QuantFormatError, GGUFError) as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
     if quant is not UNQUANTIZED:

@@ -34,6 +34,7 @@ from voltserve.services.executor.sampler import Sampler
 from voltserve.services.executor.spec.graph_setup import build_verify_graphs, spec_graph_sizes
 from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
+from voltserve.services.executor.state_cache import StateCache
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.worker import TPSession
 from voltserve.shared import startup
@@ -124,6 +125,9 @@ class ModelRunner:
         self.block_size: int = config.block_size
         self.max_model_len: int = self._resolve_max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        # Linear-attention state (state_cache.py): a slot per running request, allocated
+        # before the KV sizing so that its bytes come off the KV cache's budget.
+        self.state_cache = self._alloc_state_cache()
         # Graph replays run no hooks: the layer trace needs every step eager.
         use_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and not layer_trace.enabled()
@@ -262,9 +266,33 @@ class ModelRunner:
             n = sw
         return n
 
+    def _alloc_state_cache(self) -> StateCache | None:
+        specs = self.model.state_specs() if hasattr(self.model, "state_specs") else []
+        if not specs:
+            return None
+        name = self.arch.architecture
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                f"--speculative-config is not supported with {name}: its linear-attention "
+                "state cannot yet be rolled back to the last accepted token"
+            )
+        if self.tp is not None:
+            raise ValueError(f"--tensor-parallel-size > 1 is not supported with {name} yet")
+        cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device)
+        self.model.state_cache = cache
+        logger.info(
+            "linear-attention state: %d layers x %d slots (%.2f MiB)",
+            len(specs),
+            cache.num_slots,
+            cache.nbytes / 2**20,
+        )
+        return cache
+
     def _why_no_graphs(self, graph_batch: int) -> str | None:
         if graph_batch < 1:
             return "max_graph_batch_size < 1"
+        if self.state_cache is not None:
+            return "decode graphs do not stage the linear-attention state slots yet"
         if not (
             self.ops.capturable() and self.ops.capturable(getattr(self.model, "graph_ops", ()))
         ):

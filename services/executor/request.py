@@ -35,6 +35,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Linear-attention models: the request's slot in the state cache (state_cache.py), taken
+    # with its first blocks and given back with them; -1 while it holds none.
+    state_slot: int = -1
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0

@@ -70,6 +70,9 @@ class AttentionMetadata:
     is_decode: bool
     # Longest query of the step, known on the host (the prefill kernel sizes its grid with it).
     max_query_len: int | None = None
+    # [B] int64: each sequence's slot in the linear-attention state cache (state_cache.py;
+    # -1 = none: a padding row, or a model without such state). None: not staged.
+    state_slots: torch.Tensor | None = None
 
 
 class Linear(nn.Module):

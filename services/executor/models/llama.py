@@ -73,6 +73,11 @@ class ModelArch:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a paged KV cache (a hybrid model's full-attention layers only)."""
+        return self.num_layers
+
     def is_moe_layer(self, i: int) -> bool:
         """transformers' rule (Qwen2/3-MoE; Mixtral has every layer sparse)."""
         return (

@@ -11,7 +11,7 @@ from voltserve.services.executor.tp.group import TPGroup
 
 HEADER_LEN = 16
 STOP, EAGER, GRAPH = 0, 1, 2
-NUM_PARTS = 7  # ids, positions, slots, tables, seq_lens, query starts, logits rows
+NUM_PARTS = 8  # ids, positions, slots, tables, seq_lens, query starts, logits rows, states
 
 
 class StepSync:

@@ -1,0 +1,105 @@
+"""The per-request state of linear-attention layers, beside the paged KV cache.
+
+A Gated DeltaNet layer (models/qwen3_next.py) keeps, per request, a fixed-size state instead of
+one KV entry per token: the causal conv's last kernel - 1 inputs [conv_dim, kernel - 1] (in the
+model's dtype) and the recurrent state [Hv, Dk, Dv] (fp32: kernels/linear_attention/__init__.py
+says why). Each such layer has two pools indexed by a request's state slot (`StateCache`, on the
+runner's device); the slots are handed out by `StateSlots`, which the block manager owns, so a
+slot is taken when the request is admitted (with its first KV blocks) and returned when its
+blocks are freed (finish, abort, preemption).
+
+- Slots: max_num_seqs of them, so admission (capped at max_num_seqs running requests) always
+  finds one.
+- Chunked prefill: a chunk that starts past position 0 continues from the state its slot holds
+  (the model derives "has an initial state" from the step's query start and sequence length).
+- Preemption: the slot is freed with the blocks; the request restarts from position 0, so its
+  state is recomputed from scratch by its prefill (as its KV blocks are in recompute mode).
+  Nothing is scrubbed: a prefill that starts at position 0 never reads the slot's old contents.
+- Prefix caching is off for models with such state: a cached KV prefix would skip the tokens
+  that build the state (the engine turns it off).
+- Sizing: the pools' bytes (slots x per-slot bytes) are taken off the KV cache's budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerStateSpec:
+    """The shapes of one linear-attention layer's per-request state."""
+
+    conv_shape: tuple[int, ...]  # [conv_dim, kernel - 1], in the model's dtype
+    recurrent_shape: tuple[int, ...]  # [Hv, Dk, Dv], fp32
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = elem * _numel(self.conv_shape)
+        return conv + 4 * _numel(self.recurrent_shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class StateCache:
+    """Per linear-attention layer (in the model's layer order), the conv-state pool
+    [num_slots, conv_dim, kernel - 1] and the recurrent-state pool [num_slots, Hv, Dk, Dv]
+    fp32, indexed by a request's state slot (AttentionMetadata.state_slots)."""
+
+    def __init__(
+        self,
+        specs: list[LayerStateSpec],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the state cache needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.specs = list(specs)
+        self.dtype = dtype
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros((num_slots, *s.conv_shape), dtype=dtype, device=device),
+                torch.zeros((num_slots, *s.recurrent_shape), dtype=torch.float32, device=device),
+            )
+            for s in self.specs
+        ]
+
+    @staticmethod
+    def bytes_for(specs: list[LayerStateSpec], num_slots: int, dtype: torch.dtype) -> int:
+        return num_slots * sum(s.bytes_per_slot(dtype) for s in specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.specs, self.num_slots, self.dtype)
+
+
+class StateSlots:
+    """The free list of state slots (engine side): one slot per admitted request."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"state slots must be at least 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free state slot (more running requests than max_num_seqs)")
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        if slot < 0 or slot >= self.num_slots or slot in self._free:
+            raise RuntimeError(f"state slot {slot} given back twice or out of range")
+        self._free.append(slot)
