@@ -16,7 +16,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # Hybrid linear-attention families (models/qwen3_next.py): Gated DeltaNet layers and a gated
 # full attention every few layers; qwen3_5_vl is the vision-language layout of qwen3_5.
-HYBRID_ARCHS = ("qwen3_5", "qwen3_next", "qwen3_5_vl")
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
 
 # Small on purpose: the whole model suite must run in well under a minute on 2 CPU cores.
 TINY = dict(
@@ -102,6 +102,17 @@ ARCH_OVERRIDES: dict[str, dict] = {
         shared_expert_intermediate_size=48,
         norm_topk_prob=True,
         decoder_sparse_step=1,
+        **_GDN,
+    ),
+    # every layer MoE with a shared expert (top-2 of 4, always renormalised); no dense MLP
+    "qwen3_5_moe": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        num_hidden_layers=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
         **_GDN,
     ),
     # the vision-language layout (model.language_model., a vision tower that is skipped)

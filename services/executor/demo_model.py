@@ -119,6 +119,7 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3_5Config,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -135,6 +136,7 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         "mixtral": MixtralConfig,
         "qwen3_next": Qwen3NextConfig,
         "qwen3_5": Qwen3_5TextConfig,
+        "qwen3_5_moe": Qwen3_5MoeTextConfig,
         "qwen3_5_vl": Qwen3_5Config,
     }
     if arch not in classes:
@@ -149,6 +151,8 @@ def make_config(arch: str, vocab_size: int, eos_ids: list[int], bos_id: int | No
         tie_word_embeddings=arch == "qwen2",
     )
     kwargs.update(overrides)
+    if arch == "qwen3_5_moe":
+        kwargs.pop("intermediate_size")  # every layer is sparse: the config has no such key
     if arch == "qwen3_5_vl":
         # The vision-language layout: the text model's config in text_config, a token vision
         # tower (the text part is what voltserve serves).
@@ -226,6 +230,7 @@ def main(argv: list[str]) -> None:
             "mixtral",
             "qwen3_next",
             "qwen3_5",
+            "qwen3_5_moe",
             "qwen3_5_vl",
         ],
         default="qwen2",

@@ -44,10 +44,25 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": {"qk_norm": True, "hybrid": "fused", "moe": "qwen"},
     "Qwen3_5ForCausalLM": {"qk_norm": True, "hybrid": "split"},
     "Qwen3_5ForConditionalGeneration": {"qk_norm": True, "hybrid": "split", "vl": True},
+    # Qwen3.5-MoE: every layer sparse, top-k always renormalised, a shared expert; no dense
+    # intermediate_size.
+    "Qwen3_5MoeForCausalLM": {"qk_norm": True, "hybrid": "split", "moe": "qwen", "all_moe": True},
+    "Qwen3_5MoeForConditionalGeneration": {
+        "qk_norm": True,
+        "hybrid": "split",
+        "moe": "qwen",
+        "all_moe": True,
+        "vl": True,
+    },
 }
 
 # Families whose MoE block has a shared expert behind a sigmoid gate (its size is required).
-_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+_SHARED_EXPERT = (
+    "Qwen2MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 _DTYPES = {
     "float16": torch.float16,
@@ -116,13 +131,13 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         if not isinstance(hf.get("text_config"), dict):
             raise ModelLoadError(f"config.json lacks text_config (needed for {name})")
         hf = text_config(hf)
+    flags = SUPPORTED_ARCHITECTURES[name]
     required = [
         "vocab_size",
         "hidden_size",
-        "intermediate_size",
         "num_hidden_layers",
         "num_attention_heads",
-    ]
+    ] + ([] if flags.get("all_moe") else ["intermediate_size"])
     missing = [k for k in required if hf.get(k) is None]
     if missing:
         raise ModelLoadError(f"config.json lacks {missing} (needed for {name})")
@@ -135,12 +150,13 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    flags = SUPPORTED_ARCHITECTURES[name]
     sliding = hf.get("sliding_window")
     if name.startswith("Qwen") and not hf.get("use_sliding_window", False):
         sliding = None
     attn_bias = bool(hf.get("attention_bias", False))
     moe = _parse_moe(hf, name, flags.get("moe"))
+    if flags.get("all_moe"):
+        moe.update(norm_topk_prob=True, mlp_only_layers=(), decoder_sparse_step=1)
     cls, hybrid = ModelArch, {}
     if flags.get("hybrid"):
         cls, hybrid = HybridArch, _parse_hybrid(hf, name, flags["hybrid"] == "fused")
@@ -150,7 +166,8 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         architecture=name,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
+        # 0 where every layer is sparse (no dense MLP is built)
+        intermediate_size=int(hf.get("intermediate_size") or 0),
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,

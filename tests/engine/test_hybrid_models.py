@@ -1,6 +1,7 @@
-"""Hybrid linear-attention models (Qwen3.5 / 3.6, Qwen3-Next) through the real engine against
-transformers, token for token (fp32, CPU): one request at a time, 8 at once, with chunked
-prefill (a small token budget) and forced preemption (a KV pool too small for the batch)."""
+"""Hybrid linear-attention models (Qwen3.5 / 3.6 dense and MoE, Qwen3-Next) through the real
+engine against transformers, token for token (fp32, CPU): 8 requests at once with chunked
+prefill (a small token budget) and forced preemption (a KV pool too small for the batch), then
+one at a time; the vision-language layout's text part; the state cache's sizing and refusals."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import functools
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.kv_sizing import kv_bytes_per_block
+from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import HYBRID_ARCHS, checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
 
-MAX_NEW = 8
+MAX_NEW = 5
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 @functools.cache
@@ -23,26 +27,65 @@ def hf_model(arch: str):
     return hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHS)
-def test_greedy_matches_transformers(arch: str, rng) -> None:
+def _prompts(rng, n: int, lo: int, hi: int) -> list[list[int]]:
     V = len(tokenizer())
-    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 45))] for _ in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    return [[rng.randrange(V) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_greedy_matches_transformers(arch: str, rng) -> None:
+    prompts = _prompts(rng, 6, 14, 16)
     want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in prompts]
-    # A 16-token budget splits every longer prompt into chunks; 9 blocks of 16 tokens hold
-    # fewer than the 8 requests' 8-40 tokens each, so the newest are preempted and recomputed.
+    # An 8-token budget splits every prompt into chunks (a later chunk starts from the state
+    # the earlier left). Each request computes 18-20 positions (two 16-token blocks) and
+    # there are 3 blocks: a running request that cannot grow preempts the newest, whose state
+    # slot is freed and whose state is rebuilt from position 0 when it is admitted again.
     engine = LLMEngine(
         EngineConfig(
             model=str(checkpoint(arch)),
-            num_kv_blocks=9,
-            max_num_batched_tokens=16,
+            num_kv_blocks=3,
+            max_num_batched_tokens=8,
             max_num_seqs=8,
         )
     )
-    assert engine.generate(prompts, params) == want
+    assert not engine.block_manager.enable_prefix_caching
+    assert engine.generate(prompts, PARAMS) == want
     assert engine.batcher.num_preemptions > 0
     assert engine.check_all_free()
-    # One at a time, reusing the slots the batch gave back.
-    for p, w in zip(prompts[:2], want[:2]):
-        assert engine.generate([p], params) == [w]
+    # One at a time, on the slots the batch gave back.
+    assert engine.generate([prompts[0]], PARAMS) == [want[0]]
     assert engine.check_all_free()
+
+
+def test_vision_language_layout_serves_its_text_model(rng) -> None:
+    """Qwen3_5ForConditionalGeneration: text_config, weights under model.language_model.,
+    the vision tower skipped; equal to transformers' vision-language class on text."""
+    prompts = _prompts(rng, 3, 1, 40)
+    engine = LLMEngine(EngineConfig(model=str(checkpoint("qwen3_5_vl")), num_kv_blocks=16))
+    assert engine.runner.arch.architecture == "Qwen3_5ForConditionalGeneration"
+    want = [greedy_tokens(hf_model("qwen3_5_vl"), p, MAX_NEW) for p in prompts]
+    assert engine.generate(prompts, PARAMS) == want
+
+
+def test_state_cache_is_sized_with_the_kv_cache() -> None:
+    """One slot per max_num_seqs; its bytes come out of the CPU KV budget; the KV cache holds
+    the full-attention layers only."""
+    path = str(checkpoint("qwen3_5"))
+    budget = 1 << 20
+    r = ModelRunner(EngineConfig(model=path, cpu_kv_cache_bytes=budget, max_num_seqs=4))
+    cache = r.state_cache
+    assert cache.num_slots == 4 and len(cache.layers) == 2  # layers 0 and 1 are linear
+    conv, rec = cache.layers[0]
+    # conv_dim = 2 * 2 key heads * 16 + 4 value heads * 16; kernel 4
+    assert conv.shape == (4, 128, 3) and conv.dtype == torch.float32
+    assert rec.shape == (4, 4, 16, 16) and rec.dtype == torch.float32
+    assert cache.nbytes == 2 * 4 * (128 * 3 + 4 * 16 * 16) * 4
+    assert len(r.kv_caches) == 2  # layers 2 and 3
+    assert r.num_kv_blocks == (budget - cache.nbytes) // kv_bytes_per_block(r)
+
+
+def test_unsupported_options_are_refused_by_name() -> None:
+    path = str(checkpoint("qwen3_5"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM"):
+        ModelRunner(EngineConfig(model=path, num_kv_blocks=8, speculative_config=spec))
