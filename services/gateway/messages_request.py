@@ -18,7 +18,7 @@ from typing import Any
 
 from voltserve.services.gateway.chat_bridge import ChatCall
 from voltserve.services.gateway.errors import bad_request
-from voltserve.services.gateway.request_fields import refuse_unknown
+from voltserve.services.gateway.request_fields import media_note, refuse_unknown
 
 MESSAGES_FIELDS = frozenset(
     {
@@ -88,7 +88,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 def _unsupported(block: dict[str, Any], where: str, role: str, allowed: str) -> Exception:
     return bad_request(
         f"{where}.type {block['type']!r} is not supported in a {role} message "
-        f"(this server takes {allowed})",
+        f"(this server takes {allowed}){media_note(block['type'])}",
         f"{where}.type",
     )
 

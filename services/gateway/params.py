@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voltserve.services.gateway.errors import bad_request
-from voltserve.services.gateway.request_fields import check_fields
+from voltserve.services.gateway.request_fields import check_fields, media_note
 from voltserve.services.gateway.structured import parse_structured
 from voltserve.services.renderer.render import context_error
 from voltserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -256,7 +256,8 @@ def _check_parts(i: int, content: Any) -> None:
         if kind != "text":
             what = f"of type {kind!r}" if isinstance(kind, str) else "not a text part"
             raise bad_request(
-                f"messages[{i}].content[{j}] is {what}: only text content parts are supported",
+                f"messages[{i}].content[{j}] is {what}: only text content parts are supported"
+                + media_note(kind),
                 "messages",
             )
 

@@ -92,3 +92,28 @@ def check_fields(body: dict, kind: str) -> None:
         isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):
         raise bad_request("metadata must be an object of string values", "metadata")
+
+
+# Content-part / block types that carry media, in the three APIs' spellings -> what they carry.
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "video_url": "video",
+    "file": "file",
+    "input_file": "file",
+    "document": "file",
+}
+
+
+def media_note(kind: object) -> str:
+    """What a refusal of a media content part adds (empty for any other type): the server
+    serves text only, a vision-language model's text part included."""
+    what = _MEDIA_PARTS.get(kind) if isinstance(kind, str) else None
+    if what is None:
+        return ""
+    return (
+        f" ({what} inputs are not supported: only text is served, also for a vision-language "
+        "model such as Qwen3.5)"
+    )

@@ -15,7 +15,7 @@ from typing import Any
 
 from voltserve.services.gateway.chat_bridge import ChatCall
 from voltserve.services.gateway.errors import bad_request
-from voltserve.services.gateway.request_fields import refuse_unknown
+from voltserve.services.gateway.request_fields import media_note, refuse_unknown
 
 RESPONSES_FIELDS = frozenset(
     {
@@ -96,7 +96,7 @@ def _text_of(content: Any, where: str) -> str:
         if t not in _TEXT_PARTS:
             raise bad_request(
                 f"{w}.type {t!r} is not supported: this server takes text parts "
-                f"({', '.join(_TEXT_PARTS)})",
+                f"({', '.join(_TEXT_PARTS)}){media_note(t)}",
                 f"{w}.type",
             )
         refuse_unknown(part, frozenset({"type", "text", "annotations", "logprobs"}), w)

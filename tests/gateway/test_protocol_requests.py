@@ -402,3 +402,26 @@ def test_every_field_the_translations_read_is_listed() -> None:
         read = set(re.findall(r'body\.get\("([a-z_]+)"', src))
         read |= set(re.findall(r'body\["([a-z_]+)"\]', src))
         assert read and not read - known, (name, read - known)
+
+
+def test_image_inputs_are_refused_by_name() -> None:
+    """An image part is a 400 that says image inputs are not served (a vision-language model
+    such as Qwen3.5 serves its text part), in each API's spelling."""
+    from voltserve.services.gateway.params import parse_chat
+
+    image = "image inputs are not supported"
+    chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    with pytest.raises(APIError, match=image) as e:
+        parse_chat(chat, 1000, 100)
+    assert e.value.param == "messages"
+    part = {"type": "input_image", "image_url": "x"}
+    with pytest.raises(APIError, match=image) as e:
+        _responses({"input": [{"role": "user", "content": [part]}]})
+    assert e.value.param == "input[0].content[0].type"
+    block = {"type": "image", "source": {"type": "url", "url": "x"}}
+    with pytest.raises(APIError, match=image):
+        _messages({"messages": [{"role": "user", "content": [block]}]})
+    # Not a media type: the plain refusal, without the note.
+    with pytest.raises(APIError) as e:
+        _responses({"input": [{"role": "user", "content": [{"type": "nope"}]}]})
+    assert image not in str(e.value)
