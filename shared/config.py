@@ -26,7 +26,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CPU: KV cache bytes when num_kv_blocks is None.
     cpu_kv_cache_bytes: int = 256 * 1024 * 1024
-    enable_prefix_caching: bool = True
+    # None: on, except for models with linear-attention state (off for them); True for such a
+    # model is refused.
+    enable_prefix_caching: bool | None = None
     # Decode steps run as CUDA graphs unless this is set.
     enforce_eager: bool = False
     # Largest decode batch captured as a CUDA graph; larger batches run eagerly.

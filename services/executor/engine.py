@@ -121,7 +121,13 @@ class LLMEngine:
         # prefix caching (a cached KV prefix would skip the tokens that build the state).
         state_cache = getattr(runner, "state_cache", None)
         slots = None if state_cache is None else StateSlots(state_cache.num_slots)
-        prefix_caching = config.enable_prefix_caching and state_cache is None
+        prefix_caching = config.enable_prefix_caching is not False and state_cache is None
+        if state_cache is not None and config.enable_prefix_caching:
+            raise ValueError(
+                "--enable-prefix-caching is not supported with "
+                f"{getattr(runner.arch, 'architecture', 'this model')}: its linear-attention "
+                "state is not cached with the KV blocks (leave the flag out)"
+            )
         self.block_manager = BlockManager(
             runner.num_kv_blocks, runner.block_size, prefix_caching, slots
         )

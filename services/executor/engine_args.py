@@ -76,6 +76,8 @@ class EngineFlag:
     # A store_true flag: `switch` sets the field True, `negate` sets it False.
     switch: bool = False
     negate: bool = False
+    # --X / --no-X for a field whose default None leaves the choice to the engine.
+    either: bool = False
 
     @property
     def dest(self) -> str:
@@ -89,6 +91,8 @@ class EngineFlag:
         if value == self.default():
             return []
         flag = self.names[-1]
+        if self.either:
+            return [flag if value else "--no-" + flag[2:]]
         if self.switch or self.negate:
             return [flag]
         if self.field == "cuda_graph_sizes":
@@ -142,9 +146,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     EngineFlag(
         "enable_prefix_caching",
-        ("--no-enable-prefix-caching",),
-        "no automatic prefix caching",
-        negate=True,
+        ("--enable-prefix-caching",),
+        "automatic prefix caching (default: on, except for hybrid linear-attention models, "
+        "which refuse it)",
+        either=True,
     ),
     EngineFlag("enforce_eager", ("--enforce-eager",), "no CUDA graphs", switch=True),
     EngineFlag(
@@ -193,7 +198,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Every engine flag, with EngineConfig's defaults; --model is required."""
     g = p.add_argument_group("engine")
     for f in ENGINE_FLAGS:
-        if f.switch or f.negate:
+        if f.either:
+            g.add_argument(
+                *f.names, dest=f.dest, action=argparse.BooleanOptionalAction, help=f.help
+            )
+        elif f.switch or f.negate:
             g.add_argument(*f.names, dest=f.dest, action="store_true", help=f.help)
         elif f.field == "model":
             g.add_argument(*f.names, dest=f.dest, required=True, help=f.help)

@@ -73,7 +73,7 @@ def random_config(rng: random.Random) -> EngineConfig:
         block_size=rng.choice([16, 32]),
         num_kv_blocks=rng.choice([None, rng.randint(1, 1 << 16)]),
         gpu_memory_utilization=round(rng.uniform(0.05, 0.99), 4),
-        enable_prefix_caching=rng.random() < 0.5,
+        enable_prefix_caching=rng.choice([None, True, False]),
         enforce_eager=rng.random() < 0.5,
         cuda_graph_sizes=tuple(sorted(rng.sample(range(1, 257), rng.randint(0, 5)))),
         tensor_parallel_size=rng.randint(1, 8),

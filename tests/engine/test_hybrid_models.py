@@ -89,3 +89,5 @@ def test_unsupported_options_are_refused_by_name() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM"):
         ModelRunner(EngineConfig(model=path, num_kv_blocks=8, speculative_config=spec))
+    with pytest.raises(ValueError, match="enable-prefix-caching.*Qwen3_5ForCausalLM"):
+        LLMEngine(EngineConfig(model=path, num_kv_blocks=8, enable_prefix_caching=True))
