@@ -238,3 +238,25 @@ def test_random_workload_keeps_invariants():
         bm.free(r)
     assert bm.num_free_blocks == 24 and all(c == 0 for c in bm.ref_counts)
     assert bm.prefix_cache_hits > 0
+
+
+def test_state_slots_follow_the_blocks(rng):
+    """A model with linear-attention state: a request takes a state slot with its first blocks
+    and gives it back whenever they are freed; no slot left, no admission."""
+    from voltserve.services.executor.state_cache import StateSlots
+
+    bm = BlockManager(16, BS, enable_prefix_caching=False, state_slots=StateSlots(2))
+    a, b, c = (make_request(r, rand_tokens(rng, rng.randint(1, 40))) for r in "abc")
+    admit(bm, a)
+    admit(bm, b)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    assert not bm.can_allocate(c, [], 1) and not bm.allocate(c, [], 1)
+    assert c.state_slot == -1 and not c.block_ids
+    slot = a.state_slot
+    bm.free(a, finished=False)  # preemption gives the slot back with the blocks
+    assert a.state_slot == -1 and not bm.all_free()
+    admit(bm, c)
+    assert c.state_slot == slot
+    bm.free(b)
+    bm.free(c)
+    assert bm.all_free()
