@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.kv_sizing import kv_bytes_per_block
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.shared.config import EngineConfig
@@ -88,7 +89,7 @@ def test_unsupported_options_are_refused_by_name() -> None:
     path = str(checkpoint("qwen3_5"))
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM"):
-        ModelRunner(EngineConfig(model=path, num_kv_blocks=8, speculative_config=spec))
+        ModelRunner(engine_config(model=path, num_kv_blocks=8, speculative_config=spec))
     with pytest.raises(ValueError, match="enable-prefix-caching.*Qwen3_5ForCausalLM"):
         LLMEngine(EngineConfig(model=path, num_kv_blocks=8, enable_prefix_caching=True))
 
