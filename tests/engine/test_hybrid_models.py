@@ -35,12 +35,13 @@ def _prompts(rng, n: int, lo: int, hi: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_greedy_matches_transformers(arch: str, rng) -> None:
-    prompts = _prompts(rng, 6, 14, 16)
+    prompts = _prompts(rng, 6, 16, 16)
     want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in prompts]
     # An 8-token budget splits every prompt into chunks (a later chunk starts from the state
-    # the earlier left). Each request computes 18-20 positions (two 16-token blocks) and
-    # there are 3 blocks: a running request that cannot grow preempts the newest, whose state
-    # slot is freed and whose state is rebuilt from position 0 when it is admitted again.
+    # the earlier left). Every prompt fills one 16-token block, so each request's first decode
+    # step needs a second one, and there are 3 blocks for 6 requests: a running request that
+    # cannot grow preempts the newest, whose state slot is freed and whose state is rebuilt
+    # from position 0 when it is admitted again.
     engine = LLMEngine(
         EngineConfig(
             model=str(checkpoint(arch)),
