@@ -28,6 +28,7 @@ from voltserve.services.renderer.render import Renderer, position_limit
 from voltserve.shared import broker, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.model_limits import PublishedLimits
+from voltserve.shared.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    keep_torch_out(args.model, args.tokenizer)
     setup_logging("gateway", args.log_level, args.log_json)
     asyncio.run(serve(args))
     # Everything is closed. Skip the interpreter's teardown of the tokenizer's large object
