@@ -26,8 +26,8 @@ from voltserve.services.renderer.render import Renderer, RenderFailed, error_for
 from voltserve.shared import broker, metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.model_limits import PublishedLimits
-from voltserve.shared.torch_free import keep_torch_out
 from voltserve.shared.protocol import RenderRequest
+from voltserve.shared.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
 
