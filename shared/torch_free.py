@@ -2,9 +2,11 @@
 
 transformers imports torch whenever it is installed, even to build a tokenizer: that import is
 most of such a service's start-up (about 2.5 of 4 CPU seconds on the CI machine), paid again by
-every gateway and renderer that starts. Marking torch as absent in the process makes transformers
-take its torch-free path, which builds the same tokenizers (tokenizers' Rust backend, jinja chat
-templates).
+every gateway and renderer that starts. transformers decides once, when it is imported, whether
+torch is there: imported while torch is hidden, it takes its torch-free path, which builds the
+same tokenizers (tokenizers' Rust backend, jinja chat templates). torch is hidden for that
+import only: a library that needs it later (xgrammar, which the renderer imports for its first
+structured-output request) imports it then.
 
 GGUF is the exception: transformers reads a GGUF file's tokenizer through its torch loader.
 """
@@ -28,8 +30,12 @@ def keep_torch_out(model: str, tokenizer: str | None = None) -> None:
         return
     if "torch" in sys.modules or "transformers" in sys.modules:
         return
-    # None in sys.modules: `import torch` raises ImportError, importlib.util.find_spec says None.
-    sys.modules["torch"] = None  # type: ignore[assignment]
     logging.getLogger("transformers").addFilter(
         lambda record: not str(record.msg).startswith(_NO_TORCH_NOTICE)
     )
+    # None in sys.modules: `import torch` raises ImportError, importlib.util.find_spec says None.
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        import transformers  # noqa: F401 - its torch check runs (and is cached) here
+    finally:
+        del sys.modules["torch"]
