@@ -1,12 +1,14 @@
-"""Services that only tokenize (the gateway, the renderer) load transformers without torch.
+"""The gateway, which only tokenizes, loads transformers without torch.
 
 transformers imports torch whenever it is installed, even to build a tokenizer: that import is
-most of such a service's start-up (about 2.5 of 4 CPU seconds on the CI machine), paid again by
-every gateway and renderer that starts. transformers decides once, when it is imported, whether
+most of the gateway's start-up (about 2.5 of 5 CPU seconds on the CI machine), paid again by
+every gateway that starts. transformers decides once, when it is imported, whether
 torch is there: imported while torch is hidden, it takes its torch-free path, which builds the
 same tokenizers (tokenizers' Rust backend, jinja chat templates). torch is hidden for that
-import only: a library that needs it later (xgrammar, which the renderer imports for its first
-structured-output request) imports it then.
+import only: a library that needs it later imports it then.
+
+Not the renderer: it builds grammars with xgrammar, which imports torch, and its first
+structured-output request would pay that import while other requests wait behind it.
 
 GGUF is the exception: transformers reads a GGUF file's tokenizer through its torch loader.
 """
@@ -23,7 +25,7 @@ _NO_TORCH_NOTICE = "PyTorch was not found"
 
 
 def keep_torch_out(model: str, tokenizer: str | None = None) -> None:
-    """Call first in the main() of a service that never runs a model, with the model and
+    """Call first in the main() of a service that never runs a model nor builds a grammar, with the model and
     tokenizer it will load a tokenizer from. A process that already imported torch or
     transformers (tests that build a service in their own process) is left as it is."""
     if tokenizer is None and is_gguf(model):

@@ -27,7 +27,6 @@ from voltserve.shared import broker, metrics, startup, streams
 from voltserve.shared.logging import add_log_level_flag, setup_logging
 from voltserve.shared.model_limits import PublishedLimits
 from voltserve.shared.protocol import RenderRequest
-from voltserve.shared.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +185,6 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    keep_torch_out(args.model, args.tokenizer)
     setup_logging("renderer", args.log_level, args.log_json)
     metrics.serve_process_metrics(args.metrics_port)
     asyncio.run(serve(args))

@@ -1,7 +1,7 @@
-"""The gateway and the renderer load their tokenizer without torch (shared/torch_free.py): the
-torch-free tokenizer encodes, decodes and renders chat templates exactly as transformers' with
-torch does, xgrammar (which imports torch) still builds the renderer's grammars afterwards, and a
-GGUF model keeps torch (transformers reads its tokenizer through it)."""
+"""The gateway loads its tokenizer without torch (shared/torch_free.py): the torch-free tokenizer
+encodes, decodes and renders chat templates exactly as transformers' with torch does, torch stays
+importable for what needs it (xgrammar builds a grammar afterwards), and a GGUF model keeps torch
+(transformers reads its tokenizer through it)."""
 
 from __future__ import annotations
 
