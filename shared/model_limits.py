@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from voltserve.shared import streams
+from voltserve.shared import broker, streams
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ async def read_published(r: Any) -> ModelLimits | None:
 
 class PublishedLimits:
     """A reader's view of the published limits, asked of Redis at most every REFRESH_S. The last
-    limits seen are kept while no executor is alive (a restart or a failover in progress): a
-    model's limits do not change because its executors come and go."""
+    limits seen are kept while no executor is alive (a restart or a failover in progress) and
+    while the broker is away: a model's limits do not change because its executors or the broker
+    come and go."""
 
     def __init__(self, redis: Any, refresh_s: float = REFRESH_S) -> None:
         self.redis = redis
@@ -116,7 +117,15 @@ class PublishedLimits:
             return self.current
         async with self._lock:
             if self.current is None or time.monotonic() - self._read_at >= self.refresh_s:
-                new = await read_published(self.redis)
+                try:
+                    # Never waits out a broker outage: the limits known are still the model's,
+                    # and a request that needs the broker gets its own 503 (or waits) later.
+                    with broker.fail_fast():
+                        new = await read_published(self.redis)
+                except broker.BrokerUnavailable:
+                    if self.current is None:
+                        raise
+                    return self.current
                 self._read_at = time.monotonic()
                 if new is not None and new != self.current:
                     if self.current is not None:
@@ -127,7 +136,10 @@ class PublishedLimits:
     async def wait(self, stop: asyncio.Event | None = None, poll_s: float = 0.2) -> ModelLimits:
         """Until an executor has published its limits (or `stop` is set: then RuntimeError)."""
         while True:
-            lim = await self.get()
+            try:
+                lim = await self.get()
+            except broker.BrokerUnavailable:
+                lim = None  # asked again once the broker is back
             if lim is not None:
                 return lim
             if stop is not None and stop.is_set():

