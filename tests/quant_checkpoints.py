@@ -81,6 +81,16 @@ ARCH_QUANT_OVERRIDES: dict[str, dict] = {
 # GGUF general.architecture of each tiny model (the default: the same name)
 GGUF_ARCH = {"qwen3_moe-gguf": "qwen3moe", "qwen2_moe-gguf": "qwen2moe"}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The Gated DeltaNet projections of the hybrid families (Qwen3.5's four, Qwen3-Next's two fused)
+HYBRID_LINEARS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "in_proj_qkvz",
+    "in_proj_ba",
+    "out_proj",
+)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 
 
@@ -121,10 +131,39 @@ def _load_float(src: Path) -> dict:
     return sd
 
 
-def _linear_names(sd: dict) -> list[str]:
+def _linear_names(sd: dict, keep=lambda name: False) -> list[str]:
+    """The decoder linears to quantize: every one but those `keep` (a checkpoint's list of
+    modules left float) names."""
     return [
-        n[: -len(".weight")] for n in sd if n.endswith(".weight") and n.split(".")[-2] in LINEARS
+        n[: -len(".weight")]
+        for n in sd
+        if n.endswith(".weight")
+        and n.split(".")[-2] in LINEARS + HYBRID_LINEARS
+        and not keep(n[: -len(".weight")])
     ]
+
+
+def _awq_keeps(entries: list[str]):
+    """AutoAWQ's modules_to_not_convert rule: an entry names a module by a run of its dotted
+    components (`linear_attn.in_proj_a`, `mlp.gate`, `visual`)."""
+
+    def keep(name: str) -> bool:
+        parts = name.split(".")
+        for e in entries:
+            want = e.split(".")
+            if any(parts[i : i + len(want)] == want for i in range(len(parts))):
+                return True
+        return False
+
+    return keep
+
+
+def _ct_keeps(entries: list[str]):
+    """llm-compressor's `ignore` rule: `re:` + a regex matched at the start of the module's
+    name, else the module's full name."""
+    return lambda name: any(
+        re.match(e[3:], name) if e.startswith("re:") else e == name for e in entries
+    )
 
 
 def _copy_meta(src: Path, dst: Path) -> None:
@@ -196,16 +235,20 @@ def awq_reference_dequant(qweight, qzeros, scales, g: int) -> torch.Tensor:
     return torch.from_numpy(w.astype(np.float32)).t().contiguous()
 
 
-def awq_checkpoint(arch: str, group: int, src: Path | None = None) -> tuple[Path, Path]:
+def awq_checkpoint(
+    arch: str, group: int, src: Path | None = None, not_convert: list[str] | None = None
+) -> tuple[Path, Path]:
     """Every decoder linear (MoE experts too: their leaves are gate/up/down_proj) quantized; an
-    MoE router (mlp.gate) stays float, as AutoAWQ keeps it (modules_to_not_convert)."""
+    MoE router (mlp.gate) stays float, as AutoAWQ keeps it (modules_to_not_convert). With
+    `not_convert` the modules it names stay float too, and it is the config's list."""
     src, root, prefix = _source(arch, src)
-    dst, ref = root / f"{prefix}-awq-g{group}", root / f"{prefix}-awq-g{group}-ref"
+    tag = f"{prefix}-awq-g{group}" + ("-nc" if not_convert else "")
+    dst, ref = root / tag, root / f"{tag}-ref"
     if (dst / "model.safetensors").is_file():
         return dst, ref
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
-    for name in _linear_names(sd):
+    for name in _linear_names(sd, _awq_keeps(not_convert or [])):
         w = sd.pop(name + ".weight").float().numpy()  # [N, K]
         del out[name + ".weight"]
         N, K = w.shape
@@ -226,7 +269,7 @@ def awq_checkpoint(arch: str, group: int, src: Path | None = None) -> tuple[Path
         "group_size": group,
         "zero_point": True,
         "version": "gemm",
-        "modules_to_not_convert": ["mlp.gate"] if "moe" in arch else None,
+        "modules_to_not_convert": not_convert or (["mlp.gate"] if "moe" in arch else None),
     }
     _copy_meta(src, dst)
     _write(dst, out, qcfg)
@@ -282,9 +325,13 @@ def gptq_checkpoint(
     v1: bool = True,
     seed: int = 5,
     src: Path | None = None,
+    in_block: list[list[str]] | None = None,
 ) -> tuple[Path, Path]:
+    """in_block: AutoGPTQ's modules_in_block_to_quantize (the decoder linears it names, by a
+    run of dotted components, are quantized; the others stay float)."""
     src, root, prefix = _source(arch, src)
     tag = f"{prefix}-gptq-{bits}b-g{group}-{'act' if desc_act else 'noact'}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}"
+    tag += "-inblock" if in_block else ""
     dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
@@ -292,7 +339,8 @@ def gptq_checkpoint(
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     perms: dict[str, np.ndarray] = {}  # one act order per layer input (q/k/v share x)
-    for name in _linear_names(sd):
+    listed = _awq_keeps([m for names in in_block or [] for m in names])
+    for name in _linear_names(sd, (lambda n: not listed(n)) if in_block else lambda n: False):
         w = sd[name + ".weight"].float().numpy()
         del out[name + ".weight"]
         N, K = w.shape
@@ -346,6 +394,8 @@ def gptq_checkpoint(
         "checkpoint_format": "gptq" if v1 else "gptq_v2",
         "true_sequential": True,
     }
+    if in_block:
+        qcfg["modules_in_block_to_quantize"] = in_block
     _copy_meta(src, dst)
     _write(dst, out, qcfg)
     _copy_meta(src, ref)
@@ -357,14 +407,21 @@ def gptq_checkpoint(
 
 
 def ct_checkpoint(
-    arch: str, bits: int, group: int | None, sym: bool = True, src: Path | None = None
+    arch: str,
+    bits: int,
+    group: int | None,
+    sym: bool = True,
+    src: Path | None = None,
+    ignore: list[str] | None = None,
 ) -> tuple[Path, Path]:
+    """ignore: the config's `ignore` list beside lm_head (the modules it names stay float)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "group" if group else "channel"
     src, root, prefix = _source(arch, src)
     tag = f"{prefix}-ct-w{bits}a16-{strategy}{group or ''}-{'sym' if sym else 'asym'}"
+    tag += "-ignore" if ignore else ""
     dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
@@ -375,7 +432,7 @@ def ct_checkpoint(
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     half = 1 << (bits - 1)
-    for name in _linear_names(sd):
+    for name in _linear_names(sd, _ct_keeps(ignore or [])):
         w = sd[name + ".weight"].float()
         del out[name + ".weight"]
         N, K = w.shape
@@ -411,7 +468,7 @@ def ct_checkpoint(
                 "format": "pack-quantized",
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *(ignore or [])],
     }
     _copy_meta(src, dst)
     _write(dst, out, qcfg)

@@ -512,12 +512,6 @@ def load_model(
             if src is not None and src != dtype and quant is UNQUANTIZED:
                 logger.info("converting %s weights to %s on load", src, dtype)
         arch = parse_arch(hf)
-        if isinstance(arch, HybridArch) and quant is not UNQUANTIZED:
-            # The linears take a quantized method like any other, but no quantized hybrid
-            # checkpoint has been checked against its reference yet.
-            raise QuantFormatError(
-                f"quantized {arch.architecture} checkpoints are not supported yet"
-            )
         with torch.device(device):
             if isinstance(arch, HybridArch):
                 vl = bool(SUPPORTED_ARCHITECTURES[arch.architecture].get("vl"))

@@ -93,24 +93,3 @@ def test_unsupported_options_are_refused_by_name() -> None:
         ModelRunner(engine_config(model=path, num_kv_blocks=8, speculative_config=spec))
     with pytest.raises(ValueError, match="enable-prefix-caching.*Qwen3_5ForCausalLM"):
         LLMEngine(EngineConfig(model=path, num_kv_blocks=8, enable_prefix_caching=True))
-
-
-def test_quantized_hybrid_checkpoint_is_refused(tmp_path) -> None:
-    import json
-
-    from voltserve.services.executor.loader import ModelLoadError, load_model
-
-    from tests.checkpoints import copy_checkpoint
-
-    d = copy_checkpoint("qwen3_5", tmp_path / "awq")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": 32,
-        "zero_point": True,
-        "version": "gemm",
-    }
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="quantized Qwen3_5ForCausalLM"):
-        load_model(d, torch.float32, torch.device("cpu"))

@@ -7,7 +7,8 @@ cache. transformers' modeling code (qwen3_next, qwen3_5, qwen3_5_moe) is the ref
 
 - Gated DeltaNet: projections to q, k (linear_num_key_heads x key dim), v, z (value heads x
   value dim) and b, a (one per value head): Qwen3.5's separate in_proj_qkv / in_proj_z /
-  in_proj_b / in_proj_a (merged here into one linear), Qwen3-Next's fused in_proj_qkvz /
+  in_proj_b / in_proj_a (merged here into one linear; two, q/k/v + z and b + a, where a
+  quantized checkpoint keeps b and a float), Qwen3-Next's fused in_proj_qkvz /
   in_proj_ba (grouped per key head, regrouped after the product as transformers does); the
   causal conv1d with SiLU over q, k, v with its conv state; the gated delta rule (q and k
   L2-normalised inside it, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)); the
@@ -38,7 +39,7 @@ from voltserve.services.executor.models.layers import (
 )
 from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
 from voltserve.services.executor.models.moe import SparseMoE
-from voltserve.services.executor.quant.base import QuantConfig
+from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig
 from voltserve.services.executor.state_cache import LayerStateSpec, StateCache
 from voltserve.services.executor.tp.layout import TPLayout
 
@@ -215,15 +216,21 @@ class GatedDeltaNet(nn.Module):
                 H, {None: 2 * self.hv}, False, dtype, quant, [f"{prefix}.in_proj_ba"]
             )
         else:
-            # One product for the four projections (their shards side by side).
-            self.in_proj = Linear(
-                H,
-                {"qkv": self.conv_dim, "z": self.value_dim, "b": self.hv, "a": self.hv},
-                False,
-                dtype,
-                quant,
-                [f"{prefix}.in_proj_{n}" for n in ("qkv", "z", "b", "a")],
-            )
+            sizes = {"qkv": self.conv_dim, "z": self.value_dim, "b": self.hv, "a": self.hv}
+            prefixes = [f"{prefix}.in_proj_{n}" for n in sizes]
+            if (quant or UNQUANTIZED).one_method(prefixes):
+                # One product for the four projections (their shards side by side).
+                self.in_proj = Linear(H, sizes, False, dtype, quant, prefixes)
+            else:
+                # Quantized checkpoints keep the narrow b / a projections float: two products,
+                # q/k/v + z in the checkpoint's format and b + a in theirs.
+                self.in_proj = None
+                self.in_proj_qkvz = Linear(
+                    H, {"qkv": sizes["qkv"], "z": sizes["z"]}, False, dtype, quant, prefixes[:2]
+                )
+                self.in_proj_ba = Linear(
+                    H, {"b": self.hv, "a": self.hv}, False, dtype, quant, prefixes[2:]
+                )
         self.conv1d = _Conv1dWeight(self.conv_dim, arch.linear_conv_kernel_dim, dtype)
         # fp32 whatever the run dtype: the gates are computed in fp32 (kernel contract).
         self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
@@ -240,8 +247,12 @@ class GatedDeltaNet(nn.Module):
         """(mixed qkv [T, conv_dim], z [T, value_dim], b [T, Hv], a [T, Hv])."""
         T = x.shape[0]
         if not self.fused:
-            y = self.in_proj(x, ops)
-            return y.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+            if self.in_proj is not None:
+                y = self.in_proj(x, ops)
+                return y.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+            mixed, z = self.in_proj_qkvz(x, ops).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(x, ops).split([self.hv, self.hv], dim=-1)
+            return mixed, z, b, a
         # Qwen3-Next groups the outputs per key head: [q, k, v of its value heads, z of them],
         # and [b of its value heads, a of them].
         rep = self.hv // self.hk
@@ -360,12 +371,19 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridModel(nn.Module):
     def __init__(
-        self, arch: HybridArch, dtype: torch.dtype, quant: QuantConfig | None, lay: TPLayout
+        self,
+        arch: HybridArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        lay: TPLayout,
+        prefix: str = "model",
     ) -> None:
+        """prefix: the layers' checkpoint names (the quantization config's module lists name
+        them so)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(arch, dtype, quant, f"model.layers.{i}", i, lay)
+            HybridDecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", i, lay)
             for i in range(arch.num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -391,10 +409,11 @@ class Qwen3NextForCausalLM(nn.Module):
         self.arch = arch
         self.tp = None
         self.layout = lay = TPLayout.build(arch)
-        self.model = HybridModel(arch, dtype, quant, lay)
-        self.checkpoint_renames = (
-            {"model.language_model.": "model."} if language_model_prefix else {}
-        )
+        # The linears carry their checkpoint names (model.language_model.layers.N... in the
+        # vision-language layout); the loader renames both sides to our module paths.
+        text = "model.language_model" if language_model_prefix else "model"
+        self.model = HybridModel(arch, dtype, quant, lay, text)
+        self.checkpoint_renames = {f"{text}.": "model."} if language_model_prefix else {}
         self.graph_ops = (
             "causal_conv1d_decode",
             "gated_delta_rule_decode",

@@ -72,8 +72,14 @@ class AWQConfig(QuantConfig):
         return self.variant
 
     def method_for(self, prefixes: list[str]) -> LinearMethod:
-        if prefixes == ["lm_head"] or any(module_listed(p, self.skip) for p in prefixes):
+        listed = [p == "lm_head" or module_listed(p, self.skip) for p in prefixes]
+        if all(listed):
             return UnquantizedMethod()
+        if any(listed):
+            raise QuantFormatError(
+                f"{', '.join(prefixes)}: AWQ modules_to_not_convert names some shards of a "
+                "merged linear but not the others"
+            )
         return GroupQuantMethod(
             self.variant, ["qweight", "qzeros", "scales"], [], self._unpack, splits=_SPLITS.get
         )

@@ -226,6 +226,12 @@ class QuantConfig:
         merged qkv_proj), without the tensor suffix."""
         return UnquantizedMethod()
 
+    def one_method(self, prefixes: list[str]) -> bool:
+        """Whether the linears named by `prefixes` take the same method on their own, so one
+        merged linear can hold them all (a checkpoint may keep some of them float: Qwen3.5's
+        in_proj_b / in_proj_a beside a quantized in_proj_qkv / in_proj_z)."""
+        return len({self.method_for([p]).describe() for p in prefixes}) == 1
+
     def describe(self) -> str:
         return self.name
 

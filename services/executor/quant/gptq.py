@@ -20,6 +20,7 @@ from voltserve.services.executor.quant.base import (
     QuantConfig,
     QuantFormatError,
     UnquantizedMethod,
+    module_listed,
 )
 from voltserve.services.executor.quant.group import (
     GroupQuantMethod,
@@ -47,6 +48,14 @@ class GPTQConfig(QuantConfig):
         self.v1 = fmt == "gptq"
         self.quant_lm_head = bool(cfg.get("lm_head", False))
         self.dynamic: dict[str, dict[str, Any]] = dict(cfg.get("dynamic") or {})
+        # AutoGPTQ's per-block module list: a linear of the blocks that it does not name
+        # stays float (by whole dotted components: base.module_listed).
+        in_block = cfg.get("modules_in_block_to_quantize")
+        self.in_block = (
+            None
+            if in_block is None
+            else [m for group in in_block for m in ([group] if isinstance(group, str) else group)]
+        )
 
     def describe(self) -> str:
         return (
@@ -56,7 +65,10 @@ class GPTQConfig(QuantConfig):
 
     def _overrides(self, prefix: str) -> dict[str, Any] | None:
         """GPTQModel's per-module `dynamic` rules: '-:regex' leaves a module unquantized,
-        '+:regex' (or a bare regex) overrides bits / group_size / ...; None = skip."""
+        '+:regex' (or a bare regex) overrides bits / group_size / ...; None = skip (also a
+        decoder linear that modules_in_block_to_quantize leaves out)."""
+        if self.in_block is not None and not module_listed(prefix, self.in_block):
+            return None
         for key, over in self.dynamic.items():
             neg = key.startswith("-:")
             pattern = key[2:] if key[:2] in ("-:", "+:") else key
