@@ -63,6 +63,15 @@ CASES = {
     "ct-qwen3_5_vl": lambda: qc.ct_checkpoint(
         "qwen3_5_vl", 4, GROUP, src=checkpoint("qwen3_5_vl"), ignore=CT_IGNORE
     ),
+    # the shared experts float beside the quantized routed experts, as some published
+    # checkpoints keep them
+    "ct-qwen3_5_moe-shared-float": lambda: qc.ct_checkpoint(
+        "qwen3_5_moe",
+        4,
+        GROUP,
+        src=checkpoint("qwen3_5_moe"),
+        ignore=[*CT_IGNORE, "re:.*in_proj_a$", r"re:.*shared_expert\."],
+    ),
     # the linear attention all float, as some published GPTQ checkpoints keep it
     "gptq-qwen3_5": lambda: qc.gptq_checkpoint(
         "qwen3_5",
@@ -118,7 +127,9 @@ def test_greedy_matches_transformers(case: str, rng) -> None:
     mlp = model.model.layers[0].mlp
     if hasattr(mlp, "experts"):
         assert isinstance(mlp.experts.method, GroupQuantExperts)
-        assert isinstance(mlp.shared_expert.down_proj.method, GroupQuantMethod)
+        shared = UnquantizedMethod if "shared-float" in case else GroupQuantMethod
+        assert isinstance(mlp.shared_expert.down_proj.method, shared)
+        assert isinstance(mlp.shared_expert.gate_up_proj.method, shared)
         assert isinstance(mlp.gate.method, UnquantizedMethod)
 
 
