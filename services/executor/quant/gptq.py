@@ -67,7 +67,8 @@ class GPTQConfig(QuantConfig):
         """GPTQModel's per-module `dynamic` rules: '-:regex' leaves a module unquantized,
         '+:regex' (or a bare regex) overrides bits / group_size / ...; None = skip (also a
         decoder linear that modules_in_block_to_quantize leaves out)."""
-        if self.in_block is not None and not module_listed(prefix, self.in_block):
+        in_blocks = prefix != "lm_head"  # the lm_head is `lm_head`'s to decide
+        if in_blocks and self.in_block is not None and not module_listed(prefix, self.in_block):
             return None
         for key, over in self.dynamic.items():
             neg = key.startswith("-:")
