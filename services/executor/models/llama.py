@@ -23,6 +23,7 @@ from voltserve.services.executor.models.layers import (
     VocabParallelEmbedding,
     gate_up_silu,
     linear,
+    paged_attend,
 )
 from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import QuantConfig
@@ -207,25 +208,7 @@ class Attention(nn.Module):
                 meta.slot_mapping,
             )
         q = q.view(T, self.num_heads, self.head_dim)
-        if meta.is_decode:
-            o = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
-        else:
-            # The numba kernel takes the longest query from the host so it never syncs.
-            kw = {}
-            if ops.impl["paged_attention"] == "cuda" and meta.max_query_len is not None:
-                kw["max_query_len"] = meta.max_query_len
-            o = ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                **kw,
-            )
+        o = paged_attend(ops, q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
