@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from voltserve.kernels.attention import fp8
+from voltserve.kernels.attention.kv_cache_fp8 import reshape_and_cache_fp8_ref
 from voltserve.services.executor.models.layers import AttentionMetadata, paged_attend
 from voltserve.shared import startup
 from voltserve.shared.config import EngineConfig
@@ -50,15 +51,16 @@ class KVQuant:
         slot_mapping: torch.Tensor,
     ) -> None:
         """The step's K and V into their cache slots (a negative slot is skipped)."""
-        heads, bs, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid].long()
-        blocks, offsets = slots // bs, slots % bs
-        k_cache[blocks, :, offsets] = fp8.quantize(
-            k[valid].reshape(-1, heads, hd), self.fmt, self.k_scale
-        )
-        v_cache[blocks, :, offsets] = fp8.quantize(
-            v[valid].reshape(-1, heads, hd), self.fmt, self.v_scale
+        heads, hd = k_cache.shape[1], k_cache.shape[3]
+        reshape_and_cache_fp8_ref(
+            k.view(-1, heads, hd),
+            v.view(-1, heads, hd),
+            k_cache,
+            v_cache,
+            slot_mapping,
+            self.fmt,
+            self.k_scale,
+            self.v_scale,
         )
 
     def attend(
