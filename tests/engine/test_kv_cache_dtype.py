@@ -22,37 +22,21 @@ from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
 from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
+from tests.kv_rounding import rounded
 
 LOGPROB_ATOL = 1e-4
-
-
-def round_e5m2(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return x.to(torch.float16).to(torch.float8_e5m2).to(x.dtype)
-
-
-def round_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
-    y = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
-    return y.to(x.dtype)
-
-
-def round_fp16(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return x.to(torch.float16).to(x.dtype)
-
-
-ROUND = {"fp8_e5m2": round_e5m2, "fp8_e4m3": round_e4m3, "fp8": round_e4m3, "fp16": round_fp16}
 
 
 def hf_rounded(path, prompt, n, kv_dtype: str | None, scales=None):
     """transformers greedy (fp32, CPU) with every attention call's K and V rounded to
     kv_dtype (None: as is): the n tokens and the log-softmax of each step's logits."""
     name = f"voltserve_kv_{kv_dtype}"
-    rnd = ROUND.get(kv_dtype)
     scales = scales or {}
 
     def attention(module, query, key, value, attention_mask, **kw):
-        if rnd is not None:
+        if kv_dtype is not None:
             ks, vs = scales.get(module.layer_idx, (1.0, 1.0))
-            key, value = rnd(key, ks), rnd(value, vs)
+            key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)

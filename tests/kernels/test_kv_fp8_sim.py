@@ -30,22 +30,9 @@ from tests.kernels.test_attention_sim import (  # noqa: E402
     run_decode,
     run_prefill,
 )
+from tests.kv_rounding import codes, rounded  # noqa: E402
 
 POISON = 0xA5  # a code no test value rounds to by chance in the checked slots
-
-
-def torch_round(x: torch.Tensor, fmt: str, scale: float) -> torch.Tensor:
-    """x rounded through the fp8 format as the cache stores it, back in fp32."""
-    if fmt == "fp8_e5m2":
-        return x.to(torch.float16).to(torch.float8_e5m2).float()
-    y = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    return y * scale
-
-
-def torch_codes(x: torch.Tensor, fmt: str, scale: float) -> torch.Tensor:
-    if fmt == "fp8_e5m2":
-        return x.to(torch.float16).to(torch.float8_e5m2).view(torch.uint8)
-    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def test_software_encoders_match_torch_casts() -> None:
@@ -59,7 +46,7 @@ def test_software_encoders_match_torch_casts() -> None:
     for fmt, enc in (("fp8_e5m2", encode_e5m2), ("fp8_e4m3", encode_e4m3)):
         src = vals if fmt == "fp8_e4m3" else h.float()
         got = torch.tensor([int(enc(np.float32(v))) & 0xFF for v in src.tolist()])
-        want = torch_codes(src, fmt, 1.0).to(torch.int64)
+        want = codes(src, fmt, 1.0).to(torch.int64)
         n = nan[: len(src)]
         assert torch.equal(got[~n], want[~n]), fmt
         table = decode_table(fmt)
@@ -85,8 +72,8 @@ def test_cache_write(seed, fmt, k_scale, v_scale) -> None:
     for t, s in enumerate(slots):
         if s >= 0:
             b, o = divmod(int(s), BLOCK_SIZE)
-            want_k[b, :, o] = torch_codes(torch.from_numpy(key[t]), fmt, k_scale).numpy()
-            want_v[b, :, o] = torch_codes(torch.from_numpy(value[t]), fmt, v_scale).numpy()
+            want_k[b, :, o] = codes(torch.from_numpy(key[t]), fmt, k_scale).numpy()
+            want_v[b, :, o] = codes(torch.from_numpy(value[t]), fmt, v_scale).numpy()
     np.testing.assert_array_equal(k_cache, want_k)
     np.testing.assert_array_equal(v_cache, want_v)
 
@@ -97,9 +84,9 @@ def fp8_cache(rng, seq_lens, heads, head_dim, fmt, k_scale, v_scale):
     k16, v16, tables = make_cache(rng, seq_lens, heads, head_dim)
     k16, v16 = np.nan_to_num(k16) * np.float16(3), np.nan_to_num(v16) * np.float16(3)
     kt, vt = torch.from_numpy(k16), torch.from_numpy(v16)
-    codes = torch_codes(kt, fmt, k_scale).numpy(), torch_codes(vt, fmt, v_scale).numpy()
-    ref = torch_round(kt, fmt, k_scale).half().numpy(), torch_round(vt, fmt, v_scale).half().numpy()
-    return codes, ref, tables
+    c = codes(kt, fmt, k_scale).numpy(), codes(vt, fmt, v_scale).numpy()
+    ref = rounded(kt, fmt, k_scale).numpy(), rounded(vt, fmt, v_scale).numpy()
+    return c, ref, tables
 
 
 def expand(codes, tables, seq_lens, fmt, k_scale, v_scale):
