@@ -9,6 +9,12 @@ if TYPE_CHECKING:
     from voltserve.services.executor.spec.config import SpeculativeConfig
 
 
+# --kv-cache-dtype, vLLM's names: "auto" stores the KV cache in the run dtype, "fp16" in
+# float16 whatever the run dtype, "fp8" (= "fp8_e4m3") and "fp8_e5m2" in one byte per element
+# (services/executor/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp16", "fp8", "fp8_e5m2", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -50,3 +56,11 @@ class EngineConfig:
     # GPU memory budget in bytes (None: the whole card): KV sizing uses min(card, budget), so a
     # 16 or 32 GB V100 can be simulated on a bigger card.
     max_gpu_memory: int | None = None
+    # The KV cache's storage: one of KV_CACHE_DTYPES.
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )

@@ -97,6 +97,29 @@ KERNELS = (
     ),
 )
 
+# kv_cache_fp8.py / kv_expand.py: the one-byte KV cache's write (fp16 K/V in, uint8 codes out;
+# e4m3 flag, k/v scales) and the widening of a step's pages into an fp16 workspace of the
+# cache's shape (the format's 256-entry decoding table, k/v scales), which the fp16 attention
+# kernels below then read. fp16 only: the CUDA attention kernels take fp16.
+KERNELS += (
+    KernelSpec(
+        "attention.kv_cache_fp8",
+        "reshape_and_cache_fp8_kernel",
+        (
+            "void(float16[:, :, :], float16[:, :, :], uint8[:, :, :, ::1], uint8[:, :, :, ::1],"
+            " int64[::1], boolean, float32, float32)",
+        ),
+    ),
+    KernelSpec(
+        "attention.kv_expand",
+        "expand_kv_pages_kernel",
+        (
+            "void(uint8[:, :, :, ::1], uint8[:, :, :, ::1], float16[:, :, :, ::1],"
+            " float16[:, :, :, ::1], int32[:, ::1], int32[::1], float32[::1], float32, float32)",
+        ),
+    ),
+)
+
 # decode.py: the kernels are built per shape by decode_kernel(); the module exposes a few
 # representative instances. Arguments: out, q, flat k/v caches, block_tables, seq_lens, scale,
 # num_kv_heads, max_logits, exp_sums, tmp_out, merge counters.

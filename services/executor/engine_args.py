@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from voltserve.services.executor.spec.config import SpeculativeConfig
-from voltserve.shared.config import EngineConfig
+from voltserve.shared.config import KV_CACHE_DTYPES, EngineConfig
 
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -190,6 +190,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         ("--max-gpu-memory",),
         "GPU memory budget per card (bytes, or 16GiB / 16GB ...): KV sizing uses min(card, budget)",
         type=memory_size,
+    ),
+    EngineFlag(
+        "kv_cache_dtype",
+        ("--kv-cache-dtype",),
+        "KV cache storage: auto (the run dtype), fp16, fp8 (= fp8_e4m3, scaled by the "
+        "checkpoint's k_scale / v_scale, else 1.0) or fp8_e5m2: one byte per element, about "
+        "twice the KV blocks",
+        choices=KV_CACHE_DTYPES,
     ),
 )
 

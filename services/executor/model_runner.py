@@ -18,7 +18,7 @@ import time
 import torch
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.kernels.runtime import compile_cache
-from voltserve.services.executor import kernel_warmup, kv_sizing, layer_trace
+from voltserve.services.executor import kernel_warmup, kv_quant, kv_sizing, layer_trace
 from voltserve.services.executor.decode_pipeline import (
     DecodePipeline,
     pipeline_enabled,
@@ -27,6 +27,7 @@ from voltserve.services.executor.decode_pipeline import (
 from voltserve.services.executor.input_batch import DeviceBatch, InputBatch, verify_sample_rows
 from voltserve.services.executor.linear_plan import plan_linears
 from voltserve.services.executor.loader import load_model, resolve_dtype
+from voltserve.services.executor.models.qwen3_next import HybridArch
 from voltserve.services.executor.prompt_logprobs import compute_prompt_logprobs
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import RunnerOutput, StepPlan
@@ -73,6 +74,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.startup_times: dict[str, float] = {}  # phase -> seconds
+        # Refused before the weights load where the choice of KV storage rules the run out.
+        kv_quant.check_supported(config, self.dtype, self.device, hybrid=False)
         self.compile_report: compile_cache.CompileReport | None = None
         t_start = time.perf_counter()
         # Tensor parallelism (tp/worker.py): this rank's session and its group.
@@ -102,6 +105,9 @@ class ModelRunner:
             raise
         self.model = loaded.model
         self.arch = loaded.arch
+        hybrid = isinstance(self.arch, HybridArch)
+        kv_quant.check_supported(config, self.dtype, self.device, hybrid=hybrid)
+        kv_quant.install(self.model, config.kv_cache_dtype, config.model)
         if layer_trace.enabled():
             layer_trace.install(self.model)
         # Speculation (spec/proposer.py): the proposer loads what it runs (a draft model, an
@@ -152,7 +158,8 @@ class ModelRunner:
         self.sampler = Sampler(self.ops, self.device)
         if self.proposer is not None:
             self.proposer.use_ops(self.ops)
-        self.kv_cache_dtype = self.dtype  # seam for an FP8 KV cache
+        # The cache tensors' dtype: torch.uint8 for the one-byte formats (kv_quant.py).
+        self.kv_cache_dtype = kv_quant.storage_dtype(config.kv_cache_dtype, self.dtype)
         self.input_batch = InputBatch(
             self.device,
             self.block_size,

@@ -75,6 +75,36 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
 
 
+def paged_attend(
+    ops: KernelDispatch,
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a step's query rows over the paged KV cache (written already): the decode
+    kernel when every sequence has one query row, else the prefill kernel, which takes the
+    longest query from the host so that it never syncs."""
+    if meta.is_decode:
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+        )
+    kw = {}
+    if ops.impl["paged_attention"] == "cuda" and meta.max_query_len is not None:
+        kw["max_query_len"] = meta.max_query_len
+    return ops.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        **kw,
+    )
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). Output shards (q/k/v, gate/up) live side by side in one weight.
 

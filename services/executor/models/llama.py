@@ -9,7 +9,7 @@ the rows that sample.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,12 +23,16 @@ from voltserve.services.executor.models.layers import (
     VocabParallelEmbedding,
     gate_up_silu,
     linear,
+    paged_attend,
 )
 from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import QuantConfig
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.sharding import ColumnParallel, RowParallel
+
+if TYPE_CHECKING:
+    from voltserve.services.executor.kv_quant import KVQuant
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -137,6 +141,9 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        # A one-byte KV cache's format and scales (kv_quant.install); None: the cache holds the
+        # run dtype (or fp16) and the kernels write and read it as is.
+        self.kv_quant: KVQuant | None = None
 
     def forward(
         self,
@@ -183,7 +190,7 @@ class Attention(nn.Module):
                 v_cache,
                 meta.slot_mapping,
             )
-            if qk_norm_rope.covers(ops.impl, *norm_args):
+            if self.kv_quant is None and qk_norm_rope.covers(ops.impl, *norm_args):
                 # One launch: q/k RMSNorm per head and rotary (q in place, in qkv), and the
                 # normalised, rotated k with v written into the paged cache.
                 ops.qk_norm_rope_and_cache(*norm_args)
@@ -193,7 +200,10 @@ class Attention(nn.Module):
                 k = self.k_norm(ops, k.reshape(-1, self.head_dim)).view(T, self.kv_size)
         # Otherwise q and k stay row views of qkv: rotary works on them in place, and the same
         # launch writes the rotated k and v into the paged cache.
-        if not fused:
+        if self.kv_quant is not None:
+            ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
+            self.kv_quant.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        elif not fused:
             ops.rotary_and_cache(
                 positions,
                 q,
@@ -207,25 +217,10 @@ class Attention(nn.Module):
                 meta.slot_mapping,
             )
         q = q.view(T, self.num_heads, self.head_dim)
-        if meta.is_decode:
-            o = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
+        if self.kv_quant is not None:
+            o = self.kv_quant.attend(ops, q, k_cache, v_cache, meta, self.scale)
         else:
-            # The numba kernel takes the longest query from the host so it never syncs.
-            kw = {}
-            if ops.impl["paged_attention"] == "cuda" and meta.max_query_len is not None:
-                kw["max_query_len"] = meta.max_query_len
-            o = ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                **kw,
-            )
+            o = paged_attend(ops, q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.view(T, self.q_size), ops)
 
     def _qkv_rope_fused(
@@ -241,6 +236,7 @@ class Attention(nn.Module):
         return (
             meta.is_decode
             and self.q_norm is None
+            and self.kv_quant is None
             and cos_sin_cache.shape[1] == self.head_dim
             and self.qkv_proj.method.can_fuse_qkv_rope(self.qkv_proj, x, ops)
         )

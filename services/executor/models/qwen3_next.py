@@ -36,6 +36,7 @@ from voltserve.services.executor.models.layers import (
     Linear,
     VocabParallelEmbedding,
     linear,
+    paged_attend,
 )
 from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
 from voltserve.services.executor.models.moe import SparseMoE
@@ -150,24 +151,7 @@ class GatedAttention(nn.Module):
             positions, q, k, v, hd, cos_sin_cache, True, k_cache, v_cache, meta.slot_mapping
         )
         q = q.view(T, self.num_heads, hd)
-        if meta.is_decode:
-            o = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
-        else:
-            kw = {}
-            if ops.impl["paged_attention"] == "cuda" and meta.max_query_len is not None:
-                kw["max_query_len"] = meta.max_query_len
-            o = ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                **kw,
-            )
+        o = paged_attend(ops, q, k_cache, v_cache, meta, self.scale)
         o = o.reshape(T, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

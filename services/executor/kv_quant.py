@@ -1,0 +1,183 @@
+"""The KV cache's storage type (--kv-cache-dtype) and, for the one-byte formats, what the
+attention layers do with it: quantize K (after rotary) and V on the cache write, dequantize the
+pages a step reads.
+
+"auto" keeps the run dtype; "fp16" stores float16 whatever the run dtype (the attention reads
+widen it again); "fp8"/"fp8_e4m3" and "fp8_e5m2" store one byte per element in torch.uint8
+(kernels/attention/fp8.py defines the rounding). E4M3 divides by a per-layer scale on the way
+in and multiplies on the way out: k_scale / v_scale from the checkpoint where it ships them
+(compressed-tensors names them `<layer>.self_attn.k_scale` / `.v_scale`, ModelOpt
+`<layer>.self_attn.k_proj.k_scale` / `.v_proj.v_scale`), else 1.0.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from voltserve.kernels.attention import fp8
+from voltserve.kernels.attention.kv_cache_fp8 import reshape_and_cache_fp8_ref
+from voltserve.services.executor.models.layers import AttentionMetadata, paged_attend
+from voltserve.shared import startup
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.gguf_files import is_gguf
+
+logger = logging.getLogger(__name__)
+
+_FP8 = {"fp8": fp8.E4M3, "fp8_e4m3": fp8.E4M3, "fp8_e5m2": fp8.E5M2}
+_SCALE_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:k_proj\.(k)_scale|v_proj\.(v)_scale|([kv])_scale)$"
+)
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """One attention layer's one-byte KV format and its scales."""
+
+    fmt: str  # fp8.E5M2 or fp8.E4M3
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def write(
+        self,
+        k: torch.Tensor,  # [T, num_kv_heads * head_dim] (after rotary)
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # uint8 [num_blocks, num_kv_heads, block_size, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """The step's K and V into their cache slots (a negative slot is skipped)."""
+        heads, hd = k_cache.shape[1], k_cache.shape[3]
+        reshape_and_cache_fp8_ref(
+            k.view(-1, heads, hd),
+            v.view(-1, heads, hd),
+            k_cache,
+            v_cache,
+            slot_mapping,
+            self.fmt,
+            self.k_scale,
+            self.v_scale,
+        )
+
+    def attend(
+        self,
+        ops,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """paged_attend over the pages this step reads, expanded into a workspace of q's dtype:
+        the blocks of the block tables' used columns, each once, under remapped tables (the
+        rest of the cache is never widened)."""
+        bs = k_cache.shape[2]
+        n = -(-int(meta.seq_lens.max()) // bs) if meta.seq_lens.numel() else 1
+        table = meta.block_tables[:, : max(n, 1)].long()
+        used, inv = torch.unique(table.clamp_min(0), return_inverse=True)
+        k = fp8.dequantize(k_cache[used], self.fmt, self.k_scale, q.dtype)
+        v = fp8.dequantize(v_cache[used], self.fmt, self.v_scale, q.dtype)
+        local = AttentionMetadata(
+            meta.slot_mapping,
+            inv.to(torch.int32),
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.is_decode,
+            meta.max_query_len,
+            meta.state_slots,
+        )
+        return paged_attend(ops, q, k, v, local, scale)
+
+
+def fp8_format(kv_cache_dtype: str) -> str | None:
+    """The fp8 format of a --kv-cache-dtype value; None for auto / fp16."""
+    return _FP8.get(kv_cache_dtype)
+
+
+def storage_dtype(kv_cache_dtype: str, run_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' torch dtype."""
+    if kv_cache_dtype == "auto":
+        return run_dtype
+    if kv_cache_dtype == "fp16":
+        return torch.float16
+    return torch.uint8
+
+
+def check_supported(config: EngineConfig, run_dtype: torch.dtype, device, hybrid: bool) -> None:
+    """Start-up refusals, by name, for what the chosen KV storage does not cover yet."""
+    name = config.kv_cache_dtype
+    if name == "auto":
+        return
+    if device.type == "cuda" and run_dtype != torch.float16:
+        # The CUDA attention kernels read fp16 caches with fp16 queries only.
+        raise startup.StartupError(
+            f"--kv-cache-dtype {name} with --dtype {config.dtype} ({run_dtype}) on CUDA: the "
+            "attention kernels need the float16 run dtype"
+        )
+    if fp8_format(name) is None:
+        return
+    why = None
+    if device.type == "cuda":
+        why = "the CUDA kernels for a one-byte KV cache are not built yet (the CPU path has it)"
+    elif hybrid:
+        why = "hybrid linear-attention models' full-attention layers do not take it yet"
+    elif config.speculative_config is not None:
+        why = "speculative decoding (--speculative-config) does not take it yet"
+    elif config.tensor_parallel_size > 1:
+        why = "tensor parallelism (--tensor-parallel-size > 1) does not take it yet"
+    if why is not None:
+        raise startup.StartupError(f"--kv-cache-dtype {name}: {why}")
+
+
+def read_kv_scales(model_dir: str | Path) -> dict[int, dict[str, float]]:
+    """{layer: {"k": scale, "v": scale}} of the k_scale / v_scale tensors a safetensors
+    checkpoint ships (empty for a GGUF file or a checkpoint without them)."""
+    if is_gguf(model_dir):
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                m = _SCALE_NAME.search(key)
+                if m is None:
+                    continue
+                which = m[2] or m[3] or m[4]
+                t = st.get_tensor(key)
+                if t.numel() != 1:
+                    raise startup.StartupError(
+                        f"{path.name}: {key} has {t.numel()} elements; only a per-layer "
+                        "(one-element) KV scale is supported"
+                    )
+                value = float(t.float().item())
+                if not value > 0 or value == float("inf"):
+                    raise startup.StartupError(f"{path.name}: {key} = {value} is not positive")
+                out.setdefault(int(m[1]), {})[which] = value
+    return out
+
+
+def install(model, kv_cache_dtype: str, model_dir: str | Path) -> None:
+    """Give every attention layer of `model` its KVQuant (nothing for auto / fp16) and state
+    the scales' origin once in the log."""
+    fmt = fp8_format(kv_cache_dtype)
+    if fmt is None:
+        return
+    layers = model.model.layers
+    scales = read_kv_scales(model_dir) if fmt == fp8.E4M3 else {}
+    for i, layer in enumerate(layers):
+        s = scales.get(i, {})
+        layer.self_attn.kv_quant = KVQuant(fmt, s.get("k", 1.0), s.get("v", 1.0))
+    if fmt == fp8.E5M2:
+        logger.info("KV cache: fp8_e5m2 (one byte per element, no scale)")
+    elif scales:
+        logger.info(
+            "KV cache: fp8_e4m3 with the checkpoint's k_scale / v_scale (%d of %d layers; 1.0 "
+            "for the others)",
+            len(scales),
+            len(layers),
+        )
+    else:
+        logger.info("KV cache: fp8_e4m3, scale 1.0 (the checkpoint has no k_scale / v_scale)")

@@ -1,0 +1,186 @@
+"""--kv-cache-dtype on the CPU executor: greedy tokens and logprobs of the paged forward against
+transformers whose attention sees K (after rotary) and V rounded the same way, written here
+from torch's own float8 casts; checkpoint k_scale / v_scale; the flag's refusals; KV sizing."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from voltserve.services.executor.engine_args import add_engine_flags, engine_config
+from voltserve.services.executor.kv_quant import check_supported
+from voltserve.services.executor.kv_sizing import decide_num_blocks, kv_bytes_per_block
+from voltserve.services.executor.model_runner import ModelRunner
+from voltserve.services.executor.request import Request
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.sampling_params import SamplingParams
+from voltserve.shared.startup import StartupError
+
+from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
+from tests.kv_rounding import rounded
+
+LOGPROB_ATOL = 1e-4
+
+
+def hf_rounded(path, prompt, n, kv_dtype: str | None, scales=None):
+    """transformers greedy (fp32, CPU) with every attention call's K and V rounded to
+    kv_dtype (None: as is): the n tokens and the log-softmax of each step's logits."""
+    name = f"voltserve_kv_{kv_dtype}"
+    scales = scales or {}
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        if kv_dtype is not None:
+            ks, vs = scales.get(module.layer_idx, (1.0, 1.0))
+            key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(name, attention)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=name
+    )
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    logits = torch.cat(out.logits).float()
+    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(logits, dim=-1)
+
+
+def run_prompts(runner, prompts, max_new: int, chunk: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=3, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params, seed=i, arrival_time=0.0) for i, p in enumerate(prompts)]
+    drive(runner, reqs, max_new, chunk=chunk)
+    return reqs
+
+
+def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None) -> float:
+    """Asserts tokens and logprobs against the rounded reference; returns the largest logprob
+    gap between the rounded and the unrounded reference (how much the rounding moved them)."""
+    moved = 0.0
+    for r, prompt in zip(reqs, prompts):
+        want, lp = hf_rounded(path, prompt, max_new, kv_dtype, scales)
+        assert r.output_token_ids == want, f"{kv_dtype}: prompt of {len(prompt)} tokens"
+        for step, tok in enumerate(r.trace):
+            assert abs(tok.logprob - lp[step, tok.token_id].item()) < LOGPROB_ATOL
+            got_v = torch.tensor([v for _, v in tok.top_logprobs])
+            assert torch.allclose(got_v, lp[step].topk(3).values, atol=LOGPROB_ATOL, rtol=0)
+        _, plain = hf_rounded(path, prompt, max_new, None)
+        n = min(len(plain), len(lp))
+        moved = max(moved, (plain[:n] - lp[:n]).abs().max().item())
+    return moved
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_dtype"), [("qwen3", "fp8_e5m2"), ("llama", "fp8_e4m3"), ("qwen2", "fp16")]
+)
+def test_rounded_kv_matches_transformers(arch: str, kv_dtype: str, rng) -> None:
+    """Chunked prefill, mixed and decode-only steps over a cache that stores one byte (or an
+    fp16 value under the fp32 run) per element."""
+    path = checkpoint(arch)
+    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, kv_cache_dtype=kv_dtype))
+    want_dtype = torch.float16 if kv_dtype == "fp16" else torch.uint8
+    assert all(k.dtype == v.dtype == want_dtype for k, v in runner.kv_caches)
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (rng.randint(2, 6), 37)]
+    max_new = 6
+    reqs = run_prompts(runner, prompts, max_new, chunk=rng.choice([7, 16, 29]))
+    moved = check_against(reqs, prompts, path, kv_dtype, max_new)
+    # The reference's rounding is visible at this tolerance: the test tells formats apart.
+    if kv_dtype != "fp16":
+        assert moved > 10 * LOGPROB_ATOL
+
+
+def test_checkpoint_kv_scales(tmp_path, rng, caplog) -> None:
+    """k_scale / v_scale tensors in the checkpoint (compressed-tensors names on layer 0,
+    ModelOpt names on layer 1) divide on the write and multiply on the read; layers without
+    them take 1.0, and the log says where the scales came from."""
+    path = shutil.copytree(checkpoint("qwen3"), tmp_path / "qwen3")
+    scales = {0: (0.375, 2.75), 1: (3.125, 0.21875)}  # exact in fp32, not powers of two
+    one = lambda x: torch.tensor([x], dtype=torch.float32)  # noqa: E731
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": one(scales[0][0]),
+            "model.layers.0.self_attn.v_scale": one(scales[0][1]),
+            "model.layers.1.self_attn.k_proj.k_scale": one(scales[1][0]),
+            "model.layers.1.self_attn.v_proj.v_scale": one(scales[1][1]),
+        },
+        str(path / "kv_scales.safetensors"),
+    )
+    with caplog.at_level("INFO", logger="voltserve.services.executor.kv_quant"):
+        runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, kv_cache_dtype="fp8"))
+    assert "k_scale / v_scale (2 of" in caplog.text
+    layers = runner.model.model.layers
+    for i, layer in enumerate(layers):
+        q = layer.self_attn.kv_quant
+        assert (q.fmt, q.k_scale, q.v_scale) == ("fp8_e4m3", *scales.get(i, (1.0, 1.0)))
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 29)]
+    reqs = run_prompts(runner, prompts, 5, chunk=16)
+    check_against(reqs, prompts, path, "fp8", 5, scales)
+
+
+def test_unknown_kv_cache_dtype_refused(capsys) -> None:
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--kv-cache-dtype", "fp4"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+    args = p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_config(args).kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        engine_config(model="m", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="m", kv_cache_dtype="e4m3")
+
+
+def test_not_covered_yet_refused_by_name() -> None:
+    """Hybrid models, speculation, tensor parallelism and the CUDA path refuse a one-byte KV
+    cache at start-up, naming what does not take it."""
+    with pytest.raises(StartupError, match="hybrid"):
+        ModelRunner(EngineConfig(model=str(checkpoint(HYBRID_ARCHS[0])), kv_cache_dtype="fp8"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    cfg = engine_config(model="m", kv_cache_dtype="fp8_e5m2", speculative_config=spec)
+    with pytest.raises(StartupError, match="speculative"):
+        ModelRunner(cfg)
+    with pytest.raises(StartupError, match="tensor parallel"):
+        ModelRunner(EngineConfig(model="m", kv_cache_dtype="fp8", tensor_parallel_size=2))
+    cuda = torch.device("cuda")
+    with pytest.raises(StartupError, match="CUDA kernels"):
+        check_supported(EngineConfig(model="m", kv_cache_dtype="fp8"), torch.float16, cuda, False)
+    with pytest.raises(StartupError, match="float16 run dtype"):
+        check_supported(
+            EngineConfig(model="m", kv_cache_dtype="fp16", dtype="bfloat16"),
+            torch.bfloat16,
+            cuda,
+            False,
+        )
+
+
+def test_fp8_blocks_are_half_the_bytes() -> None:
+    """A byte budget holds twice the blocks in one-byte storage as in fp16 (four times the fp32
+    run dtype's)."""
+    budget = 1 << 20
+    blocks, per_block = {}, {}
+    for d in ("auto", "fp16", "fp8"):
+        cfg = EngineConfig(
+            model=str(checkpoint("llama")), kv_cache_dtype=d, cpu_kv_cache_bytes=budget
+        )
+        runner = ModelRunner(cfg)
+        blocks[d], per_block[d] = decide_num_blocks(runner), kv_bytes_per_block(runner)
+        assert runner.num_kv_blocks == blocks[d]
+        got = sum(t.numel() * t.element_size() for kv in runner.kv_caches for t in kv)
+        assert got == blocks[d] * per_block[d]
+    assert per_block["auto"] == 2 * per_block["fp16"] == 4 * per_block["fp8"]
+    assert blocks["fp8"] == budget // per_block["fp8"] >= 2 * blocks["fp16"]

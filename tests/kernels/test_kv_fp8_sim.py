@@ -1,0 +1,141 @@
+"""The one-byte (fp8) KV cache kernels against torch in numba's CUDA simulator: the software
+conversions against torch's float8 casts, the cache write, and the page expansion feeding the
+fp16 decode (split-KV path) and chunked-prefill kernels, each checked against a reference that
+rounds K and V itself with torch.float8_e5m2 / torch.float8_e4m3fn. Outputs are poisoned
+before every launch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # as test_attention_sim.py: standalone under the simulator
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+from voltserve.kernels.attention.fp8_convert import (  # noqa: E402
+    decode_table,
+    encode_e4m3,
+    encode_e5m2,
+)
+from voltserve.kernels.attention.kv_cache_fp8 import reshape_and_cache_fp8_kernel  # noqa: E402
+from voltserve.kernels.attention.kv_expand import expand_kv_pages_kernel  # noqa: E402
+
+from tests.kernels.test_attention_sim import (  # noqa: E402
+    BLOCK_SIZE,
+    make_cache,
+    reference,
+    run_decode,
+    run_prefill,
+)
+from tests.kv_rounding import codes, rounded  # noqa: E402
+
+POISON = 0xA5  # a code no test value rounds to by chance in the checked slots
+
+
+def test_software_encoders_match_torch_casts() -> None:
+    """Every 11th fp16 bit pattern (all exponents: subnormals, ties, 448 / 57344 and past them,
+    inf, NaN) plus the signed zeros and the round-to-even midpoints of both formats."""
+    bits = torch.cat([torch.arange(0, 65536, 11), torch.tensor([0x8000, 0x3C40, 0x3C60, 0x5F00])])
+    h = bits.to(torch.int32).to(torch.int16).view(torch.float16)
+    mids = torch.tensor([1.0625, 1.1875, 1.125 + 2**-5, 464.0, -464.0, 2**-10 * 1.5])
+    vals = torch.cat([h.float(), mids])
+    nan = torch.isnan(vals)
+    for fmt, enc in (("fp8_e5m2", encode_e5m2), ("fp8_e4m3", encode_e4m3)):
+        src = vals if fmt == "fp8_e4m3" else h.float()
+        got = torch.tensor([int(enc(np.float32(v))) & 0xFF for v in src.tolist()])
+        want = codes(src, fmt, 1.0).to(torch.int64)
+        n = nan[: len(src)]
+        assert torch.equal(got[~n], want[~n]), fmt
+        table = decode_table(fmt)
+        assert torch.isnan(table[got[n]]).all(), f"{fmt}: NaN must stay NaN"
+
+
+@pytest.mark.parametrize("fmt,k_scale,v_scale", [("fp8_e5m2", 1.0, 1.0), ("fp8_e4m3", 0.375, 2.5)])
+def test_cache_write(seed, fmt, k_scale, v_scale) -> None:
+    rng = np.random.default_rng(seed)
+    T, H, D, n_blocks = 5, 2, 8, 3
+    kv = rng.standard_normal((T, 3 * H, D)).astype(np.float16) * np.float16(40)
+    # Slices of a fused qkv (the simulator takes contiguous copies; the kernel's signature takes
+    # the strided views on the GPU).
+    key, value = kv[:, H : 2 * H].copy(), kv[:, 2 * H :].copy()
+    slots = np.array([17, -1, 0, 40, 5], np.int64)
+    k_cache = np.full((n_blocks, H, BLOCK_SIZE, D), POISON, np.uint8)
+    v_cache = k_cache.copy()
+    reshape_and_cache_fp8_kernel[T, 32](
+        key, value, k_cache, v_cache, slots, fmt == "fp8_e4m3", k_scale, v_scale
+    )
+    want_k = np.full_like(k_cache, POISON)
+    want_v = want_k.copy()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            b, o = divmod(int(s), BLOCK_SIZE)
+            want_k[b, :, o] = codes(torch.from_numpy(key[t]), fmt, k_scale).numpy()
+            want_v[b, :, o] = codes(torch.from_numpy(value[t]), fmt, v_scale).numpy()
+    np.testing.assert_array_equal(k_cache, want_k)
+    np.testing.assert_array_equal(v_cache, want_v)
+
+
+def fp8_cache(rng, seq_lens, heads, head_dim, fmt, k_scale, v_scale):
+    """A uint8 cache of random values (codes of fp16 normals x 3) with shuffled block tables,
+    the same values rounded by torch (the reference's K and V), and the tables."""
+    k16, v16, tables = make_cache(rng, seq_lens, heads, head_dim)
+    k16, v16 = np.nan_to_num(k16) * np.float16(3), np.nan_to_num(v16) * np.float16(3)
+    kt, vt = torch.from_numpy(k16), torch.from_numpy(v16)
+    c = codes(kt, fmt, k_scale).numpy(), codes(vt, fmt, v_scale).numpy()
+    ref = rounded(kt, fmt, k_scale).numpy(), rounded(vt, fmt, v_scale).numpy()
+    return c, ref, tables
+
+
+def expand(codes, tables, seq_lens, fmt, k_scale, v_scale):
+    """The kernel's fp16 pages in a NaN-poisoned workspace of the cache's shape."""
+    k_ws = np.full(codes[0].shape, np.nan, np.float16)
+    v_ws = k_ws.copy()
+    table = decode_table(fmt).numpy()
+    B, W = tables.shape
+    sl = np.asarray(seq_lens, np.int32)
+    grid = (W, codes[0].shape[1], B)
+    expand_kv_pages_kernel[grid, 32](
+        codes[0], codes[1], k_ws, v_ws, tables, sl, table, k_scale, v_scale
+    )
+    return k_ws, v_ws
+
+
+def test_expanded_pages_feed_split_decode(seed) -> None:
+    """Two partitions with a partial last one (the split-KV path and its merge kernel) over
+    pages expanded from an e5m2 cache (the prefill test takes e4m3: the kernel differs per
+    format only in its table); each sequence's pages hold exactly the rounded values."""
+    rng = np.random.default_rng(seed)
+    fmt, k_scale, v_scale = "fp8_e5m2", 1.0, 1.0
+    D, H, KVH, seq_lens = 64, 2, 1, [50, 5]
+    codes, (k_ref, v_ref), tables = fp8_cache(rng, seq_lens, KVH, D, fmt, k_scale, v_scale)
+    k_ws, v_ws = expand(codes, tables, seq_lens, fmt, k_scale, v_scale)
+    for b, n in enumerate(seq_lens):
+        for j in range(-(-n // BLOCK_SIZE)):
+            blk = tables[b, j]
+            np.testing.assert_array_equal(k_ws[blk], k_ref[blk])
+            np.testing.assert_array_equal(v_ws[blk], v_ref[blk])
+    q = rng.standard_normal((len(seq_lens), H, D)).astype(np.float16)
+    scale = D**-0.5
+    out = run_decode(q, k_ws, v_ws, tables, seq_lens, scale, max_seq_len=64)
+    ref = reference(q, k_ref, v_ref, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_expanded_pages_feed_chunked_prefill(seed) -> None:
+    """A chunk of a longer sequence (q_len < seq_len) beside a whole prompt, over e4m3 pages."""
+    rng = np.random.default_rng(seed)
+    fmt, D, H, KVH = "fp8_e4m3", 32, 4, 2
+    seq_lens, q_lens = [40, 7], [9, 7]
+    codes, (k_ref, v_ref), tables = fp8_cache(rng, seq_lens, KVH, D, fmt, 0.75, 1.25)
+    k_ws, v_ws = expand(codes, tables, seq_lens, fmt, 0.75, 1.25)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]), H, D)).astype(np.float16)
+    scale = D**-0.5
+    out = run_prefill(q, k_ws, v_ws, tables, seq_lens, qsl, scale)
+    ref = reference(q, k_ref, v_ref, tables, seq_lens, qsl.tolist(), scale)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
