@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from voltserve.services.executor.models.layers import Linear, VocabParallelEmbedding
+from voltserve.services.executor.models.layers import Linear
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 from voltserve.services.executor.models.qwen3_next import (
     FULL,
@@ -367,7 +367,8 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
             # stacked_params, in shard order)
             parent, _, leaf = mod_name.rpartition(".")
             prefixes = [f"{parent}.{c}" for c in reverse[leaf]] if leaf in reverse else [mod_name]
-        for prefix, shard in zip(prefixes, lin.shard_offsets, strict=True):
+        pairs = lin.checkpoint_shards() if lin.prefixes else zip(prefixes, lin.shard_offsets)
+        for prefix, shard in pairs:
             # the loader renames checkpoint names before looking them up; so are the targets
             prefix = rename_checkpoint_name(prefix, renames)
             for pname in required + maybe:
@@ -387,8 +388,10 @@ def _targets(model: LlamaForCausalLM) -> tuple[dict[str, _Target], set[str]]:
         if mod_name in linears or mod_name in own:
             continue
         mod = model.get_submodule(mod_name) if mod_name else None
-        # The (vocabulary-parallel) embedding narrows its checkpoint tensor to its rows.
-        owner = mod if isinstance(mod, VocabParallelEmbedding) else None
+        # The (vocabulary-parallel) embedding narrows its checkpoint tensor to its rows; a
+        # module with load_weight (a Gated DeltaNet's conv and per-head gates) takes its
+        # parameters' tensors and narrows them to this rank's heads.
+        owner = mod if hasattr(mod, "load_weight") else None
         out[name] = _Target(owner, param, pname, None)
     return out, optional
 

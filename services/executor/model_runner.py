@@ -283,8 +283,6 @@ class ModelRunner:
                 f"--speculative-config is not supported with {name}: its linear-attention "
                 "state cannot yet be rolled back to the last accepted token"
             )
-        if self.tp is not None:
-            raise ValueError(f"--tensor-parallel-size > 1 is not supported with {name} yet")
         cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device)
         self.model.state_cache = cache
         logger.info(

@@ -116,7 +116,12 @@ class Linear(nn.Module):
     with a RowParallel, only its slice of the input columns, and forward sums the ranks' partial
     products with one all-reduce (rank 0 holds the bias, the others zeros). The method narrows
     each checkpoint tensor (`local_tensor`: whole packed words and quantization groups for the
-    integer formats), creates and packs the local shard only; its kernels run on its shapes."""
+    integer formats), creates and packs the local shard only; its kernels run on its shapes.
+
+    `sources`: a checkpoint tensor that holds several of the linear's shards stacked along the
+    outputs (Qwen3.5's in_proj_qkv: q, k, v), by its shard name -> those shards in order; its
+    prefix is repeated for each of them. Loading cuts it into them first, so a column-parallel
+    rank takes its own heads of each (a contiguous slice of the stack would not be)."""
 
     def __init__(
         self,
@@ -127,9 +132,11 @@ class Linear(nn.Module):
         quant: QuantConfig | None = None,
         prefixes: list[str] | None = None,
         parallel: Parallel | None = None,
+        sources: dict[str, tuple[str | int | None, ...]] | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.sources = dict(sources or {})
         self.logical_in_features = in_features
         self.logical_shard_sizes = dict(shard_sizes)
         if isinstance(parallel, ColumnParallel):
@@ -148,6 +155,17 @@ class Linear(nn.Module):
         quant = quant or UNQUANTIZED
         self.method = quant.method_for(self.prefixes) if self.prefixes else UnquantizedMethod()
         self.method.create_weights(self, bias, dtype)
+
+    def checkpoint_shards(self) -> list[tuple[str, str | int | None]]:
+        """(checkpoint prefix, shard it loads as) per checkpoint tensor group: a source stands
+        for the shards it holds."""
+        inner = {sub: src for src, subs in self.sources.items() for sub in subs}
+        out: list[tuple[str, str | int | None]] = []
+        for prefix, shard in zip(self.prefixes, self.shard_offsets, strict=True):
+            shard = inner.get(shard, shard)
+            if (prefix, shard) not in out:
+                out.append((prefix, shard))
+        return out
 
     def cut(self, shard: str | int | None) -> Cut | None:
         """This rank's part of one shard (None: the whole linear lives here)."""
@@ -170,6 +188,20 @@ class Linear(nn.Module):
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
         """Hand one checkpoint tensor of one shard (this rank's part of it) to the method; it
         raises naming the shape on a mismatch."""
+        subs = self.sources.get(shard)
+        if subs is not None:
+            # Cut the stacked tensor into its shards (the method's shard rule: whole packed
+            # words), then load each as its own (this rank's part of it).
+            full = sum(self.logical_shard_sizes[s] for s in subs)
+            off = 0
+            for sub in subs:
+                n = self.logical_shard_sizes[sub]
+                part = Cut(True, off, n, full, True)
+                self.load_weight(
+                    param_name, sub, self.method.local_tensor(self, param_name, sub, tensor, part)
+                )
+                off += n
+            return
         self.method.load(self, param_name, shard, self.local_slice(param_name, shard, tensor))
 
     def forward(self, x: torch.Tensor, ops: KernelDispatch | None = None) -> torch.Tensor:

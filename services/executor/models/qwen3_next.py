@@ -19,6 +19,15 @@ cache. transformers' modeling code (qwen3_next, qwen3_5, qwen3_5_moe) is the ref
 - RMSNorms zero-centred: x_norm * (1 + weight) (the gated RMSNorm is not).
 - Dense MLP, or MoE with a shared expert behind a sigmoid gate (models/moe.py).
 
+Tensor parallelism (TPLayout): a Gated DeltaNet is split by heads, each rank holding
+Hk / tp key heads and the Hv / tp value heads that read them. Its projections are
+column-parallel (each rank takes its heads' rows of q, k, v, z, b and a; Qwen3-Next's fused
+projections are grouped per key head, so a rank's rows are one contiguous slice); the conv
+weights, A_log and dt_bias are narrowed to the same channels and value heads; the gated RMSNorm
+is per head; out_proj is row-parallel (one all-reduce). The state cache holds this rank's
+channels and value heads only (state_specs). The gated full attention splits as Llama's
+(a head's query and gate rows together), the MLP / MoE as theirs, the vocabulary as Llama's.
+
 Qwen3.5's rotary is multimodal (mrope); for text every section reads the same position, which
 is plain rotary. The forward has the Llama class's interface (models/llama.py).
 """
@@ -38,11 +47,13 @@ from voltserve.services.executor.models.layers import (
     linear,
     paged_attend,
 )
-from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
+from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch, _column, _row
 from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig
 from voltserve.services.executor.state_cache import LayerStateSpec, StateCache
+from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
+from voltserve.services.executor.tp.sharding import narrow
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -103,26 +114,52 @@ class GatedAttention(nn.Module):
     side; q/k RMSNorm (zero-centred) per head; partial rotary; o * sigmoid(gate)."""
 
     def __init__(
-        self, arch: HybridArch, dtype: torch.dtype, quant: QuantConfig | None, prefix: str
+        self,
+        arch: HybridArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        prefix: str,
+        tp: TPGroup | None,
+        lay: TPLayout,
     ) -> None:
+        """tp / lay: this rank's query heads (each with its gate rows) and KV heads."""
         super().__init__()
         hd = arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, hd
+        self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads, lay.num_kv_heads, hd
         self.gated = arch.attn_output_gate
-        self.q_size = arch.num_heads * hd
-        self.kv_size = arch.num_kv_heads * hd
+        self.q_size = lay.num_heads * hd
+        self.kv_size = lay.num_kv_heads * hd
         self.scale = hd**-0.5
-        q_out = self.q_size * (2 if self.gated else 1)
+        per_head = hd * (2 if self.gated else 1)
+        kv_slice = (lay.kv_head_start * hd, self.kv_size)
         self.qkv_proj = Linear(
             arch.hidden_size,
-            {"q": q_out, "k": self.kv_size, "v": self.kv_size},
+            {
+                "q": arch.num_heads * per_head,
+                "k": arch.num_kv_heads * hd,
+                "v": arch.num_kv_heads * hd,
+            },
             arch.qkv_bias,
             dtype,
             quant,
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            _column(
+                tp,
+                {
+                    "q": (lay.head_start * per_head, lay.num_heads * per_head),
+                    "k": kv_slice,
+                    "v": kv_slice,
+                },
+            ),
         )
         self.o_proj = Linear(
-            self.q_size, {None: arch.hidden_size}, arch.o_bias, dtype, quant, [f"{prefix}.o_proj"]
+            arch.num_heads * hd,
+            {None: arch.hidden_size},
+            arch.o_bias,
+            dtype,
+            quant,
+            [f"{prefix}.o_proj"],
+            _row(tp, lay.head_start * hd, self.q_size),
         )
         self.q_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
         self.k_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
@@ -159,13 +196,28 @@ class GatedAttention(nn.Module):
 
 
 class _Conv1dWeight(nn.Module):
-    """Holds the depthwise conv's weight under the checkpoint's name (conv1d.weight)."""
+    """Holds the depthwise conv's weight under the checkpoint's name (conv1d.weight): this
+    rank's channels, the checkpoint's (start, length) ranges `parts` of its `full` channels
+    (its q, k and v heads' channels)."""
 
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, full: int, parts: list[tuple[int, int]], kernel: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
+        self.full, self.parts = full, parts
+        channels = sum(n for _, n in parts)
         self.weight = nn.Parameter(
             torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False
         )
+
+    def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
+        want = (self.full, *self.weight.shape[1:])
+        if tuple(tensor.shape) != want:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects {want}"
+            )
+        local = [narrow(tensor, 0, s, n, param_name) for s, n in self.parts]
+        self.weight.data.copy_(torch.cat(local))
 
 
 class GatedDeltaNet(nn.Module):
@@ -173,57 +225,122 @@ class GatedDeltaNet(nn.Module):
     layer, indexed by meta.state_slots."""
 
     def __init__(
-        self, arch: HybridArch, dtype: torch.dtype, quant: QuantConfig | None, prefix: str
+        self,
+        arch: HybridArch,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        prefix: str,
+        tp: TPGroup | None,
+        lay: TPLayout,
     ) -> None:
+        """tp / lay: this rank's key heads and value heads (all of them without tp)."""
         super().__init__()
-        self.hk, self.hv = arch.linear_num_key_heads, arch.linear_num_value_heads
-        self.dk, self.dv = arch.linear_key_head_dim, arch.linear_value_head_dim
-        if self.hv % self.hk:
+        full_hk, full_hv = arch.linear_num_key_heads, arch.linear_num_value_heads
+        if full_hv % full_hk:
             raise ValueError(
-                f"linear_num_value_heads {self.hv} is not a multiple of linear_num_key_heads "
-                f"{self.hk}"
+                f"linear_num_value_heads {full_hv} is not a multiple of linear_num_key_heads "
+                f"{full_hk}"
             )
-        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
-        self.conv_dim = arch.conv_dim
+        self.hk, self.hv = lay.lin_key_heads, lay.lin_value_heads  # this rank's
+        self.dk, self.dv = arch.linear_key_head_dim, arch.linear_value_head_dim
+        dk, dv, k0, v0 = self.dk, self.dv, lay.lin_key_start, lay.lin_value_start
+        self.key_dim, self.value_dim = self.hk * dk, self.hv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        full_key_dim, full_value_dim = full_hk * dk, full_hv * dv
         self.fused = arch.fused_gdn_proj
         H = arch.hidden_size
         if self.fused:
+            # Grouped per key head: a rank's key heads are one contiguous block of rows.
+            per_k = 2 * dk + 2 * (full_hv // full_hk) * dv
             self.in_proj_qkvz = Linear(
                 H,
-                {None: 2 * self.key_dim + 2 * self.value_dim},
+                {None: full_hk * per_k},
                 False,
                 dtype,
                 quant,
                 [f"{prefix}.in_proj_qkvz"],
+                _column(tp, {None: (k0 * per_k, self.hk * per_k)}),
             )
+            per_ba = 2 * (full_hv // full_hk)
             self.in_proj_ba = Linear(
-                H, {None: 2 * self.hv}, False, dtype, quant, [f"{prefix}.in_proj_ba"]
+                H,
+                {None: full_hk * per_ba},
+                False,
+                dtype,
+                quant,
+                [f"{prefix}.in_proj_ba"],
+                _column(tp, {None: (k0 * per_ba, self.hk * per_ba)}),
             )
         else:
-            sizes = {"qkv": self.conv_dim, "z": self.value_dim, "b": self.hv, "a": self.hv}
-            prefixes = [f"{prefix}.in_proj_{n}" for n in sizes]
-            if (quant or UNQUANTIZED).one_method(prefixes):
+            # in_proj_qkv stacks q, k and v: loaded as three shards (Linear.sources), so a
+            # rank takes its own heads of each.
+            sizes = {
+                "q": full_key_dim,
+                "k": full_key_dim,
+                "v": full_value_dim,
+                "z": full_value_dim,
+                "b": full_hv,
+                "a": full_hv,
+            }
+            kd, vd = (k0 * dk, self.key_dim), (v0 * dv, self.value_dim)
+            slices = {"q": kd, "k": kd, "v": vd, "z": vd, "b": (v0, self.hv), "a": (v0, self.hv)}
+            names = {n: f"{prefix}.in_proj_{'qkv' if n in ('q', 'k', 'v') else n}" for n in sizes}
+            sources = {"qkv": ("q", "k", "v")}
+            distinct = [f"{prefix}.in_proj_{n}" for n in ("qkv", "z", "b", "a")]
+
+            def part(keys: tuple[str, ...]) -> Linear:
+                return Linear(
+                    H,
+                    {n: sizes[n] for n in keys},
+                    False,
+                    dtype,
+                    quant,
+                    [names[n] for n in keys],
+                    _column(tp, {n: slices[n] for n in keys}),
+                    sources,
+                )
+
+            if (quant or UNQUANTIZED).one_method(distinct):
                 # One product for the four projections (their shards side by side).
-                self.in_proj = Linear(H, sizes, False, dtype, quant, prefixes)
+                self.in_proj = part(("q", "k", "v", "z", "b", "a"))
             else:
                 # Quantized checkpoints keep the narrow b / a projections float: two products,
                 # q/k/v + z in the checkpoint's format and b + a in theirs.
                 self.in_proj = None
-                self.in_proj_qkvz = Linear(
-                    H, {"qkv": sizes["qkv"], "z": sizes["z"]}, False, dtype, quant, prefixes[:2]
-                )
-                self.in_proj_ba = Linear(
-                    H, {"b": self.hv, "a": self.hv}, False, dtype, quant, prefixes[2:]
-                )
-        self.conv1d = _Conv1dWeight(self.conv_dim, arch.linear_conv_kernel_dim, dtype)
+                self.in_proj_qkvz = part(("q", "k", "v", "z"))
+                self.in_proj_ba = part(("b", "a"))
+        conv_parts = [
+            (k0 * dk, self.key_dim),
+            (full_key_dim + k0 * dk, self.key_dim),
+            (2 * full_key_dim + v0 * dv, self.value_dim),
+        ]
+        self.conv1d = _Conv1dWeight(arch.conv_dim, conv_parts, arch.linear_conv_kernel_dim, dtype)
         # fp32 whatever the run dtype: the gates are computed in fp32 (kernel contract).
         self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.full_hv, self.v0 = full_hv, v0
         self.norm = _PlainWeight(self.dv, dtype)
         self.eps = arch.rms_norm_eps
         self.out_proj = Linear(
-            self.value_dim, {None: H}, False, dtype, quant, [f"{prefix}.out_proj"]
+            full_value_dim,
+            {None: H},
+            False,
+            dtype,
+            quant,
+            [f"{prefix}.out_proj"],
+            _row(tp, v0 * dv, self.value_dim),
         )
+
+    def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
+        """A_log / dt_bias (one per value head): this rank's value heads."""
+        if param_name not in ("A_log", "dt_bias"):
+            raise KeyError(f"Gated DeltaNet has no parameter {param_name!r}")
+        if tuple(tensor.shape) != (self.full_hv,):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects "
+                f"{(self.full_hv,)}"
+            )
+        getattr(self, param_name).data.copy_(tensor[self.v0 : self.v0 + self.hv])
 
     def _project(
         self, ops: KernelDispatch, x: torch.Tensor
@@ -312,18 +429,19 @@ class HybridDecoderLayer(nn.Module):
         quant: QuantConfig | None,
         prefix: str,
         index: int,
+        tp: TPGroup | None,
         lay: TPLayout,
     ) -> None:
         super().__init__()
         self.kind = arch.layer_types[index]
         if self.kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(arch, dtype, quant, f"{prefix}.linear_attn")
+            self.linear_attn = GatedDeltaNet(arch, dtype, quant, f"{prefix}.linear_attn", tp, lay)
         else:
-            self.self_attn = GatedAttention(arch, dtype, quant, f"{prefix}.self_attn")
+            self.self_attn = GatedAttention(arch, dtype, quant, f"{prefix}.self_attn", tp, lay)
         if arch.is_moe_layer(index):
-            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.mlp", None, lay)
+            self.mlp = SparseMoE.from_arch(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         else:
-            self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", None, lay)
+            self.mlp = MLP(arch, dtype, quant, f"{prefix}.mlp", tp, lay)
         self.input_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(
             arch.hidden_size, arch.rms_norm_eps, dtype
@@ -359,15 +477,22 @@ class HybridModel(nn.Module):
         arch: HybridArch,
         dtype: torch.dtype,
         quant: QuantConfig | None,
+        tp: TPGroup | None,
         lay: TPLayout,
         prefix: str = "model",
     ) -> None:
         """prefix: the layers' checkpoint names (the quantization config's module lists name
         them so)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+            if tp is None
+            else VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, dtype, tp, lay.vocab_start, lay.vocab_per_rank
+            )
+        )
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", i, lay)
+            HybridDecoderLayer(arch, dtype, quant, f"{prefix}.layers.{i}", i, tp, lay)
             for i in range(arch.num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -384,19 +509,20 @@ class Qwen3NextForCausalLM(nn.Module):
         arch: HybridArch,
         dtype: torch.dtype,
         quant: QuantConfig | None = None,
-        tp=None,
+        tp: TPGroup | None = None,
         language_model_prefix: bool = False,
     ) -> None:
+        """tp: this rank's tensor-parallel group (None: the whole model on one device)."""
         super().__init__()
-        if tp is not None:
-            raise ValueError(f"{arch.architecture}: tensor parallelism is not supported yet")
         self.arch = arch
-        self.tp = None
-        self.layout = lay = TPLayout.build(arch)
+        self.tp = tp
+        self.layout = lay = (
+            TPLayout.build(arch) if tp is None else TPLayout.build(arch, tp.rank, tp.size)
+        )
         # The linears carry their checkpoint names (model.language_model.layers.N... in the
         # vision-language layout); the loader renames both sides to our module paths.
         text = "model.language_model" if language_model_prefix else "model"
-        self.model = HybridModel(arch, dtype, quant, lay, text)
+        self.model = HybridModel(arch, dtype, quant, tp, lay, text)
         self.checkpoint_renames = {f"{text}.": "model."} if language_model_prefix else {}
         self.graph_ops = (
             "causal_conv1d_decode",
@@ -406,8 +532,15 @@ class Qwen3NextForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
+            # Vocabulary-parallel: this rank's rows of the padded vocabulary (zeros past it).
             self.lm_head = Linear(
-                arch.hidden_size, {None: arch.vocab_size}, False, dtype, quant, ["lm_head"]
+                arch.hidden_size,
+                {None: arch.vocab_size},
+                False,
+                dtype,
+                quant,
+                ["lm_head"],
+                _column(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
             )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
@@ -417,10 +550,13 @@ class Qwen3NextForCausalLM(nn.Module):
         self.state_cache: StateCache | None = None  # set by the runner
 
     def state_specs(self) -> list[LayerStateSpec]:
-        """One per linear-attention layer, in layer order (state_cache.py)."""
-        a = self.arch
-        conv = (a.conv_dim, a.linear_conv_kernel_dim - 1)
-        rec = (a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)
+        """One per linear-attention layer, in layer order (state_cache.py): this rank's conv
+        channels and value heads."""
+        a, lay = self.arch, self.layout
+        channels = 2 * lay.lin_key_heads * a.linear_key_head_dim
+        channels += lay.lin_value_heads * a.linear_value_head_dim
+        conv = (channels, a.linear_conv_kernel_dim - 1)
+        rec = (lay.lin_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)
         return [LayerStateSpec(conv, rec) for t in a.layer_types if t == LINEAR]
 
     def lm_head_weight(self) -> torch.Tensor | None:
@@ -475,4 +611,8 @@ class Qwen3NextForCausalLM(nn.Module):
             logits = linear(x, self.model.embed_tokens.weight, None, self.ops)
         else:
             logits = self.lm_head(x, self.ops)
+        if self.tp is not None:
+            # Every rank gets the whole row (rank 0 samples; the others drop it), padding cut.
+            logits = self.tp.all_gather_cols(logits)[:, : self.arch.vocab_size]
+            return logits.float() if fp32_logits else logits.contiguous()
         return logits.float() if fp32_logits else logits

@@ -1,5 +1,6 @@
-"""Which heads, KV heads, MLP columns (each expert's too) and vocabulary rows one rank holds
-(Megatron-style), and the checks that refuse a tensor-parallel size the model cannot be split by."""
+"""Which heads, KV heads, MLP columns (each expert's too), linear-attention heads and vocabulary
+rows one rank holds (Megatron-style), and the checks that refuse a tensor-parallel size the
+model cannot be split by."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class TPLayout:
     moe_inter_size: int = 0
     shared_inter_start: int = 0
     shared_inter_size: int = 0
+    # Gated DeltaNet (hybrid models): this rank's key heads and value heads (value head h
+    # reads key head h // (Hv / Hk), so a rank's value heads read its own key heads only)
+    lin_key_start: int = 0
+    lin_key_heads: int = 0
+    lin_value_start: int = 0
+    lin_value_heads: int = 0
 
     @staticmethod
     def build(arch, rank: int = 0, size: int = 1) -> TPLayout:
@@ -60,4 +67,10 @@ class TPLayout:
                 size,
                 "shared_expert_intermediate_size",
             )
-        return TPLayout(rank, size, h, h0, k, k0, i0, i, rank * vp, vp, m0, m, s0, sh)
+        lk0 = lk = lv0 = lv = 0
+        if getattr(arch, "linear_num_key_heads", 0):
+            lk0, lk = split_range(arch.linear_num_key_heads, rank, size, "linear_num_key_heads")
+            lv0, lv = split_range(arch.linear_num_value_heads, rank, size, "linear_num_value_heads")
+        return TPLayout(
+            rank, size, h, h0, k, k0, i0, i, rank * vp, vp, m0, m, s0, sh, lk0, lk, lv0, lv
+        )
