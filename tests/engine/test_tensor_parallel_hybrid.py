@@ -2,8 +2,9 @@
 greedy outputs of a TP=2 engine equal transformers token for token for Qwen3.5 (dense, the
 four separate Gated DeltaNet projections, in_proj_qkv split per head) and Qwen3-Next (MoE with
 a shared expert, the fused per-key-head in_proj_qkvz / in_proj_ba, tied embeddings), with
-chunked prefill and more requests than state slots (each slot is reused); and the refusal of
-a linear-attention head count the size cannot split."""
+chunked prefill and more requests than state slots (each slot is reused); the AWQ Qwen3.5
+checkpoint of test_hybrid_quant.py (the int4 shards narrowed per rank); and the refusal of a
+linear-attention head count the size cannot split."""
 
 from __future__ import annotations
 
@@ -17,20 +18,30 @@ from voltserve.services.executor.tp.sharding import TPSplitError
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.engine.test_hybrid_quant import CASES as QUANT_CASES
 
 SLOTS = 3  # max_num_seqs: fewer than the requests, so finished requests' slots are reused
 
 
 @functools.cache
-def hf_model(arch: str):
-    path = checkpoint(arch)
-    return hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
+def paths(case: str) -> tuple[str, str]:
+    """(the checkpoint served, the float checkpoint transformers runs as the reference)."""
+    if case in QUANT_CASES:
+        path, ref = QUANT_CASES[case]()
+        return str(path), str(ref)
+    return str(checkpoint(case)), str(checkpoint(case))
 
 
-def engine(arch: str, tp: int) -> LLMEngine:
+@functools.cache
+def hf_model(case: str):
+    ref = paths(case)[1]
+    return hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
+
+
+def engine(case: str, tp: int) -> LLMEngine:
     return LLMEngine(
         engine_config(
-            model=str(checkpoint(arch)),
+            model=paths(case)[0],
             device="cpu",
             dtype="float32",
             tensor_parallel_size=tp,
@@ -40,7 +51,7 @@ def engine(arch: str, tp: int) -> LLMEngine:
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "awq-qwen3_5"])
 def test_tp2_hybrid_equals_transformers(arch: str, rng) -> None:
     """Five prompts of 9-20 tokens through an 8-token budget (every prompt is chunked, a later
     chunk continuing from the state its slot holds) and 3 state slots: two requests wait for
