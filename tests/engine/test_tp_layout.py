@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from voltserve.services.executor.models.llama import ModelArch
+from voltserve.services.executor.models.qwen3_next import HybridArch
 from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.sharding import TPSplitError, narrow, split_range
 from voltserve.services.launcher import gpu_groups
@@ -63,6 +64,37 @@ def test_padded_vocabulary():
 def test_impossible_splits_are_refused(kw, size, message):
     with pytest.raises(TPSplitError, match=message):
         TPLayout.build(arch(**kw), 0, size)
+
+
+def hybrid(key_heads=16, value_heads=48) -> HybridArch:
+    """Qwen3.6-27B's shapes (5120 hidden, 24 / 4 attention heads of 256, 17408 MLP)."""
+    return HybridArch(
+        "Qwen3_5ForCausalLM", 248320, 5120, 17408, 64, 24, 4, 256, 1e-6, 262144,
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=128, linear_value_head_dim=128,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_linear_attention_heads_per_rank(size):
+    """Each rank holds Hk / size key heads and the Hv / size value heads that read them (value
+    head h reads key head h // (Hv / Hk)); together the ranks hold every head once."""
+    a = hybrid()
+    rep = a.linear_num_value_heads // a.linear_num_key_heads
+    lays = [TPLayout.build(a, r, size) for r in range(size)]
+    keys = [h for x in lays for h in range(x.lin_key_start, x.lin_key_start + x.lin_key_heads)]
+    values = [
+        h for x in lays for h in range(x.lin_value_start, x.lin_value_start + x.lin_value_heads)
+    ]
+    assert keys == list(range(16)) and values == list(range(48))
+    for x in lays:
+        read = {h // rep for h in range(x.lin_value_start, x.lin_value_start + x.lin_value_heads)}
+        assert read == set(range(x.lin_key_start, x.lin_key_start + x.lin_key_heads))
+
+
+def test_linear_attention_heads_not_divisible_refused():
+    with pytest.raises(TPSplitError, match="linear_num_key_heads = 6 cannot be split"):
+        TPLayout.build(hybrid(key_heads=6, value_heads=18), 0, 4)
 
 
 def test_narrow_keeps_packed_ints_and_groups_whole():
