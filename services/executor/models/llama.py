@@ -29,7 +29,7 @@ from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import QuantConfig
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
-from voltserve.services.executor.tp.sharding import ColumnParallel, RowParallel
+from voltserve.services.executor.tp.sharding import column_parallel, row_parallel
 
 if TYPE_CHECKING:
     from voltserve.services.executor.kv_quant import KVQuant
@@ -91,14 +91,6 @@ class ModelArch:
         )
 
 
-def _column(tp: TPGroup | None, slices: dict) -> ColumnParallel | None:
-    return None if tp is None else ColumnParallel(tp, slices)
-
-
-def _row(tp: TPGroup | None, start: int, length: int) -> RowParallel | None:
-    return None if tp is None else RowParallel(tp, start, length)
-
-
 class Attention(nn.Module):
     """With tensor parallelism: this rank's query heads and KV heads (TPLayout); q/k/v is
     column-parallel, o_proj row-parallel (one all-reduce)."""
@@ -128,7 +120,9 @@ class Attention(nn.Module):
             dtype,
             quant,
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            _column(tp, {"q": (lay.head_start * hd, self.q_size), "k": kv_slice, "v": kv_slice}),
+            column_parallel(
+                tp, {"q": (lay.head_start * hd, self.q_size), "k": kv_slice, "v": kv_slice}
+            ),
         )
         self.o_proj = Linear(
             q_full,
@@ -137,7 +131,7 @@ class Attention(nn.Module):
             dtype,
             quant,
             [f"{prefix}.o_proj"],
-            _row(tp, lay.head_start * hd, self.q_size),
+            row_parallel(tp, lay.head_start * hd, self.q_size),
         )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -265,7 +259,7 @@ class MLP(nn.Module):
             dtype,
             quant,
             [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
-            _column(tp, {0: part, 1: part}),
+            column_parallel(tp, {0: part, 1: part}),
         )
         self.down_proj = Linear(
             inter,
@@ -274,7 +268,7 @@ class MLP(nn.Module):
             dtype,
             quant,
             [f"{prefix}.down_proj"],
-            _row(tp, *part),
+            row_parallel(tp, *part),
         )
 
     def forward(self, ops: KernelDispatch, x: torch.Tensor) -> torch.Tensor:
@@ -398,7 +392,7 @@ class LlamaForCausalLM(nn.Module):
                 dtype,
                 quant,
                 ["lm_head"],
-                _column(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
+                column_parallel(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
             )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling

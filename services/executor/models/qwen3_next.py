@@ -47,13 +47,13 @@ from voltserve.services.executor.models.layers import (
     linear,
     paged_attend,
 )
-from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch, _column, _row
+from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
 from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig
 from voltserve.services.executor.state_cache import LayerStateSpec, StateCache
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
-from voltserve.services.executor.tp.sharding import narrow
+from voltserve.services.executor.tp.sharding import column_parallel, narrow, row_parallel
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -143,7 +143,7 @@ class GatedAttention(nn.Module):
             dtype,
             quant,
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            _column(
+            column_parallel(
                 tp,
                 {
                     "q": (lay.head_start * per_head, lay.num_heads * per_head),
@@ -159,7 +159,7 @@ class GatedAttention(nn.Module):
             dtype,
             quant,
             [f"{prefix}.o_proj"],
-            _row(tp, lay.head_start * hd, self.q_size),
+            row_parallel(tp, lay.head_start * hd, self.q_size),
         )
         self.q_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
         self.k_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
@@ -259,7 +259,7 @@ class GatedDeltaNet(nn.Module):
                 dtype,
                 quant,
                 [f"{prefix}.in_proj_qkvz"],
-                _column(tp, {None: (k0 * per_k, self.hk * per_k)}),
+                column_parallel(tp, {None: (k0 * per_k, self.hk * per_k)}),
             )
             per_ba = 2 * (full_hv // full_hk)
             self.in_proj_ba = Linear(
@@ -269,7 +269,7 @@ class GatedDeltaNet(nn.Module):
                 dtype,
                 quant,
                 [f"{prefix}.in_proj_ba"],
-                _column(tp, {None: (k0 * per_ba, self.hk * per_ba)}),
+                column_parallel(tp, {None: (k0 * per_ba, self.hk * per_ba)}),
             )
         else:
             # in_proj_qkv stacks q, k and v: loaded as three shards (Linear.sources), so a
@@ -296,7 +296,7 @@ class GatedDeltaNet(nn.Module):
                     dtype,
                     quant,
                     [names[n] for n in keys],
-                    _column(tp, {n: slices[n] for n in keys}),
+                    column_parallel(tp, {n: slices[n] for n in keys}),
                     sources,
                 )
 
@@ -328,7 +328,7 @@ class GatedDeltaNet(nn.Module):
             dtype,
             quant,
             [f"{prefix}.out_proj"],
-            _row(tp, v0 * dv, self.value_dim),
+            row_parallel(tp, v0 * dv, self.value_dim),
         )
 
     def load_weight(self, param_name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
@@ -540,7 +540,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 dtype,
                 quant,
                 ["lm_head"],
-                _column(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
+                column_parallel(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
             )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling

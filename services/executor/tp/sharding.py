@@ -58,6 +58,18 @@ class RowParallel:
 Parallel = ColumnParallel | RowParallel
 
 
+def column_parallel(
+    tp: TPGroup | None, slices: dict[Shard, tuple[int, int]]
+) -> ColumnParallel | None:
+    """A ColumnParallel of `slices`, or None (the whole linear) without a group."""
+    return None if tp is None else ColumnParallel(tp, slices)
+
+
+def row_parallel(tp: TPGroup | None, start: int, length: int) -> RowParallel | None:
+    """A RowParallel of input columns [start, start + length), or None without a group."""
+    return None if tp is None else RowParallel(tp, start, length)
+
+
 @dataclass(frozen=True)
 class Cut:
     """One rank's part of one linear shard: output rows [start, start + length) of `full`
