@@ -1,6 +1,7 @@
 """A mixture-of-experts model (the tiny Qwen3-MoE checkpoint: top-3 of 8 experts, a dense layer
 between two sparse ones) through the real services: concurrent greedy completions equal
-transformers token for token, and their logprobs agree within LOGPROB_ATOL. The same for its
+transformers token for token (teacher-forced, ties either way: tests/greedy_reference.py), and
+their logprobs agree within LOGPROB_ATOL. The same for its
 AWQ int4 version (experts quantized too; tests/quant_checkpoints.py), against transformers on
 the dequantized reference weights."""
 
@@ -16,24 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.checkpoints import checkpoint
+from tests.greedy_reference import check_greedy, token_ids
 
 from .conftest import start_stack
 
 LOGPROB_ATOL = 1e-3  # fp32 on CPU; the API rounds nothing, the margin covers summation order
-
-
-def _hf_greedy_logprobs(model_dir: str, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    toks, lps = [], []
-    with torch.no_grad():
-        for _ in range(n):
-            lp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
-            nxt = int(lp.argmax())
-            toks.append(nxt)
-            lps.append(float(lp[nxt]))
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return toks, lps
 
 
 def _model(kind: str) -> tuple[Path, Path]:
@@ -63,18 +51,16 @@ def test_moe_concurrent_greedy_and_logprobs_equal_transformers(
                 max_tokens=8,
                 temperature=0,
                 logprobs=1,
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
             )
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(complete, prompts))
     finally:
         stack.stop()
-    for p, r in zip(prompts, results):
-        want, want_lp = _hf_greedy_logprobs(str(ref), p, 8)
+    reference = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32).eval()
+    for p, r in zip(prompts, results, strict=True):
         choice = r.choices[0]
-        assert choice.text == tok.decode(want, skip_special_tokens=True), f"prompt {p}"
-        got_lp = choice.logprobs.token_logprobs
-        assert len(got_lp) == 8
-        for a, b in zip(got_lp, want_lp):
-            assert abs(a - b) < LOGPROB_ATOL
+        ids = token_ids(choice.logprobs.tokens)
+        assert len(ids) == 8 and choice.text == tok.decode(ids, skip_special_tokens=True)
+        check_greedy(reference, p, ids, choice.logprobs.token_logprobs, LOGPROB_ATOL)

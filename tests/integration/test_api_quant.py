@@ -1,5 +1,6 @@
 """Quantized checkpoints served through the real services: greedy completions and chat over
-HTTP equal transformers on the independent reference (the helper's dequantized weights for AWQ,
+HTTP equal transformers on the independent reference (teacher-forced, ties either way:
+tests/greedy_reference.py) (the helper's dequantized weights for AWQ,
 the .gguf file itself for GGUF), and the chosen tokens' logprobs agree within 1e-4. The GGUF
 stack gets its tokenizer and chat template from the file's metadata in the renderer and the
 gateway (there are no tokenizer files beside it)."""
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tests import quant_checkpoints as qc
 from tests.checkpoints import tokenizer
+from tests.greedy_reference import check_greedy, token_ids
 
 from .conftest import start_stack
 
@@ -32,21 +34,6 @@ def _cases():
     }
 
 
-def _greedy(model, prompt: list[int], n: int):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    ids = out.sequences[0, len(prompt) :].tolist()
-    return ids, torch.log_softmax(torch.cat(out.logits).float(), -1)
-
-
 @pytest.mark.parametrize("case", list(_cases()))
 def test_quantized_model_over_http_equals_transformers(case: str, tmp_path: Path) -> None:
     made, gguf_file = _cases()[case]()
@@ -57,27 +44,23 @@ def test_quantized_model_over_http_equals_transformers(case: str, tmp_path: Path
         served = made / gguf_file
         model = AutoModelForCausalLM.from_pretrained(made, gguf_file=gguf_file, dtype=torch.float32)
         assert not any(made.glob("tokenizer*"))  # the tokenizer can only come from the GGUF
-    model.generation_config.eos_token_id = None
     tok = tokenizer()
     stack = start_stack(served, tmp_path / "stack")
     try:
         client = openai.OpenAI(base_url=stack.base_url() + "/v1", api_key="x", max_retries=0)
         rng = random.Random(random.getrandbits(64))  # from the per-test seed (tests/conftest.py)
         prompt_ids = [rng.randrange(3, len(tok)) for _ in range(rng.randint(4, 30))]
-        want, lp = _greedy(model, prompt_ids, 8)
         r = client.completions.create(
             model="tiny",
             prompt=prompt_ids,
             max_tokens=8,
             temperature=0,
             logprobs=1,
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )
-        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True), prompt_ids
-        got = r.choices[0].logprobs.token_logprobs
-        assert len(got) == 8
-        for step, (t, v) in enumerate(zip(want, got)):
-            assert abs(v - lp[step, t].item()) < LOGPROB_ATOL
+        ids = token_ids(r.choices[0].logprobs.tokens)
+        assert len(ids) == 8 and r.choices[0].text == tok.decode(ids, skip_special_tokens=True)
+        check_greedy(model, prompt_ids, ids, r.choices[0].logprobs.token_logprobs, LOGPROB_ATOL)
 
         messages = [
             {"role": "user", "content": " ".join(rng.choice(["cat", "sun", "é"]) for _ in range(5))}
@@ -87,15 +70,18 @@ def test_quantized_model_over_http_equals_transformers(case: str, tmp_path: Path
                 "input_ids"
             ]
         )
-        want, _ = _greedy(model, chat_ids, 6)
         r = client.chat.completions.create(
             model="tiny",
             messages=messages,
             max_tokens=6,
             temperature=0,
-            extra_body={"ignore_eos": True},
+            logprobs=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )
-        assert r.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        content = r.choices[0].logprobs.content
+        ids = token_ids([c.token for c in content])
+        assert r.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
+        check_greedy(model, chat_ids, ids, [c.logprob for c in content], LOGPROB_ATOL)
         assert r.usage.prompt_tokens == len(chat_ids)
     finally:
         stack.stop()

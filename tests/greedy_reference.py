@@ -1,0 +1,34 @@
+"""Greedy output served over HTTP checked against transformers, teacher-forced: the reference
+runs once over the prompt and the served tokens, and every served token must be the reference's
+argmax up to `atol` (an exact or near tie may go either way: the engine breaks ties by the lower
+id, torch's argmax need not) with its served logprob within `atol` of the reference's. A greedy
+run compared free-running would fail at a tie and compare nothing after it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_ids(logprob_tokens: list[str]) -> list[int]:
+    """The ids of a choice served with return_tokens_as_token_ids ("token_id:N" labels)."""
+    assert all(t.startswith("token_id:") for t in logprob_tokens), logprob_tokens
+    return [int(t.split(":", 1)[1]) for t in logprob_tokens]
+
+
+def check_greedy(
+    model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
+) -> None:
+    """`model`: a transformers causal LM in fp32 (the independent reference)."""
+    assert len(served) == len(served_lps) and served, (served, served_lps)
+    ids = torch.tensor([list(prompt) + list(served)])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+    for step, (t, got) in enumerate(zip(served, served_lps, strict=True)):
+        best = lp[step].max().item()
+        want = lp[step, t].item()
+        assert best - want <= atol, (
+            f"step {step}: served {t} ({want:.6f}) is not greedy: the reference's best is "
+            f"{int(lp[step].argmax())} ({best:.6f}); prompt {prompt}, served {served}"
+        )
+        assert abs(got - want) < atol, (step, t, got, want, prompt, served)
