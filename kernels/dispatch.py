@@ -183,6 +183,14 @@ def quant_qkv_rope(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any,
     return q.quant_qkv_rope(x, w, bias, ops, *args)
 
 
+def fp4_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any) -> torch.Tensor:
+    """y = x @ dequantize_fp4(w)^T (+ bias) for 2-D x, FP4 weights (NVFP4, MXFP4); the
+    integer formats' switch (impl["quant_linear"]) picks kernels or the reference."""
+    from voltserve.kernels.linear import fp4_linear as f
+
+    return f.fp4_linear(x, w, bias, ops)
+
+
 def reserve_quant_scratch(ops: Any, numel: int) -> None:
     """The dequantize path's scratch for weights of up to numel elements, before graph capture."""
     from voltserve.kernels.linear import quant_linear as q

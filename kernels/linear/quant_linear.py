@@ -121,7 +121,8 @@ class QuantScratch:
         return self.buf[: n * k].view(n, k)
 
 
-def _scratch(ops) -> QuantScratch:
+def scratch_of(ops) -> QuantScratch:
+    """The dequantize path's scratch kept on the KernelDispatch (every quantized format's)."""
     s = getattr(ops, "quant_scratch", None)
     if s is None:
         s = QuantScratch()
@@ -133,7 +134,7 @@ def reserve_scratch(ops, numel: int) -> None:
     """Allocate the dequantize path's scratch for weights of up to numel elements (call at load,
     with the model's largest quantized N * K, before graphs are captured)."""
     if ops is not None and ops.device.type == "cuda":
-        _scratch(ops).reserve(numel, ops.dtype, ops.device)
+        scratch_of(ops).reserve(numel, ops.dtype, ops.device)
 
 
 def _cuda_enabled(ops) -> bool:
@@ -143,7 +144,7 @@ def _cuda_enabled(ops) -> bool:
 def _dequant_linear(x, w, bias, ops, out=None):
     from voltserve.kernels.linear import quant_dequant
 
-    scratch = QuantScratch() if ops is None else _scratch(ops)
+    scratch = QuantScratch() if ops is None else scratch_of(ops)
     wd = scratch.get(w.out_features, w.in_features, x.dtype, x.device)
     quant_dequant.dequantize_into(w, wd)
     y = F.linear(_permuted(x, w), wd, bias)

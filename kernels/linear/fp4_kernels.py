@@ -1,0 +1,203 @@
+"""FP4 weights (fp4_pack.py) on CUDA cores, cc 7.0 feature set (no FP4 or FP8 instructions: fp16
+storage, fp32 arithmetic): the codes and scale bytes are decoded in software.
+
+- E2M1 codes: a 16-entry fp32 table in shared memory (sign included), filled by the block's
+  first 16 threads before a barrier; a byte gives two table indices (low nibble first).
+- Scale bytes (`scale_f32`): E4M3 by building the fp32 bit pattern (exponent + 120, mantissa
+  moved up 20 bits; the subnormal exponent 0 as (1 + m / 8) * 2**-6 - 2**-6, exact), E8M0 as the
+  exponent field itself (byte 0: 2**-127, the fp32 subnormal 0x00400000). NaN bytes never reach
+  a kernel (the loader refuses them, fp4_pack.check_scale_bytes).
+
+Kernels:
+
+- `fp4_dequant_kernel`: the weight into an [N, K] buffer of the run dtype (the path above the
+  GEMV's rows: then cuBLAS). One thread per 8 inputs (4 bytes, one block since blocks are 16 or
+  32 wide), one 16-byte store (vec_io.st8); grid (K / 8 / THREADS blocks, rows folded over y and
+  z as quant_dequant does). Each value is e2m1 * (scale * gscale[row]) in fp32, rounded once:
+  fp4_pack.dequantize_fp4's rule exactly.
+- `fp4_gemv_kernel(M)`: y[M, N] = x[M, K] @ w^T (+ bias) for 1..8 rows, built per row variant
+  (1, 2, 4, 8) with M a compile-time constant. One warp per output row, blocks of 4 warps as
+  quant_gemv's; a lane takes 16 inputs (8 code bytes, one block) per step, 32 lanes 512 inputs,
+  reads each x row in two 16-byte loads (vec_io.ld8) and sums the 16 products of each row in
+  fp32 before one multiply by the block's scale (the factored form of quant_gemv: the products
+  are exact, only the fp32 sums are regrouped against the reference). Lane sums are reduced
+  with warp shuffles (gemv._warp_sum) and lane 0 writes the row, bias added in fp32, one
+  rounding. A block's rows past N compute row N - 1 and write nothing (every lane of the block
+  reaches the same shuffles, which the simulator's stand-in needs).
+
+Not here: the fused gate_up + SiLU and qkv + rotary epilogues of quant_gemv and its half2 and
+split-K forms; an FP4 gate_up runs the GEMV and then silu_and_mul.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, uint32
+from voltserve.kernels.linear.gemv import _warp_sum
+from voltserve.kernels.linear.quant_common import bits_f32
+from voltserve.kernels.runtime.numba_common import float32, named_kernel
+from voltserve.kernels.runtime.vec_io import ld8, st8
+
+WARPS = 4
+THREADS = 32 * WARPS
+CHUNK = 16  # inputs a lane reads per step (8 code bytes)
+VARIANTS = (1, 2, 4, 8)
+MAX_M = VARIANTS[-1]
+SUBNORMAL_E4M3 = 0.015625  # 2**-6: the E4M3 subnormal's offset in scale_f32
+
+
+@cuda.jit(device=True, inline="always")
+def e2m1_value(c):
+    """The E2M1 value of 4-bit code c (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    m = c & 7
+    if m < 4:
+        v = float32(m) * float32(0.5)
+    elif m < 6:
+        v = float32(m - 2)
+    else:
+        v = float32(2 * m - 8)
+    return -v if c & 8 else v
+
+
+@cuda.jit(device=True, inline="always")
+def scale_f32(b, e8m0):
+    """A scale byte as fp32: E8M0 (2**(b - 127)) or E4M3 (sign, exponent bias 7, 3 mantissa
+    bits, exponent 0 subnormal)."""
+    u = uint32(b)
+    if e8m0:
+        return bits_f32(u << 23) if u != 0 else bits_f32(0x00400000)
+    e = (u >> 3) & 15
+    m = (u & 7) << 20
+    if e == 0:
+        v = bits_f32((121 << 23) | m) - float32(SUBNORMAL_E4M3)
+    else:
+        v = bits_f32(((e + 120) << 23) | m)
+    return -v if u & 0x80 else v
+
+
+@cuda.jit(device=True, inline="always")
+def fill_table(tab):
+    t = cuda.threadIdx.x
+    if t < 16:
+        tab[t] = e2m1_value(t)
+    cuda.syncthreads()
+
+
+def fp4_dequant_kernel(packed, scales, gscale, out, gshift, e8m0):
+    tab = cuda.shared.array(16, float32)
+    fill_table(tab)
+    row = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y  # launch_geometry.fold_yz
+    k = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * 8
+    if k >= out.shape[1] or row >= out.shape[0]:
+        return
+    s = scale_f32(scales[row, k >> gshift], e8m0) * gscale[row]
+    h = k >> 1
+    b0 = packed[row, h]
+    b1 = packed[row, h + 1]
+    b2 = packed[row, h + 2]
+    b3 = packed[row, h + 3]
+    st8(
+        out,
+        (row, k),
+        (
+            tab[b0 & 15] * s,
+            tab[b0 >> 4] * s,
+            tab[b1 & 15] * s,
+            tab[b1 >> 4] * s,
+            tab[b2 & 15] * s,
+            tab[b2 >> 4] * s,
+            tab[b3 & 15] * s,
+            tab[b3 >> 4] * s,
+        ),
+    )
+
+
+fp4_dequant_kernel = cuda.jit(fp4_dequant_kernel)
+
+
+def _make_gemv(M: int):
+    def kernel(x, packed, scales, gscale, bias, out, has_bias, gshift, e8m0):
+        tab = cuda.shared.array(16, float32)
+        fill_table(tab)
+        lane = cuda.threadIdx.x & 31
+        N = packed.shape[0]
+        row = cuda.blockIdx.x * WARPS + (cuda.threadIdx.x >> 5)
+        live = row < N
+        r = row if live else N - 1
+        K = x.shape[1]
+        Mx = x.shape[0]
+        acc = cuda.local.array(M, float32)
+        for m in range(M):
+            acc[m] = float32(0.0)
+        g = gscale[r]
+        for k in range(lane * CHUNK, K, 32 * CHUNK):
+            s = scale_f32(scales[r, k >> gshift], e8m0) * g
+            h = k >> 1
+            c0 = packed[r, h]
+            c1 = packed[r, h + 1]
+            c2 = packed[r, h + 2]
+            c3 = packed[r, h + 3]
+            c4 = packed[r, h + 4]
+            c5 = packed[r, h + 5]
+            c6 = packed[r, h + 6]
+            c7 = packed[r, h + 7]
+            w0, w1 = tab[c0 & 15], tab[c0 >> 4]
+            w2, w3 = tab[c1 & 15], tab[c1 >> 4]
+            w4, w5 = tab[c2 & 15], tab[c2 >> 4]
+            w6, w7 = tab[c3 & 15], tab[c3 >> 4]
+            w8, w9 = tab[c4 & 15], tab[c4 >> 4]
+            w10, w11 = tab[c5 & 15], tab[c5 >> 4]
+            w12, w13 = tab[c6 & 15], tab[c6 >> 4]
+            w14, w15 = tab[c7 & 15], tab[c7 >> 4]
+            for m in range(M):
+                if m < Mx:
+                    a = ld8(x, (m, k))
+                    b = ld8(x, (m, k + 8))
+                    d = w0 * a[0] + w1 * a[1] + w2 * a[2] + w3 * a[3]
+                    d += w4 * a[4] + w5 * a[5] + w6 * a[6] + w7 * a[7]
+                    d += w8 * b[0] + w9 * b[1] + w10 * b[2] + w11 * b[3]
+                    d += w12 * b[4] + w13 * b[5] + w14 * b[6] + w15 * b[7]
+                    acc[m] += d * s
+        for m in range(M):
+            v = _warp_sum(acc[m])
+            if lane == 0 and live and m < Mx:
+                if has_bias:
+                    v += float32(bias[r])
+                out[m, r] = v
+
+    return cuda.jit(named_kernel(kernel, __name__, f"fp4_gemv_kernel_m{M}"))
+
+
+_GEMV: dict[int, object] = {}
+
+
+def variant_for(m: int) -> int:
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"FP4 gemv kernels cover M = 1..{MAX_M}, got {m}")
+    return next(v for v in VARIANTS if v >= m)
+
+
+def fp4_gemv_kernel(m: int):
+    """The kernel serving m input rows (its variant's), built once per variant."""
+    v = variant_for(m)
+    k = _GEMV.get(v)
+    if k is None:
+        k = _GEMV[v] = _make_gemv(v)
+    return k
+
+
+def gemv_grid(n: int) -> int:
+    return -(-n // WARPS)
+
+
+# Representative instances for `voltserve check-kernels` (kernels/registry.py).
+fp4_gemv_kernel_m1 = fp4_gemv_kernel(1)
+fp4_gemv_kernel_m8 = fp4_gemv_kernel(8)
+
+__all__ = [
+    "fp4_dequant_kernel",
+    "fp4_gemv_kernel",
+    "gemv_grid",
+    "scale_f32",
+    "e2m1_value",
+    "variant_for",
+]

@@ -1,0 +1,130 @@
+"""Linear layers with FP4 weights (fp4_pack.py): y = x @ dequantize_fp4(w)^T (+ bias), what an FP4
+quantization method's linear calls (through kernels/dispatch.fp4_linear).
+
+Reference (CPU, VOLTSERVE_FORCE_REF=1, VOLTSERVE_QUANT_KERNELS=0): F.linear with the weight
+dequantized in the run dtype. On CUDA (fp4_kernels.py): up to 8 rows the GEMV, which reads each
+code byte once; more rows dequantize the layer into the reused scratch buffer of the integer
+formats (quant_linear.QuantScratch, reserved at load for the largest quantized linear) and
+hand it to cuBLAS. Both launch on torch's current stream without host syncs (graph-capturable).
+Shapes or alignments the kernels do not take run the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from voltserve.kernels.linear.fp4_pack import Fp4Weight, dequantize_fp4
+from voltserve.kernels.runtime.launch_geometry import fold_yz, on_gpu
+
+DTYPES = (torch.float16, torch.float32)
+
+
+def fp4_linear_ref(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None):
+    return F.linear(x, dequantize_fp4(w, x.dtype), bias)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def gemv_supports(x: torch.Tensor, w: Fp4Weight) -> bool:
+    from voltserve.kernels.linear.fp4_kernels import MAX_M
+
+    return (
+        on_gpu(x)
+        and on_gpu(w.packed)
+        and x.dtype in DTYPES
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_M
+        and x.shape[1] == w.in_features
+        and x.stride(-1) == 1
+        and _aligned(x)
+        and w.in_features % 16 == 0
+    )
+
+
+def dequant_supports(w: Fp4Weight, out: torch.Tensor) -> bool:
+    return (
+        on_gpu(out)
+        and on_gpu(w.packed)
+        and out.dtype in DTYPES
+        and tuple(out.shape) == w.shape
+        and out.is_contiguous()
+        and out.data_ptr() % 16 == 0
+        and w.in_features % 8 == 0
+    )
+
+
+def fp4_dequant_grid(w: Fp4Weight, limit: int | None = None) -> tuple[int, int, int]:
+    from voltserve.kernels.linear.fp4_kernels import THREADS
+
+    per_row = -(-(w.in_features // 8) // THREADS)
+    yz = fold_yz(w.out_features) if limit is None else fold_yz(w.out_features, limit)
+    return (per_row, *yz)
+
+
+def dequantize_into(w: Fp4Weight, out: torch.Tensor) -> torch.Tensor:
+    """out[:] = dequantize_fp4(w) in out's dtype."""
+    if not dequant_supports(w, out):
+        return out.copy_(dequantize_fp4(w, out.dtype))
+    from voltserve.kernels.linear.fp4_kernels import THREADS, fp4_dequant_kernel
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
+
+    launch(
+        fp4_dequant_kernel,
+        fp4_dequant_grid(w),
+        THREADS,
+        (w.packed, w.scales, w.gscale, out, w.group_shift, w.e8m0),
+        current_stream(),
+    )
+    return out
+
+
+def fp4_gemv_cuda(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None):
+    """x of 1..8 rows: one GEMV launch (the reference where gemv_supports says no)."""
+    if not gemv_supports(x, w):
+        return fp4_linear_ref(x, w, bias)
+    from voltserve.kernels.linear.fp4_kernels import THREADS, fp4_gemv_kernel, gemv_grid
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
+
+    out = torch.empty((x.shape[0], w.out_features), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else out[0]  # any 1-D array of the dtype; unread
+    launch(
+        fp4_gemv_kernel(x.shape[0]),
+        gemv_grid(w.out_features),
+        THREADS,
+        (x, w.packed, w.scales, w.gscale, b, out, has_bias, w.group_shift, w.e8m0),
+        current_stream(),
+    )
+    return out
+
+
+def fp4_linear(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, ops=None):
+    """x [T, K] -> [T, N] in x's dtype. ops: the KernelDispatch (impl["quant_linear"] says cuda
+    or ref, as for the integer formats); None: the reference."""
+    from voltserve.kernels.linear.fp4_kernels import MAX_M
+    from voltserve.kernels.linear.quant_linear import QuantScratch, scratch_of
+
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be [T, {w.in_features}], got {tuple(x.shape)}")
+    cuda = ops is not None and getattr(ops, "impl", {}).get("quant_linear") == "cuda"
+    if not cuda or not x.is_cuda:
+        return fp4_linear_ref(x, w, bias)
+    if x.shape[0] <= MAX_M and gemv_supports(x, w):
+        return fp4_gemv_cuda(x, w, bias)
+    scratch = scratch_of(ops) if ops is not None else QuantScratch()
+    wd = scratch.get(w.out_features, w.in_features, x.dtype, x.device)
+    dequantize_into(w, wd)
+    return F.linear(x, wd, bias)
+
+
+__all__ = [
+    "fp4_linear",
+    "fp4_linear_ref",
+    "fp4_gemv_cuda",
+    "dequantize_into",
+    "fp4_dequant_grid",
+    "gemv_supports",
+    "dequant_supports",
+]
