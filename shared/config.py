@@ -50,7 +50,7 @@ class EngineConfig:
     # --speculative-config (vLLM's keys), parsed and validated once by the config's builder
     # (services/executor/engine_args.engine_config). None: no speculation.
     speculative_config: SpeculativeConfig | None = None
-    # Force a quantization method (awq, gptq, compressed-tensors, gguf); None: from the
+    # Force a quantization method (awq, gptq, compressed-tensors, modelopt, gguf); None: from the
     # checkpoint. A forced method the checkpoint does not use is an error.
     quantization: str | None = None
     # GPU memory budget in bytes (None: the whole card): KV sizing uses min(card, budget), so a

@@ -86,7 +86,9 @@ def make_fp4_weight(
     if group_size not in BLOCKS:
         raise ValueError(f"FP4 block size {group_size} is not supported (only {list(BLOCKS)})")
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"FP4 codes and scale bytes must be uint8, got {packed.dtype}, {scales.dtype}")
+        raise ValueError(
+            f"FP4 codes and scale bytes must be uint8, got {packed.dtype}, {scales.dtype}"
+        )
     N, half = packed.shape
     K = 2 * half
     if K % group_size:

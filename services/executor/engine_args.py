@@ -20,7 +20,7 @@ from voltserve.shared.config import KV_CACHE_DTYPES, EngineConfig
 
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "gguf")
+QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
 
 
 def graph_sizes(text: str) -> tuple[int, ...]:

@@ -509,6 +509,11 @@ def load_model(
             if "quantization_config" not in hf and legacy.is_file():
                 # AutoGPTQ's older exports keep the GPTQ settings beside config.json
                 hf["quantization_config"] = {"quant_method": "gptq", **read_json(legacy)}
+            modelopt = Path(model_dir) / "hf_quant_config.json"
+            if "quantization_config" not in hf and modelopt.is_file():
+                # ModelOpt's export keeps its settings beside config.json
+                settings = read_json(modelopt).get("quantization") or {}
+                hf["quantization_config"] = {"quant_method": "modelopt", **settings}
             quant = quant_config(hf, quantization)
             eos = read_eos_token_ids(model_dir, hf)
             src = checkpoint_dtype(hf)

@@ -139,6 +139,12 @@ def experts_method(
     if all(isinstance(m, UnquantizedMethod) for m in methods.values()):
         return UnquantizedExperts()
     first_name, first = next(iter(methods.items()))
+    q_name, q = next((n, m) for n, m in methods.items() if not isinstance(m, UnquantizedMethod))
+    if not isinstance(q, GroupQuantMethod):
+        raise QuantFormatError(
+            f"{q_name}: {q.describe()} MoE experts are not supported (stacked experts "
+            "load from the integer group-quantized formats and GGUF)"
+        )
     for name, m in methods.items():
         same = (
             isinstance(m, GroupQuantMethod)

@@ -85,6 +85,10 @@ class LinearMethod:
         """The [N, K] float weight when the method keeps one (the GEMV plan times those)."""
         return None
 
+    def scratch_numel(self, layer: Linear) -> int:
+        """Elements of the dequantize-then-cuBLAS scratch this linear needs (0: none)."""
+        return 0
+
     def describe(self) -> str:
         return type(self).__name__
 

@@ -6,6 +6,12 @@ fields; `weight_scale` [N, K/g] (group strategy) or [N, 1] (channel); when asymm
 `weight_zero_point` packed the same way along the outputs ([N/pack, K/g]); `weight_shape` [2].
 w = (q - zp) * scale. config_groups name the quantized modules (targets: "Linear" or "re:..."),
 `ignore` the ones left in float (usually lm_head).
+
+FP4 groups (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`; the format per group or for the
+whole config) load through quant/fp4.py: `weight_packed` uint8 [N, K/2], `weight_scale` E4M3
+[N, K/16] with `weight_global_scale` (NVFP4) or E8M0 uint8 [N, K/32] (MXFP4). FP4
+`input_activations` (W4A4 checkpoints) are ignored: the weights are served, activations stay
+in the run dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +25,13 @@ from voltserve.services.executor.quant.base import (
     QuantConfig,
     QuantFormatError,
     UnquantizedMethod,
+)
+from voltserve.services.executor.quant.fp4 import (
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    Fp4Method,
+    ct_layout,
+    note_activation_scales_ignored,
 )
 from voltserve.services.executor.quant.group import (
     GroupQuantMethod,
@@ -46,10 +59,15 @@ class CompressedTensorsConfig(QuantConfig):
         for gname, group in (cfg.get("config_groups") or {}).items():
             w = group.get("weights") or {}
             gfmt = group.get("format") or fmt
+            if gfmt in FP4_FORMATS:
+                self.groups.append(
+                    (list(group.get("targets") or []), _fp4_scheme(gname, gfmt, group))
+                )
+                continue
             if gfmt != "pack-quantized":
                 raise QuantFormatError(
                     f"compressed-tensors group {gname!r}: format {gfmt!r} is not supported "
-                    "(only pack-quantized W4A16 / W8A16)"
+                    f"(only pack-quantized W4A16 / W8A16 and {', '.join(FP4_FORMATS)})"
                 )
             if group.get("input_activations"):
                 raise QuantFormatError(
@@ -89,6 +107,8 @@ class CompressedTensorsConfig(QuantConfig):
                 "of a merged linear"
             )
         w = schemes[0]
+        if "fp4" in w:
+            return Fp4Method(ct_layout(w["fp4"], int(w["group_size"])))
         bits, sym = int(w["num_bits"]), bool(w.get("symmetric", True))
         strategy = w.get("strategy", "group")
         group = int(w.get("group_size") or 0) if strategy == "group" else 0
@@ -113,6 +133,53 @@ class CompressedTensorsConfig(QuantConfig):
         return GroupQuantMethod(
             variant, required, ["weight_shape", "weight_g_idx"], unpack, splits=splits.get
         )
+
+
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+# format -> (block size, scale dtype as compressed-tensors writes scale_dtype, strategies)
+_FP4_RULES = {
+    "nvfp4-pack-quantized": (NVFP4_GROUP, "torch.float8_e4m3fn", ("tensor_group", "group")),
+    "mxfp4-pack-quantized": (MXFP4_GROUP, "torch.uint8", ("group",)),
+}
+
+
+def _fp4_scheme(gname: str, fmt: str, group: dict[str, Any]) -> dict[str, Any]:
+    """The checked FP4 weights of one config group, as the scheme method_for compares."""
+    w = group.get("weights") or {}
+    where = f"compressed-tensors group {gname!r} ({fmt})"
+    block, scale_dtype, strategies = _FP4_RULES[fmt]
+    if w.get("type") != "float" or int(w.get("num_bits", 0)) != 4:
+        raise QuantFormatError(
+            f"{where}: weights {w.get('type')} {w.get('num_bits')}-bit are not FP4 (float 4-bit)"
+        )
+    if not w.get("symmetric", True):
+        raise QuantFormatError(f"{where}: asymmetric FP4 weights are not supported")
+    if w.get("strategy", "group") not in strategies:
+        raise QuantFormatError(
+            f"{where}: strategy {w.get('strategy')!r} is not supported ({', '.join(strategies)})"
+        )
+    g = int(w.get("group_size") or 0)
+    if g != block:
+        raise QuantFormatError(
+            f"{where}: group size {g or None} is not supported (the kernels take blocks of "
+            f"{block} for this format)"
+        )
+    sd = w.get("scale_dtype")
+    if sd is not None and str(sd) != scale_dtype:
+        raise QuantFormatError(
+            f"{where}: scale_dtype {sd!r} is not supported (expects {scale_dtype})"
+        )
+    if group.get("output_activations"):
+        raise QuantFormatError(f"{where}: output activation quantization is not supported")
+    a = group.get("input_activations")
+    if a:
+        if a.get("type") != "float" or int(a.get("num_bits", 0)) != 4:
+            raise QuantFormatError(
+                f"{where}: input activations {a.get('type')} {a.get('num_bits')}-bit are not "
+                "supported (weights-only; FP4 activation quantization is ignored)"
+            )
+        note_activation_scales_ignored(where)
+    return {"fp4": fmt, "group_size": g}
 
 
 def _unpack(t, prefix: str, n: int, k: int, bits: int, group: int, sym: bool, v: str):

@@ -1,5 +1,6 @@
 """Which quantization a checkpoint uses, as vLLM decides it: config.json's
-`quantization_config.quant_method` (awq, gptq, compressed-tensors), or a GGUF path. The
+`quantization_config.quant_method` (awq, gptq, compressed-tensors, modelopt: the loader
+puts a ModelOpt hf_quant_config.json there), or a GGUF path. The
 `--quantization` flag forces a method; a flag that contradicts the checkpoint is an error."""
 
 from __future__ import annotations
@@ -8,8 +9,12 @@ from typing import Any
 
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, QuantFormatError
 
-METHODS = ("awq", "gptq", "compressed-tensors", "gguf")
-_ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_v2": "gptq"}
+METHODS = ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
+_ALIASES = {
+    "compressed_tensors": "compressed-tensors",
+    "gptq_v2": "gptq",
+    "modelopt_fp4": "modelopt",
+}
 
 
 def detected_method(hf: dict[str, Any], is_gguf: bool) -> str | None:
@@ -23,7 +28,7 @@ def detected_method(hf: dict[str, Any], is_gguf: bool) -> str | None:
     if method not in METHODS:
         raise QuantFormatError(
             f"config.json quantization_config.quant_method {qc.get('quant_method')!r} is not "
-            f"supported; supported: {list(METHODS[:3])} (and GGUF files)"
+            f"supported; supported: {list(METHODS[:-1])} (and GGUF files)"
         )
     return method
 
@@ -49,6 +54,10 @@ def quant_config(hf: dict[str, Any], forced: str | None, is_gguf: bool = False) 
         from voltserve.services.executor.quant.gptq import GPTQConfig
 
         return GPTQConfig(qc)
+    if method == "modelopt":
+        from voltserve.services.executor.quant.modelopt import ModelOptConfig
+
+        return ModelOptConfig(qc)
     from voltserve.services.executor.quant.compressed_tensors import CompressedTensorsConfig
 
     return CompressedTensorsConfig(qc)

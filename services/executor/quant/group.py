@@ -318,19 +318,17 @@ class GroupQuantMethod(LinearMethod):
     def apply_qkv_rope(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch, *args):
         return dispatch.quant_qkv_rope(x, layer.qweight, layer.bias, ops, *args)
 
-    def weight_numel(self, layer: Linear) -> int:
-        return layer.out_features * layer.in_features
+    def scratch_numel(self, layer: Linear) -> int:
+        return 0 if layer.dense is not None else layer.out_features * layer.in_features
 
 
 def reserve_quant_scratch(model, ops) -> None:
-    """The dequantize-then-cuBLAS path's scratch, sized for the largest quantized linear, before
-    any CUDA graph is captured (a capture cannot allocate it)."""
+    """The dequantize-then-cuBLAS path's scratch, sized for the largest quantized linear (every
+    format's: LinearMethod.scratch_numel), before any CUDA graph is captured (a capture cannot
+    allocate it)."""
     from voltserve.services.executor.models.layers import Linear
 
-    sizes = [
-        m.method.weight_numel(m)
-        for m in model.modules()
-        if isinstance(m, Linear) and isinstance(m.method, GroupQuantMethod) and m.dense is None
-    ]
+    sizes = [m.method.scratch_numel(m) for m in model.modules() if isinstance(m, Linear)]
+    sizes = [s for s in sizes if s > 0]
     if sizes:
         dispatch.reserve_quant_scratch(ops, max(sizes))
