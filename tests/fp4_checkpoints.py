@@ -17,8 +17,10 @@ float reference folder for transformers, independently of the loader (services/e
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
+from safetensors.torch import load_file
 
 from tests.quant_checkpoints import _copy_meta, _linear_names, _load_float, _source, _write
 
@@ -60,9 +62,9 @@ def _ct_fp4_quantize(w: torch.Tensor, scheme, fmt: str):
 
 
 def ct_fp4_checkpoint(arch: str, fmt: str, w4a4: bool = False):
-    """compressed-tensors NVFP4 (fmt "nvfp4") or MXFP4 ("mxfp4"); w4a4: the scheme with FP4
-    input activations (NVFP4 / MXFP4 presets; the checkpoint then carries the config of
-    activation quantization the server ignores)."""
+    """compressed-tensors NVFP4 (fmt "nvfp4") or MXFP4 ("mxfp4"), weights only (the NVFP4A16 /
+    MXFP4A16 presets). w4a4: the same weights under the W4A4 preset (NVFP4 / MXFP4: FP4 input
+    activations, NVFP4 with an input_global_scale per linear), as llm-compressor writes it."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
     src, root, prefix = _source(arch, None)
@@ -70,8 +72,11 @@ def ct_fp4_checkpoint(arch: str, fmt: str, w4a4: bool = False):
     dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
-    preset = (CT_PRESETS_W4A4 if w4a4 else CT_PRESETS)[fmt]
-    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if w4a4:
+        return _with_fp4_activations(ct_fp4_checkpoint(arch, fmt), dst, fmt), ref.parent / (
+            f"{prefix}-ct-{fmt}-ref"
+        )
+    scheme = preset_name_to_scheme(CT_PRESETS[fmt], ["Linear"])
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     for name in _linear_names(sd):
@@ -80,24 +85,39 @@ def ct_fp4_checkpoint(arch: str, fmt: str, w4a4: bool = False):
         comp, deq = _ct_fp4_quantize(w, scheme, fmt)
         for k, v in comp.items():
             out[f"{name}.{k}"] = v
-        if w4a4 and fmt == "nvfp4":
-            out[f"{name}.input_global_scale"] = torch.tensor([448.0 * 6.0 / 3.0])
         refsd[name + ".weight"] = deq
+    _copy_meta(src, dst)
+    _write(dst, out, _ct_config(scheme, fmt))
+    _copy_meta(src, ref)
+    _write(ref, refsd, None)
+    return dst, ref
+
+
+def _ct_config(scheme, fmt: str) -> dict:
     wire = f"{fmt}-pack-quantized"
     group = json.loads(scheme.model_dump_json())
     group.update(format=wire)
-    qcfg = {
+    return {
         "quant_method": "compressed-tensors",
         "format": wire,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],
     }
-    _copy_meta(src, dst)
-    _write(dst, out, qcfg)
-    _copy_meta(src, ref)
-    _write(ref, refsd, None)
-    return dst, ref
+
+
+def _with_fp4_activations(pair, dst, fmt: str):
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    a16, _ = pair
+    shutil.copytree(a16, dst)
+    sd = load_file(dst / "model.safetensors")
+    if fmt == "nvfp4":
+        for name in [n[: -len(".weight_packed")] for n in sd if n.endswith(".weight_packed")]:
+            sd[f"{name}.input_global_scale"] = torch.tensor([448.0 * 6.0 / 3.0])
+    scheme = preset_name_to_scheme(CT_PRESETS_W4A4[fmt], ["Linear"])
+    _write(dst, sd, _ct_config(scheme, fmt))
+    return dst
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
