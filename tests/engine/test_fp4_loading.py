@@ -152,3 +152,29 @@ def test_fp4_moe_experts_are_refused_by_name() -> None:
         match=r"experts\.0\.gate_proj: compressed-tensors NVFP4 g16 MoE experts are not supported",
     ):
         experts_method(quant, "model.layers.0.mlp.experts", "qwen", 4)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_shards_load_on_every_rank(fmt: str) -> None:
+    """Tensor parallelism at 2 ranks (loading only: no collective runs): a row-parallel rank
+    holds its columns' codes and blocks (whole bytes and blocks), a column-parallel one its rows
+    with each shard's global scale; together they dequantize to the whole weight."""
+    from voltserve.kernels.linear.fp4_pack import dequantize_fp4
+    from voltserve.services.executor.tp.group import TPGroup
+
+    path, _ = fc.ct_fp4_checkpoint("llama", fmt)
+    full = _layer0(load_model(path, torch.float32, CPU))
+    ranks = [_layer0(load_model(path, torch.float32, CPU, tp=TPGroup(r, 2, CPU))) for r in range(2)]
+    for name, dim in (("self_attn.o_proj", 1), ("mlp.down_proj", 1), ("self_attn.qkv_proj", 0)):
+        whole = dequantize_fp4(full.get_submodule(name).fp4)
+        parts = [dequantize_fp4(r.get_submodule(name).fp4) for r in ranks]
+        assert parts[0].shape[dim] == whole.shape[dim] // 2, name
+        if dim == 1:
+            assert torch.equal(torch.cat(parts, 1), whole), name
+        else:  # q, k, v rows of each rank, in shard order
+            lin = full.get_submodule(name)
+            sizes = [size for _, size in lin.shard_offsets.values()]
+            halves = [p.split([s // 2 for s in sizes]) for p in parts]
+            want = whole.split(sizes)
+            for i, w in enumerate(want):
+                assert torch.equal(torch.cat([halves[0][i], halves[1][i]]), w), (name, i)
