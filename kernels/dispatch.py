@@ -191,6 +191,13 @@ def fp4_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any) -> 
     return f.fp4_linear(x, w, bias, ops)
 
 
+def fp4_gate_up_silu(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: Any) -> torch.Tensor:
+    """silu_and_mul of a merged gate_up FP4 linear (one fused launch for decode rows)."""
+    from voltserve.kernels.linear import fp4_linear as f
+
+    return f.fp4_gate_up_silu(x, w, bias, ops)
+
+
 def reserve_quant_scratch(ops: Any, numel: int) -> None:
     """The dequantize path's scratch for weights of up to numel elements, before graph capture."""
     from voltserve.kernels.linear import quant_linear as q

@@ -164,7 +164,8 @@ KERNELS += tuple(
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
 # GEMV (fp4_gemv_kernel(M); M = 1 and 8 listed): x [M, K], packed codes uint8 [N, K / 2], scale
 # bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without has_bias), out
-# [M, N], has_bias, group_shift, e8m0. The dequantize kernel: packed, scale bytes, global
+# [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias, group_shift, e8m0; the
+# gate_up variant at M = 1. The dequantize kernel: packed, scale bytes, global
 # scales, out [N, K], group_shift, e8m0. fp16 only (what decode and prefill run).
 _FP4_GEMV_SIG = (
     "void(float16[:, :], uint8[:, ::1], uint8[:, ::1], float32[::1], float16[::1],"
@@ -172,7 +173,7 @@ _FP4_GEMV_SIG = (
 )
 KERNELS += tuple(
     KernelSpec("linear.fp4_kernels", name, (_FP4_GEMV_SIG,))
-    for name in ("fp4_gemv_kernel_m1", "fp4_gemv_kernel_m8")
+    for name in ("fp4_gemv_kernel_m1", "fp4_gemv_kernel_m8", "fp4_gemv_gate_up_kernel_m1")
 )
 KERNELS += (
     KernelSpec(

@@ -25,16 +25,21 @@ Kernels:
   rounding. A block's rows past N compute row N - 1 and write nothing (every lane of the block
   reaches the same shuffles, which the simulator's stand-in needs).
 
-Not here: the fused gate_up + SiLU and qkv + rotary epilogues of quant_gemv and its half2 and
-split-K forms; an FP4 gate_up runs the GEMV and then silu_and_mul.
+- `fp4_gemv_kernel(M, gate_up=True)`: the merged gate_up weight [2I, K], a warp on gate row j
+  and up row I + j, writing silu_and_mul's h[m, j] with quant_gemv's epilogue (each sum
+  rounded as the linear stores it, then activation._silu_mul).
+
+Not here: quant_gemv's qkv + rotary epilogue and its half2 and split-K forms (an FP4 qkv
+projection runs the GEMV, then rotary_and_cache).
 """
 
 from __future__ import annotations
 
 from numba import cuda, uint32
+from voltserve.kernels.elementwise.activation import _silu_mul
 from voltserve.kernels.linear.gemv import _warp_sum
 from voltserve.kernels.linear.quant_common import bits_f32
-from voltserve.kernels.runtime.numba_common import float32, named_kernel
+from voltserve.kernels.runtime.numba_common import float32, named_kernel, round_like
 from voltserve.kernels.runtime.vec_io import ld8, st8
 
 WARPS = 4
@@ -114,60 +119,75 @@ def fp4_dequant_kernel(packed, scales, gscale, out, gshift, e8m0):
 fp4_dequant_kernel = cuda.jit(fp4_dequant_kernel)
 
 
-def _make_gemv(M: int):
+def _make_gemv(M: int, gate_up: bool):
+    RW = 2 if gate_up else 1  # weight rows per warp: (gate j, up N / 2 + j) or one row
+
     def kernel(x, packed, scales, gscale, bias, out, has_bias, gshift, e8m0):
         tab = cuda.shared.array(16, float32)
         fill_table(tab)
         lane = cuda.threadIdx.x & 31
-        N = packed.shape[0]
-        row = cuda.blockIdx.x * WARPS + (cuda.threadIdx.x >> 5)
-        live = row < N
-        r = row if live else N - 1
+        N = packed.shape[0] // RW  # output columns
+        col = cuda.blockIdx.x * WARPS + (cuda.threadIdx.x >> 5)
+        live = col < N
+        c = col if live else N - 1
         K = x.shape[1]
         Mx = x.shape[0]
-        acc = cuda.local.array(M, float32)
-        for m in range(M):
-            acc[m] = float32(0.0)
-        g = gscale[r]
-        for k in range(lane * CHUNK, K, 32 * CHUNK):
-            s = scale_f32(scales[r, k >> gshift], e8m0) * g
-            h = k >> 1
-            c0 = packed[r, h]
-            c1 = packed[r, h + 1]
-            c2 = packed[r, h + 2]
-            c3 = packed[r, h + 3]
-            c4 = packed[r, h + 4]
-            c5 = packed[r, h + 5]
-            c6 = packed[r, h + 6]
-            c7 = packed[r, h + 7]
-            w0, w1 = tab[c0 & 15], tab[c0 >> 4]
-            w2, w3 = tab[c1 & 15], tab[c1 >> 4]
-            w4, w5 = tab[c2 & 15], tab[c2 >> 4]
-            w6, w7 = tab[c3 & 15], tab[c3 >> 4]
-            w8, w9 = tab[c4 & 15], tab[c4 >> 4]
-            w10, w11 = tab[c5 & 15], tab[c5 >> 4]
-            w12, w13 = tab[c6 & 15], tab[c6 >> 4]
-            w14, w15 = tab[c7 & 15], tab[c7 >> 4]
+        acc = cuda.local.array((RW, M), float32)
+        for i in range(RW):
             for m in range(M):
-                if m < Mx:
-                    a = ld8(x, (m, k))
-                    b = ld8(x, (m, k + 8))
-                    d = w0 * a[0] + w1 * a[1] + w2 * a[2] + w3 * a[3]
-                    d += w4 * a[4] + w5 * a[5] + w6 * a[6] + w7 * a[7]
-                    d += w8 * b[0] + w9 * b[1] + w10 * b[2] + w11 * b[3]
-                    d += w12 * b[4] + w13 * b[5] + w14 * b[6] + w15 * b[7]
-                    acc[m] += d * s
+                acc[i, m] = float32(0.0)
+        for i in range(RW):
+            r = c + i * N
+            g = gscale[r]
+            for k in range(lane * CHUNK, K, 32 * CHUNK):
+                s = scale_f32(scales[r, k >> gshift], e8m0) * g
+                h = k >> 1
+                c0 = packed[r, h]
+                c1 = packed[r, h + 1]
+                c2 = packed[r, h + 2]
+                c3 = packed[r, h + 3]
+                c4 = packed[r, h + 4]
+                c5 = packed[r, h + 5]
+                c6 = packed[r, h + 6]
+                c7 = packed[r, h + 7]
+                w0, w1 = tab[c0 & 15], tab[c0 >> 4]
+                w2, w3 = tab[c1 & 15], tab[c1 >> 4]
+                w4, w5 = tab[c2 & 15], tab[c2 >> 4]
+                w6, w7 = tab[c3 & 15], tab[c3 >> 4]
+                w8, w9 = tab[c4 & 15], tab[c4 >> 4]
+                w10, w11 = tab[c5 & 15], tab[c5 >> 4]
+                w12, w13 = tab[c6 & 15], tab[c6 >> 4]
+                w14, w15 = tab[c7 & 15], tab[c7 >> 4]
+                for m in range(M):
+                    if m < Mx:
+                        a = ld8(x, (m, k))
+                        b = ld8(x, (m, k + 8))
+                        d = w0 * a[0] + w1 * a[1] + w2 * a[2] + w3 * a[3]
+                        d += w4 * a[4] + w5 * a[5] + w6 * a[6] + w7 * a[7]
+                        d += w8 * b[0] + w9 * b[1] + w10 * b[2] + w11 * b[3]
+                        d += w12 * b[4] + w13 * b[5] + w14 * b[6] + w15 * b[7]
+                        acc[i, m] += d * s
         for m in range(M):
-            v = _warp_sum(acc[m])
+            v = _warp_sum(acc[0, m])
+            u = v
+            if RW == 2:
+                u = _warp_sum(acc[1, m])
             if lane == 0 and live and m < Mx:
                 if has_bias:
-                    v += float32(bias[r])
-                out[m, r] = v
+                    v += float32(bias[c])
+                    if RW == 2:
+                        u += float32(bias[c + N])
+                if RW == 2:
+                    # as the linear stores gate and up, then as silu_and_mul rounds h
+                    out[m, c] = _silu_mul(round_like(v, out), round_like(u, out), out)
+                else:
+                    out[m, c] = v
 
-    return cuda.jit(named_kernel(kernel, __name__, f"fp4_gemv_kernel_m{M}"))
+    name = f"fp4_gemv_{'gate_up_' if gate_up else ''}kernel_m{M}"
+    return cuda.jit(named_kernel(kernel, __name__, name))
 
 
-_GEMV: dict[int, object] = {}
+_GEMV: dict[tuple[int, bool], object] = {}
 
 
 def variant_for(m: int) -> int:
@@ -176,12 +196,12 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def fp4_gemv_kernel(m: int):
-    """The kernel serving m input rows (its variant's), built once per variant."""
-    v = variant_for(m)
-    k = _GEMV.get(v)
+def fp4_gemv_kernel(m: int, gate_up: bool = False):
+    """The kernel serving m input rows (its variant's), built once per variant and kind."""
+    key = (variant_for(m), gate_up)
+    k = _GEMV.get(key)
     if k is None:
-        k = _GEMV[v] = _make_gemv(v)
+        k = _GEMV[key] = _make_gemv(*key)
     return k
 
 
@@ -192,6 +212,7 @@ def gemv_grid(n: int) -> int:
 # Representative instances for `voltserve check-kernels` (kernels/registry.py).
 fp4_gemv_kernel_m1 = fp4_gemv_kernel(1)
 fp4_gemv_kernel_m8 = fp4_gemv_kernel(8)
+fp4_gemv_gate_up_kernel_m1 = fp4_gemv_kernel(1, gate_up=True)
 
 __all__ = [
     "fp4_dequant_kernel",

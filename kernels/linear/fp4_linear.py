@@ -3,7 +3,7 @@ quantization method's linear calls (through kernels/dispatch.fp4_linear).
 
 Reference (CPU, VOLTSERVE_FORCE_REF=1, VOLTSERVE_QUANT_KERNELS=0): F.linear with the weight
 dequantized in the run dtype. On CUDA (fp4_kernels.py): up to 8 rows the GEMV, which reads each
-code byte once; more rows dequantize the layer into the reused scratch buffer of the integer
+code byte once (the gate_up projection with silu_and_mul in its epilogue); more rows dequantize the layer into the reused scratch buffer of the integer
 formats (quant_linear.QuantScratch, reserved at load for the largest quantized linear) and
 hand it to cuBLAS. Both launch on torch's current stream without host syncs (graph-capturable).
 Shapes or alignments the kernels do not take run the reference.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from voltserve.kernels.elementwise.activation import silu_and_mul_ref
 from voltserve.kernels.linear.fp4_pack import Fp4Weight, dequantize_fp4
 from voltserve.kernels.runtime.launch_geometry import fold_yz, on_gpu
 
@@ -80,19 +81,27 @@ def dequantize_into(w: Fp4Weight, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fp4_gemv_cuda(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None):
-    """x of 1..8 rows: one GEMV launch (the reference where gemv_supports says no)."""
-    if not gemv_supports(x, w):
-        return fp4_linear_ref(x, w, bias)
+def fp4_gate_up_ref(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None):
+    return silu_and_mul_ref(fp4_linear_ref(x, w, bias))
+
+
+def fp4_gemv_cuda(
+    x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, gate_up: bool = False
+):
+    """x of 1..8 rows: one GEMV launch (the reference where gemv_supports says no); gate_up:
+    silu_and_mul of the merged gate_up product, [M, N / 2]."""
+    if not gemv_supports(x, w) or (gate_up and w.out_features % 2):
+        return (fp4_gate_up_ref if gate_up else fp4_linear_ref)(x, w, bias)
     from voltserve.kernels.linear.fp4_kernels import THREADS, fp4_gemv_kernel, gemv_grid
     from voltserve.kernels.runtime.numba_common import current_stream, launch
 
-    out = torch.empty((x.shape[0], w.out_features), dtype=x.dtype, device=x.device)
+    cols = w.out_features // 2 if gate_up else w.out_features
+    out = torch.empty((x.shape[0], cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else out[0]  # any 1-D array of the dtype; unread
     launch(
-        fp4_gemv_kernel(x.shape[0]),
-        gemv_grid(w.out_features),
+        fp4_gemv_kernel(x.shape[0], gate_up),
+        gemv_grid(cols),
         THREADS,
         (x, w.packed, w.scales, w.gscale, b, out, has_bias, w.group_shift, w.e8m0),
         current_stream(),
@@ -100,20 +109,37 @@ def fp4_gemv_cuda(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = Non
     return out
 
 
+def _cuda(ops, x: torch.Tensor) -> bool:
+    return ops is not None and getattr(ops, "impl", {}).get("quant_linear") == "cuda" and x.is_cuda
+
+
+def fp4_gate_up_silu(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, ops=None):
+    """silu_and_mul(x @ dequantize_fp4(w)^T (+ bias)) for a merged gate_up weight [2I, K]: decode
+    rows on CUDA in one GEMV launch with the activation in its epilogue."""
+    from voltserve.kernels.linear.fp4_kernels import MAX_M
+
+    if w.out_features % 2:
+        raise ValueError(f"gate_up weight needs an even number of rows, got {w.out_features}")
+    if not _cuda(ops, x):
+        return fp4_gate_up_ref(x, w, bias)
+    if x.dim() == 2 and x.shape[0] <= MAX_M and gemv_supports(x, w):
+        return fp4_gemv_cuda(x, w, bias, gate_up=True)
+    return ops.silu_and_mul(fp4_linear(x, w, bias, ops))
+
+
 def fp4_linear(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, ops=None):
     """x [T, K] -> [T, N] in x's dtype. ops: the KernelDispatch (impl["quant_linear"] says cuda
     or ref, as for the integer formats); None: the reference."""
     from voltserve.kernels.linear.fp4_kernels import MAX_M
-    from voltserve.kernels.linear.quant_linear import QuantScratch, scratch_of
+    from voltserve.kernels.linear.quant_linear import scratch_of
 
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [T, {w.in_features}], got {tuple(x.shape)}")
-    cuda = ops is not None and getattr(ops, "impl", {}).get("quant_linear") == "cuda"
-    if not cuda or not x.is_cuda:
+    if not _cuda(ops, x):
         return fp4_linear_ref(x, w, bias)
     if x.shape[0] <= MAX_M and gemv_supports(x, w):
         return fp4_gemv_cuda(x, w, bias)
-    scratch = scratch_of(ops) if ops is not None else QuantScratch()
+    scratch = scratch_of(ops)
     wd = scratch.get(w.out_features, w.in_features, x.dtype, x.device)
     dequantize_into(w, wd)
     return F.linear(x, wd, bias)
@@ -122,6 +148,8 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, 
 __all__ = [
     "fp4_linear",
     "fp4_linear_ref",
+    "fp4_gate_up_silu",
+    "fp4_gate_up_ref",
     "fp4_gemv_cuda",
     "dequantize_into",
     "fp4_dequant_grid",

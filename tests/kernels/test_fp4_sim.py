@@ -127,3 +127,40 @@ def test_gemv_kernel_matches_reference(M, kind, group, K, dtype, bias):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     scale = (x.double().abs() @ wd.abs().T).max()
     assert (out.double() - ref).abs().max() <= tol * scale
+
+
+@pytest.mark.parametrize("M,dtype,bias", [(1, torch.float16, True), (8, torch.float32, False)])
+def test_gemv_gate_up_kernel_matches_linear_then_silu_and_mul(M, dtype, bias):
+    """The merged gate_up weight [2I, K]: h = silu(gate) * up, each product rounded to the
+    storage dtype first as the unfused path stores it."""
+    print(f"seed {SEED} (VOLTSERVE_TEST_SEED to repeat)")
+    gen = torch.Generator().manual_seed(SEED + 100 + M)
+    Cols, K = 5, 64  # 5 output columns: two blocks of 4 warps, three past the end
+    w = make(gen, 2 * Cols, K, 16, E4M3)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    b = torch.randn(2 * Cols, generator=gen).to(dtype) if bias else None
+    out = torch.full((M, Cols), float("nan"), dtype=dtype)
+    launch(
+        fp4_kernels.fp4_gemv_kernel(M, gate_up=True),
+        fp4_kernels.gemv_grid(Cols),
+        fp4_kernels.THREADS,
+        (
+            x.numpy(),
+            w.packed.numpy(),
+            w.scales.numpy(),
+            w.gscale.numpy(),
+            (b if bias else out[0]).numpy(),
+            out.numpy(),
+            bias,
+            w.group_shift,
+            w.e8m0,
+        ),
+    )
+    assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
+    wd = ref_weight(w.packed, w.scales, w.gscale, 16, E4M3).double()
+    y = (x.double() @ wd.T + (b.double() if bias else 0)).to(dtype).double()
+    gate, up = y[:, :Cols], y[:, Cols:]
+    ref = (gate * torch.sigmoid(gate)).to(dtype).double() * up
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    ymax = y.abs().max()  # an fp16 rounding of gate or up moves h by ~2**-11 of |gate * up|
+    assert (out.double() - ref).abs().max() <= tol * (ymax * ymax + ymax)

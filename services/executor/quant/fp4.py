@@ -189,6 +189,11 @@ class Fp4Method(LinearMethod):
             return y.view(*shape[:-1], y.shape[-1])
         return dispatch.fp4_linear(x, layer.fp4, layer.bias, ops)
 
+    def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
+        if x.dim() != 2:
+            return ops.silu_and_mul(self.apply(layer, x, ops))
+        return dispatch.fp4_gate_up_silu(x, layer.fp4, layer.bias, ops)
+
     def scratch_numel(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features
 
