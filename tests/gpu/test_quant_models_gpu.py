@@ -1,5 +1,5 @@
-"""On a CUDA GPU: quantized tiny checkpoints (AWQ, GPTQ act-order, compressed-tensors, GGUF
-Q4_K_M; AWQ Qwen3-MoE experts and a GGUF qwen3moe file) through the GPU runner. fp32: greedy
+"""On a CUDA GPU: quantized tiny checkpoints (AWQ, GPTQ act-order, compressed-tensors, NVFP4 and
+MXFP4, GGUF Q4_K_M; AWQ Qwen3-MoE experts and a GGUF qwen3moe file) through the GPU runner. fp32: greedy
 tokens equal transformers on the same GPU on the independent reference
 (tests/quant_checkpoints.py), logprobs within 1e-3; fp16 (the SM70 default): decode steps
 replayed as CUDA graphs give the eager runner's tokens, and the first token's logprobs stay
@@ -18,6 +18,7 @@ from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
+from tests import fp4_checkpoints as fc
 from tests import quant_checkpoints as qc
 from tests.checkpoints import drive, tokenizer
 
@@ -31,6 +32,10 @@ CASES = {
     "gptq-4b-act-qwen3": lambda: (qc.gptq_checkpoint("qwen3", 4, 64, True, True), None),
     "gptq-8b-qwen2": lambda: (qc.gptq_checkpoint("qwen2", 8, 128, True, True), None),
     "ct-w4a16-qwen2": lambda: (qc.ct_checkpoint("qwen2", 4, 32), None),
+    # FP4 weights: compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4 (tests/fp4_checkpoints.py)
+    "ct-nvfp4-llama": lambda: (fc.ct_fp4_checkpoint("llama", "nvfp4"), None),
+    "ct-mxfp4-qwen3": lambda: (fc.ct_fp4_checkpoint("qwen3", "mxfp4"), None),
+    "modelopt-nvfp4-qwen2": lambda: (fc.modelopt_checkpoint("qwen2"), None),
     "gguf-q4_k_m-llama": lambda: (qc.gguf_checkpoint("llama", qc.q4_k_m_types, "Q4_K_M"), True),
     # MoE: AWQ experts (decode on the fused int4 expert kernels) and a GGUF qwen3moe K-quant mix
     "awq-g32-qwen3moe": lambda: (qc.awq_checkpoint("qwen3_moe", 32), None),
