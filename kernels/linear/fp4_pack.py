@@ -127,9 +127,10 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes -> float32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
+    """4-bit codes -> float32 values (E2M1_VALUES by arithmetic on the device: no host table to
+    copy, so a CUDA graph can hold the reference)."""
+    m = (codes & 7).to(torch.float32)
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2, 2 * m - 8))
     return torch.where((codes & 8) != 0, -mag, mag)
 
 

@@ -171,3 +171,15 @@ def test_gemv_gate_up_kernel_matches_linear_then_silu_and_mul(M, dtype, bias):
     silu = gate * torch.sigmoid(gate)
     bound = 1.1 * dg * up.abs() + silu.abs() * du + ulp * ref.abs()
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind,group", [(E4M3, 16), (E8M0, 32)])
+def test_torch_reference_matches_the_published_rules(kind, group):
+    """fp4_pack.dequantize_fp4 (the CPU path and the kernels' fallback) on every code and scale
+    byte."""
+    from voltserve.kernels.linear.fp4_pack import dequantize_fp4
+
+    gen = torch.Generator().manual_seed(SEED)
+    w = make(gen, 8, 32 * group, group, kind, every=True)
+    want = ref_weight(w.packed, w.scales, w.gscale, group, kind)
+    assert torch.equal(dequantize_fp4(w), want)
