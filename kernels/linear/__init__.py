@@ -162,13 +162,13 @@ KERNELS += tuple(
 )
 
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
-# GEMV (fp4_gemv_kernel(M); M = 1 and 8 listed): x [M, K], packed codes uint8 [N, K / 2], scale
+# GEMV (fp4_gemv_kernel(M); M = 1 and 8 listed): x [M, K], codes as int32 words [N, K / 8], scale
 # bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without has_bias), out
 # [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias, group_shift, e8m0; the
-# gate_up variant at M = 1. The dequantize kernel: packed, scale bytes, global
+# gate_up variant at M = 1. The dequantize kernel: code words, scale bytes, global
 # scales, out [N, K], group_shift, e8m0. fp16 only (what decode and prefill run).
 _FP4_GEMV_SIG = (
-    "void(float16[:, :], uint8[:, ::1], uint8[:, ::1], float32[::1], float16[::1],"
+    "void(float16[:, :], int32[:, ::1], uint8[:, ::1], float32[::1], float16[::1],"
     " float16[:, :], boolean, int64, boolean)"
 )
 KERNELS += tuple(
@@ -179,6 +179,6 @@ KERNELS += (
     KernelSpec(
         "linear.fp4_kernels",
         "fp4_dequant_kernel",
-        ("void(uint8[:, ::1], uint8[:, ::1], float32[::1], float16[:, ::1], int64, boolean)",),
+        ("void(int32[:, ::1], uint8[:, ::1], float32[::1], float16[:, ::1], int64, boolean)",),
     ),
 )

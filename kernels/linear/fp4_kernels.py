@@ -2,7 +2,10 @@
 storage, fp32 arithmetic): the codes and scale bytes are decoded in software.
 
 - E2M1 codes: a 16-entry fp32 table in shared memory (sign included), filled by the block's
-  first 16 threads before a barrier; a byte gives two table indices (low nibble first).
+  first 16 threads before a barrier. The kernels read the code bytes as int32 words (the
+  launchers pass an int32 view of fp4_pack's uint8 [N, K / 2]: little-endian, so input k + e
+  of a word's 8 sits at bits 4e .. 4e + 3 with the low nibble first), a shift and a mask per
+  table index.
 - Scale bytes (`scale_f32`): E4M3 by building the fp32 bit pattern (exponent + 120, mantissa
   moved up 20 bits; the subnormal exponent 0 as (1 + m / 8) * 2**-6 - 2**-6, exact), E8M0 as the
   exponent field itself (byte 0: 2**-127, the fp32 subnormal 0x00400000). NaN bytes never reach
@@ -11,13 +14,13 @@ storage, fp32 arithmetic): the codes and scale bytes are decoded in software.
 Kernels:
 
 - `fp4_dequant_kernel`: the weight into an [N, K] buffer of the run dtype (the path above the
-  GEMV's rows: then cuBLAS). One thread per 8 inputs (4 bytes, one block since blocks are 16 or
-  32 wide), one 16-byte store (vec_io.st8); grid (K / 8 / THREADS blocks, rows folded over y and
+  GEMV's rows: then cuBLAS). One thread per 8 inputs (one code word, one block since blocks are
+  16 or 32 wide), one 16-byte store (vec_io.st8); grid (K / 8 / THREADS blocks, rows folded over y and
   z as quant_dequant does). Each value is e2m1 * (scale * gscale[row]) in fp32, rounded once:
   fp4_pack.dequantize_fp4's rule exactly.
 - `fp4_gemv_kernel(M)`: y[M, N] = x[M, K] @ w^T (+ bias) for 1..8 rows, built per row variant
   (1, 2, 4, 8) with M a compile-time constant. One warp per output row, blocks of 4 warps as
-  quant_gemv's; a lane takes 16 inputs (8 code bytes, one block) per step, 32 lanes 512 inputs,
+  quant_gemv's; a lane takes 16 inputs (two code words, one block) per step, 32 lanes 512 inputs,
   reads each x row in two 16-byte loads (vec_io.ld8) and sums the 16 products of each row in
   fp32 before one multiply by the block's scale (the factored form of quant_gemv: the products
   are exact, only the fp32 sums are regrouped against the reference). Lane sums are reduced
@@ -44,7 +47,7 @@ from voltserve.kernels.runtime.vec_io import ld8, st8
 
 WARPS = 4
 THREADS = 32 * WARPS
-CHUNK = 16  # inputs a lane reads per step (8 code bytes)
+CHUNK = 16  # inputs a lane reads per step (two code words)
 VARIANTS = (1, 2, 4, 8)
 MAX_M = VARIANTS[-1]
 SUBNORMAL_E4M3 = 0.015625  # 2**-6: the E4M3 subnormal's offset in scale_f32
@@ -95,23 +98,19 @@ def fp4_dequant_kernel(packed, scales, gscale, out, gshift, e8m0):
     if k >= out.shape[1] or row >= out.shape[0]:
         return
     s = scale_f32(scales[row, k >> gshift], e8m0) * gscale[row]
-    h = k >> 1
-    b0 = packed[row, h]
-    b1 = packed[row, h + 1]
-    b2 = packed[row, h + 2]
-    b3 = packed[row, h + 3]
+    u = packed[row, k >> 3]  # inputs k .. k + 7, input k + e in bits 4e .. 4e + 3
     st8(
         out,
         (row, k),
         (
-            tab[b0 & 15] * s,
-            tab[b0 >> 4] * s,
-            tab[b1 & 15] * s,
-            tab[b1 >> 4] * s,
-            tab[b2 & 15] * s,
-            tab[b2 >> 4] * s,
-            tab[b3 & 15] * s,
-            tab[b3 >> 4] * s,
+            tab[u & 15] * s,
+            tab[(u >> 4) & 15] * s,
+            tab[(u >> 8) & 15] * s,
+            tab[(u >> 12) & 15] * s,
+            tab[(u >> 16) & 15] * s,
+            tab[(u >> 20) & 15] * s,
+            tab[(u >> 24) & 15] * s,
+            tab[(u >> 28) & 15] * s,
         ),
     )
 
@@ -141,23 +140,16 @@ def _make_gemv(M: int, gate_up: bool):
             g = gscale[r]
             for k in range(lane * CHUNK, K, 32 * CHUNK):
                 s = scale_f32(scales[r, k >> gshift], e8m0) * g
-                h = k >> 1
-                c0 = packed[r, h]
-                c1 = packed[r, h + 1]
-                c2 = packed[r, h + 2]
-                c3 = packed[r, h + 3]
-                c4 = packed[r, h + 4]
-                c5 = packed[r, h + 5]
-                c6 = packed[r, h + 6]
-                c7 = packed[r, h + 7]
-                w0, w1 = tab[c0 & 15], tab[c0 >> 4]
-                w2, w3 = tab[c1 & 15], tab[c1 >> 4]
-                w4, w5 = tab[c2 & 15], tab[c2 >> 4]
-                w6, w7 = tab[c3 & 15], tab[c3 >> 4]
-                w8, w9 = tab[c4 & 15], tab[c4 >> 4]
-                w10, w11 = tab[c5 & 15], tab[c5 >> 4]
-                w12, w13 = tab[c6 & 15], tab[c6 >> 4]
-                w14, w15 = tab[c7 & 15], tab[c7 >> 4]
+                u0 = packed[r, k >> 3]  # inputs k .. k + 7 (input k + e at bits 4e)
+                u1 = packed[r, (k >> 3) + 1]  # inputs k + 8 .. k + 15
+                w0, w1 = tab[u0 & 15], tab[(u0 >> 4) & 15]
+                w2, w3 = tab[(u0 >> 8) & 15], tab[(u0 >> 12) & 15]
+                w4, w5 = tab[(u0 >> 16) & 15], tab[(u0 >> 20) & 15]
+                w6, w7 = tab[(u0 >> 24) & 15], tab[(u0 >> 28) & 15]
+                w8, w9 = tab[u1 & 15], tab[(u1 >> 4) & 15]
+                w10, w11 = tab[(u1 >> 8) & 15], tab[(u1 >> 12) & 15]
+                w12, w13 = tab[(u1 >> 16) & 15], tab[(u1 >> 20) & 15]
+                w14, w15 = tab[(u1 >> 24) & 15], tab[(u1 >> 28) & 15]
                 for m in range(M):
                     if m < Mx:
                         a = ld8(x, (m, k))

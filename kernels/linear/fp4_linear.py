@@ -28,6 +28,11 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
+def code_words(w: Fp4Weight) -> torch.Tensor:
+    """The codes as the kernels read them: int32 words [N, K / 8] (a view, no copy)."""
+    return w.packed.view(torch.int32)
+
+
 def gemv_supports(x: torch.Tensor, w: Fp4Weight) -> bool:
     from voltserve.kernels.linear.fp4_kernels import MAX_M
 
@@ -75,7 +80,7 @@ def dequantize_into(w: Fp4Weight, out: torch.Tensor) -> torch.Tensor:
         fp4_dequant_kernel,
         fp4_dequant_grid(w),
         THREADS,
-        (w.packed, w.scales, w.gscale, out, w.group_shift, w.e8m0),
+        (code_words(w), w.scales, w.gscale, out, w.group_shift, w.e8m0),
         current_stream(),
     )
     return out
@@ -103,7 +108,7 @@ def fp4_gemv_cuda(
         fp4_gemv_kernel(x.shape[0], gate_up),
         gemv_grid(cols),
         THREADS,
-        (x, w.packed, w.scales, w.gscale, b, out, has_bias, w.group_shift, w.e8m0),
+        (x, code_words(w), w.scales, w.gscale, b, out, has_bias, w.group_shift, w.e8m0),
         current_stream(),
     )
     return out

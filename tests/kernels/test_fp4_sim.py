@@ -80,7 +80,14 @@ def test_dequant_kernel_matches_reference(kind, group, N, K, dtype, limit):
         fp4_kernels.fp4_dequant_kernel,
         fp4_dequant_grid(w, limit),
         fp4_kernels.THREADS,
-        (w.packed.numpy(), w.scales.numpy(), w.gscale.numpy(), out.numpy(), w.group_shift, w.e8m0),
+        (
+            w.packed.view(torch.int32).numpy(),
+            w.scales.numpy(),
+            w.gscale.numpy(),
+            out.numpy(),
+            w.group_shift,
+            w.e8m0,
+        ),
     )
     ref = ref_weight(w.packed, w.scales, w.gscale, group, kind)
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
@@ -110,7 +117,7 @@ def test_gemv_kernel_matches_reference(M, kind, group, K, dtype, bias):
         fp4_kernels.THREADS,
         (
             x.numpy(),
-            w.packed.numpy(),
+            w.packed.view(torch.int32).numpy(),
             w.scales.numpy(),
             w.gscale.numpy(),
             (b if bias else out[0]).numpy(),
@@ -146,7 +153,7 @@ def test_gemv_gate_up_kernel_matches_linear_then_silu_and_mul(M, dtype, bias):
         fp4_kernels.THREADS,
         (
             x.numpy(),
-            w.packed.numpy(),
+            w.packed.view(torch.int32).numpy(),
             w.scales.numpy(),
             w.gscale.numpy(),
             (b if bias else out[0]).numpy(),
