@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 # float16 whatever the run dtype, "fp8" (= "fp8_e4m3") and "fp8_e5m2" in one byte per element
 # (services/executor/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp16", "fp8", "fp8_e5m2", "fp8_e4m3")
+# The weight formats --quantization names (services/executor/quant/detect.py reads each).
+QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
 
 
 @dataclass

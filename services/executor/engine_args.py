@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from voltserve.services.executor.spec.config import SpeculativeConfig
-from voltserve.shared.config import KV_CACHE_DTYPES, EngineConfig
+from voltserve.shared.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
 
 
 def graph_sizes(text: str) -> tuple[int, ...]:
@@ -183,7 +182,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "quantization",
         ("--quantization",),
         "force the quantization method (default: from the checkpoint)",
-        choices=QUANTIZATIONS,
+        choices=QUANTIZATION_METHODS,
     ),
     EngineFlag(
         "max_gpu_memory",

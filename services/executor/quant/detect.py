@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, QuantFormatError
+from voltserve.shared.config import QUANTIZATION_METHODS as METHODS
 
-METHODS = ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
 _ALIASES = {
     "compressed_tensors": "compressed-tensors",
     "gptq_v2": "gptq",
