@@ -22,6 +22,7 @@ from voltserve.services.executor.tp.sharding import (
     Cut,
     Parallel,
     RowParallel,
+    column_parallel,
     narrow,
 )
 
@@ -213,6 +214,24 @@ class Linear(nn.Module):
             # The partial products (rank 0's with the bias) summed: one all-reduce.
             y = p.group.all_reduce(y)
         return y
+
+
+def lm_head(
+    hidden: int,
+    vocab_size: int,
+    tied: bool,
+    dtype: torch.dtype,
+    quant: QuantConfig | None,
+    tp: TPGroup | None,
+    vocab_start: int,
+    vocab_per_rank: int,
+) -> Linear | None:
+    """The output projection, vocabulary-parallel: this rank's rows of the padded vocabulary
+    (zeros past it). None when the embedding is tied (the model reads the embedding's rows)."""
+    if tied:
+        return None
+    cut = column_parallel(tp, {None: (vocab_start, vocab_per_rank)})
+    return Linear(hidden, {None: vocab_size}, False, dtype, quant, ["lm_head"], cut)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -45,6 +45,7 @@ from voltserve.services.executor.models.layers import (
     Linear,
     VocabParallelEmbedding,
     linear,
+    lm_head,
     paged_attend,
 )
 from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
@@ -529,19 +530,16 @@ class Qwen3NextForCausalLM(nn.Module):
             "gated_delta_rule_decode",
             "gated_rms_norm",
         ) + (("moe_topk", "moe_experts") if arch.num_experts else ())
-        if arch.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            # Vocabulary-parallel: this rank's rows of the padded vocabulary (zeros past it).
-            self.lm_head = Linear(
-                arch.hidden_size,
-                {None: arch.vocab_size},
-                False,
-                dtype,
-                quant,
-                ["lm_head"],
-                column_parallel(tp, {None: (lay.vocab_start, lay.vocab_per_rank)}),
-            )
+        self.lm_head = lm_head(
+            arch.hidden_size,
+            arch.vocab_size,
+            arch.tie_word_embeddings,
+            dtype,
+            quant,
+            tp,
+            lay.vocab_start,
+            lay.vocab_per_rank,
+        )
         cache = build_cos_sin_cache(
             arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
