@@ -62,6 +62,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            # Refused here rather than failing at the first step that reads it.
+            raise TypeError(
+                "speculative_config must be a SpeculativeConfig; its JSON object is parsed by "
+                "services/executor/engine_args.engine_config(speculative_config={...})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"

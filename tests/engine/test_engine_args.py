@@ -117,6 +117,8 @@ def test_builder_parses_the_speculative_config_once_and_refuses_bad_values() -> 
     assert engine_config(args) == cfg
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine_config(model="m", speculative_config={"method": "ngram"})
+    with pytest.raises(TypeError, match="engine_config"):  # the object unparsed: refused now
+        EngineConfig(model="m", speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="not EngineConfig fields"):
         engine_config(model="m", max_len=5)
     with pytest.raises(ValueError, match="dtype"):
