@@ -36,6 +36,7 @@ from voltserve.services.executor.spec.graph_setup import build_verify_graphs, sp
 from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
 from voltserve.services.executor.state_cache import StateCache
+from voltserve.services.executor.state_rollback import VerifyStates, check_spec_supported
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.worker import TPSession
 from voltserve.shared import startup
@@ -115,6 +116,8 @@ class ModelRunner:
         # target's block layout) count against the memory.
         spec = config.speculative_config
         self.proposer: Proposer | None = None
+        if spec is not None and hybrid:
+            check_spec_supported(self.arch.architecture, spec.method, self.device, self.tp)
         if spec is not None:
             self.proposer = make_proposer(spec)
             self.proposer.load(self)
@@ -134,6 +137,8 @@ class ModelRunner:
         # Linear-attention state (state_cache.py): a slot per running request, allocated
         # before the KV sizing so that its bytes come off the KV cache's budget.
         self.state_cache = self._alloc_state_cache()
+        # An eager verify step's snapshots, committed at the next step (state_rollback.py).
+        self._verify_states: VerifyStates | None = None
         # Graph replays run no hooks: the layer trace needs every step eager.
         use_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and not layer_trace.enabled()
@@ -277,12 +282,6 @@ class ModelRunner:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else []
         if not specs:
             return None
-        name = self.arch.architecture
-        if self.config.speculative_config is not None:
-            raise ValueError(
-                f"--speculative-config is not supported with {name}: its linear-attention "
-                "state cannot yet be rolled back to the last accepted token"
-            )
         cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device)
         self.model.state_cache = cache
         logger.info(
@@ -326,6 +325,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> RunnerOutput:
+        if self._verify_states is not None:
+            # The last verify step's state after each request's last kept token, before any
+            # forward reads it (state_rollback.py).
+            self._verify_states.commit(self.state_cache)
+            self._verify_states = None
         out = RunnerOutput()
         if plan.scheduled:
             out.sampled = self._run(plan, out)
@@ -356,6 +360,15 @@ class ModelRunner:
             self.pipeline.discard()  # a step launched ahead is not this one
         staged = self.input_batch
         batch, rows = staged.prepare(plan)
+        if self.state_cache is not None and self.proposer is not None:
+            reqs, starts, qsl = staged.staged
+            self._verify_states = batch.meta.verify_states = VerifyStates.build(
+                self.state_cache,
+                reqs,
+                [len(s.spec_token_ids) for s in plan.scheduled],
+                [int(x) for x in qsl],
+                starts,
+            )
         if self.tp_session is not None:
             self.tp_session.send_eager(staged, batch)
         if staged.prompt_rows:

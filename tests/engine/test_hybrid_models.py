@@ -88,8 +88,9 @@ def test_state_cache_is_sized_with_the_kv_cache() -> None:
 
 def test_unsupported_options_are_refused_by_name() -> None:
     path = str(checkpoint("qwen3_5"))
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
-    with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM"):
+    # Speculation with state rollback serves ngram and draft_model (test_hybrid_spec.py).
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": path}
+    with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM.*'eagle'"):
         ModelRunner(engine_config(model=path, num_kv_blocks=8, speculative_config=spec))
     with pytest.raises(ValueError, match="enable-prefix-caching.*Qwen3_5ForCausalLM"):
         LLMEngine(EngineConfig(model=path, num_kv_blocks=8, enable_prefix_caching=True))

@@ -9,6 +9,7 @@ names: the plain float weight (UnquantizedMethod), AWQ/GPTQ/compressed-tensors/G
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from voltserve.services.executor.tp.sharding import (
     column_parallel,
     narrow,
 )
+
+if TYPE_CHECKING:
+    from voltserve.services.executor.state_rollback import VerifyStates
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
 # the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
@@ -74,6 +78,9 @@ class AttentionMetadata:
     # [B] int64: each sequence's slot in the linear-attention state cache (state_cache.py;
     # -1 = none: a padding row, or a model without such state). None: not staged.
     state_slots: torch.Tensor | None = None
+    # An eager verify step of a model with linear-attention state: its verify groups and
+    # their per-row state snapshots (state_rollback.py). None: no proposals in the step.
+    verify_states: VerifyStates | None = None
 
 
 def paged_attend(

@@ -371,31 +371,17 @@ class GatedDeltaNet(nn.Module):
         x: torch.Tensor,
         state: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        snap: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """snap: this layer's verify snapshots (state_rollback.py) in an eager verify step."""
         T = x.shape[0]
-        conv_pool, state_pool = state
-        slots = meta.state_slots
         mixed, z, b, a = self._project(ops, x)
-        mixed = mixed.contiguous()
-        w = self.conv1d.weight.view(self.conv_dim, -1)
-        if meta.is_decode:
-            mixed = ops.causal_conv1d_decode(mixed, w, conv_pool, slots)
+        mixed, b, a = mixed.contiguous(), b.contiguous(), a.contiguous()
+        if meta.verify_states is None:
+            o = self._mix(ops, mixed, b, a, state, meta)
         else:
-            cu, has_initial = _varlen(meta)
-            mixed = ops.causal_conv1d_prefill(mixed, w, conv_pool, cu, slots, has_initial)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.hk, self.dk)
-        k = k.reshape(T, self.hk, self.dk)
-        v = v.reshape(T, self.hv, self.dv)
-        b, a = b.contiguous(), a.contiguous()
-        if meta.is_decode:
-            o = ops.gated_delta_rule_decode(
-                q, k, v, a, b, self.A_log, self.dt_bias, state_pool, slots
-            )
-        else:
-            o = ops.gated_delta_rule_prefill(
-                q, k, v, a, b, self.A_log, self.dt_bias, state_pool, cu, slots, has_initial
-            )
+            assert snap is not None
+            o = self._mix_verify(ops, mixed, b, a, state, meta, snap)
         o = ops.gated_rms_norm(
             o.reshape(T * self.hv, self.dv),
             z.reshape(T * self.hv, self.dv),
@@ -403,6 +389,108 @@ class GatedDeltaNet(nn.Module):
             self.eps,
         )
         return self.out_proj(o.view(T, self.value_dim), ops)
+
+    def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            q.reshape(T, self.hk, self.dk),
+            k.reshape(T, self.hk, self.dk),
+            v.reshape(T, self.hv, self.dv),
+        )
+
+    def _mix(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The conv and the gated delta rule over the step's rows: o [T, Hv, Dv]."""
+        conv_pool, state_pool = state
+        slots = meta.state_slots
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        if meta.is_decode:
+            mixed = ops.causal_conv1d_decode(mixed, w, conv_pool, slots)
+            q, k, v = self._qkv(mixed)
+            return ops.gated_delta_rule_decode(
+                q, k, v, a, b, self.A_log, self.dt_bias, state_pool, slots
+            )
+        cu, has_initial = _varlen(meta)
+        return self._mix_varlen(ops, mixed, b, a, state, cu, slots, has_initial)
+
+    def _mix_varlen(self, ops, mixed, b, a, state, cu, slots, has_initial) -> torch.Tensor:
+        conv_pool, state_pool = state
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        mixed = ops.causal_conv1d_prefill(mixed, w, conv_pool, cu, slots, has_initial)
+        q, k, v = self._qkv(mixed)
+        return ops.gated_delta_rule_prefill(
+            q, k, v, a, b, self.A_log, self.dt_bias, state_pool, cu, slots, has_initial
+        )
+
+    def _mix_verify(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        snap: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """_mix for an eager verify step: the verify groups one position at a time with the
+        decode ops, their state after each row snapshotted (state_rollback.py); the other
+        sequences (prefill chunks, plain decodes) through the varlen ops."""
+        vs = meta.verify_states
+        conv_pool, state_pool = state
+        snap_conv, snap_rec = snap
+        dev = mixed.device
+        o = mixed.new_zeros((mixed.shape[0], self.hv, self.dv))
+        qsl = meta.query_start_loc.tolist()
+        grouped = set(vs.seqs)
+        others = [s for s in range(len(qsl) - 1) if s not in grouped]
+        if others:
+            rows = torch.cat([torch.arange(qsl[s], qsl[s + 1], device=dev) for s in others])
+            lens = torch.tensor([qsl[s + 1] - qsl[s] for s in others], device=dev)
+            cu = torch.zeros(len(others) + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(lens, 0, out=cu[1:])
+            idx = torch.tensor(others, device=dev)
+            has_initial = meta.seq_lens[idx].long() > lens
+            o[rows] = self._mix_varlen(
+                ops,
+                mixed[rows].contiguous(),
+                b[rows].contiguous(),
+                a[rows].contiguous(),
+                state,
+                cu,
+                meta.state_slots[idx],
+                has_initial,
+            )
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        all_slots = torch.tensor(vs.slots, dtype=torch.int64, device=dev)
+        for i in range(max(vs.num_rows)):
+            sel = [g for g, n in enumerate(vs.num_rows) if n > i]
+            rows = torch.tensor([vs.first_rows[g] + i for g in sel], device=dev)
+            sel_t = torch.tensor(sel, device=dev)
+            slots = all_slots[sel_t]
+            m = ops.causal_conv1d_decode(mixed[rows].contiguous(), w, conv_pool, slots)
+            q, k, v = self._qkv(m)
+            o[rows] = ops.gated_delta_rule_decode(
+                q,
+                k,
+                v,
+                a[rows].contiguous(),
+                b[rows].contiguous(),
+                self.A_log,
+                self.dt_bias,
+                state_pool,
+                slots,
+            )
+            snap_conv[i, sel_t] = conv_pool[slots]
+            snap_rec[i, sel_t] = state_pool[slots]
+        return o
 
 
 class _PlainWeight(nn.Module):
@@ -457,15 +545,17 @@ class HybridDecoderLayer(nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        snap: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache: the layer's KV cache (full attention) or its state pools (linear)."""
+        """cache: the layer's KV cache (full attention) or its state pools (linear); snap: a
+        linear layer's verify snapshots (state_rollback.py)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(ops, x)
         else:
             x = self.input_layernorm(ops, x, residual)
         if self.kind == LINEAR:
-            x = self.linear_attn(ops, x, cache, meta)
+            x = self.linear_attn(ops, x, cache, meta, snap)
         else:
             x = self.self_attn(ops, positions, x, cache, meta, cos_sin_cache)
         x = self.post_attention_layernorm(ops, x, residual)
@@ -590,11 +680,18 @@ class Qwen3NextForCausalLM(nn.Module):
             )
         kv = iter(kv_caches)
         states = iter(self.state_cache.layers)
+        vs = meta.verify_states
+        snaps = iter(vs.snapshots) if vs is not None else None
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:
-            cache = next(states) if layer.kind == LINEAR else next(kv)
-            x, residual = layer(ops, positions, x, residual, cache, meta, self.cos_sin_cache)
+            snap = None
+            if layer.kind == LINEAR:
+                cache = next(states)
+                snap = next(snaps) if snaps is not None else None
+            else:
+                cache = next(kv)
+            x, residual = layer(ops, positions, x, residual, cache, meta, self.cos_sin_cache, snap)
         return self.model.norm(ops, x, residual)
 
     def compute_logits(

@@ -52,6 +52,13 @@ def load_draft(path: str, target_dir: str, target_arch, dtype, device):
     if not Path(path).is_dir():
         raise startup.StartupError(f"speculative draft model: {path!r} is not a folder")
     loaded = load_model(path, dtype, device)
+    if getattr(loaded.model, "state_specs", None) is not None and loaded.model.state_specs():
+        # Its own linear-attention state would need a state cache and the rollback of its
+        # catch-up steps (state_rollback.py does it for the target only).
+        raise startup.StartupError(
+            f"speculative draft model {path}: {loaded.arch.architecture} keeps linear-attention "
+            "state, which a draft model does not support; use a draft model with attention only"
+        )
     if loaded.arch.vocab_size != target_arch.vocab_size:
         raise startup.StartupError(
             f"speculative draft model {path}: vocab_size {loaded.arch.vocab_size} differs from "

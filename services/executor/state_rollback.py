@@ -1,0 +1,126 @@
+"""Speculative verify steps over linear-attention state: per-position snapshots and the commit
+of the state after the last kept token.
+
+A verify row group computes a request's last known token and its m proposals (m + 1 rows, at
+positions start .. start + m). Attention layers write KV for all of them and a rejected
+proposal's KV is simply overwritten later; a Gated DeltaNet's conv window and recurrent state
+advanced over a rejected proposal would be wrong for every later token. So:
+
+- Snapshots (the chosen way, not recompute): during the verify step each linear-attention
+  layer runs a verify group's rows one position at a time with the decode ops (every group's
+  row i together) and copies the slot's conv window [conv_dim, kernel - 1] and recurrent state
+  [Hv, Dk, Dv] after each row into scratch [m + 1, groups, ...] (`VerifyStates`). Cost: memory
+  of (k + 1) x groups x one slot's state per layer, allocated per verify step; time: k + 1 small
+  decode-op calls and copies per layer instead of one varlen prefill call. Recompute instead
+  would need a second forward of the whole model over the kept rows (every layer's input
+  depends on the layers below), which costs more than the copies.
+- Commit: the engine keeps j accepted proposals and emits j + 1 tokens (the last one, the
+  target's own, is computed by the next step), advancing num_computed_tokens by j + 1 (fewer
+  when a stop token ends the run). The state the next step needs includes exactly the tokens
+  whose KV is kept: rows 0 .. kept - 1, i.e. the snapshot after row kept - 1, kept =
+  num_computed_tokens - start. The runner commits it before its next forward (`commit`):
+  after the last row (all accepted) the pool holds it already; a request that finished or was
+  preempted (its slot given back: state_slot no longer the one staged) is skipped, since a
+  slot's next owner starts at position 0 and never reads the old contents.
+- Rows of the step that are not verify groups (prefill chunks, plain decodes) run the usual
+  varlen ops; their state needs no rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from voltserve.services.executor.request import Request
+from voltserve.services.executor.state_cache import StateCache
+
+# Proposers whose verify steps the rollback serves (EAGLE needs verify graphs and the
+# target's hidden states per row, which the per-row eager path does not give).
+ROLLBACK_METHODS = ("ngram", "draft_model")
+
+
+def check_spec_supported(
+    architecture: str, method: str, device: torch.device, tp: object | None
+) -> None:
+    """Refuse by name what speculation on a model with linear-attention state does not do."""
+    why = None
+    if method not in ROLLBACK_METHODS:
+        why = f"method {method!r}"
+    elif device.type != "cpu":
+        # The per-row verify path runs the CUDA kernels too, but untested there and without
+        # the verify CUDA graphs.
+        why = f"device {device.type!r}"
+    elif tp is not None:
+        why = "tensor parallelism"
+    if why is not None:
+        raise ValueError(
+            f"--speculative-config is not supported with {architecture} and {why}: its "
+            "linear-attention state is rolled back to the last accepted token only on the "
+            f"CPU without tensor parallelism, for methods {', '.join(ROLLBACK_METHODS)}"
+        )
+
+
+@dataclass
+class VerifyStates:
+    """One eager verify step's groups (in the step's sequence order) and their snapshots."""
+
+    seqs: list[int]  # the step's sequence index of each verify group
+    first_rows: list[int]  # the group's first row in the step
+    num_rows: list[int]  # 1 + its proposals
+    requests: list[Request]
+    slots: list[int]  # each request's state slot when staged
+    starts: list[int]  # position of each group's first row (the last known token)
+    # Per linear-attention layer: conv [max_rows, G, conv_dim, kernel - 1] and recurrent
+    # [max_rows, G, Hv, Dk, Dv] snapshots after each row; the layer fills them.
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        cache: StateCache,
+        requests: list[Request],
+        spec_lens: list[int],
+        query_start_loc: list[int],
+        starts: list[int],
+    ) -> VerifyStates | None:
+        """The verify groups of an eager step (None: no request has proposals); each with
+        proposals must have exactly its 1 + m verify rows scheduled."""
+        g = [b for b, m in enumerate(spec_lens) if m]
+        if not g:
+            return None
+        rows = [query_start_loc[b + 1] - query_start_loc[b] for b in g]
+        for b, n in zip(g, rows):
+            if n != spec_lens[b] + 1:
+                raise RuntimeError(
+                    f"request {requests[b].request_id}: a verify group of {n} rows for "
+                    f"{spec_lens[b]} proposals (linear-attention state needs exactly 1 + m)"
+                )
+        v = cls(
+            g,
+            [query_start_loc[b] for b in g],
+            rows,
+            [requests[b] for b in g],
+            [requests[b].state_slot for b in g],
+            [starts[b] for b in g],
+        )
+        n, G = max(rows), len(g)
+        for conv, rec in cache.layers:
+            v.snapshots.append(
+                (
+                    conv.new_empty((n, G, *conv.shape[1:])),
+                    rec.new_empty((n, G, *rec.shape[1:])),
+                )
+            )
+        return v
+
+    def commit(self, cache: StateCache) -> None:
+        """Put each live group's state after its last kept row into its slot (module doc)."""
+        for i, (r, slot, start, n) in enumerate(
+            zip(self.requests, self.slots, self.starts, self.num_rows)
+        ):
+            kept = r.num_computed_tokens - start
+            if r.state_slot != slot or kept < 1 or kept >= n:
+                continue  # gone (slot given back), or every row kept: the pool holds it
+            for (conv, rec), (sc, sr) in zip(cache.layers, self.snapshots):
+                conv[slot].copy_(sc[kept - 1, i])
+                rec[slot].copy_(sr[kept - 1, i])
