@@ -421,7 +421,18 @@ class GatedDeltaNet(nn.Module):
         cu, has_initial = _varlen(meta)
         return self._mix_varlen(ops, mixed, b, a, state, cu, slots, has_initial)
 
-    def _mix_varlen(self, ops, mixed, b, a, state, cu, slots, has_initial) -> torch.Tensor:
+    def _mix_varlen(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        cu: torch.Tensor,
+        slots: torch.Tensor,
+        has_initial: torch.Tensor,
+    ) -> torch.Tensor:
+        """The varlen ops over sequences given by their query starts cu (int64)."""
         conv_pool, state_pool = state
         w = self.conv1d.weight.view(self.conv_dim, -1)
         mixed = ops.causal_conv1d_prefill(mixed, w, conv_pool, cu, slots, has_initial)
