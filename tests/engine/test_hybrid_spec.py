@@ -6,11 +6,9 @@ what is not supported is refused by name."""
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
-import torch
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.model_runner import ModelRunner
@@ -18,7 +16,8 @@ from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
-from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import checkpoint, greedy_tokens, tokenizer
+from tests.engine.test_hybrid_models import hf_model
 
 MAX_NEW = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -28,12 +27,6 @@ NGRAM = {
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
 }
-
-
-@functools.cache
-def hf_model(arch: str):
-    path = checkpoint(arch)
-    return hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
 
 
 def engine(arch: str, spec=None) -> LLMEngine:
