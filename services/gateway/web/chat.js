@@ -144,21 +144,27 @@ class MessageView {
     this.stats.className = "stats";
     this.meta.append(this.stats, button("Copy", "copy"));
     this.root.append(this.meta);
-    this.pending = false;
+    this.frame = 0;
     this.render();
   }
 
   // Coalesces the updates of one frame: a fast stream re-renders once per frame, not per chunk.
   update() {
-    if (this.pending) return;
-    this.pending = true;
-    requestAnimationFrame(() => {
-      this.pending = false;
+    if (this.frame) return;
+    this.frame = requestAnimationFrame(() => {
+      this.frame = 0;
       this.render();
     });
   }
 
   render() {
+    // A render now supersedes one still waiting for its frame: the answer's last render (when
+    // the stream ends) stays the last, so nothing rebuilt afterwards drops a selection or the
+    // state of a code block's Copy button.
+    if (this.frame) {
+      cancelAnimationFrame(this.frame);
+      this.frame = 0;
+    }
     const m = this.message;
     if (m.role === "user") return;
     const streaming = Boolean(m.streaming);
