@@ -34,9 +34,9 @@ import torch
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.state_cache import StateCache
 
-# Proposers whose verify steps the rollback serves (EAGLE needs verify graphs and the
-# target's hidden states per row, which the per-row eager path does not give).
-ROLLBACK_METHODS = ("ngram", "draft_model")
+# Proposers whose verify steps the rollback serves (mtp reads the target's hidden states
+# per row, which the eager forward hands out; EAGLE heads are for the Llama family).
+ROLLBACK_METHODS = ("ngram", "draft_model", "mtp")
 
 
 def check_spec_supported(

@@ -11,7 +11,11 @@ from voltserve.services.executor.spec.registry import METHODS
 # Methods vLLM knows that this build does not run yet: refused by name, never ignored.
 # (eagle3: its heads fuse three target layers' hidden states and propose from a reduced draft
 # vocabulary, a different checkpoint format and a second hidden-state seam.)
-NOT_YET = ("eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("eagle3", "medusa", "mlp_speculator")
+# vLLM's per-architecture spellings of method "mtp": those of the families whose MTP layers this
+# build runs are aliases; the others name architectures it does not run, refused by name.
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp")
+MTP_NOT_SUPPORTED = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "longcat_flash_mtp")
 _KEYS = {
     "method",
     "model",
@@ -42,6 +46,14 @@ class SpeculativeConfig:
         method = d.get("method")
         if method is None and d.get("model"):
             method = "draft_model"  # vLLM: a draft model named without a method
+        if method in MTP_ALIASES:
+            method = "mtp"
+        if method in MTP_NOT_SUPPORTED:
+            raise ValueError(
+                f"--speculative-config: method {method!r} is not supported: its architecture's "
+                "MTP layers are not implemented (method 'mtp' serves the Qwen3-Next / Qwen3.5 "
+                "/ 3.6 families)"
+            )
         if method in NOT_YET:
             raise ValueError(
                 f"--speculative-config: method {method!r} is not supported yet "

@@ -199,6 +199,7 @@ class EagleProposer(ModelProposer):
                 list(range(len(live) + 1)),
                 [q + 1 for q in p],
                 decode=True,
+                step=j,
             )
             h = h.index_copy(0, idx, hs)  # h keeps one row per proposing request
             for b, t in zip(live, self._argmax(hs)):
@@ -228,10 +229,12 @@ class EagleProposer(ModelProposer):
     def _argmax(self, h: torch.Tensor) -> list[int]:
         return self.target.compute_logits(h).argmax(dim=-1).tolist()
 
-    def _forward(self, toks, feats, pos, tables, qsl, seq_lens, decode: bool) -> torch.Tensor:
+    def _forward(
+        self, toks, feats, pos, tables, qsl, seq_lens, decode: bool, step: int = 0
+    ) -> torch.Tensor:
         dev = self.device
         meta = draft_metadata(pos, tables, qsl, seq_lens, decode, self.bm.block_size, dev)
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         embeds = self.target.model.embed_tokens(ids)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return self.head(embeds, feats, positions, meta, self.kv)
+        return self.head(embeds, feats, positions, meta, self.kv, step)

@@ -75,8 +75,10 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,  # [T] int64: p
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        step: int = 0,
     ) -> torch.Tensor:
-        """The head's output per row, [T, hidden] (its estimate of f_{p+1})."""
+        """The head's output per row, [T, hidden] (its estimate of f_{p+1}); every step
+        (which proposal of the group) runs the same layers."""
         ops = self.ops
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1), ops)
         residual = None

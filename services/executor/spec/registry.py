@@ -34,4 +34,6 @@ METHODS: dict[str, Method] = {
     "ngram": Method("ngram:NgramProposer"),
     "draft_model": Method("draft_model:DraftModelProposer", "draft checkpoint"),
     "eagle": Method("eagle:EagleProposer", "EAGLE head checkpoint"),
+    # The target checkpoint's own MTP layers (Qwen3-Next / Qwen3.5 / 3.6).
+    "mtp": Method("mtp:MtpProposer"),
 }
