@@ -25,7 +25,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
-from tests.checkpoints import _root, checkpoint, greedy_tokens, tokenizer
+from tests.checkpoints import _root, checkpoint, greedy_tokens, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
 
 MAX_NEW = 12
@@ -34,18 +34,22 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": K}
 
 
+def mtp_checkpoint(arch: str, repeat_head: bool = False, layers: int = 1) -> Path:
+    return _mtp_checkpoint(arch, repeat_head, layers)
+
+
 @functools.cache
-def mtp_checkpoint(arch: str, repeat_head: bool = False) -> Path:
-    """A copy of the tiny `arch` checkpoint with one MTP layer: the target's last layer (a full
-    attention one) under mtp.layers.0, and fc / norms. repeat_head: fc passes the normed hidden
+def _mtp_checkpoint(arch: str, repeat_head: bool, layers: int) -> Path:
+    """A copy of the tiny `arch` checkpoint with `layers` MTP layers: the target's last layer
+    (a full attention one) under mtp.layers.N, and fc / norms. repeat_head: fc passes the normed hidden
     state through and the layer adds nothing (o_proj and every down_proj zero), so each step's
     output is a positive multiple of the target's hidden h_p and proposes argmax lm_head(h_p),
     the token the target itself produced from h_p: the last token, k times."""
     src = checkpoint(arch)
-    dest = _root() / f"{arch}-mtp{'-repeat' if repeat_head else ''}"
+    dest = _root() / f"{arch}-mtp{layers}{'-repeat' if repeat_head else ''}"
     shutil.copytree(src, dest)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["mtp_num_hidden_layers"] = 1
+    cfg["mtp_num_hidden_layers"] = layers
     (dest / "config.json").write_text(json.dumps(cfg))
     weights = load_file(str(src / "model.safetensors"))
     last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
@@ -53,7 +57,7 @@ def mtp_checkpoint(arch: str, repeat_head: bool = False) -> Path:
     assert any(k.startswith("self_attn.") for k in layer), "the last layer is full attention"
     H = cfg["hidden_size"]
     gen = torch.Generator().manual_seed(len(arch))
-    mtp = {f"mtp.layers.0.{k}": v.clone() for k, v in layer.items()}
+    mtp = {f"mtp.layers.{i}.{k}": v.clone() for k, v in layer.items() for i in range(layers)}
     if repeat_head:
         fc = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
         norms = {n: torch.zeros(H) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
@@ -87,11 +91,13 @@ def prompts(rng: random.Random, n: int, lo: int = 4, hi: int = 20) -> list[list[
     return [[rng.randrange(V) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_mtp_greedy_equals_transformers(arch: str, rng) -> None:
+# qwen3_next with two MTP layers: proposal j runs layer j mod 2, each with its own KV cache.
+@pytest.mark.parametrize("arch, layers", [("qwen3_5", 1), ("qwen3_5_moe", 1), ("qwen3_next", 2)])
+def test_mtp_greedy_equals_transformers(arch: str, layers: int, rng) -> None:
     ps = prompts(rng, 4)
     want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in ps]
-    eng = engine(mtp_checkpoint(arch), MTP)
+    eng = engine(mtp_checkpoint(arch, layers=layers), MTP)
+    assert len(eng.runner.proposer.kv) == layers
     assert eng.generate(ps, PARAMS) == want
     assert eng.check_all_free()
     st = eng.stats()
@@ -99,35 +105,62 @@ def test_mtp_greedy_equals_transformers(arch: str, rng) -> None:
     assert len(st.spec_decode_num_accepted_tokens_per_pos) == K
 
 
-def _repeat_pattern(out: list[int]) -> bool:
-    """The second token differs from the first (the first decode step's proposal, the first
-    token again, is rejected) and some later token repeats its predecessor while the step that
-    emits it still proposes (at least one proposal is accepted; the argument in the test)."""
-    return out[1] != out[0] and any(out[i + 1] == out[i] for i in range(1, MAX_NEW - 2))
+# The forced chain of chain_checkpoint: C -> B -> A -> A -> ...
+A, B, C = 100, 101, 102
+
+
+@functools.cache
+def chain_checkpoint() -> Path:
+    """mtp_checkpoint("qwen3_5", repeat_head=True) with a target that maps C to B, B to A and A
+    to A whatever the context, and leaves every other token to its layers as before.
+
+    Three hidden dimensions are reserved, one per token: only that token's embedding has it
+    (and nothing else: a large multiple of the unit vector), and no layer writes to it (those
+    rows of o_proj, out_proj and down_proj are zero). So the residual stream carries it exactly
+    at the token's positions, where it dominates the final norm, and nowhere else. The lm_head
+    rows of A and B read only those dimensions: A's reads A's and B's, B's reads C's."""
+    src = mtp_checkpoint("qwen3_5", repeat_head=True)
+    dest = _root() / "qwen3_5-mtp-chain"
+    shutil.copytree(src, dest)
+    w = load_file(str(src / "model.safetensors"))
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    H = emb.shape[1]
+    dims = {A: H - 1, B: H - 2, C: H - 3}
+    alpha = 100 * emb.norm(dim=1).mean()
+    for name, t in w.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[list(dims.values())] = 0
+    emb[:, list(dims.values())] = 0
+    head[:, list(dims.values())] = 0
+    gamma = 10 * head.norm(dim=1).mean()
+    for tok, d in dims.items():
+        emb[tok] = 0
+        emb[tok, d] = alpha
+    head[A] = 0
+    head[B] = 0
+    head[A, dims[A]] = head[A, dims[B]] = gamma
+    head[B, dims[C]] = gamma
+    save_file(w, str(dest / "model.safetensors"))
+    return dest
 
 
 def test_mtp_proposals_accepted_and_rejected_by_construction(rng) -> None:
-    """The repeat head proposes the last token k times. The step after the first token
-    proposes it and the target's second token differs: rejected. The step that emits a token
-    equal to its predecessor either starts from it (its first proposal equals it: accepted) or
-    emitted the predecessor itself, which then was an accepted proposal."""
-    arch = "qwen3_5"
-    model = hf_model(arch)
-    chosen: list[tuple[list[int], list[int]]] = []
-    for p in prompts(rng, 40):
-        out = greedy_tokens(model, p, MAX_NEW)
-        if _repeat_pattern(out):
-            chosen.append((p, out))
-        if len(chosen) == 3:
-            break
-    assert chosen, "no prompt whose greedy output has the pattern (the tiny model repeats often)"
-    ps, want = [c[0] for c in chosen], [c[1] for c in chosen]
+    """The repeat head proposes the last token k times. After a prompt ending in C the target
+    emits B, then A for ever: the first decode step proposes B and gets A (rejected at the
+    first position: the linear-attention state is rolled back to the row of the last known
+    token), every later one proposes A and gets A (all accepted). Random prompts beside it,
+    whose output depends on the state, see their proposals rejected and rolled back too."""
+    path = chain_checkpoint()
+    model = hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
+    ps = [prompts(rng, 1)[0] + [C], *prompts(rng, 2)]
+    want = [greedy_tokens(model, p, MAX_NEW) for p in ps]
+    assert want[0] == [B] + [A] * (MAX_NEW - 1)
     # Plenty of blocks: every decode step proposes.
-    eng = engine(mtp_checkpoint(arch, repeat_head=True), MTP, num_kv_blocks=64)
+    eng = engine(path, MTP, num_kv_blocks=64)
     assert eng.generate(ps, PARAMS) == want
     st = eng.stats()
     assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
-    assert st.spec_decode_num_accepted_tokens_per_pos[0] > 0
+    assert all(n > 0 for n in st.spec_decode_num_accepted_tokens_per_pos)
     assert eng.check_all_free()
 
 
@@ -140,6 +173,7 @@ def test_mtp_many_requests_with_preemption(rng) -> None:
     eng = engine(mtp_checkpoint(arch), MTP, num_kv_blocks=4, max_num_seqs=8)
     assert eng.generate(ps, PARAMS) == want
     assert eng.batcher.num_preemptions > 0
+    assert eng.stats().spec_decode_num_drafts > 0
     assert eng.check_all_free()
 
 
