@@ -175,7 +175,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         ("--speculative-config",),
         'speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
-        'methods "draft_model" and "eagle" take "model": the draft / EAGLE head folder',
+        'methods "draft_model" and "eagle" take "model": the draft / EAGLE head folder; '
+        '"mtp" reads the target checkpoint\'s own MTP layers',
         type=speculative_config,
     ),
     EngineFlag(
