@@ -1,10 +1,10 @@
-"""MTP speculation (spec/mtp.py) on tiny hybrid checkpoints with MTP weights written by the test:
-greedy with the MTP head proposing equals transformers' greedy for the target (fp32, CPU;
-speculation off equals transformers too: test_hybrid_models.py), with chunked prefill, state
-slots reused, several requests at once and preemption; a head built to propose the last token
-again, so that proposals are accepted exactly where the target repeats a token and rejected
-where it does not (the linear-attention rollback runs); and what is not supported is refused
-by name."""
+"""MTP speculation (spec/mtp.py) on tiny hybrid checkpoints with MTP weights written by the tests
+(tests/mtp_checkpoints.py): greedy with the MTP head proposing equals transformers' greedy for
+the target (fp32, CPU; speculation off equals transformers too: test_hybrid_models.py), with
+chunked prefill, state slots reused, two MTP layers, several requests at once and preemption; a
+head that proposes the last token again on a target forced into a chain of tokens, so that
+proposals are rejected (the linear-attention state is rolled back) and accepted by
+construction; and what is not supported is refused by name."""
 
 from __future__ import annotations
 
@@ -27,53 +27,12 @@ from voltserve.shared.startup import StartupError
 
 from tests.checkpoints import _root, checkpoint, greedy_tokens, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
+from tests.mtp_checkpoints import mtp_checkpoint
 
 MAX_NEW = 12
 K = 3
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": K}
-
-
-def mtp_checkpoint(arch: str, repeat_head: bool = False, layers: int = 1) -> Path:
-    return _mtp_checkpoint(arch, repeat_head, layers)
-
-
-@functools.cache
-def _mtp_checkpoint(arch: str, repeat_head: bool, layers: int) -> Path:
-    """A copy of the tiny `arch` checkpoint with `layers` MTP layers: the target's last layer
-    (a full attention one) under mtp.layers.N, and fc / norms. repeat_head: fc passes the normed hidden
-    state through and the layer adds nothing (o_proj and every down_proj zero), so each step's
-    output is a positive multiple of the target's hidden h_p and proposes argmax lm_head(h_p),
-    the token the target itself produced from h_p: the last token, k times."""
-    src = checkpoint(arch)
-    dest = _root() / f"{arch}-mtp{layers}{'-repeat' if repeat_head else ''}"
-    shutil.copytree(src, dest)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["mtp_num_hidden_layers"] = layers
-    (dest / "config.json").write_text(json.dumps(cfg))
-    weights = load_file(str(src / "model.safetensors"))
-    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
-    layer = {k[len(last) :]: v for k, v in weights.items() if k.startswith(last)}
-    assert any(k.startswith("self_attn.") for k in layer), "the last layer is full attention"
-    H = cfg["hidden_size"]
-    gen = torch.Generator().manual_seed(len(arch))
-    mtp = {f"mtp.layers.{i}.{k}": v.clone() for k, v in layer.items() for i in range(layers)}
-    if repeat_head:
-        fc = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
-        norms = {n: torch.zeros(H) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
-        for k in mtp:
-            if "o_proj" in k or "down_proj" in k:
-                mtp[k] = torch.zeros_like(mtp[k])
-    else:
-        fc = torch.randn(H, 2 * H, generator=gen) * (2 * H) ** -0.5
-        norms = {
-            n: torch.randn(H, generator=gen) * 0.1
-            for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
-        }
-    mtp["mtp.fc.weight"] = fc
-    mtp.update({f"mtp.{n}.weight": w for n, w in norms.items()})
-    save_file({k: v.contiguous() for k, v in mtp.items()}, str(dest / "mtp.safetensors"))
-    return dest
 
 
 def engine(path: Path, spec=None, **kw) -> LLMEngine:

@@ -1,11 +1,15 @@
 """A hybrid linear-attention model through the real services: the tiny Qwen3.5 checkpoint in its
-vision-language layout (as the published checkpoints are), served from its text part.
-Concurrent greedy completions equal transformers' vision-language class token for token, and
-an image in a chat message is a 400 that says image inputs are not served."""
+vision-language layout (as the published checkpoints are), served from its text part, with its
+MTP layers (written by the test) proposing for speculative decoding. Concurrent greedy
+completions equal transformers' vision-language class token for token, /metrics counts the
+drafts, and an image in a chat message is a 400 that says image inputs are not served."""
 
 from __future__ import annotations
 
+import json
 import random
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,8 +19,9 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class
+from tests.mtp_checkpoints import mtp_checkpoint
 
-from .conftest import start_stack
+from .conftest import Stack
 
 MAX_NEW = 6
 
@@ -25,8 +30,15 @@ def test_hybrid_vl_checkpoint_over_http(tmp_path: Path, rng: random.Random) -> N
     model = checkpoint("qwen3_5_vl")
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(4, 40))] for _ in range(4)]
-    stack = start_stack(model, tmp_path / "stack")
+    (tmp_path / "stack").mkdir()
+    stack = Stack(mtp_checkpoint("qwen3_5_vl"), tmp_path / "stack")
     try:
+        stack.add_scheduler()
+        stack.add_renderer()
+        spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 2}
+        stack.add_executor("executor-0", "--speculative-config", json.dumps(spec))
+        stack.add_gateway()
+        stack.wait_ready()
         client = openai.OpenAI(base_url=stack.base_url() + "/v1", api_key="x", max_retries=0)
 
         def complete(p: list[int]):
@@ -50,11 +62,30 @@ def test_hybrid_vl_checkpoint_over_http(tmp_path: Path, rng: random.Random) -> N
                     }
                 ],
             )
+        drafts = _spec_drafts(stack)
     finally:
         stack.stop()
+    assert drafts > 0
     assert "image inputs are not supported" in e.value.message
     assert e.value.body["param"] == "messages"
     ref = hf_model_class(model).from_pretrained(model, dtype=torch.float32).eval()
     for p, r in zip(prompts, results):
         want = greedy_tokens(ref, p, MAX_NEW)
         assert r.choices[0].text == tok.decode(want, skip_special_tokens=True), f"prompt {p}"
+
+
+def _spec_drafts(stack: Stack) -> float:
+    """vllm:spec_decode_num_drafts_total on /metrics (the last response's drafts may reach it a
+    beat after the response: polled, with a deadline)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        with urllib.request.urlopen(stack.base_url() + "/metrics") as resp:
+            text = resp.read().decode()
+        drafts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:spec_decode_num_drafts_total{")
+        ]
+        if (drafts and drafts[0] > 0) or time.monotonic() > deadline:
+            return drafts[0] if drafts else 0.0
+        time.sleep(0.2)
