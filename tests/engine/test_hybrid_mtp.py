@@ -25,8 +25,10 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
+from tests import quant_checkpoints as qc
 from tests.checkpoints import _root, checkpoint, greedy_tokens, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
+from tests.engine.test_hybrid_quant import AWQ_NOT_CONVERT, GROUP
 from tests.mtp_checkpoints import mtp_checkpoint
 
 MAX_NEW = 12
@@ -134,6 +136,26 @@ def test_mtp_many_requests_with_preemption(rng) -> None:
     assert eng.batcher.num_preemptions > 0
     assert eng.stats().spec_decode_num_drafts > 0
     assert eng.check_all_free()
+
+
+def test_mtp_on_an_awq_target(rng, tmp_path: Path) -> None:
+    """An AWQ int4 target whose MTP layers stay float (modules_to_not_convert 'mtp', as the
+    published checkpoints): greedy with MTP equals greedy without; quantized MTP layers are
+    refused by name."""
+    path, _ = qc.awq_checkpoint(
+        "qwen3_5", GROUP, src=mtp_checkpoint("qwen3_5"), not_convert=AWQ_NOT_CONVERT
+    )
+    ps = prompts(rng, 3)
+    want = engine(path).generate(ps, PARAMS)
+    eng = engine(path, MTP)
+    assert eng.generate(ps, PARAMS) == want
+    assert eng.stats().spec_decode_num_drafts > 0
+    src = shutil.copytree(mtp_checkpoint("qwen3_5"), tmp_path / "mtp")
+    quantized, _ = qc.awq_checkpoint(
+        "qwen3_5", GROUP, src=src, not_convert=[e for e in AWQ_NOT_CONVERT if e != "mtp"]
+    )
+    with pytest.raises(StartupError, match="MTP layers are quantized"):
+        engine(quantized, MTP)
 
 
 def test_mtp_config_spellings() -> None:

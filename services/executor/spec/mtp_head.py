@@ -8,7 +8,9 @@ tensors under `mtp.`):
   mtp.layers.{i}.*: a decoder layer of the target's family with gated full attention and the
   target's MLP (sparse where the target's rule makes layer i sparse),
   mtp.norm.weight [hidden] (zero-centred).
-The embedding and the lm_head are the target's.
+The embedding and the lm_head are the target's. The MTP layers run unquantized (the checkpoint's
+float tensors in the run dtype) whatever the target's format, as the published AWQ checkpoints
+keep them; quantized MTP tensors are refused by name.
 
 One step at position p reads the pair (token x_{p+1}, hidden h_p), h_p the target's last hidden
 state (after its final norm) at p, or the previous step's output:
@@ -44,6 +46,8 @@ from voltserve.shared import startup
 logger = logging.getLogger(__name__)
 
 PREFIX = "mtp."
+# Tensors of the quantized formats (AWQ, GPTQ, compressed-tensors) in place of a linear's weight.
+_QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale")
 
 
 class MtpHead(nn.Module):
@@ -149,6 +153,12 @@ def load_mtp_head(path: str, target_arch: HybridArch, dtype, device) -> LoadedMt
         raise startup.StartupError(
             f"{where}: the checkpoint has no mtp.* weight tensors (its config names "
             f"{n} MTP layer(s), but a conversion dropped them)"
+        )
+    quantized = next((name for name, _ in tensors if name.endswith(_QUANTIZED)), None)
+    if quantized is not None:
+        raise startup.StartupError(
+            f"{where}: its MTP layers are quantized (mtp.{quantized}); they are run unquantized "
+            "only (the published AWQ checkpoints keep them float: modules_to_not_convert 'mtp')"
         )
     with torch.device(device):
         head = MtpHead(arch, dtype)
