@@ -29,6 +29,7 @@ from tests import quant_checkpoints as qc
 from tests.checkpoints import _root, checkpoint, greedy_tokens, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
 from tests.engine.test_hybrid_quant import AWQ_NOT_CONVERT, GROUP
+from tests.engine.token_match import assert_streams_match
 from tests.mtp_checkpoints import mtp_checkpoint
 
 MAX_NEW = 12
@@ -64,6 +65,28 @@ def test_mtp_greedy_equals_transformers(arch: str, layers: int, rng) -> None:
     st = eng.stats()
     assert st.spec_decode_num_drafts > 0
     assert len(st.spec_decode_num_accepted_tokens_per_pos) == K
+
+
+def test_mtp_seeded_sampling_equals_spec_off(rng) -> None:
+    """Acceptance reuses the target's seeded draw: sampled output with MTP proposing is the
+    output without speculation, token for token (up to a near-tie between the verify step's
+    and the plain decode's logits, which token_match checks against transformers)."""
+    arch = "qwen3_next"
+    ps = prompts(rng, 3)
+    params = [
+        SamplingParams(
+            max_tokens=MAX_NEW, temperature=0.8, seed=rng.randrange(1 << 30), ignore_eos=True
+        )
+        for _ in ps
+    ]
+    want = engine(checkpoint(arch)).generate(ps, params)
+    eng = engine(mtp_checkpoint(arch, layers=2), MTP)
+    got = eng.generate(ps, params)
+    ids = [str(i) for i in range(len(ps))]
+    reqs = {i: (p, sp) for i, p, sp in zip(ids, ps, params)}
+    assert_streams_match(dict(zip(ids, got)), dict(zip(ids, want)), reqs, checkpoint(arch))
+    assert eng.stats().spec_decode_num_drafts > 0
+    assert eng.check_all_free()
 
 
 # The forced chain of chain_checkpoint: C -> B -> A -> A -> ...

@@ -26,9 +26,6 @@ from voltserve.shared import startup
 class MtpProposer(EagleProposer):
     what = "mtp"
 
-    def __init__(self, num_speculative_tokens: int, path: str | None = None) -> None:
-        super().__init__(num_speculative_tokens, path)
-
     def load(self, runner) -> None:
         self.runner = runner
         self.device = runner.device
