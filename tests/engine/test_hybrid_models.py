@@ -88,7 +88,8 @@ def test_state_cache_is_sized_with_the_kv_cache() -> None:
 
 def test_unsupported_options_are_refused_by_name() -> None:
     path = str(checkpoint("qwen3_5"))
-    # Speculation with state rollback serves ngram and draft_model (test_hybrid_spec.py).
+    # Speculation with state rollback serves ngram, draft_model (test_hybrid_spec.py) and mtp
+    # (test_hybrid_mtp.py).
     spec = {"method": "eagle", "num_speculative_tokens": 2, "model": path}
     with pytest.raises(ValueError, match="speculative-config.*Qwen3_5ForCausalLM.*'eagle'"):
         ModelRunner(engine_config(model=path, num_kv_blocks=8, speculative_config=spec))

@@ -132,8 +132,8 @@ def test_mtp_proposals_accepted_and_rejected_by_construction(rng) -> None:
     """The repeat head proposes the last token k times. After a prompt ending in C the target
     emits B, then A for ever: the first decode step proposes B and gets A (rejected at the
     first position: the linear-attention state is rolled back to the row of the last known
-    token), every later one proposes A and gets A (all accepted). Random prompts beside it,
-    whose output depends on the state, see their proposals rejected and rolled back too."""
+    token), every later one proposes A and gets A (all accepted, at every position). Random
+    prompts in the same verify steps, whose output depends on their state, stay exact."""
     path = chain_checkpoint()
     model = hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
     ps = [prompts(rng, 1)[0] + [C], *prompts(rng, 2)]
