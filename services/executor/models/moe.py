@@ -140,10 +140,23 @@ def experts_method(
         return UnquantizedExperts()
     first_name, first = next(iter(methods.items()))
     q_name, q = next((n, m) for n, m in methods.items() if not isinstance(m, UnquantizedMethod))
+    from voltserve.services.executor.quant.fp4 import Fp4Method
+
+    if isinstance(q, Fp4Method):
+        for name, m in methods.items():
+            if not (isinstance(m, Fp4Method) and m.layout == q.layout):
+                raise QuantFormatError(
+                    f"{name}: {m.describe()} differs from {q_name}: {q.describe()}; the experts "
+                    f"of a layer are stored stacked, so they must share one FP4 format "
+                    f"({quant.describe()})"
+                )
+        from voltserve.services.executor.quant.fp4_experts import Fp4Experts
+
+        return Fp4Experts(q.layout, prefix)
     if not isinstance(q, GroupQuantMethod):
         raise QuantFormatError(
             f"{q_name}: {q.describe()} MoE experts are not supported (stacked experts "
-            "load from the integer group-quantized formats and GGUF)"
+            "load from the integer group-quantized formats, FP4 and GGUF)"
         )
     for name, m in methods.items():
         same = (
