@@ -67,6 +67,25 @@ def test_w4a4_checkpoints_serve_the_weights_and_say_so_once(monkeypatch, caplog)
             assert torch.equal(a.fp4.gscale, b.fp4.gscale)
 
 
+def test_w4a4_moe_experts_serve_the_weights_and_say_so_once(monkeypatch, caplog) -> None:
+    """The experts' input scales are dropped as the dense linears' are; the log says once that
+    FP4 experts are dequantized at load (their memory is the run dtype's)."""
+    from voltserve.services.executor.quant import fp4_experts
+
+    monkeypatch.setattr(fp4_method, "_said_activations", False)
+    monkeypatch.setattr(fp4_experts, "_said_dequantized", False)
+    a16, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
+    w4a4, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4", w4a4=True)
+    with caplog.at_level(logging.WARNING):
+        got = _layer0(load_model(w4a4, torch.float32, CPU)).mlp.experts
+    messages = [r.getMessage() for r in caplog.records]
+    said = [m for m in messages if "experts are dequantized at load" in m]
+    assert len(said) == 1 and "compressed-tensors NVFP4 g16" in said[0]
+    assert sum("activation quantization" in m for m in messages) == 1
+    want = _layer0(load_model(a16, torch.float32, CPU)).mlp.experts
+    assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)
+
+
 def test_modelopt_is_detected_and_forced() -> None:
     d, _ = fc.modelopt_checkpoint("qwen2")
     loaded = load_model(d, torch.float32, CPU, "modelopt")
