@@ -18,11 +18,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from tests.quant_checkpoints import _copy_meta, _linear_names, _load_float, _source, _write
+from tests.quant_checkpoints import (
+    _copy_meta,
+    _ct_keeps,
+    _linear_names,
+    _load_float,
+    _source,
+    _write,
+)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 CT_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
@@ -61,25 +69,37 @@ def _ct_fp4_quantize(w: torch.Tensor, scheme, fmt: str):
     return comp, ref
 
 
-def ct_fp4_checkpoint(arch: str, fmt: str, w4a4: bool = False):
+def ct_fp4_checkpoint(
+    arch: str,
+    fmt: str,
+    w4a4: bool = False,
+    src: Path | None = None,
+    ignore: list[str] | None = None,
+):
     """compressed-tensors NVFP4 (fmt "nvfp4") or MXFP4 ("mxfp4"), weights only (the NVFP4A16 /
     MXFP4A16 presets). w4a4: the same weights under the W4A4 preset (NVFP4 / MXFP4: FP4 input
-    activations, NVFP4 with an input_global_scale per linear), as llm-compressor writes it."""
+    activations, NVFP4 with an input_global_scale per linear), as llm-compressor writes it.
+    src: a float folder to quantize instead of the tiny `arch` model; ignore: the config's
+    `ignore` list beside lm_head (the modules it names stay float)."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    src, root, prefix = _source(arch, None)
-    tag = f"{prefix}-ct-{fmt}" + ("-w4a4" if w4a4 else "")
+    given = src
+    src, root, prefix = _source(arch, src)
+    tag = f"{prefix}-ct-{fmt}" + ("-ignore" if ignore else "")
+    if w4a4:
+        # the weights-only folder's weights and reference, FP4 activations in the config
+        a16, ref = ct_fp4_checkpoint(arch, fmt, src=given, ignore=ignore)
+        dst = root / (tag + "-w4a4")
+        if not (dst / "model.safetensors").is_file():
+            _with_fp4_activations(a16, dst, fmt, ignore)
+        return dst, ref
     dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
-    if w4a4:
-        return _with_fp4_activations(ct_fp4_checkpoint(arch, fmt), dst, fmt), ref.parent / (
-            f"{prefix}-ct-{fmt}-ref"
-        )
     scheme = preset_name_to_scheme(CT_PRESETS[fmt], ["Linear"])
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
-    for name in _linear_names(sd):
+    for name in _linear_names(sd, _ct_keeps(ignore or [])):
         w = sd[name + ".weight"].float()
         del out[name + ".weight"]
         comp, deq = _ct_fp4_quantize(w, scheme, fmt)
@@ -87,13 +107,13 @@ def ct_fp4_checkpoint(arch: str, fmt: str, w4a4: bool = False):
             out[f"{name}.{k}"] = v
         refsd[name + ".weight"] = deq
     _copy_meta(src, dst)
-    _write(dst, out, _ct_config(scheme, fmt))
+    _write(dst, out, _ct_config(scheme, fmt, ignore))
     _copy_meta(src, ref)
     _write(ref, refsd, None)
     return dst, ref
 
 
-def _ct_config(scheme, fmt: str) -> dict:
+def _ct_config(scheme, fmt: str, ignore: list[str] | None = None) -> dict:
     wire = f"{fmt}-pack-quantized"
     group = json.loads(scheme.model_dump_json())
     group.update(format=wire)
@@ -102,22 +122,20 @@ def _ct_config(scheme, fmt: str) -> dict:
         "format": wire,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *(ignore or [])],
     }
 
 
-def _with_fp4_activations(pair, dst, fmt: str):
+def _with_fp4_activations(a16: Path, dst: Path, fmt: str, ignore: list[str] | None) -> None:
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    a16, _ = pair
     shutil.copytree(a16, dst)
     sd = load_file(dst / "model.safetensors")
     if fmt == "nvfp4":
         for name in [n[: -len(".weight_packed")] for n in sd if n.endswith(".weight_packed")]:
             sd[f"{name}.input_global_scale"] = torch.tensor([448.0 * 6.0 / 3.0])
     scheme = preset_name_to_scheme(CT_PRESETS_W4A4[fmt], ["Linear"])
-    _write(dst, sd, _ct_config(scheme, fmt))
-    return dst
+    _write(dst, sd, _ct_config(scheme, fmt, ignore))
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:

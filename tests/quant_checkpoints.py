@@ -91,6 +91,8 @@ HYBRID_LINEARS = (
     "in_proj_ba",
     "out_proj",
 )
+# Mixtral's expert projections (block_sparse_moe.experts.N.w1 / w3 gate / up, w2 down)
+MIXTRAL_LINEARS = ("w1", "w2", "w3")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 
 
@@ -138,7 +140,7 @@ def _linear_names(sd: dict, keep=lambda name: False) -> list[str]:
         n[: -len(".weight")]
         for n in sd
         if n.endswith(".weight")
-        and n.split(".")[-2] in LINEARS + HYBRID_LINEARS
+        and n.split(".")[-2] in LINEARS + HYBRID_LINEARS + MIXTRAL_LINEARS
         and not keep(n[: -len(".weight")])
     ]
 

@@ -2,7 +2,8 @@
 once in the log), --quantization modelopt, and the refusals, each naming the tensor or config
 group and the variant: group sizes the kernels do not take, unknown scale dtypes (config and
 tensor), non-FP4 activation quantization, asymmetric weights, NaN scales, ModelOpt algorithms
-other than NVFP4 and KV-cache quantization, FP4 MoE experts."""
+other than NVFP4 and KV-cache quantization, MoE experts of mixed formats; FP4 experts' tensor
+parallel shards."""
 
 from __future__ import annotations
 
@@ -64,6 +65,25 @@ def test_w4a4_checkpoints_serve_the_weights_and_say_so_once(monkeypatch, caplog)
             assert torch.equal(a.fp4.packed, b.fp4.packed)
             assert torch.equal(a.fp4.scales, b.fp4.scales)
             assert torch.equal(a.fp4.gscale, b.fp4.gscale)
+
+
+def test_w4a4_moe_experts_serve_the_weights_and_say_so_once(monkeypatch, caplog) -> None:
+    """The experts' input scales are dropped as the dense linears' are; the log says once that
+    FP4 experts are dequantized at load (their memory is the run dtype's)."""
+    from voltserve.services.executor.quant import fp4_experts
+
+    monkeypatch.setattr(fp4_method, "_said_activations", False)
+    monkeypatch.setattr(fp4_experts, "_said_dequantized", False)
+    a16, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
+    w4a4, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4", w4a4=True)
+    with caplog.at_level(logging.WARNING):
+        got = _layer0(load_model(w4a4, torch.float32, CPU)).mlp.experts
+    messages = [r.getMessage() for r in caplog.records]
+    said = [m for m in messages if "experts are dequantized at load" in m]
+    assert len(said) == 1 and "compressed-tensors NVFP4 g16" in said[0]
+    assert sum("activation quantization" in m for m in messages) == 1
+    want = _layer0(load_model(a16, torch.float32, CPU)).mlp.experts
+    assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)
 
 
 def test_modelopt_is_detected_and_forced() -> None:
@@ -140,18 +160,57 @@ def test_modelopt_refusals(tmp_path) -> None:
         load_model(edit("g32", group_size=32), torch.float32, CPU)
 
 
-def test_fp4_moe_experts_are_refused_by_name() -> None:
+def test_fp4_moe_experts_of_mixed_formats_are_refused_by_name() -> None:
+    """The experts of a layer are stored stacked: one FP4 format for all of them, or none."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    group = json.loads(preset_name_to_scheme("NVFP4A16", ["Linear"]).model_dump_json())
-    quant = CompressedTensorsConfig(
-        {"format": "nvfp4-pack-quantized", "config_groups": {"group_0": group}}
+    def group(preset: str, targets: list[str]) -> dict:
+        g = json.loads(preset_name_to_scheme(preset, targets).model_dump_json())
+        return {**g, "format": f"{preset[:5].lower()}-pack-quantized"}
+
+    e1 = r"re:.*experts\.1\..*"
+    mixed = CompressedTensorsConfig(
+        {
+            "format": "mixed-precision",
+            "config_groups": {
+                "group_0": group("MXFP4A16", [e1]),
+                "group_1": group("NVFP4A16", ["Linear"]),
+            },
+        }
     )
     with pytest.raises(
         QuantFormatError,
-        match=r"experts\.0\.gate_proj: compressed-tensors NVFP4 g16 MoE experts are not supported",
+        match=r"experts\.1\.gate_proj: compressed-tensors MXFP4 g32 differs from "
+        r"model\.layers\.0\.mlp\.experts\.0\.gate_proj: compressed-tensors NVFP4 g16",
     ):
-        experts_method(quant, "model.layers.0.mlp.experts", "qwen", 4)
+        experts_method(mixed, "model.layers.0.mlp.experts", "qwen", 4)
+    half_float = CompressedTensorsConfig(
+        {
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": group("NVFP4A16", ["Linear"])},
+            "ignore": [e1],
+        }
+    )
+    with pytest.raises(QuantFormatError, match=r"experts\.1\.gate_proj: UnquantizedMethod"):
+        experts_method(half_float, "model.layers.0.mlp.experts", "qwen", 4)
+
+
+def test_fp4_experts_load_on_every_rank() -> None:
+    """Tensor parallelism at 2 ranks (loading only): each rank dequantizes its rows of every
+    expert's gate and up and its columns of down; together they are the whole experts."""
+    from voltserve.services.executor.tp.group import TPGroup
+
+    path, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
+    full = _layer0(load_model(path, torch.float32, CPU)).mlp.experts
+    ranks = [
+        _layer0(load_model(path, torch.float32, CPU, tp=TPGroup(r, 2, CPU))).mlp.experts
+        for r in range(2)
+    ]
+    E, H, inter = full.num_experts, full.hidden, full.inter
+    assert all(r.inter == inter // 2 for r in ranks)
+    w13 = torch.cat([r.w13.view(E, 2, inter // 2, H) for r in ranks], 2)
+    assert torch.equal(w13.view(E, 2 * inter, H), full.w13)
+    assert torch.equal(torch.cat([r.w2 for r in ranks], 2), full.w2)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -8,9 +8,18 @@ LOGPROB_ATOL."""
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from voltserve.kernels.linear.fp4_pack import E4M3, E8M0, Fp4Weight
+from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import EngineConfig
+from voltserve.services.executor.models.moe import FusedExperts
+from voltserve.services.executor.quant.fp4 import Fp4Method
+from voltserve.services.executor.quant.fp4_experts import Fp4Experts
+from voltserve.shared.sampling_params import SamplingParams
 
 from tests import fp4_checkpoints as fc
+from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
 from tests.engine.test_quant_models import _seed, check_against_reference
 
 CASES = {
@@ -33,3 +42,62 @@ def test_fp4_formats_match_transformers(fmt: str) -> None:
         assert (w.scale_kind, w.group_size) == (kind, group)
         assert w.packed.shape == (lin.out_features, lin.in_features // 2)
     assert runner.model.lm_head_weight() is not None
+
+
+# MoE: every attention and expert projection FP4 (the routers stay float): Qwen3-MoE in each
+# format and Mixtral's w1 / w3 / w2 experts.
+MOE_CASES = {
+    "ct-nvfp4-qwen3_moe": lambda: fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4"),
+    "ct-mxfp4-qwen3_moe": lambda: fc.ct_fp4_checkpoint("qwen3_moe", "mxfp4"),
+    "modelopt-nvfp4-qwen3_moe": lambda: fc.modelopt_checkpoint("qwen3_moe"),
+    "ct-mxfp4-mixtral": lambda: fc.ct_fp4_checkpoint("mixtral", "mxfp4", src=checkpoint("mixtral")),
+}
+
+
+def _check_stacked_experts(model, ref) -> None:
+    """Every layer's experts dequantized at load (quant/fp4_experts.py), each expert's stacked
+    rows equal to the reference folder's weights (gate rows, then up; down), so no expert or
+    part is swapped."""
+    want = load_file(ref / "model.safetensors")
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert layers
+    for fe in layers:
+        assert isinstance(fe.method, Fp4Experts)
+        leaf = {pp: leaf for leaf, pp in fe.names.items()}
+        for e in range(fe.num_experts):
+            p = f"{fe.method.prefix}.{e}"
+            gate, up = (want[f"{p}.{leaf['w13', i]}.weight"] for i in (0, 1))
+            # compressed-tensors divides by its global scale, the loader multiplies by its fp32
+            # reciprocal: within a rounding or two
+            torch.testing.assert_close(fe.w13[e], torch.cat([gate, up]), rtol=1e-6, atol=0)
+            down = want[f"{p}.{leaf['w2', None]}.weight"]
+            torch.testing.assert_close(fe.w2[e], down, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_fp4_moe_experts_match_transformers(case: str) -> None:
+    """Greedy tokens and logprobs against transformers on the dense folder."""
+    path, ref = MOE_CASES[case]()
+    runner = check_against_reference(path, ref, gguf=False, seed=_seed())
+    _check_stacked_experts(runner.model, ref)
+
+
+def test_fp4_hybrid_moe_matches_transformers(rng) -> None:
+    """Qwen3.5-MoE: NVFP4 experts and shared expert beside the Gated DeltaNet layers (the b / a
+    projections, the router and the shared expert's gate float, as llm-compressor recipes keep
+    them; NVFP4: the shared expert's 48 inputs are no whole MXFP4 block). Greedy tokens equal
+    to transformers', chunked prefill."""
+    ignore = ["re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*in_proj_[ab]$"]
+    path, ref = fc.ct_fp4_checkpoint(
+        "qwen3_5_moe", "nvfp4", src=checkpoint("qwen3_5_moe"), ignore=ignore
+    )
+    hf = hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
+    V = len(tokenizer())
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 24))] for _ in range(3)]
+    want = [greedy_tokens(hf, p, 5) for p in prompts]
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16, max_num_batched_tokens=16))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert engine.generate(prompts, params) == want
+    mlp = engine.runner.model.model.layers[0].mlp
+    assert isinstance(mlp.shared_expert.gate_up_proj.method, Fp4Method)
+    _check_stacked_experts(engine.runner.model, ref)

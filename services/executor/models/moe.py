@@ -16,8 +16,9 @@ process_after_loading, apply), chosen by `experts_method` from what the checkpoi
 quantization config says of each expert projection. `UnquantizedExperts` stores w13 [E, 2I, H]
 and w2 [E, H, I] and runs `ops.moe_experts`; quant/experts.py `GroupQuantExperts` (AWQ, GPTQ,
 compressed-tensors) stacks each expert's packed codes/scales/offsets per layer and lists the
-per-expert tensor names the format has (`checkpoint_params`). The model and the loader stay
-the same.
+per-expert tensor names the format has (`checkpoint_params`); quant/fp4_experts.py `Fp4Experts`
+(the FP4 formats) dequantizes each expert at load into `UnquantizedExperts`' layout. The model
+and the loader stay the same.
 
 Tensor parallelism (vLLM's layout): every expert's intermediate dim is split across the ranks
 (gate/up rows column-parallel, down columns row-parallel, each method narrowing its own
@@ -140,10 +141,23 @@ def experts_method(
         return UnquantizedExperts()
     first_name, first = next(iter(methods.items()))
     q_name, q = next((n, m) for n, m in methods.items() if not isinstance(m, UnquantizedMethod))
+    from voltserve.services.executor.quant.fp4 import Fp4Method
+
+    if isinstance(q, Fp4Method):
+        for name, m in methods.items():
+            if not (isinstance(m, Fp4Method) and m.layout == q.layout):
+                raise QuantFormatError(
+                    f"{name}: {m.describe()} differs from {q_name}: {q.describe()}; the experts "
+                    f"of a layer are stored stacked, so they must share one FP4 format "
+                    f"({quant.describe()})"
+                )
+        from voltserve.services.executor.quant.fp4_experts import Fp4Experts
+
+        return Fp4Experts(q.layout, prefix)
     if not isinstance(q, GroupQuantMethod):
         raise QuantFormatError(
             f"{q_name}: {q.describe()} MoE experts are not supported (stacked experts "
-            "load from the integer group-quantized formats and GGUF)"
+            "load from the integer group-quantized formats, FP4 and GGUF)"
         )
     for name, m in methods.items():
         same = (

@@ -118,6 +118,19 @@ def unpack_shard(
     return make_fp4_weight(codes, raw, gscale, g, layout.scale_kind)
 
 
+def split(layout: Fp4Layout, name: str) -> TensorSplit:
+    """How one of a shard's tensors narrows to a rank's part: codes along the outputs by rows and
+    along the inputs by whole bytes (2 inputs), the scales by whole blocks; the global and the
+    activation scales whole on every rank."""
+    if name == layout.codes:
+        return TensorSplit(out_dim=0, in_dim=1, in_pack=2)
+    if name == layout.scale:
+        return TensorSplit(out_dim=0, in_dim=1, in_pack=layout.group)
+    if name == layout.global_name or name in layout.activation_scales:
+        return TensorSplit(out_dim=None)
+    raise KeyError(f"{layout.variant} linear has no tensor {name!r}")
+
+
 class Fp4Method(LinearMethod):
     """FP4 codes with a scale byte per block and a global scale per shard.
 
@@ -131,23 +144,13 @@ class Fp4Method(LinearMethod):
     def describe(self) -> str:
         return self.variant
 
-    def _split(self, name: str) -> TensorSplit:
-        lay = self.layout
-        if name == lay.codes:
-            return TensorSplit(out_dim=0, in_dim=1, in_pack=2)
-        if name == lay.scale:
-            return TensorSplit(out_dim=0, in_dim=1, in_pack=lay.group)
-        if name == lay.global_name or name in lay.activation_scales:
-            return TensorSplit(out_dim=None)
-        raise KeyError(f"{self.variant} linear has no tensor {name!r}")
-
     def local_tensor(
         self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut
     ) -> torch.Tensor:
         if name == "bias":
             return float_local_tensor(name, tensor, cut)
         prefix = layer.prefixes[list(layer.shard_offsets).index(shard)]
-        return self._split(name).narrow(tensor, cut, f"{prefix}.{name}")
+        return split(self.layout, name).narrow(tensor, cut, f"{prefix}.{name}")
 
     def create_weights(self, layer: Linear, bias: bool, dtype: torch.dtype) -> None:
         super().create_weights(layer, bias, dtype)
@@ -241,4 +244,4 @@ def modelopt_layout(group: int) -> Fp4Layout:
     )
 
 
-__all__ = ["Fp4Layout", "Fp4Method", "ct_layout", "modelopt_layout", "unpack_shard"]
+__all__ = ["Fp4Layout", "Fp4Method", "ct_layout", "modelopt_layout", "split", "unpack_shard"]
