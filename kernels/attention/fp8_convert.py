@@ -1,87 +1,63 @@
 """fp8 <-> float conversion in software for the numba.cuda kernels (SM70 has no fp8 type or
-conversion instruction): plain fp32 arithmetic and integer ops, exact for every input, the same
+conversion instruction): integer ops on the fp32 bit pattern, exact for every input, the same
 code under the CUDA simulator. The meaning is attention/fp8.py's (the torch side).
 
-Encoding is arithmetic rather than bit surgery so one function serves fp16 and fp32 inputs and
-runs unchanged in the simulator: the exponent comes from at most 15 comparisons with powers of
-two (exact), the mantissa from an exact subtraction, then round-to-nearest-even. Decoding is a
-256-entry fp32 table per format (`decode_table`), one load per element.
+Encoding (`encode_fp8`) works on the fp32 bits, so one function serves fp16 values (exact in
+fp32: e5m2 of the fp16 value rounds once) and the fp32 quotient x / scale of e4m3: rebias the
+exponent in place, round the dropped mantissa bits to nearest even (a carry moves into the
+exponent by itself), shift out further below the format's smallest normal. A format is the tuple
+(mantissa bits, exponent bias, largest finite code, code past it, NaN code): e5m2 overflows to
+inf, e4m3fn (no inf) saturates at 448. Decoding is a 256-entry fp32 table per format
+(`decode_table`), one load per element.
 """
 
 from __future__ import annotations
 
-import math
-
 from numba import cuda, float32, int32
+from voltserve.kernels.runtime.numba_common import float_bits
 
-E4M3_MAX = 448.0
-
-
-@cuda.jit(device=True, inline="always")
-def _rne(t):
-    """t >= 0 (small: < 16) rounded to the nearest integer, ties to even."""
-    n = int32(t)
-    frac = t - float32(n)
-    if frac > float32(0.5) or (frac == float32(0.5) and (n & 1) == 1):
-        n += 1
-    return n
+# (mantissa bits, bias, largest finite code, overflow code, NaN code); the exponent bits are
+# implied by the codes. e5m2 overflows to inf (0x7C); e4m3fn saturates at 448 (0x7E).
+E5M2_FORMAT = (2, 15, 0x7B, 0x7C, 0x7E)
+E4M3_FORMAT = (3, 7, 0x7E, 0x7E, 0x7F)
 
 
 @cuda.jit(device=True, inline="always")
-def encode_e5m2(x):
-    """fp16 value x (as fp32) -> e5m2 code: the top byte of its fp16 bits, rounded to nearest
-    even (overflow past 57344 rounds to inf, as the fp16 byte would)."""
-    if x != x:
-        return int32(0x7E)
-    sign = int32(0x80) if math.copysign(1.0, x) < 0 else int32(0)  # -0.0 keeps its sign
-    a = abs(float32(x))
-    if a == float32(math.inf):
-        return sign | 0x7C
-    if a < float32(2.0**-14):  # subnormal: steps of 2^-16
-        return sign | _rne(a * float32(2.0**16))
-    e = int32(-14)
-    p = float32(2.0**-14)
-    while e < 16 and a >= p * float32(2.0):
-        p *= float32(2.0)
-        e += 1
-    n = _rne((a / p - float32(1.0)) * float32(4.0))
-    if n == 4:
-        n = 0
-        e += 1
-    if e > 15:
-        return sign | 0x7C
-    return sign | ((e + 15) << 2) | n
-
-
-@cuda.jit(device=True, inline="always")
-def encode_e4m3(x):
-    """fp32 value x (already divided by the scale) -> OCP E4M3 "FN" code, saturated to +-448
-    (no inf in the format); NaN -> 0x7F."""
-    if x != x:
-        return int32(0x7F)
-    sign = int32(0x80) if math.copysign(1.0, x) < 0 else int32(0)
-    a = min(abs(float32(x)), float32(E4M3_MAX))
-    if a < float32(2.0**-6):  # subnormal: steps of 2^-9
-        return sign | _rne(a * float32(2.0**9))
-    e = int32(-6)
-    p = float32(2.0**-6)
-    while e < 8 and a >= p * float32(2.0):
-        p *= float32(2.0)
-        e += 1
-    n = _rne((a / p - float32(1.0)) * float32(8.0))
-    if n == 8:
-        n = 0
-        e += 1
-    code = ((e + 7) << 3) | n
-    return sign | min(code, int32(0x7E))
+def encode_fp8(x, fmt):
+    """fp32 value x -> its code in fmt (a *_FORMAT tuple), rounded to nearest even; NaN -> the
+    format's NaN code (no sign), -0.0 keeps its sign."""
+    man, bias, max_code, over_code, nan_code = fmt
+    b = int32(float_bits(float32(x)))
+    sign = (b >> 24) & 0x80
+    u = b & 0x7FFFFFFF
+    if u > 0x7F800000:
+        return int32(nan_code)
+    drop = 23 - man  # fp32 mantissa bits below the format's
+    e = u >> 23  # fp32 biased exponent
+    if e > 127 - bias:  # a normal of the format (or past it): rebias the exponent in place
+        code = (u >> drop) - ((127 - bias) << man)
+        rest = u & ((1 << drop) - 1)
+    else:  # below the smallest normal: the significand with its leading 1, shifted further
+        drop += 128 - bias - e
+        if drop > 24:  # under half the smallest subnormal (fp32 subnormals included)
+            return int32(sign)
+        sig = (u & 0x7FFFFF) | 0x800000
+        code = sig >> drop
+        rest = sig & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    if rest > half or (rest == half and (code & 1) == 1):
+        code += 1
+    if code > max_code:
+        code = over_code
+    return int32(sign | code)
 
 
 @cuda.jit(device=True, inline="always")
 def encode(x, e4m3, scale):
     """The code of x in the cache's format (e4m3: x / scale)."""
     if e4m3:
-        return encode_e4m3(float32(x) / scale)
-    return encode_e5m2(float32(x))
+        return encode_fp8(float32(x) / scale, E4M3_FORMAT)
+    return encode_fp8(float32(x), E5M2_FORMAT)
 
 
 def decode_table(fmt: str, device=None):

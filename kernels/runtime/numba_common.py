@@ -1,5 +1,5 @@
-"""Shared pieces of the numba.cuda kernels: block reductions, storage-dtype rounding, float keys,
-and the cheap path from torch tensors to a numba launch on torch's current stream.
+"""Shared pieces of the numba.cuda kernels: block reductions, storage-dtype rounding, float bits
+and keys, and the cheap path from torch tensors to a numba launch on torch's current stream.
 
 Every device helper has two bodies. On a GPU (and when compiling for a compute capability without
 one) the reductions use warp shuffles; in numba's CUDA simulator, which has no shuffles, they use
@@ -86,6 +86,11 @@ if SIM:
         return best_v, best_i
 
     @cuda.jit(device=True)
+    def float_bits(x):
+        """The bits of fp32 value x as an int32."""
+        return np.float32(x).view(np.int32)
+
+    @cuda.jit(device=True)
     def float_key(x):
         """Monotone map of an fp32 value to [0, 2^32) (int64); -0.0 and +0.0 share a key."""
         b = np.int64(np.float32(x).view(np.int32))
@@ -152,6 +157,11 @@ else:
             if ov == ov and (ov > best_v or (ov == best_v and oi < best_i) or best_v != best_v):
                 best_v, best_i = ov, oi
         return best_v, best_i
+
+    @cuda.jit(device=True, inline="always")
+    def float_bits(x):
+        """The bits of fp32 value x as an int32."""
+        return cuda.libdevice.float_as_int(float32(x))
 
     @cuda.jit(device=True, inline="always")
     def float_key(x):

@@ -16,9 +16,10 @@ if not torch.cuda.is_available():  # as test_attention_sim.py: standalone under 
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 from voltserve.kernels.attention.fp8_convert import (  # noqa: E402
+    E4M3_FORMAT,
+    E5M2_FORMAT,
     decode_table,
-    encode_e4m3,
-    encode_e5m2,
+    encode_fp8,
 )
 from voltserve.kernels.attention.kv_cache_fp8 import reshape_and_cache_fp8_kernel  # noqa: E402
 from voltserve.kernels.attention.kv_expand import expand_kv_pages_kernel  # noqa: E402
@@ -35,22 +36,45 @@ from tests.kv_rounding import codes, rounded  # noqa: E402
 POISON = 0xA5  # a code no test value rounds to by chance in the checked slots
 
 
-def test_software_encoders_match_torch_casts() -> None:
-    """Every 11th fp16 bit pattern (all exponents: subnormals, ties, 448 / 57344 and past them,
-    inf, NaN) plus the signed zeros and the round-to-even midpoints of both formats."""
-    bits = torch.cat([torch.arange(0, 65536, 11), torch.tensor([0x8000, 0x3C40, 0x3C60, 0x5F00])])
-    h = bits.to(torch.int32).to(torch.int16).view(torch.float16)
-    mids = torch.tensor([1.0625, 1.1875, 1.125 + 2**-5, 464.0, -464.0, 2**-10 * 1.5])
-    vals = torch.cat([h.float(), mids])
+FORMATS = {"fp8_e5m2": E5M2_FORMAT, "fp8_e4m3": E4M3_FORMAT}
+
+
+def check_encoder(fmt: str, vals: torch.Tensor) -> None:
+    """The software encoder on every fp32 value of vals against torch's cast (tests/kv_rounding:
+    e4m3 saturated at +-448, e5m2 past 57344 to inf); a NaN gives a code that decodes to NaN."""
+    got = torch.tensor([int(encode_fp8(np.float32(v), FORMATS[fmt])) & 0xFF for v in vals.tolist()])
+    want = codes(vals, fmt, 1.0).to(torch.int64)
     nan = torch.isnan(vals)
-    for fmt, enc in (("fp8_e5m2", encode_e5m2), ("fp8_e4m3", encode_e4m3)):
-        src = vals if fmt == "fp8_e4m3" else h.float()
-        got = torch.tensor([int(enc(np.float32(v))) & 0xFF for v in src.tolist()])
-        want = codes(src, fmt, 1.0).to(torch.int64)
-        n = nan[: len(src)]
-        assert torch.equal(got[~n], want[~n]), fmt
-        table = decode_table(fmt)
-        assert torch.isnan(table[got[n]]).all(), f"{fmt}: NaN must stay NaN"
+    bad = (got != want) & ~nan
+    assert not bad.any(), (fmt, vals[bad][:8].tolist(), got[bad][:8].tolist())
+    assert torch.isnan(decode_table(fmt)[got[nan]]).all(), f"{fmt}: NaN must stay NaN"
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e5m2", "fp8_e4m3"])
+def test_software_encoder_every_fp16_value(fmt) -> None:
+    """All 65,536 fp16 bit patterns (signed zeros, subnormals of both widths, every tie, 448 /
+    57344 and past them, inf, NaN): the whole input domain of e5m2 (the cache rounds the fp16
+    value) and of e4m3 at scale 1."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    check_encoder(fmt, bits.float())
+
+
+def test_software_e4m3_encoder_fp32_values(seed) -> None:
+    """e4m3 encodes the fp32 quotient x / scale, which fp16 does not cover: random fp32 bit
+    patterns across e4m3's exponents (from under half its smallest subnormal to past 448, fp32
+    subnormals, inf, NaN), the same with the bits below e4m3's mantissa an exact tie, and the
+    ties and saturation edges named."""
+    g = torch.Generator().manual_seed(seed)
+    n = 8192
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int64) << 31
+    exp = torch.randint(127 - 12, 127 + 10, (n,), generator=g, dtype=torch.int64) << 23
+    man = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int64)
+    tie = (man & ~((1 << 20) - 1)) | (1 << 19)  # the top 3 mantissa bits, then exactly half
+    edges = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F7FFFFF]
+    raw = torch.cat([sign | exp | man, sign | exp | tie, torch.tensor(edges, dtype=torch.int64)])
+    vals = raw.to(torch.int32).view(torch.float32)
+    mids = torch.tensor([1.0625, 1.1875, 1.125 + 2**-5, 464.0, -464.0, 2**-10 * 1.5, 2**-10])
+    check_encoder("fp8_e4m3", torch.cat([vals, mids]))
 
 
 @pytest.mark.parametrize("fmt,k_scale,v_scale", [("fp8_e5m2", 1.0, 1.0), ("fp8_e4m3", 0.375, 2.5)])
