@@ -18,12 +18,18 @@ def reshape_and_cache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    block_size = k_cache.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, offsets = slots // block_size, slots % block_size
+    valid, blocks, offsets = slot_positions(slot_mapping, k_cache.shape[2])
     k_cache[blocks, :, offsets] = key[valid].to(k_cache.dtype)
     v_cache[blocks, :, offsets] = value[valid].to(v_cache.dtype)
+
+
+def slot_positions(
+    slot_mapping: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask of the tokens written, their block ids, their offsets in the block)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    return valid, slots // block_size, slots % block_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,21 +48,26 @@ BLOCK = 128
 
 
 @cuda.jit(device=True, inline="always")
+def div_rem(i, n):
+    """(i // n, i % n) for i >= 0, one division: the index math of every walk over the cache (a
+    slot -> block and offset; a flat element -> head and dim, or page row and dim)."""
+    q = i // n
+    return q, i - q * n
+
+
+@cuda.jit(device=True, inline="always")
 def cache_row(t, slot, key, value, k_cache, v_cache, vec):
     """Writes row t of key/value to cache slot `slot` (skipped when negative); the block's
     threads share the elements. The kernel below, and the second half of
     rotary_cache.rotary_and_cache_kernel."""
     if slot < 0:
         return
-    block_size = k_cache.shape[2]
-    blk = slot // block_size
-    off = slot - blk * block_size
+    blk, off = div_rem(slot, k_cache.shape[2])
     heads, head_dim = key.shape[1], key.shape[2]
     if vec:
         e = cuda.threadIdx.x * VEC
         while e < heads * head_dim:
-            h = e // head_dim
-            d = e - h * head_dim
+            h, d = div_rem(e, head_dim)
             kv = ld8(key, (t, h, d))
             vv = ld8(value, (t, h, d))
             st8(k_cache, (blk, h, off, d), kv)
@@ -65,8 +76,7 @@ def cache_row(t, slot, key, value, k_cache, v_cache, vec):
     else:
         e = cuda.threadIdx.x
         while e < heads * head_dim:
-            h = e // head_dim
-            d = e - h * head_dim
+            h, d = div_rem(e, head_dim)
             k_cache[blk, h, off, d] = key[t, h, d]
             v_cache[blk, h, off, d] = value[t, h, d]
             e += cuda.blockDim.x

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from voltserve.kernels.attention import fp8
+from voltserve.kernels.attention.kv_cache import div_rem, slot_positions
 
 
 def reshape_and_cache_fp8_ref(
@@ -19,10 +20,7 @@ def reshape_and_cache_fp8_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    block_size = k_cache.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, offsets = slots // block_size, slots % block_size
+    valid, blocks, offsets = slot_positions(slot_mapping, k_cache.shape[2])
     k_cache[blocks, :, offsets] = fp8.quantize(key[valid], fmt, k_scale)
     v_cache[blocks, :, offsets] = fp8.quantize(value[valid], fmt, v_scale)
 
@@ -49,14 +47,11 @@ def reshape_and_cache_fp8_kernel(
     slot = slot_mapping[t]
     if slot < 0:
         return
-    block_size = k_cache.shape[2]
-    blk = slot // block_size
-    off = slot - blk * block_size
+    blk, off = div_rem(slot, k_cache.shape[2])
     heads, head_dim = key.shape[1], key.shape[2]
     e = cuda.threadIdx.x
     while e < heads * head_dim:
-        h = e // head_dim
-        d = e - h * head_dim
+        h, d = div_rem(e, head_dim)
         k_cache[blk, h, off, d] = encode(float32(key[t, h, d]), e4m3, k_scale)
         v_cache[blk, h, off, d] = encode(float32(value[t, h, d]), e4m3, v_scale)
         e += cuda.blockDim.x

@@ -45,6 +45,7 @@ def expand_kv_pages_ref(
 
 from numba import cuda  # noqa: E402
 from voltserve.kernels.attention.fp8_convert import decode_table  # noqa: E402
+from voltserve.kernels.attention.kv_cache import div_rem  # noqa: E402
 from voltserve.kernels.runtime.compile_cache import cached  # noqa: E402
 from voltserve.kernels.runtime.numba_common import current_stream, launch  # noqa: E402
 
@@ -65,8 +66,7 @@ def expand_kv_pages_kernel(
     blk = block_tables[b, col]
     i = cuda.threadIdx.x
     while i < bs * hd:
-        t = i // hd
-        d = i - t * hd
+        t, d = div_rem(i, hd)
         k_ws[blk, h, t, d] = table[k_cache[blk, h, t, d]] * k_scale
         v_ws[blk, h, t, d] = table[v_cache[blk, h, t, d]] * v_scale
         i += cuda.blockDim.x
