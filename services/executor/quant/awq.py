@@ -22,9 +22,9 @@ from voltserve.services.executor.quant.base import (
 from voltserve.services.executor.quant.group import (
     GroupQuantMethod,
     ShardCodes,
-    check_shape,
     unpack_int32,
 )
+from voltserve.services.executor.quant.staged import check_shape
 from voltserve.services.executor.tp.sharding import TensorSplit
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

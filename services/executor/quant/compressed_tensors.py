@@ -37,9 +37,9 @@ from voltserve.services.executor.quant.group import (
     GroupQuantMethod,
     ShardCodes,
     act_order_perm,
-    check_shape,
     unpack_int32,
 )
+from voltserve.services.executor.quant.staged import check_shape
 from voltserve.services.executor.tp.sharding import TensorSplit
 
 

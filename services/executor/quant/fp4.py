@@ -24,13 +24,14 @@ from voltserve.kernels.linear.fp4_pack import (
     concat_rows,
     make_fp4_weight,
 )
-from voltserve.services.executor.quant.base import (
-    LinearMethod,
-    Shard,
-    copy_into_bias,
-    float_local_tensor,
+from voltserve.services.executor.quant.base import Shard
+from voltserve.services.executor.quant.staged import (
+    StagedMethod,
+    check_shape,
+    on_rows,
+    staged_shards,
 )
-from voltserve.services.executor.tp.sharding import Cut, TensorSplit
+from voltserve.services.executor.tp.sharding import TensorSplit
 
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
@@ -99,10 +100,7 @@ def unpack_shard(
         )
     if k % g:
         raise ValueError(f"{sname}: {v}: block size {g} does not divide K={k}")
-    if tuple(codes.shape) != (n, k // 2):
-        raise ValueError(
-            f"{cname}: {v} expects shape {(n, k // 2)}, checkpoint has {tuple(codes.shape)}"
-        )
+    check_shape(codes, (n, k // 2), cname, v)
     if tuple(scale.shape) != (n, k // g):
         raise ValueError(
             f"{sname}: {v} expects shape {(n, k // g)} (one scale per {g} inputs), checkpoint "
@@ -131,7 +129,7 @@ def split(layout: Fp4Layout, name: str) -> TensorSplit:
     raise KeyError(f"{layout.variant} linear has no tensor {name!r}")
 
 
-class Fp4Method(LinearMethod):
+class Fp4Method(StagedMethod):
     """FP4 codes with a scale byte per block and a global scale per shard.
 
     Tensor parallelism: codes narrow along the outputs by rows and along the inputs by whole
@@ -141,21 +139,15 @@ class Fp4Method(LinearMethod):
         self.layout = layout
         self.variant = layout.variant
 
-    def describe(self) -> str:
-        return self.variant
+    @property
+    def staged_names(self) -> list[str]:
+        return self.layout.required()
 
-    def local_tensor(
-        self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut
-    ) -> torch.Tensor:
-        if name == "bias":
-            return float_local_tensor(name, tensor, cut)
-        prefix = layer.prefixes[list(layer.shard_offsets).index(shard)]
-        return split(self.layout, name).narrow(tensor, cut, f"{prefix}.{name}")
+    def split(self, name: str, prefix: str) -> TensorSplit:
+        return split(self.layout, name)  # the module's rule, shared with the FP4 experts
 
     def create_weights(self, layer: Linear, bias: bool, dtype: torch.dtype) -> None:
         super().create_weights(layer, bias, dtype)
-        self.device = torch.empty(0).device  # the model is built under torch.device(...)
-        layer.staged = {shard: {} for shard in layer.shard_offsets}
         layer.fp4 = None
 
     def checkpoint_tensors(self, layer: Linear) -> tuple[list[str], list[str]]:
@@ -163,21 +155,16 @@ class Fp4Method(LinearMethod):
         return required, list(self.layout.activation_scales)
 
     def load(self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor) -> None:
-        if name == "bias":
-            copy_into_bias(layer, shard, tensor)
-        elif name in self.layout.activation_scales:
+        if name in self.layout.activation_scales:
             note_activation_scales_ignored(self.variant)
-        elif name in self.layout.required():
-            layer.staged[shard][name] = tensor
         else:
-            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
+            super().load(layer, name, shard, tensor)
 
     def process_after_loading(self, layer: Linear) -> None:
-        parts = []
-        for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
-            parts.append(
-                unpack_shard(layer.staged[shard], prefix, rows, layer.in_features, self.layout)
-            )
+        parts = [
+            unpack_shard(layer.staged[shard], prefix, rows, layer.in_features, self.layout)
+            for prefix, shard, rows in staged_shards(layer)
+        ]
         del layer.staged
         w = parts[0] if len(parts) == 1 else concat_rows(parts)
         dev = self.device
@@ -186,11 +173,7 @@ class Fp4Method(LinearMethod):
         )
 
     def apply(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch | None = None):
-        if x.dim() != 2:
-            shape = x.shape
-            y = dispatch.fp4_linear(x.reshape(-1, shape[-1]), layer.fp4, layer.bias, ops)
-            return y.view(*shape[:-1], y.shape[-1])
-        return dispatch.fp4_linear(x, layer.fp4, layer.bias, ops)
+        return on_rows(dispatch.fp4_linear, x, layer.fp4, layer.bias, ops)
 
     def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
         if x.dim() != 2:

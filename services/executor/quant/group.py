@@ -13,12 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from voltserve.kernels import dispatch
 from voltserve.kernels.linear.quant_pack import MIN_GROUP, pack_group_quant
-from voltserve.services.executor.quant.base import (
-    LinearMethod,
-    Shard,
-    copy_into_bias,
-    float_local_tensor,
-)
+from voltserve.services.executor.quant.staged import StagedMethod, on_rows, staged_shards
 from voltserve.services.executor.tp.sharding import Cut, TensorSplit, TPSplitError
 
 if TYPE_CHECKING:
@@ -73,13 +68,6 @@ def act_order_perm(g_idx: torch.Tensor, group: int, name: str, variant: str) -> 
             "(cannot be made contiguous)"
         )
     return perm
-
-
-def check_shape(t: torch.Tensor, want: tuple[int, ...], name: str, variant: str) -> None:
-    if tuple(t.shape) != tuple(want):
-        raise ValueError(
-            f"{name}: {variant} expects shape {tuple(want)}, checkpoint has {tuple(t.shape)}"
-        )
 
 
 def merge_shards(parts: list[ShardCodes], names: list[str]) -> ShardCodes:
@@ -182,7 +170,7 @@ def unpack_local(
     return narrow_inputs(sc, cut.start, cut.length, f"{prefix}.{method.required[0]}", dtype)
 
 
-class GroupQuantMethod(LinearMethod):
+class GroupQuantMethod(StagedMethod):
     """Integer codes with a scale and offset per group: AWQ, GPTQ, compressed-tensors, GGUF.
 
     Tensor parallelism: `splits(tensor name, shard prefix)` is the format's shard rule
@@ -209,6 +197,10 @@ class GroupQuantMethod(LinearMethod):
         self.family = family or variant
         self._splits = splits
 
+    @property
+    def staged_names(self) -> list[str]:
+        return self.required + self.optional
+
     def split(self, name: str, prefix: str) -> TensorSplit:
         if self._splits is None:
             raise TPSplitError(
@@ -220,40 +212,19 @@ class GroupQuantMethod(LinearMethod):
             raise KeyError(f"{self.variant} linear has no tensor {name!r}")
         return split
 
-    def local_tensor(
-        self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor, cut: Cut
-    ) -> torch.Tensor:
-        if name == "bias":
-            return float_local_tensor(name, tensor, cut)
-        prefix = layer.prefixes[list(layer.shard_offsets).index(shard)]
-        return self.split(name, prefix).narrow(tensor, cut, f"{prefix}.{name}")
-
-    def describe(self) -> str:
-        return self.variant
-
     def create_weights(self, layer: Linear, bias: bool, dtype: torch.dtype) -> None:
         super().create_weights(layer, bias, dtype)
         self.dtype = dtype
-        self.device = torch.empty(0).device  # the model is built under torch.device(...)
-        layer.staged = {shard: {} for shard in layer.shard_offsets}
         layer.qweight = None
         layer.dense = None  # set instead of qweight by a row-parallel act-order fallback
 
     def checkpoint_tensors(self, layer: Linear) -> tuple[list[str], list[str]]:
         return self.required + (["bias"] if layer.bias is not None else []), list(self.optional)
 
-    def load(self, layer: Linear, name: str, shard: Shard, tensor: torch.Tensor) -> None:
-        if name == "bias":
-            copy_into_bias(layer, shard, tensor)
-        elif name in self.required or name in self.optional:
-            layer.staged[shard][name] = tensor
-        else:
-            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
-
     def process_after_loading(self, layer: Linear) -> None:
         parts = []
         dev = self.device
-        for prefix, (shard, (_, rows)) in zip(layer.prefixes, layer.shard_offsets.items()):
+        for prefix, shard, rows in staged_shards(layer):
             # unpacked on the run device: a GPU does it in a fraction of the CPU's time
             staged = {k: v.to(dev) for k, v in layer.staged[shard].items()}
             parts.append(
@@ -296,11 +267,7 @@ class GroupQuantMethod(LinearMethod):
             from voltserve.services.executor.models.layers import linear
 
             return linear(x, layer.dense, layer.bias, ops)
-        if x.dim() != 2:
-            shape = x.shape
-            y = dispatch.quant_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.bias, ops)
-            return y.view(*shape[:-1], y.shape[-1])
-        return dispatch.quant_linear(x, layer.qweight, layer.bias, ops)
+        return on_rows(dispatch.quant_linear, x, layer.qweight, layer.bias, ops)
 
     def apply_gate_up_silu(self, layer: Linear, x: torch.Tensor, ops: KernelDispatch):
         if layer.dense is not None:
