@@ -1,5 +1,6 @@
-"""Greedy output served over HTTP checked against transformers, teacher-forced: the reference
-runs once over the prompt and the served tokens, and every served token must be the reference's
+"""Greedy output (served over HTTP, or an engine's) checked against transformers, teacher-forced:
+the reference runs once over the prompt and the served tokens, and every served token must be the
+reference's
 argmax up to `atol` (an exact or near tie may go either way: the engine breaks ties by the lower
 id, torch's argmax need not) with its served logprob within `atol` of the reference's. A greedy
 run compared free-running would fail at a tie and compare nothing after it."""
@@ -15,15 +16,22 @@ def token_ids(logprob_tokens: list[str]) -> list[int]:
     return [int(t.split(":", 1)[1]) for t in logprob_tokens]
 
 
-def check_greedy(
-    model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
-) -> None:
-    """`model`: a transformers causal LM in fp32 (the independent reference)."""
-    assert len(served) == len(served_lps) and served, (served, served_lps)
+def reference_logprobs(model, prompt: list[int], served: list[int]) -> torch.Tensor:
+    """[len(served), V] log-softmax of the reference's logits before each served token, from one
+    forward over the prompt and the served tokens."""
     ids = torch.tensor([list(prompt) + list(served)])
     with torch.no_grad():
         logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+
+
+def check_greedy(
+    model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
+) -> torch.Tensor:
+    """`model`: a transformers causal LM in fp32 (the independent reference). Returns the
+    reference's log-softmax per served step (reference_logprobs) for further checks."""
+    assert len(served) == len(served_lps) and served, (served, served_lps)
+    lp = reference_logprobs(model, prompt, served)
     for step, (t, got) in enumerate(zip(served, served_lps, strict=True)):
         best = lp[step].max().item()
         want = lp[step, t].item()
@@ -32,3 +40,4 @@ def check_greedy(
             f"{int(lp[step].argmax())} ({best:.6f}); prompt {prompt}, served {served}"
         )
         assert abs(got - want) < atol, (step, t, got, want, prompt, served)
+    return lp

@@ -1,10 +1,12 @@
 """--kv-cache-dtype on the CPU executor: greedy tokens and logprobs of the paged forward against
 transformers whose attention sees K (after rotary) and V rounded the same way, written here
-from torch's own float8 casts; checkpoint k_scale / v_scale; the flag's refusals; KV sizing."""
+from torch's own float8 casts (teacher-forced: tests/greedy_reference.py); checkpoint k_scale /
+v_scale; the flag's refusals; KV sizing."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 
 import pytest
@@ -22,15 +24,16 @@ from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
 from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
+from tests.greedy_reference import check_greedy, reference_logprobs
 from tests.kv_rounding import rounded
 
 LOGPROB_ATOL = 1e-4
 
 
-def hf_rounded(path, prompt, n, kv_dtype: str | None, scales=None):
-    """transformers greedy (fp32, CPU) with every attention call's K and V rounded to
-    kv_dtype (None: as is): the n tokens and the log-softmax of each step's logits."""
-    name = f"voltserve_kv_{kv_dtype}"
+def rounded_reference(path, kv_dtype: str | None, scales=None):
+    """transformers (fp32, CPU) with every attention call's K and V rounded to kv_dtype (None:
+    as is), each layer's (k_scale, v_scale) from `scales` (default 1.0)."""
+    name = f"voltserve_kv_{next(_NAMES)}"  # looked up at each call: one name per model
     scales = scales or {}
 
     def attention(module, query, key, value, attention_mask, **kw):
@@ -40,22 +43,10 @@ def hf_rounded(path, prompt, n, kv_dtype: str | None, scales=None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=name
-    )
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    logits = torch.cat(out.logits).float()
-    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(logits, dim=-1)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name)
+
+
+_NAMES = itertools.count()
 
 
 def run_prompts(runner, prompts, max_new: int, chunk: int):
@@ -66,19 +57,19 @@ def run_prompts(runner, prompts, max_new: int, chunk: int):
 
 
 def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None) -> float:
-    """Asserts tokens and logprobs against the rounded reference; returns the largest logprob
-    gap between the rounded and the unrounded reference (how much the rounding moved them)."""
+    """Asserts tokens and logprobs against the rounded reference, teacher-forced on each
+    request's tokens (greedy_reference.check_greedy); returns the largest logprob gap between
+    the rounded and the unrounded reference over them (how much the rounding moved them)."""
+    model, plain = rounded_reference(path, kv_dtype, scales), rounded_reference(path, None)
     moved = 0.0
-    for r, prompt in zip(reqs, prompts):
-        want, lp = hf_rounded(path, prompt, max_new, kv_dtype, scales)
-        assert r.output_token_ids == want, f"{kv_dtype}: prompt of {len(prompt)} tokens"
+    for r, prompt in zip(reqs, prompts, strict=True):
+        served = [tok.token_id for tok in r.trace]
+        assert r.output_token_ids == served and len(served) == max_new, kv_dtype
+        lp = check_greedy(model, prompt, served, [t.logprob for t in r.trace], LOGPROB_ATOL)
         for step, tok in enumerate(r.trace):
-            assert abs(tok.logprob - lp[step, tok.token_id].item()) < LOGPROB_ATOL
             got_v = torch.tensor([v for _, v in tok.top_logprobs])
             assert torch.allclose(got_v, lp[step].topk(3).values, atol=LOGPROB_ATOL, rtol=0)
-        _, plain = hf_rounded(path, prompt, max_new, None)
-        n = min(len(plain), len(lp))
-        moved = max(moved, (plain[:n] - lp[:n]).abs().max().item())
+        moved = max(moved, (reference_logprobs(plain, prompt, served) - lp).abs().max().item())
     return moved
 
 
