@@ -1,13 +1,21 @@
 """Greedy output (served over HTTP, or an engine's) checked against transformers, teacher-forced:
 the reference runs once over the prompt and the served tokens, and every served token must be the
-reference's
-argmax up to `atol` (an exact or near tie may go either way: the engine breaks ties by the lower
-id, torch's argmax need not) with its served logprob within `atol` of the reference's. A greedy
-run compared free-running would fail at a tie and compare nothing after it."""
+reference's argmax up to `atol` (an exact or near tie may go either way: the engine breaks ties
+by the lower id, torch's argmax need not), with its served logprob, where there is one, within
+`atol` of the reference's. A greedy run compared free-running with transformers' generate would
+fail at a tie and compare nothing after it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from tests.checkpoints import hf_model_class
+
+# An engine's fp32 CPU logits and transformers' differ by ~1e-5 (sums in another order); a wrong
+# token of the tiny checkpoints is whole units behind the best.
+TOKEN_ATOL = 1e-4
 
 
 def token_ids(logprob_tokens: list[str]) -> list[int]:
@@ -25,19 +33,44 @@ def reference_logprobs(model, prompt: list[int], served: list[int]) -> torch.Ten
     return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
 
 
-def check_greedy(
-    model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
-) -> torch.Tensor:
-    """`model`: a transformers causal LM in fp32 (the independent reference). Returns the
-    reference's log-softmax per served step (reference_logprobs) for further checks."""
-    assert len(served) == len(served_lps) and served, (served, served_lps)
+def check_greedy_tokens(model, prompt: list[int], served: list[int], atol: float) -> torch.Tensor:
+    """Every served token the reference's argmax up to `atol` (tokens only: an engine run's
+    output); returns the reference's log-softmax per served step (reference_logprobs)."""
+    assert served, served
     lp = reference_logprobs(model, prompt, served)
-    for step, (t, got) in enumerate(zip(served, served_lps, strict=True)):
+    for step, t in enumerate(served):
         best = lp[step].max().item()
         want = lp[step, t].item()
         assert best - want <= atol, (
             f"step {step}: served {t} ({want:.6f}) is not greedy: the reference's best is "
             f"{int(lp[step].argmax())} ({best:.6f}); prompt {prompt}, served {served}"
         )
+    return lp
+
+
+def check_greedy_outputs(
+    model, prompts: list[list[int]], outs: list[list[int]], n: int, atol: float = TOKEN_ATOL
+) -> None:
+    """An engine's greedy outputs of prompts: n tokens each, check_greedy_tokens."""
+    assert len(outs) == len(prompts), (len(outs), len(prompts))
+    for prompt, got in zip(prompts, outs):
+        assert len(got) == n, (prompt, got)
+        check_greedy_tokens(model, prompt, got, atol)
+
+
+def check_greedy(
+    model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
+) -> torch.Tensor:
+    """check_greedy_tokens, and each served logprob within `atol` of the reference's."""
+    assert len(served) == len(served_lps) and served, (served, served_lps)
+    lp = check_greedy_tokens(model, prompt, served, atol)
+    for step, (t, got) in enumerate(zip(served, served_lps, strict=True)):
+        want = lp[step, t].item()
         assert abs(got - want) < atol, (step, t, got, want, prompt, served)
     return lp
+
+
+@functools.cache
+def reference_model(path: str):
+    """The fp32 transformers model of a checkpoint folder, loaded once per process."""
+    return hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
 """Hybrid linear-attention models (Qwen3.5 / 3.6 dense and MoE, Qwen3-Next) through the real
-engine against transformers, token for token (fp32, CPU): 8 requests at once with chunked
+engine against transformers, token for token (fp32, CPU; teacher-forced): 8 requests at once with chunked
 prefill (a small token budget) and forced preemption (a KV pool too small for the batch), then
 one at a time; the vision-language layout's text part; the state cache's sizing and refusals."""
 
@@ -16,7 +16,8 @@ from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import checkpoint, hf_model_class, tokenizer
+from tests.greedy_reference import check_greedy_outputs
 
 MAX_NEW = 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -36,7 +37,6 @@ def _prompts(rng, n: int, lo: int, hi: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_greedy_matches_transformers(arch: str, rng) -> None:
     prompts = _prompts(rng, 6, 16, 16)
-    want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in prompts]
     # An 8-token budget splits every prompt into chunks (a later chunk starts from the state
     # the earlier left). Every prompt fills one 16-token block, so each request's first decode
     # step needs a second one, and there are 3 blocks for 6 requests: a running request that
@@ -51,11 +51,12 @@ def test_greedy_matches_transformers(arch: str, rng) -> None:
         )
     )
     assert not engine.block_manager.enable_prefix_caching
-    assert engine.generate(prompts, PARAMS) == want
+    outs = engine.generate(prompts, PARAMS)
+    check_greedy_outputs(hf_model(arch), prompts, outs, MAX_NEW)
     assert engine.batcher.num_preemptions > 0
     assert engine.check_all_free()
     # One at a time, on the slots the batch gave back.
-    assert engine.generate([prompts[0]], PARAMS) == [want[0]]
+    assert engine.generate([prompts[0]], PARAMS) == [outs[0]]
     assert engine.check_all_free()
 
 
@@ -65,8 +66,8 @@ def test_vision_language_layout_serves_its_text_model(rng) -> None:
     prompts = _prompts(rng, 3, 1, 40)
     engine = LLMEngine(EngineConfig(model=str(checkpoint("qwen3_5_vl")), num_kv_blocks=16))
     assert engine.runner.arch.architecture == "Qwen3_5ForConditionalGeneration"
-    want = [greedy_tokens(hf_model("qwen3_5_vl"), p, MAX_NEW) for p in prompts]
-    assert engine.generate(prompts, PARAMS) == want
+    outs = engine.generate(prompts, PARAMS)
+    check_greedy_outputs(hf_model("qwen3_5_vl"), prompts, outs, MAX_NEW)
 
 
 def test_state_cache_is_sized_with_the_kv_cache() -> None:

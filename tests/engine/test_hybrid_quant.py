@@ -25,7 +25,8 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests import quant_checkpoints as qc
-from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import checkpoint, hf_model_class, tokenizer
+from tests.greedy_reference import check_greedy_outputs
 
 MAX_NEW = 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -100,10 +101,9 @@ def test_greedy_matches_transformers(case: str, rng) -> None:
     path, ref = CASES[case]()
     hf = hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
     prompts = _prompts(rng, 4, 1, 24)
-    want = [greedy_tokens(hf, p, MAX_NEW) for p in prompts]
     # chunked prefill: later chunks start from the state the earlier left
     engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16, max_num_batched_tokens=16))
-    assert engine.generate(prompts, PARAMS) == want
+    check_greedy_outputs(hf, prompts, engine.generate(prompts, PARAMS), MAX_NEW)
     assert engine.check_all_free()
 
     model = engine.runner.model

@@ -4,9 +4,10 @@ For every format and architecture, the checkpoint is written by tests/quant_chec
 the format's published packing rules (compressed-tensors: by its own compressor; GGUF: with the
 gguf package's writer), and the reference is independent of our loader: transformers on the
 weights dequantized by the test helper's reference (compressed-tensors: the library's
-decompressor), or transformers loading the .gguf file itself (`gguf_file=`). Greedy tokens must
-be equal; logprobs of the chosen tokens within LOGPROB_ATOL (fp32 products of the same weights,
-summed in a different order).
+decompressor), or transformers loading the .gguf file itself (`gguf_file=`). Greedy tokens are
+checked teacher-forced (tests/greedy_reference.py): each the reference's argmax up to
+LOGPROB_ATOL, its logprob within LOGPROB_ATOL (fp32 products of the same weights, summed in a
+different order).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from voltserve.shared.sampling_params import SamplingParams
 
 from tests import quant_checkpoints as qc
 from tests.checkpoints import drive, tokenizer
+from tests.greedy_reference import check_greedy
 
 LOGPROB_ATOL = 1e-4
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -62,20 +64,6 @@ def hf_model(ref, gguf: bool, config=None):
     return model
 
 
-def hf_reference(model, prompt: list[int], n: int):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
-
-
 def check_against_reference(path, ref, gguf: bool, seed: int, config=None) -> ModelRunner:
     runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32))
     rng = random.Random(seed)
@@ -89,11 +77,9 @@ def check_against_reference(path, ref, gguf: bool, seed: int, config=None) -> Mo
     drive(runner, reqs, max_new, chunk=rng.choice([7, 16]))
     model = hf_model(ref, gguf, config)
     for r, prompt in zip(reqs, prompts):
-        want, logits = hf_reference(model, prompt, max_new)
-        assert r.output_token_ids == want, f"prompt of {len(prompt)} tokens (seed {seed})"
-        lp = torch.log_softmax(logits, dim=-1)
-        for step, tok in enumerate(r.trace):
-            assert abs(tok.logprob - lp[step, tok.token_id].item()) < LOGPROB_ATOL
+        served = [tok.token_id for tok in r.trace]
+        assert r.output_token_ids == served and len(served) == max_new, f"seed {seed}"
+        check_greedy(model, prompt, served, [tok.logprob for tok in r.trace], LOGPROB_ATOL)
     return runner
 
 
