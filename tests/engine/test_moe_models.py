@@ -1,7 +1,7 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers on CPU
 (fp32): tiny random checkpoints built with transformers (several experts, top-k > 1, a shared
 expert for Qwen2-MoE, dense and sparse layers mixed), greedy tokens equal token for token
-through chunked prefill, mixed steps, concurrent batches and preemption; logprobs agree within
+(teacher-forced: tests/greedy_reference.py) through chunked prefill, mixed steps, concurrent batches and preemption; logprobs agree within
 LOGPROB_ATOL (absolute)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import MOE_ARCHS, checkpoint, copy_checkpoint, drive, hf_greedy, tokenizer
+from tests.checkpoints import MOE_ARCHS, checkpoint, copy_checkpoint, drive, tokenizer
+from tests.greedy_reference import check_greedy, check_greedy_outputs, reference_model
 
 LOGPROB_ATOL = 1e-4
 CPU = torch.device("cpu")
@@ -58,15 +59,14 @@ def test_greedy_and_logprobs_match_transformers(arch: str, runners, rng) -> None
     params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=3, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params, seed=i, arrival_time=0.0) for i, p in enumerate(prompts)]
     drive(runner, reqs, max_new, chunk=rng.choice([7, 16, 29]))
+    model = reference_model(str(checkpoint(arch)))
     for r, prompt in zip(reqs, prompts):
-        want, logits = hf_greedy(checkpoint(arch), prompt, max_new)
-        assert r.output_token_ids == want, f"{arch}: prompt of {len(prompt)} tokens"
-        lp = torch.log_softmax(logits, dim=-1)
+        served = [tok.token_id for tok in r.trace]
+        assert r.output_token_ids == served and len(served) == max_new, arch
+        lp = check_greedy(model, prompt, served, [t.logprob for t in r.trace], LOGPROB_ATOL)
         for step, tok in enumerate(r.trace):
-            assert abs(tok.logprob - lp[step, tok.token_id].item()) < LOGPROB_ATOL
-            top_v, _ = lp[step].topk(3)
             got_v = torch.tensor([v for _, v in tok.top_logprobs])
-            assert torch.allclose(got_v, top_v, atol=LOGPROB_ATOL, rtol=0)
+            assert torch.allclose(got_v, lp[step].topk(3).values, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -85,8 +85,7 @@ def test_engine_batch_with_chunked_prefill_and_preemption(arch: str, rng) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=34, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert engine.stats().num_preemptions_total > 0
-    for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(path, prompt, 34)[0], f"{arch}: prompt of {len(prompt)} tokens"
+    check_greedy_outputs(reference_model(str(path)), prompts, outs, 34, LOGPROB_ATOL)
     assert engine.check_all_free()
 
 
