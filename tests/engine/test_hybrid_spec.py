@@ -1,6 +1,6 @@
 """Speculative decoding on hybrid linear-attention targets (state_rollback.py): greedy with
-n-gram or draft-model proposals equals greedy without them and transformers, token for token
-(fp32, CPU), with chunked prefill and more requests than state slots (slots are reused), on
+n-gram or draft-model proposals equals greedy without them, token for token, and is greedy under
+transformers (fp32, CPU; teacher-forced: tests/greedy_reference.py), with chunked prefill and more requests than state slots (slots are reused), on
 repetitive prompts so that proposals are both accepted and rejected (the rollback runs); and
 what is not supported is refused by name."""
 
@@ -16,8 +16,9 @@ from voltserve.services.executor.spec.oracle import OracleProposer
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
-from tests.checkpoints import checkpoint, greedy_tokens, tokenizer
+from tests.checkpoints import checkpoint, tokenizer
 from tests.engine.test_hybrid_models import hf_model
+from tests.greedy_reference import check_greedy_outputs
 
 MAX_NEW = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -52,8 +53,8 @@ def repetitive_prompts(rng: random.Random, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_greedy_with_speculation_equals_spec_off_and_transformers(arch: str, rng) -> None:
     prompts = repetitive_prompts(rng, 6)
-    want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in prompts]
-    assert engine(arch).generate(prompts, PARAMS) == want
+    want = engine(arch).generate(prompts, PARAMS)
+    check_greedy_outputs(hf_model(arch), prompts, want, MAX_NEW)
     eng = engine(arch, NGRAM)
     # n-gram lookup: proposals from the repeated phrase (a tiny random model seldom continues
     # it, so most are rejected, often the whole group).
@@ -78,10 +79,9 @@ def test_draft_model_on_a_hybrid_target(rng) -> None:
     # rolled back to the tokens the draft's proposals left kept.
     arch = "qwen3_5"
     prompts = repetitive_prompts(rng, 4)
-    want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in prompts]
     spec = {"method": "draft_model", "model": str(checkpoint("llama")), "num_speculative_tokens": 3}
     eng = engine(arch, spec)
-    assert eng.generate(prompts, PARAMS) == want
+    check_greedy_outputs(hf_model(arch), prompts, eng.generate(prompts, PARAMS), MAX_NEW)
     assert eng.check_all_free()
     assert eng.stats().spec_decode_num_drafts > 0
 
