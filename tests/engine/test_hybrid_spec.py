@@ -1,8 +1,8 @@
 """Speculative decoding on hybrid linear-attention targets (state_rollback.py): greedy with
 n-gram or draft-model proposals equals greedy without them, token for token, and is greedy under
-transformers (fp32, CPU; teacher-forced: tests/greedy_reference.py), with chunked prefill and more requests than state slots (slots are reused), on
-repetitive prompts so that proposals are both accepted and rejected (the rollback runs); and
-what is not supported is refused by name."""
+transformers (fp32, CPU; teacher-forced: tests/greedy_reference.py), with chunked prefill and
+more requests than state slots (slots are reused), on repetitive prompts so that proposals are
+both accepted and rejected (the rollback runs); and what is not supported is refused by name."""
 
 from __future__ import annotations
 
