@@ -1,6 +1,7 @@
-"""LLMEngine with the real model runner (fp32, CPU) against transformers' greedy `generate` on
-tiny random checkpoints: batching, chunking, prefix caching, preemption, aborts and failover must
-never change a token."""
+"""LLMEngine with the real model runner (fp32, CPU) against transformers' greedy decoding on
+tiny random checkpoints (teacher-forced on the engine's tokens: a tie may go either way):
+batching, chunking, prefix caching, preemption, aborts and failover must never change a
+token."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint
+from tests.greedy_reference import TOKEN_ATOL, check_greedy_tokens
 
 VOCAB = 384  # tests/checkpoints.py tokenizer size
 
@@ -45,6 +47,21 @@ def hf_greedy(arch: str, prompt: tuple[int, ...], max_tokens: int, ignore_eos: b
     finally:
         gc.eos_token_id = eos
     return out[0, len(prompt) :].tolist()
+
+
+def assert_greedy(arch: str, prompt, got: list[int], max_tokens: int, ignore_eos: bool) -> None:
+    """got: the engine's greedy output of prompt. Each token is transformers' argmax, teacher-
+    forced (tests/greedy_reference.py: a tie may go either way); there are max_tokens of them,
+    or, with eos honoured, fewer only up to the first eos, where generate stops too."""
+    model = hf_model(arch)
+    if ignore_eos:
+        assert len(got) == max_tokens, (arch, prompt, got)
+    else:
+        eos = model.generation_config.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        stop = next((i + 1 for i, t in enumerate(got) if t in eos), max_tokens)
+        assert len(got) == stop, (arch, prompt, got, eos)
+    check_greedy_tokens(model, list(prompt), got, TOKEN_ATOL)
 
 
 def make_engine(arch: str = "llama", **kw) -> LLMEngine:
@@ -93,13 +110,12 @@ def test_one_request_at_a_time(arch, rng):
     engine = make_engine(arch)
     for lo, hi in ((1, 1), (2, 15), (16, 16), (17, 60)):
         prompt = rand_prompt(rng, lo, hi)
-        got = engine.generate([prompt], greedy(8))[0]
-        assert got == hf_greedy(arch, tuple(prompt), 8, True), (arch, len(prompt))
+        assert_greedy(arch, prompt, engine.generate([prompt], greedy(8))[0], 8, True)
     # With eos honoured, the engine stops exactly where transformers stops.
     for _ in range(3):
         prompt = rand_prompt(rng, 1, 30)
         got = engine.generate([prompt], greedy(12, ignore_eos=False))[0]
-        assert got == hf_greedy(arch, tuple(prompt), 12, False)
+        assert_greedy(arch, prompt, got, 12, False)
     assert_all_free(engine)
 
 
@@ -112,7 +128,7 @@ def test_concurrent_staggered_arrivals(arch, rng):
     ]
     outputs, finish = run_staggered(engine, list(arrivals))
     for _, rid, prompt, p in arrivals:
-        assert outputs[rid] == hf_greedy(arch, tuple(prompt), p.max_tokens, True), rid
+        assert_greedy(arch, prompt, outputs[rid], p.max_tokens, True)
         assert finish[rid] == "length"
     assert_all_free(engine)
     assert engine.stats().generation_tokens_total == sum(a[3].max_tokens for a in arrivals)
@@ -126,7 +142,7 @@ def test_chunked_prefill_tiny_budget(rng):
     ]
     outputs, _ = run_staggered(engine, list(arrivals))
     for _, rid, prompt, p in arrivals:
-        assert outputs[rid] == hf_greedy("qwen2", tuple(prompt), p.max_tokens, True), rid
+        assert_greedy("qwen2", prompt, outputs[rid], p.max_tokens, True)
     assert_all_free(engine)
 
 
@@ -134,19 +150,19 @@ def test_shared_prefix_hits_prefix_cache(rng):
     engine = make_engine("llama")
     prefix = rand_prompt(rng, 50, 50)  # 3 full blocks + 2 tokens
     first = prefix + rand_prompt(rng, 1, 10)
-    assert engine.generate([first], greedy(6))[0] == hf_greedy("llama", tuple(first), 6, True)
+    want = engine.generate([first], greedy(6))[0]
+    assert_greedy("llama", first, want, 6, True)
     before = engine.stats()
     assert before.prefix_cache_hits == 0
     others = [prefix + rand_prompt(rng, 1, 20) for _ in range(5)]
     got = engine.generate(others, greedy(6))
     for prompt, out in zip(others, got):
-        assert out == hf_greedy("llama", tuple(prompt), 6, True)
+        assert_greedy("llama", prompt, out, 6, True)
     after = engine.stats()
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 5 * 48
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(map(len, others))
     # The exact same prompt again: everything but the last token can come from the cache.
-    again = engine.generate([first], greedy(6))[0]
-    assert again == hf_greedy("llama", tuple(first), 6, True)
+    assert engine.generate([first], greedy(6))[0] == want
     assert engine.stats().prefix_cache_hits - after.prefix_cache_hits == (len(first) - 1) // 16 * 16
     assert_all_free(engine)
 
@@ -163,7 +179,7 @@ def test_preemption_with_tiny_kv_pool(caching, rng):
     ]
     outputs, _ = run_staggered(engine, list(arrivals))
     for _, rid, prompt, p in arrivals:
-        assert outputs[rid] == hf_greedy("mistral", tuple(prompt), p.max_tokens, True), rid
+        assert_greedy("mistral", prompt, outputs[rid], p.max_tokens, True)
     assert engine.stats().num_preemptions_total > 0
     assert_all_free(engine)
 
@@ -213,7 +229,7 @@ def test_aborts_mid_prefill_and_mid_decode(rng):
             if out.request_id == "keep":
                 outputs["keep"] += out.new_token_ids
         step += 1
-    assert outputs["keep"] == hf_greedy("llama", tuple(keep), 10, True)
+    assert_greedy("llama", keep, outputs["keep"], 10, True)
     assert_all_free(engine)
 
 
@@ -226,7 +242,7 @@ def test_failover_resume(temperature, rng):
     full = engine.generate([prompt], p)[0]
     assert len(full) == 12
     if temperature == 0.0:
-        assert full == hf_greedy("qwen2", tuple(prompt), 12, True)
+        assert_greedy("qwen2", prompt, full, 12, True)
     for k in (1, rng.randrange(2, 11), 11):
         e = make_engine("qwen2", max_num_batched_tokens=16)
         e.add_request("resumed", prompt, p, output_token_ids=full[:k])
