@@ -21,8 +21,8 @@ from voltserve.shared.sampling_params import SamplingParams
 from tests.engine.test_engine_e2e import (
     VOCAB,
     assert_all_free,
+    assert_greedy,
     greedy,
-    hf_greedy,
     hf_model,
     make_engine,
     rand_prompt,
@@ -69,7 +69,8 @@ def test_max_tokens_one_and_min_equals_max(rng):
     eos = engine_eos()
     prompt = rand_prompt(rng, 1, 30)
     toks, fin, _ = run(engine, {"a": (prompt, greedy(1, ignore_eos=False))})
-    assert toks["a"] == hf_greedy(ARCH, tuple(prompt), 1, False) and fin["a"] in ("length", "stop")
+    assert_greedy(ARCH, prompt, toks["a"], 1, False)
+    assert fin["a"] in ("length", "stop")
     # eos pushed to the top: min_tokens == max_tokens holds it back for every position, so the
     # request always runs the full length and never emits an eos.
     for n in (1, 5):
@@ -86,7 +87,8 @@ def test_context_edge_finishes_with_length(rng):
     # prompt of max_model_len - 1: exactly one token, finish "length"
     prompt = rand_prompt(rng, 63, 63)
     toks, fin, _ = run(engine, {"edge": (prompt, greedy(50))})
-    assert toks["edge"] == hf_greedy(ARCH, tuple(prompt), 1, True) and fin["edge"] == "length"
+    assert_greedy(ARCH, prompt, toks["edge"], 1, True)
+    assert fin["edge"] == "length"
     # a prompt of max_model_len leaves no room: rejected loudly
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("full", rand_prompt(rng, 64, 64), greedy(1))
@@ -94,7 +96,7 @@ def test_context_edge_finishes_with_length(rng):
     prompt = rand_prompt(rng, 40, 55)
     toks, fin, _ = run(engine, {"grow": (prompt, greedy(100))})
     assert len(prompt) + len(toks["grow"]) == 64 and fin["grow"] == "length"
-    assert toks["grow"] == hf_greedy(ARCH, tuple(prompt), 64 - len(prompt), True)
+    assert_greedy(ARCH, prompt, toks["grow"], 64 - len(prompt), True)
     assert_all_free(engine)
 
 
@@ -309,12 +311,13 @@ def test_aborts_are_idempotent_and_ids_reusable_after_finish(rng):
     engine = make_engine(ARCH)
     assert engine.abort_request("nobody") == []
     prompt = rand_prompt(rng, 20, 40)
-    want = hf_greedy(ARCH, tuple(prompt), 5, True)
     engine.add_request("x", prompt, greedy(5))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", prompt, greedy(5))
     toks, fin, _ = run(engine, {})
-    assert toks["x"] == want and fin["x"] == "length"
+    want = toks["x"]
+    assert_greedy(ARCH, prompt, want, 5, True)
+    assert fin["x"] == "length"
     # "x" finished; aborting it now is a no-op
     assert engine.abort_request(["x", "x"]) == []
     toks, fin, _ = run(engine, {"x": (prompt, greedy(5))})
@@ -350,12 +353,13 @@ def test_prefix_of_each_other_and_identical_prompts_while_prefilling(rng):
     reqs = {k: (v, greedy(6)) for k, v in prompts.items() if k != "long"}
     toks, _, _ = run(engine, reqs)
     for rid, prompt in prompts.items():
-        assert toks[rid] == hf_greedy(ARCH, tuple(prompt), 6, True), rid
+        assert_greedy(ARCH, prompt, toks[rid], 6, True)
+    first = toks["long"]
     assert engine.stats().prefix_cache_hits > 0
     # the same prompt again, after everything: all but the last token from the cache
     before = engine.stats().prefix_cache_hits
     toks, _, _ = run(engine, {"again": (long, greedy(6))})
-    assert toks["again"] == hf_greedy(ARCH, tuple(long), 6, True)
+    assert toks["again"] == first
     assert engine.stats().prefix_cache_hits - before == (len(long) - 1) // 16 * 16
     assert_all_free(engine)
 
@@ -374,7 +378,7 @@ def test_preempting_a_request_with_a_prefix_hit(rng):
     # some preempted request had (and, on re-admission, again had) a prefix-cache hit
     assert any(r.num_preemptions and r.num_cached_tokens >= 48 for r in objs.values())
     for rid, (prompt, _) in reqs.items():
-        assert toks[rid] == hf_greedy(ARCH, tuple(prompt), 40, True), rid
+        assert_greedy(ARCH, prompt, toks[rid], 40, True)
     # Reported cached tokens (usage.prompt_tokens_details) are prompt tokens served from the
     # cache at first admission, as in vLLM: a re-admission after preemption, which hits the
     # request's own generated tokens too, must neither exceed the prompt nor change the count.
@@ -395,6 +399,6 @@ def test_kv_pool_of_exactly_one_request(rng):
     toks, fin, _ = run(engine, reqs)
     for rid, (prompt, p) in reqs.items():
         n = min(p.max_tokens, 64 - len(prompt))
-        assert toks[rid] == hf_greedy(ARCH, tuple(prompt), n, True), rid
+        assert_greedy(ARCH, prompt, toks[rid], n, True)
         assert fin[rid] == "length"
     assert_all_free(engine)
