@@ -3,7 +3,7 @@ time, and test_tensor_parallel.py keeps its TP=2 engines for the whole module.""
 
 from __future__ import annotations
 
-from tests.engine.test_tensor_parallel import VOCAB, engine, greedy, hf_greedy
+from tests.engine.test_tensor_parallel import VOCAB, assert_greedy, engine, greedy
 
 
 def test_tp4_replicated_kv_heads_equal_transformers(rng):
@@ -16,6 +16,6 @@ def test_tp4_replicated_kv_heads_equal_transformers(rng):
         prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
         out = e.generate(prompts, greedy(8))
         for p, o in zip(prompts, out):
-            assert o == hf_greedy("llama", p, 8), p
+            assert_greedy("llama", p, o, 8)
     finally:
         e.runner.shutdown()
