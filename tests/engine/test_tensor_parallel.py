@@ -1,7 +1,6 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks as separate processes, fp32): greedy outputs of
 a TP=2 engine equal a TP=1 engine token for token, greedy under transformers (teacher-forced:
-tests/greedy_reference.py), for Llama (untied lm_head,
-llama3 rope), Qwen2 (qkv bias, tied embeddings, one KV head for two ranks: replicated) and
+tests/greedy_reference.py), for Llama (untied lm_head, llama3 rope), Qwen2 (qkv bias, tied embeddings, one KV head for two ranks: replicated) and
 Qwen3 (q/k norm, head_dim 32), each with a vocabulary of 385 rows (not divisible by 2: the last
 rank's rows are padding), in batches, with chunked prefill and with preemption.
 
