@@ -1,8 +1,9 @@
-"""Tensor parallelism on the CPU (gloo, 2 ranks as separate processes, fp32): greedy outputs of
-a TP=2 engine equal a TP=1 engine token for token, greedy under transformers (teacher-forced:
-tests/greedy_reference.py), for Llama (untied lm_head, llama3 rope), Qwen2 (qkv bias, tied embeddings, one KV head for two ranks: replicated) and
-Qwen3 (q/k norm, head_dim 32), each with a vocabulary of 385 rows (not divisible by 2: the last
-rank's rows are padding), in batches, with chunked prefill and with preemption.
+"""Tensor parallelism on the CPU (gloo, 2 ranks as separate processes, fp32): greedy outputs of a
+TP=2 engine equal a TP=1 engine token for token, greedy under transformers (teacher-forced:
+tests/greedy_reference.py), for Llama (untied lm_head, llama3 rope), Qwen2 (qkv bias, tied
+embeddings, one KV head for two ranks: replicated) and Qwen3 (q/k norm, head_dim 32), each with a
+vocabulary of 385 rows (not divisible by 2: the last rank's rows are padding), in batches, with
+chunked prefill and with preemption.
 
 One TP=2 engine per checkpoint serves the whole module (starting a rank costs seconds)."""
 
