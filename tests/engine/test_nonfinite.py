@@ -155,7 +155,7 @@ def test_engine_ends_only_the_poisoned_requests(rng) -> None:
 
 def test_float32_serves_the_prompts_that_overflow_float16(rng) -> None:
     """The README's advice: --dtype float32 answers them (as transformers does in fp32)."""
-    from tests.checkpoints import hf_greedy
+    from tests.greedy_reference import check_greedy_outputs, reference_model
 
     prompt = _prompt(rng, rng.randint(2, 20), 0)
     tokens, _, ends = _run(
@@ -163,7 +163,8 @@ def test_float32_serves_the_prompts_that_overflow_float16(rng) -> None:
         {"r": (prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))},
     )
     assert ends["r"].finish_reason == "length"
-    assert tokens["r"] == hf_greedy(overflow_checkpoint(), prompt, 5)[0]
+    model = reference_model(str(overflow_checkpoint()))
+    check_greedy_outputs(model, [prompt], [tokens["r"]], 5)
 
 
 def test_a_nonfinite_prompt_logprobs_row_ends_the_request(rng) -> None:
