@@ -19,8 +19,9 @@ from voltserve.services.executor.quant.fp4_experts import Fp4Experts
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests import fp4_checkpoints as fc
-from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import checkpoint, hf_model_class, tokenizer
 from tests.engine.test_quant_models import _seed, check_against_reference
+from tests.greedy_reference import check_greedy_outputs
 
 CASES = {
     "ct-nvfp4": (lambda a: fc.ct_fp4_checkpoint(a, "nvfp4"), "llama", E4M3, 16),
@@ -94,10 +95,9 @@ def test_fp4_hybrid_moe_matches_transformers(rng) -> None:
     hf = hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
     V = len(tokenizer())
     prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 24))] for _ in range(3)]
-    want = [greedy_tokens(hf, p, 5) for p in prompts]
     engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16, max_num_batched_tokens=16))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    assert engine.generate(prompts, params) == want
+    check_greedy_outputs(hf, prompts, engine.generate(prompts, params), 5)
     mlp = engine.runner.model.model.layers[0].mlp
     assert isinstance(mlp.shared_expert.gate_up_proj.method, Fp4Method)
     _check_stacked_experts(engine.runner.model, ref)

@@ -1,6 +1,7 @@
 """MTP speculation (spec/mtp.py) on tiny hybrid checkpoints with MTP weights written by the tests
-(tests/mtp_checkpoints.py): greedy with the MTP head proposing equals transformers' greedy for
-the target (fp32, CPU; speculation off equals transformers too: test_hybrid_models.py), with
+(tests/mtp_checkpoints.py): greedy with the MTP head proposing is transformers' greedy for the
+target (fp32, CPU, teacher-forced: tests/greedy_reference.py; speculation off is too:
+test_hybrid_models.py), with
 chunked prefill, state slots reused, two MTP layers, several requests at once and preemption; a
 head that proposes the last token again on a target forced into a chain of tokens, so that
 proposals are rejected (the linear-attention state is rolled back) and accepted by
@@ -26,10 +27,11 @@ from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
 from tests import quant_checkpoints as qc
-from tests.checkpoints import _root, checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import _root, checkpoint, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
 from tests.engine.test_hybrid_quant import AWQ_NOT_CONVERT, GROUP
 from tests.engine.token_match import assert_streams_match
+from tests.greedy_reference import check_greedy_outputs
 from tests.mtp_checkpoints import mtp_checkpoint
 
 MAX_NEW = 12
@@ -57,10 +59,9 @@ def prompts(rng: random.Random, n: int, lo: int = 4, hi: int = 20) -> list[list[
 @pytest.mark.parametrize("arch, layers", [("qwen3_5", 1), ("qwen3_5_moe", 1), ("qwen3_next", 2)])
 def test_mtp_greedy_equals_transformers(arch: str, layers: int, rng) -> None:
     ps = prompts(rng, 4)
-    want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in ps]
     eng = engine(mtp_checkpoint(arch, layers=layers), MTP)
     assert len(eng.runner.proposer.kv) == layers
-    assert eng.generate(ps, PARAMS) == want
+    check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
     assert eng.check_all_free()
     st = eng.stats()
     assert st.spec_decode_num_drafts > 0
@@ -137,11 +138,11 @@ def test_mtp_proposals_accepted_and_rejected_by_construction(rng) -> None:
     path = chain_checkpoint()
     model = hf_model_class(path).from_pretrained(path, dtype=torch.float32).eval()
     ps = [prompts(rng, 1)[0] + [C], *prompts(rng, 2)]
-    want = [greedy_tokens(model, p, MAX_NEW) for p in ps]
-    assert want[0] == [B] + [A] * (MAX_NEW - 1)
     # Plenty of blocks: every decode step proposes.
     eng = engine(path, MTP, num_kv_blocks=64)
-    assert eng.generate(ps, PARAMS) == want
+    outs = eng.generate(ps, PARAMS)
+    assert outs[0] == [B] + [A] * (MAX_NEW - 1)
+    check_greedy_outputs(model, ps, outs, MAX_NEW)
     st = eng.stats()
     assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
     assert all(n > 0 for n in st.spec_decode_num_accepted_tokens_per_pos)
@@ -153,9 +154,8 @@ def test_mtp_many_requests_with_preemption(rng) -> None:
     MTP features are rebuilt from position 0), MoE MTP layer."""
     arch = "qwen3_5_moe"
     ps = prompts(rng, 8, 16, 16)
-    want = [greedy_tokens(hf_model(arch), p, MAX_NEW) for p in ps]
     eng = engine(mtp_checkpoint(arch), MTP, num_kv_blocks=4, max_num_seqs=8)
-    assert eng.generate(ps, PARAMS) == want
+    check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
     assert eng.batcher.num_preemptions > 0
     assert eng.stats().spec_decode_num_drafts > 0
     assert eng.check_all_free()
