@@ -23,11 +23,18 @@ ARCHITECTURES = {
     # mixture of experts: every block is a MoE block (llama.cpp builds them so)
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    # hybrid linear attention (Gated DeltaNet layers, a gated full attention every few layers)
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe"),
 }
-MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
-# llama.cpp renormalises the top-k routing weights of qwen3moe and not of qwen2moe (fixed per
-# architecture in its graph code, as transformers' Qwen configs do by default for the GGUFs).
-_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe")
+HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+# MoE blocks with a shared expert behind a sigmoid gate (ffn_*_shexp, ffn_gate_inp_shexp)
+SHARED_EXPERT_ARCHITECTURES = ("qwen2moe", "qwen3next", "qwen35moe")
+# llama.cpp renormalises the top-k routing weights of qwen3moe and the hybrids and not of
+# qwen2moe (fixed per architecture in its graph code, as the Hugging Face configs say).
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True, "qwen35moe": True}
 _SOFTMAX_GATING = 1  # llama_expert_gating_func_type LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
@@ -110,7 +117,7 @@ def read_metadata(path: str | Path, keys: list[str] | None = None) -> dict[str, 
 
 def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> dict[str, Any]:
     """A Hugging Face config.json dict from GGUF metadata (llama, qwen2, qwen3, qwen2moe,
-    qwen3moe)."""
+    qwen3moe, and the hybrids qwen3next, qwen35, qwen35moe)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
@@ -135,7 +142,10 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    head_dim = get("attention.key_length", None) or get("rope.dimension_count", None)
+    head_dim = get("attention.key_length", None)
+    if arch not in HYBRID_ARCHITECTURES:
+        # the hybrids' rope dimension count is the partial rotary part of a head
+        head_dim = head_dim or get("rope.dimension_count", None)
     head_dim = int(head_dim) if head_dim else hidden // heads
     rope_dim = get("rope.dimension_count", None)
     cfg: dict[str, Any] = {
@@ -144,7 +154,8 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
         "vocab_size": int(get("vocab_size", None) or n_vocab or 0),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", None) or 0),
-        "num_hidden_layers": int(get("block_count")),
+        # MTP (nextn) blocks follow the model's own; they are not loaded from a GGUF file
+        "num_hidden_layers": int(get("block_count")) - int(get("nextn_predict_layers", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim,
@@ -158,7 +169,10 @@ def hf_config(meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> di
         raise GGUFError(f"GGUF metadata lacks {arch}.feed_forward_length")
     if arch in MOE_ARCHITECTURES:
         cfg.update(_moe_config(arch, get))
-    if rope_dim and int(rope_dim) != head_dim:
+    if arch in HYBRID_ARCHITECTURES:
+        cfg.update(_hybrid_config(arch, get, cfg["num_hidden_layers"]))
+    if rope_dim and (int(rope_dim) != head_dim or arch in HYBRID_ARCHITECTURES):
+        # (the hybrids' loader default is 0.25: say 1.0 where the file does)
         cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
     kind = get("rope.scaling.type", None)
     if kind not in (None, "none"):
@@ -208,9 +222,42 @@ def _moe_config(arch: str, get: Any) -> dict[str, Any]:
     if inter:
         cfg["moe_intermediate_size"] = int(inter)
     shared = get("expert_shared_feed_forward_length", None)
-    if arch == "qwen2moe" and shared:
+    if arch in SHARED_EXPERT_ARCHITECTURES and shared:
         cfg["shared_expert_intermediate_size"] = int(shared)
     return cfg
+
+
+def _hybrid_config(arch: str, get: Any, layers: int) -> dict[str, Any]:
+    """The Gated DeltaNet fields of a qwen3next / qwen35 / qwen35moe config, from llama.cpp's
+    ssm.* keys: group_count the key heads, state_size the key head dim, time_step_rank the
+    value heads, inner_size value heads x value head dim, conv_kernel the conv width; a full
+    attention layer where (i + 1) % full_attention_interval == 0."""
+    key_heads = int(get("ssm.group_count"))
+    value_heads = int(get("ssm.time_step_rank"))
+    inner = int(get("ssm.inner_size"))
+    if key_heads < 1 or value_heads % key_heads or inner % value_heads:
+        raise GGUFError(
+            f"GGUF {arch}.ssm.time_step_rank {value_heads} (value heads) must be a multiple of "
+            f"{arch}.ssm.group_count {key_heads} (key heads) and divide {arch}.ssm.inner_size "
+            f"{inner}"
+        )
+    interval = int(get("full_attention_interval", 4))
+    if interval < 1:
+        raise GGUFError(f"GGUF {arch}.full_attention_interval {interval} must be >= 1")
+    return {
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        # llama.cpp's converter splits Qwen3-Next's fused in_proj_qkvz into attn_qkv and
+        # attn_gate (and its in_proj_ba is split on load): the Qwen3.5 projections
+        "linear_attn_split_projections": True,
+    }
 
 
 def context_length(path: str | Path) -> int:

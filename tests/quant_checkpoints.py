@@ -659,6 +659,25 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def add_gguf_tokenizer(w) -> None:
+    """The test tokenizer as llama.cpp writes a gpt2-style BPE vocabulary into GGUF metadata."""
+    tok = tokenizer()
+    tj = json.loads(tok.backend_tokenizer.to_str())
+    tokens = [tok.convert_ids_to_tokens(i) for i in range(len(tok))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    special = set(tok.all_special_ids)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tok.convert_tokens_to_ids("<|im_end|>"))
+    w.add_bos_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
+    w.add_pad_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok.chat_template)
+
+
 def gguf_checkpoint(
     arch: str,
     types,
@@ -681,11 +700,6 @@ def gguf_checkpoint(
     out.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     sd = load_file(src / "model.safetensors")
-    tok = tokenizer()
-    tj = json.loads(tok.backend_tokenizer.to_str())
-    tokens = [tok.convert_ids_to_tokens(i) for i in range(len(tok))]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    special = set(tok.all_special_ids)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
@@ -719,16 +733,7 @@ def gguf_checkpoint(
                 w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
                 if cfg.get("shared_expert_intermediate_size"):
                     w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-        w.add_token_merges(merges)
-        w.add_eos_token_id(tok.convert_tokens_to_ids("<|im_end|>"))
-        w.add_bos_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
-        w.add_pad_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
-        w.add_add_bos_token(False)
-        w.add_chat_template(tok.chat_template)
+        add_gguf_tokenizer(w)
         return w
 
     tensors = _gguf_tensors(sd)

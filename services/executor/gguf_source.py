@@ -12,8 +12,11 @@ projection (`blk.N.ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, [E, rows, K
 order); they are handed on as each expert's projection under its Hugging Face name
 (model.layers.N.mlp.experts.E.gate_proj.weight), a view of the stacked rows, so the experts'
 quantization method (models/moe.py experts_method) sees them as it sees any checkpoint's. The
-routers (`ffn_gate_inp`, Qwen2-MoE's `ffn_gate_inp_shexp`) stay float, dequantized here if a
-file quantized them.
+routers (`ffn_gate_inp`, the shared expert's `ffn_gate_inp_shexp`) stay float, dequantized here
+if a file quantized them.
+
+The hybrid linear-attention files (qwen3next, qwen35, qwen35moe) are mapped back by
+gguf_hybrid.py; their MTP blocks (past block_count - nextn_predict_layers) are not loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from voltserve.services.executor.gguf_hybrid import HybridLayout
 from voltserve.services.executor.quant.base import (
     LinearMethod,
     QuantConfig,
@@ -37,7 +41,14 @@ from voltserve.services.executor.quant.base import (
 from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.quant.group import GroupQuantMethod, ShardCodes
 from voltserve.services.executor.tp.sharding import Cut, TensorSplit
-from voltserve.shared.gguf_files import MOE_ARCHITECTURES, GGUFError, gguf_files, hf_config
+from voltserve.shared.gguf_files import (
+    HYBRID_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SHARED_EXPERT_ARCHITECTURES,
+    GGUFError,
+    gguf_files,
+    hf_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +93,16 @@ _GLOBAL = {
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, hybrid: HybridLayout | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor (the first, for ssm_ba's two); None: not loaded."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     m = _BLK.match(name)
-    if m and m[2] in _LAYER:
+    if m is None:
+        return None
+    if hybrid is not None and hybrid.hf_leaves(m[2]):
+        return f"model.layers.{m[1]}.{hybrid.hf_leaves(m[2])[0]}"
+    if m[2] in _LAYER:
         return f"model.layers.{m[1]}.{_LAYER[m[2]]}"
     return None
 
@@ -245,9 +261,26 @@ class GGUFSource:
         if not self.config["vocab_size"] and "token_embd.weight" in self.tensors:
             self.config["vocab_size"] = self.tensors["token_embd.weight"].shape[0]
         self.num_experts = int(self.config.get("num_experts") or 0)
+        self.hybrid = (
+            HybridLayout.from_config(self.arch, self.config)
+            if self.arch in HYBRID_ARCHITECTURES
+            else None
+        )
         self._check_experts()
         types: dict[str, tuple[str, str]] = {}
         for name, t in self.tensors.items():
+            if self._past_layers(name):
+                continue
+            m = _BLK.match(name)
+            hy = self.hybrid.hf_leaves(m[2]) if self.hybrid is not None and m else []
+            if hy:
+                kind = t.kind
+                if m[2] == "ssm_out.weight" and self.hybrid.out_needs_float(kind):
+                    kind = "F32"  # dequantized on load (gguf_hybrid.py)
+                for leaf in hy:
+                    if leaf.endswith(".weight") and len(t.shape) == 2:
+                        types[f"model.layers.{m[1]}.{leaf[: -len('.weight')]}"] = (kind, name)
+                continue
             hf = hf_name(name)
             if hf is not None and hf.endswith(".weight") and len(t.shape) == 2:
                 types[hf[: -len(".weight")]] = (t.kind, name)
@@ -255,11 +288,22 @@ class GGUFSource:
                 types[hf[: -len(".weight")]] = (t.kind, name)
         self.quant = GGUFQuantConfig(types)
 
+    def _past_layers(self, name: str) -> bool:
+        """A block past the model's layers (MTP / nextn blocks): not loaded."""
+        m = _BLK.match(name)
+        return m is not None and int(m[1]) >= self.config["num_hidden_layers"]
+
     def _check_experts(self) -> None:
         """An MoE file: every block holds E stacked experts of one shape (the config's expert
         sizes, read from the shapes where the metadata lacks them). A dense architecture
         holding expert tensors (Mixtral is a llama file with experts) is refused by name."""
         exps = [n for n in self.tensors if _BLK.match(n) and _BLK.match(n)[2] in _EXPERTS]
+        fused = [n for n in self.tensors if n.endswith(".ffn_gate_up_exps.weight")]
+        if fused:
+            raise GGUFError(
+                f"GGUF {self.arch!r} file holds fused expert tensors ({fused[0]!r}), which are "
+                "not supported (supported: ffn_gate_exps / ffn_up_exps / ffn_down_exps)"
+            )
         if self.arch not in MOE_ARCHITECTURES:
             routed = exps or [n for n in self.tensors if ".ffn_gate_inp" in n]
             if routed:
@@ -295,7 +339,7 @@ class GGUFSource:
                 inter = t.shape[2] if leaf == "ffn_down_exps" else t.shape[1]
                 sizes["moe_intermediate_size"] = sizes["moe_intermediate_size"] or inter
             shexp = self.tensors.get(f"blk.{i}.ffn_gate_shexp.weight")
-            if shexp is not None and self.arch == "qwen2moe":
+            if shexp is not None and self.arch in SHARED_EXPERT_ARCHITECTURES:
                 sizes["shared_expert_intermediate_size"] = (
                     sizes["shared_expert_intermediate_size"] or shexp.shape[0]
                 )
@@ -304,10 +348,14 @@ class GGUFSource:
                 # a size the metadata gives wins; a tensor that disagrees with it fails to load
                 # naming itself (the linear methods check every shape)
                 cfg.setdefault(key, int(size))
-        if self.arch == "qwen2moe" and "shared_expert_intermediate_size" not in cfg:
+        if (
+            self.arch in SHARED_EXPERT_ARCHITECTURES
+            and "shared_expert_intermediate_size" not in cfg
+        ):
             raise QuantFormatError(
-                "GGUF qwen2moe file has no shared expert (tensor 'blk.0.ffn_gate_shexp.weight' "
-                "and qwen2moe.expert_shared_feed_forward_length are absent)"
+                f"GGUF {self.arch} file has no shared expert (tensor "
+                f"'blk.0.ffn_gate_shexp.weight' and {self.arch}.expert_shared_feed_forward_length "
+                "are absent)"
             )
         if not cfg["intermediate_size"]:
             cfg["intermediate_size"] = cfg["moe_intermediate_size"]  # no dense MLP is built
@@ -340,6 +388,9 @@ class GGUFSource:
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.tensors.items():
+            if self._past_layers(name):
+                yield name, torch.empty(0)  # reported as ignored by the loader
+                continue
             experts = expert_names(name, self.num_experts)
             if experts is not None and len(t.shape) == 3:
                 # [E, rows, K] (float) or [E, rows, row bytes] (blocks): one view per expert
@@ -347,13 +398,21 @@ class GGUFSource:
                 for e, hf in enumerate(experts):
                     yield hf, x[e]
                 continue
-            hf = hf_name(name)
+            hf = hf_name(name, self.hybrid)
             if hf is None:
                 yield name, torch.empty(0)  # reported as ignored by the loader
                 continue
             x = self._torch(t)
             rows = t.shape[0]
             x = x.reshape(rows, -1) if len(t.shape) == 2 else x.reshape(t.shape)
+            if self.hybrid is not None:
+                m = _BLK.match(name)
+                if m and self.hybrid.hf_leaves(m[2]):
+                    for leaf, y in self.hybrid.convert(m[2], x, t.kind, dequantize_raw):
+                        yield f"model.layers.{m[1]}.{leaf}", y
+                    continue
+                if name == "output_norm.weight":
+                    x = x.float() - 1.0  # stored as 1 + weight
             if hf.endswith(_ROUTERS):
                 if t.kind in BLOCK_TYPES:
                     x = dequantize_raw(t.kind, x, t.shape[-1])

@@ -159,7 +159,9 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
         moe.update(norm_topk_prob=True, mlp_only_layers=(), decoder_sparse_step=1)
     cls, hybrid = ModelArch, {}
     if flags.get("hybrid"):
-        cls, hybrid = HybridArch, _parse_hybrid(hf, name, flags["hybrid"] == "fused")
+        # a Qwen3-Next GGUF file holds the fused projections split (shared/gguf_files.py)
+        fused = flags["hybrid"] == "fused" and not hf.get("linear_attn_split_projections")
+        cls, hybrid = HybridArch, _parse_hybrid(hf, name, fused)
         # transformers' default for these families when config.json says nothing
         partial = _partial_rotary(hf) or 0.25
     return cls(

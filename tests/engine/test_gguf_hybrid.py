@@ -1,0 +1,165 @@
+"""GGUF files of the hybrid linear-attention models (llama.cpp's qwen3next, qwen35, qwen35moe)
+through the model runner against transformers on the Hugging Face folder they were written
+from (fp32, CPU). transformers cannot load these GGUF files, so tests/hybrid_gguf_checkpoints.py
+writes them as llama.cpp's converter does (attn_qkv / attn_gate split from Qwen3-Next's fused
+projection, ssm_ba, ssm_a = -exp(A_log), 1 + weight norms, Qwen3.5's value heads tiled).
+
+F32: against the source folder itself, so every layout change must be undone exactly.
+Quantized: against the folder holding the file's dequantized values (gguf's own dequantizer),
+as the other GGUF tests do. Two prompts run batched through the engine with chunked prefill (an
+8-token budget: later chunks start from the state the earlier left); greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.loader import ModelLoadError, load_model
+from voltserve.shared.config import EngineConfig
+from voltserve.shared.sampling_params import SamplingParams
+
+from tests.checkpoints import greedy_tokens, hf_model_class, tokenizer
+from tests.hybrid_gguf_checkpoints import float_source, hybrid_gguf
+
+CPU = torch.device("cpu")
+MAX_NEW = 5
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def check_against_reference(path, ref, rng) -> LLMEngine:
+    V = len(tokenizer())
+    prompts = [
+        [rng.randrange(V) for _ in range(n)] for n in (rng.randint(3, 9), rng.randint(20, 40))
+    ]
+    model = hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
+    want = [greedy_tokens(model, p, MAX_NEW) for p in prompts]
+    engine = LLMEngine(
+        EngineConfig(model=str(path), num_kv_blocks=32, max_num_batched_tokens=8, max_num_seqs=8)
+    )
+    assert engine.generate(prompts, PARAMS) == want
+    assert engine.check_all_free()
+    return engine
+
+
+def next_mix(gname: str) -> str:
+    """Qwen3-Next: Q8_0 linears (ssm_ba too: one ggml type split into in_proj_b / in_proj_a),
+    F32 routers as llama.cpp keeps them, the shared expert's down projection (K 48) F16."""
+    if gname.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return "F32"
+    if gname.endswith("ffn_down_shexp.weight"):
+        return "F16"
+    return "Q8_0"
+
+
+def qwen35_moe_mix(gname: str) -> str:
+    """Qwen3.5-MoE: attn_qkv Q8_0 beside a Q5_0 attn_gate, float ssm_beta / ssm_alpha (a
+    second, float product for b and a), Q8_0 ssm_out whose tiled value heads (16 wide) cut
+    its blocks (dequantized on load), Q4_0 experts, F16 full attention."""
+    if gname.endswith("attn_gate.weight"):
+        return "Q5_0"
+    if gname.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ffn_gate_inp.weight")):
+        return "F32"
+    if gname.endswith(("_exps.weight",)):
+        return "Q4_0"
+    if gname.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")):
+        return "F16"
+    if gname.endswith(("ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")):
+        return "F32"
+    return "Q8_0"
+
+
+CASES = {
+    "qwen3_5-F32": ("qwen3_5", lambda _n: "F32"),
+    "qwen3_next-Q8_0": ("qwen3_next", next_mix),
+    "qwen3_5_moe-mix": ("qwen3_5_moe", qwen35_moe_mix),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hybrid_gguf_matches_transformers(case: str, rng) -> None:
+    arch, types = CASES[case]
+    d, ref = hybrid_gguf(arch, types, case)
+    if case.endswith("F32"):
+        ref = float_source(arch)  # the source itself: every layout change undone exactly
+    runner = check_against_reference(d / "model.gguf", ref, rng).runner
+    a = runner.arch
+    want = json.loads((float_source(arch) / "config.json").read_text())
+    assert list(a.layer_types) == want["layer_types"]
+    assert not a.fused_gdn_proj
+    if case == "qwen3_5_moe-mix":
+        gdn = runner.model.model.layers[0].linear_attn
+        assert gdn.in_proj is None  # q/k/v + z quantized, b + a float
+        assert type(gdn.in_proj_ba.method).__name__ == "UnquantizedMethod"
+        assert type(gdn.out_proj.method).__name__ == "UnquantizedMethod"  # dequantized on load
+    if case == "qwen3_next-Q8_0":
+        gdn = runner.model.model.layers[0].linear_attn
+        assert gdn.in_proj is not None and gdn.in_proj.qweight is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_config_from_the_metadata_matches_the_source(arch: str) -> None:
+    from voltserve.services.executor.gguf_source import GGUFSource
+
+    d, _ = hybrid_gguf(arch, lambda _n: "F32", "F32")
+    ours = GGUFSource(d).config
+    want = json.loads((float_source(arch) / "config.json").read_text())
+    keys = ["layer_types", "linear_num_key_heads", "linear_num_value_heads", "head_dim"]
+    keys += ["linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"]
+    keys += ["num_hidden_layers", "num_key_value_heads", "tie_word_embeddings"]
+    if "num_experts" in want:
+        keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+        keys += ["shared_expert_intermediate_size"]
+    for k in keys:
+        assert ours[k] == want[k], k
+    assert ours["partial_rotary_factor"] == want["rope_parameters"]["partial_rotary_factor"]
+
+
+def _write(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in meta.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_META = {
+    "block_count": 2,
+    "embedding_length": 32,
+    "feed_forward_length": 64,
+    "attention.head_count": 2,
+    "context_length": 64,
+    "ssm.group_count": 2,
+    "ssm.time_step_rank": 4,
+    "ssm.state_size": 8,
+    "ssm.inner_size": 32,
+    "ssm.conv_kernel": 4,
+    "full_attention_interval": 2,
+}
+
+
+def test_bad_hybrid_files_are_refused_by_name(tmp_path) -> None:
+    _write(tmp_path / "a.gguf", "qwen35", {**_META, "ssm.time_step_rank": 3}, {})
+    with pytest.raises(ModelLoadError, match=r"qwen35\.ssm\.time_step_rank 3 \(value heads\)"):
+        load_model(tmp_path / "a.gguf", torch.float32, CPU)
+    meta = {**_META, "expert_count": 4, "expert_used_count": 2}
+    fused = {"blk.0.ffn_gate_up_exps.weight": np.zeros((4, 64, 32), np.float32)}
+    _write(tmp_path / "b.gguf", "qwen35moe", meta, fused)
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_up_exps\.weight'"):
+        load_model(tmp_path / "b.gguf", torch.float32, CPU)
+
+
+@pytest.mark.parametrize("arch", ["kimi-linear", "lfm2", "mamba2", "nemotron_h"])
+def test_other_linear_attention_architectures_stay_refused_by_name(tmp_path, arch: str) -> None:
+    _write(tmp_path / "m.gguf", arch, _META, {})
+    with pytest.raises(ModelLoadError, match=rf"architecture '{arch}' is not supported"):
+        load_model(tmp_path / "m.gguf", torch.float32, CPU)
