@@ -273,7 +273,14 @@ def context_length(path: str | Path) -> int:
 def load_tokenizer(path: str | Path) -> Any:
     """transformers' tokenizer built from the GGUF metadata (vocabulary, merges, special ids,
     chat template)."""
-    from transformers import AutoTokenizer
+    import transformers
 
     first = gguf_files(path)[0]
-    return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    if arch in HYBRID_ARCHITECTURES:
+        # AutoTokenizer reads the file's model config first, which transformers cannot for
+        # these architectures; their tokenizer is Qwen2's (pre-tokenizer from tokenizer.ggml.pre)
+        cls = transformers.Qwen2Tokenizer
+    else:
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(first.parent), gguf_file=first.name)

@@ -48,6 +48,13 @@ SOURCES: dict[str, dict] = {
         tie_word_embeddings=False, head_dim=32, num_hidden_layers=4, full_attention_interval=2,
         **_GDN,
     ),
+    # K-quant super-blocks (256) on every linear's input; value heads 64 wide, so a tiled
+    # ssm_out moves whole 32-element blocks but cuts 256-element ones
+    "qwen3_5-wide": dict(
+        tie_word_embeddings=False, hidden_size=256, intermediate_size=512, head_dim=64,
+        num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64,
+    ),
     "qwen3_5_moe": dict(
         tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, full_attention_interval=3,
         **_MOE, **_GDN,
@@ -98,14 +105,16 @@ _LINEAR = re.compile(
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def float_source(arch: str) -> Path:
+def float_source(source: str) -> Path:
+    """The float folder of a SOURCES entry (`arch` or `arch-variant`)."""
     from voltserve.services.executor.demo_model import write_checkpoint
 
-    out = _root() / f"{arch}-gguf-src"
+    out = _root() / f"{source}-gguf-src"
     if out.is_dir():
         return out
+    arch = source.split("-")[0]
     return write_checkpoint(
-        out, arch=arch, size="tiny", seed=21, tokenizer=tokenizer(), **SOURCES[arch]
+        out, arch=arch, size="tiny", seed=21, tokenizer=tokenizer(), **SOURCES[source]
     )
 
 
@@ -208,14 +217,14 @@ def _metadata(w, cfg: dict) -> None:
     qc.add_gguf_tokenizer(w)
 
 
-def hybrid_gguf(arch: str, types: Callable[[str], str], name: str) -> tuple[Path, Path]:
-    """(folder holding model.gguf, float reference folder) of the tiny `arch` hybrid model;
+def hybrid_gguf(source: str, types: Callable[[str], str], name: str) -> tuple[Path, Path]:
+    """(folder holding model.gguf, float reference folder) of a SOURCES hybrid model;
     types(GGUF name) -> ggml type of each weight _LINEAR matches (the rest stay F32)."""
     import gguf
 
-    src = float_source(arch)
-    garch = GGUF_ARCH[arch]
-    out, ref = _root() / f"{arch}-gguf-{name}", _root() / f"{arch}-gguf-{name}-ref"
+    src = float_source(source)
+    garch = GGUF_ARCH[source.split("-")[0]]
+    out, ref = _root() / f"{source}-gguf-{name}", _root() / f"{source}-gguf-{name}-ref"
     if out.is_dir():
         return out, ref
     cfg = json.loads((src / "config.json").read_text())

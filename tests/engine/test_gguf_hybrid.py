@@ -72,10 +72,21 @@ def qwen35_moe_mix(gname: str) -> str:
     return "Q8_0"
 
 
+def k_mix(gname: str) -> str:
+    """Qwen3.5 with K-quants: Q4_K, Q6_K ffn_down and output head, a Q8_0 ssm_out (the tiled
+    value heads, 64 wide, moved as whole 32-element blocks)."""
+    if gname.endswith(("ffn_down.weight", "output.weight")):
+        return "Q6_K"
+    if gname.endswith("ssm_out.weight"):
+        return "Q8_0"
+    return "Q4_K"
+
+
 CASES = {
     "qwen3_5-F32": ("qwen3_5", lambda _n: "F32"),
     "qwen3_next-Q8_0": ("qwen3_next", next_mix),
     "qwen3_5_moe-mix": ("qwen3_5_moe", qwen35_moe_mix),
+    "qwen3_5-Kmix": ("qwen3_5-wide", k_mix),
 }
 
 
@@ -89,12 +100,17 @@ def test_hybrid_gguf_matches_transformers(case: str, rng) -> None:
     a = runner.arch
     want = json.loads((float_source(arch) / "config.json").read_text())
     assert list(a.layer_types) == want["layer_types"]
+    assert a.partial_rotary_factor == 0.25
     assert not a.fused_gdn_proj
     if case == "qwen3_5_moe-mix":
         gdn = runner.model.model.layers[0].linear_attn
         assert gdn.in_proj is None  # q/k/v + z quantized, b + a float
         assert type(gdn.in_proj_ba.method).__name__ == "UnquantizedMethod"
         assert type(gdn.out_proj.method).__name__ == "UnquantizedMethod"  # dequantized on load
+    if case == "qwen3_5-Kmix":
+        gdn = runner.model.model.layers[0].linear_attn
+        assert gdn.out_proj.qweight is not None  # Q8_0 blocks moved whole
+        assert gdn.in_proj.qweight is not None
     if case == "qwen3_next-Q8_0":
         gdn = runner.model.model.layers[0].linear_attn
         assert gdn.in_proj is not None and gdn.in_proj.qweight is not None
@@ -163,3 +179,16 @@ def test_other_linear_attention_architectures_stay_refused_by_name(tmp_path, arc
     _write(tmp_path / "m.gguf", arch, _META, {})
     with pytest.raises(ModelLoadError, match=rf"architecture '{arch}' is not supported"):
         load_model(tmp_path / "m.gguf", torch.float32, CPU)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_tokenizer_from_the_metadata(arch: str) -> None:
+    """The renderer's tokenizer (transformers' AutoTokenizer cannot read these files)."""
+    from voltserve.shared.gguf_files import load_tokenizer
+
+    d, _ = hybrid_gguf(arch, lambda _n: "F32", "F32")
+    ours, want = load_tokenizer(d), tokenizer()
+    text = "Hello wörld <|im_end|> 12 345"
+    assert ours.encode(text) == want.encode(text)
+    assert ours.chat_template == want.chat_template
+    assert ours.eos_token == "<|im_end|>"
