@@ -287,6 +287,20 @@ class GGUFSource:
             for hf in expert_names(name, self.num_experts) or ():
                 types[hf[: -len(".weight")]] = (t.kind, name)
         self.quant = GGUFQuantConfig(types)
+        widened = [
+            n
+            for n, t in self.tensors.items()
+            if n.endswith("ssm_out.weight") and self.hybrid and self.hybrid.out_needs_float(t.kind)
+        ]
+        if widened:
+            logger.info(
+                "%d ssm_out tensors (%s) dequantized at load: their tiled value heads (%d wide) "
+                "cut the %s blocks",
+                len(widened),
+                widened[0],
+                self.hybrid.value_dim,
+                self.tensors[widened[0]].kind,
+            )
 
     def _past_layers(self, name: str) -> bool:
         """A block past the model's layers (MTP / nextn blocks): not loaded."""
