@@ -176,7 +176,7 @@ def _dequantize(data: np.ndarray, raw, shape: tuple[int, ...]) -> np.ndarray:
     return gguf.quants.dequantize(data, raw).reshape(shape).astype(np.float32)
 
 
-def _metadata(w, cfg: dict) -> None:
+def _metadata(w, cfg: dict, mtp: bool) -> None:
     hd = cfg["head_dim"]
     types = cfg["layer_types"]
     interval = types.index("full_attention") + 1
@@ -190,7 +190,9 @@ def _metadata(w, cfg: dict) -> None:
     w.add_embedding_length(cfg["hidden_size"])
     if cfg.get("intermediate_size"):
         w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(cfg["num_hidden_layers"] + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -217,9 +219,13 @@ def _metadata(w, cfg: dict) -> None:
     qc.add_gguf_tokenizer(w)
 
 
-def hybrid_gguf(source: str, types: Callable[[str], str], name: str) -> tuple[Path, Path]:
+def hybrid_gguf(
+    source: str, types: Callable[[str], str], name: str, mtp: bool = False
+) -> tuple[Path, Path]:
     """(folder holding model.gguf, float reference folder) of a SOURCES hybrid model;
-    types(GGUF name) -> ggml type of each weight _LINEAR matches (the rest stay F32)."""
+    types(GGUF name) -> ggml type of each weight _LINEAR matches (the rest stay F32). mtp: an
+    MTP block after the model's (nextn_predict_layers 1; the reference has none): layer 0's
+    tensors again under the next block number, plus its nextn.eh_proj."""
     import gguf
 
     src = float_source(source)
@@ -231,7 +237,7 @@ def hybrid_gguf(source: str, types: Callable[[str], str], name: str) -> tuple[Pa
     sd = load_file(src / "model.safetensors")
     out.mkdir()
     w = gguf.GGUFWriter(str(out / "model.gguf"), garch)
-    _metadata(w, cfg)
+    _metadata(w, cfg, mtp)
     ref_sd: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, str]] = {}
     for hf in list(sd):
@@ -260,6 +266,14 @@ def hybrid_gguf(source: str, types: Callable[[str], str], name: str) -> tuple[Pa
             back[gi.reshape(-1)] = _dequantize(data, raw, g.shape).reshape(-1)
         # a value change is a float tensor's, written F32: the reference keeps the source's
         ref_sd[hf] = t if changed else torch.from_numpy(back.reshape(x.shape))
+    if mtp:
+        n = cfg["num_hidden_layers"]
+        for hf, t in sd.items():
+            if hf.startswith("model.layers.0."):
+                for gname, g in _layout(hf, t.float().numpy(), cfg, garch):
+                    w.add_tensor(gname.replace("blk.0.", f"blk.{n}.", 1), _values(gname, g))
+        eh = np.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32)
+        w.add_tensor(f"blk.{n}.nextn.eh_proj.weight", eh)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -84,6 +84,8 @@ def k_mix(gname: str) -> str:
 
 CASES = {
     "qwen3_5-F32": ("qwen3_5", lambda _n: "F32"),
+    # an MTP block after the model's (nextn_predict_layers): not loaded
+    "qwen3_5-F16-mtp": ("qwen3_5", lambda _n: "F16"),
     "qwen3_next-Q8_0": ("qwen3_next", next_mix),
     "qwen3_5_moe-mix": ("qwen3_5_moe", qwen35_moe_mix),
     "qwen3_5-Kmix": ("qwen3_5-wide", k_mix),
@@ -93,13 +95,13 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_hybrid_gguf_matches_transformers(case: str, rng) -> None:
     arch, types = CASES[case]
-    d, ref = hybrid_gguf(arch, types, case)
+    d, ref = hybrid_gguf(arch, types, case, mtp=case.endswith("mtp"))
     if case.endswith("F32"):
         ref = float_source(arch)  # the source itself: every layout change undone exactly
     runner = check_against_reference(d / "model.gguf", ref, rng).runner
     a = runner.arch
     want = json.loads((float_source(arch) / "config.json").read_text())
-    assert list(a.layer_types) == want["layer_types"]
+    assert list(a.layer_types) == want["layer_types"]  # the MTP block not counted
     assert a.partial_rotary_factor == 0.25
     assert not a.fused_gdn_proj
     if case == "qwen3_5_moe-mix":
