@@ -194,3 +194,16 @@ def test_tokenizer_from_the_metadata(arch: str) -> None:
     assert ours.encode(text) == want.encode(text)
     assert ours.chat_template == want.chat_template
     assert ours.eos_token == "<|im_end|>"
+
+
+def test_mtp_from_a_gguf_file_is_refused_by_name() -> None:
+    from voltserve.services.executor.model_runner import ModelRunner
+    from voltserve.services.executor.spec.config import SpeculativeConfig
+    from voltserve.shared.startup import StartupError
+
+    d, _ = hybrid_gguf("qwen3_5", lambda _n: "F16", "qwen3_5-F16-mtp", mtp=True)
+    sc = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(StartupError, match="MTP layers of a GGUF file"):
+        ModelRunner(
+            EngineConfig(model=str(d / "model.gguf"), num_kv_blocks=8, speculative_config=sc)
+        )

@@ -42,6 +42,7 @@ from voltserve.services.executor.models.qwen3_next import (
 )
 from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.shared import startup
+from voltserve.shared.gguf_files import is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ def mtp_num_layers(path: str, target_arch) -> int:
         raise startup.StartupError(
             f"{where}: {target_arch.architecture} has no MTP layers this build runs (method "
             "'mtp' serves the Qwen3-Next / Qwen3.5 / 3.6 families)"
+        )
+    if is_gguf(path):
+        raise startup.StartupError(
+            f"{where}: the MTP layers of a GGUF file (llama.cpp's nextn blocks) are not loaded; "
+            "serve the Hugging Face folder for method 'mtp'"
         )
     try:
         hf = text_config(read_hf_config(path))
