@@ -7,7 +7,8 @@ projection, ssm_ba, ssm_a = -exp(A_log), 1 + weight norms, Qwen3.5's value heads
 F32: against the source folder itself, so every layout change must be undone exactly.
 Quantized: against the folder holding the file's dequantized values (gguf's own dequantizer),
 as the other GGUF tests do. Two prompts run batched through the engine with chunked prefill (an
-8-token budget: later chunks start from the state the earlier left); greedy tokens equal.
+8-token budget: later chunks start from the state the earlier left); every greedy token is the
+reference's, teacher-forced (tests/greedy_reference.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from voltserve.services.executor.loader import ModelLoadError, load_model
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
-from tests.checkpoints import greedy_tokens, hf_model_class, tokenizer
+from tests.checkpoints import hf_model_class, tokenizer
+from tests.greedy_reference import check_greedy_outputs
 from tests.hybrid_gguf_checkpoints import float_source, hybrid_gguf
 
 CPU = torch.device("cpu")
@@ -36,11 +38,10 @@ def check_against_reference(path, ref, rng) -> LLMEngine:
         [rng.randrange(V) for _ in range(n)] for n in (rng.randint(3, 9), rng.randint(20, 40))
     ]
     model = hf_model_class(ref).from_pretrained(ref, dtype=torch.float32).eval()
-    want = [greedy_tokens(model, p, MAX_NEW) for p in prompts]
     engine = LLMEngine(
         EngineConfig(model=str(path), num_kv_blocks=32, max_num_batched_tokens=8, max_num_seqs=8)
     )
-    assert engine.generate(prompts, PARAMS) == want
+    check_greedy_outputs(model, prompts, engine.generate(prompts, PARAMS), MAX_NEW)
     assert engine.check_all_free()
     return engine
 
