@@ -249,6 +249,9 @@ def drive(runner, reqs, max_new: int, chunk: int) -> None:
     per = -(-(max(r.num_tokens for r in reqs) + max_new) // runner.block_size)
     for i, r in enumerate(reqs):
         r.block_ids = list(range(i * per, (i + 1) * per))
+        if runner.state_cache is not None:
+            assert len(reqs) <= runner.state_cache.num_slots
+            r.state_slot = i
         r.trace = []
         # As the engine sets it: the pipelined decode launches no step for rows that all end.
         r.max_output_tokens = max_new

@@ -331,6 +331,15 @@ class ModelRunner:
             self._verify_states.commit(self.state_cache)
             self._verify_states = None
         out = RunnerOutput()
+        if self.state_cache is not None:
+            # A row without a slot would read and write slot -1 (another request's state):
+            # silently wrong tokens. The block manager gives every admitted request one.
+            for s in plan.scheduled:
+                if s.request.state_slot < 0:
+                    raise RuntimeError(
+                        f"request {s.request.request_id} has no linear-attention state slot "
+                        "(a hybrid model's requests are admitted by the block manager)"
+                    )
         if plan.scheduled:
             out.sampled = self._run(plan, out)
         return out

@@ -96,3 +96,29 @@ def test_unsupported_options_are_refused_by_name() -> None:
         ModelRunner(engine_config(model=path, num_kv_blocks=8, speculative_config=spec))
     with pytest.raises(ValueError, match="enable-prefix-caching.*Qwen3_5ForCausalLM"):
         LLMEngine(EngineConfig(model=path, num_kv_blocks=8, enable_prefix_caching=True))
+
+
+def test_a_row_without_a_state_slot_is_refused(rng) -> None:
+    """The runner driven directly: a request the block manager did not admit has no state slot
+    and would share slot -1 with another; it is refused by name, and with slots given it
+    equals transformers."""
+    from voltserve.services.executor.request import Request
+
+    from tests.checkpoints import drive
+
+    runner = ModelRunner(EngineConfig(model=str(checkpoint("qwen3_5")), num_kv_blocks=16))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = _prompts(rng, 2, 3, 20)
+    reqs = [Request(f"r{i}", p, params, seed=i, arrival_time=0.0) for i, p in enumerate(prompts)]
+    with pytest.raises(RuntimeError, match="r0 has no linear-attention state slot"):
+        runner.execute(_plan(reqs))
+    drive(runner, reqs, MAX_NEW, chunk=8)
+    outs = [r.output_token_ids for r in reqs]
+    check_greedy_outputs(hf_model("qwen3_5"), prompts, outs, MAX_NEW)
+
+
+def _plan(reqs):
+    from voltserve.services.executor.request import ScheduledRequest, StepPlan
+
+    sched = [ScheduledRequest(r, r.num_tokens) for r in reqs]
+    return StepPlan(sched, sum(s.num_new_tokens for s in sched))
