@@ -12,6 +12,9 @@ import are installed, so that it compiles while pip installs the rest on a machi
 cores are idle: VOLTSERVE_CC70_CHECK_DIR names the folder it writes (stdout, stderr, results,
 PTX, and `returncode` last), and the fixture waits for that instead of compiling again. A
 folder older than a kernel source is refused (it would be another tree's check).
+
+Every test here also runs with a short interpreter switch interval while numba's CUDA simulator
+is in use (`_simulator_switch_interval`).
 """
 
 from __future__ import annotations
@@ -19,13 +22,69 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+from voltserve.kernels.runtime.numba_common import SIM
 
 from voltserve.cli import command as voltserve_command
+
+# The simulator runs a block's threads as Python threads that meet at every syncthreads (its warp
+# shuffles are built from them) while the launching thread polls them in a loop. At the default
+# 5 ms interval most of a launch is threads waiting for the GIL that the polling thread holds:
+# measured on 2 cores, a fused quantized-MoE case took 17.6 s at 5 ms and 6.9 s at 0.1 ms, an
+# online-merge decode case 30.3 s and 2.7 s. Shorter intervals gained nothing more.
+SIM_SWITCH_INTERVAL_S = 1e-4
+_shared_lock = threading.Lock()
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """numba's FakeCUDAShared.array with its allocation made atomic. numba looks the call site's
+    array up and creates it on a miss, unlocked: a thread switched out between the two makes a
+    second array, and the writes of the threads holding one are lost to those holding the other
+    (seen as wrong in-kernel attention merges once threads switch often). Keyed by the caller's
+    file and line, as numba keys it."""
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+
+    if alignment is not None or shape == 0:
+        return _numba_shared_array(self, shape, dtype, alignment)
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    with _shared_lock:
+        res = self._allocations.get(caller)
+        if res is None:
+            res = self._allocations[caller] = np.empty(shape, dtype)
+    return res
+
+
+if SIM:
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    _numba_shared_array = FakeCUDAShared.array
+
+
+@pytest.fixture(autouse=True)
+def _simulator_switch_interval(monkeypatch: pytest.MonkeyPatch):
+    """The short switch interval for this test (simulator only), restored after it, with the
+    simulator's shared arrays allocated atomically (`_shared_array`)."""
+    if not SIM:
+        yield
+        return
+    monkeypatch.setattr(FakeCUDAShared, "array", _shared_array)
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(default)
 
 
 @dataclass
