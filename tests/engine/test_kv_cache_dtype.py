@@ -25,9 +25,16 @@ from voltserve.shared.startup import StartupError
 
 from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
 from tests.greedy_reference import check_greedy, reference_logprobs
-from tests.kv_rounding import rounded
+from tests.kv_rounding import codes, rounded
 
 LOGPROB_ATOL = 1e-4
+# The engine's K and V differ from transformers' in the last fp32 bits (another summation
+# order), so an element within that distance of a rounding midpoint of the one-byte format
+# takes the neighbouring code on one side: one e4m3 step moves a logprob by ~1e-3. A prompt whose
+# reference K / V hold such an element (its code changes under a relative nudge of NUDGE) is
+# checked at AMBIGUOUS_ATOL; every other prompt at LOGPROB_ATOL.
+NUDGE = 1e-6
+AMBIGUOUS_ATOL = 1e-2
 
 
 def rounded_reference(path, kv_dtype: str | None, scales=None):
@@ -39,11 +46,27 @@ def rounded_reference(path, kv_dtype: str | None, scales=None):
     def attention(module, query, key, value, attention_mask, **kw):
         if kv_dtype is not None:
             ks, vs = scales.get(module.layer_idx, (1.0, 1.0))
+            if kv_dtype != "fp16":
+                model.ambiguous |= near_midpoint(key, kv_dtype, ks)
+                model.ambiguous |= near_midpoint(value, kv_dtype, vs)
             key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=name
+    )
+    model.ambiguous = False
+    return model
+
+
+def near_midpoint(x: torch.Tensor, kv_dtype: str, scale: float) -> bool:
+    """Whether an element of x takes another code when nudged by a relative NUDGE."""
+    c = codes(x, kv_dtype, scale)
+    return bool(
+        (codes(x * (1 + NUDGE), kv_dtype, scale) != c).any()
+        or (codes(x * (1 - NUDGE), kv_dtype, scale) != c).any()
+    )
 
 
 _NAMES = itertools.count()
@@ -65,10 +88,15 @@ def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None) -> float:
     for r, prompt in zip(reqs, prompts, strict=True):
         served = [tok.token_id for tok in r.trace]
         assert r.output_token_ids == served and len(served) == max_new, kv_dtype
-        lp = check_greedy(model, prompt, served, [t.logprob for t in r.trace], LOGPROB_ATOL)
+        model.ambiguous = False
+        reference_logprobs(model, prompt, served)
+        atol = AMBIGUOUS_ATOL if model.ambiguous else LOGPROB_ATOL
+        if model.ambiguous:
+            print(f"{kv_dtype}: an element of K / V sits at a rounding midpoint: atol {atol}")
+        lp = check_greedy(model, prompt, served, [t.logprob for t in r.trace], atol)
         for step, tok in enumerate(r.trace):
             got_v = torch.tensor([v for _, v in tok.top_logprobs])
-            assert torch.allclose(got_v, lp[step].topk(3).values, atol=LOGPROB_ATOL, rtol=0)
+            assert torch.allclose(got_v, lp[step].topk(3).values, atol=atol, rtol=0)
         moved = max(moved, (reference_logprobs(plain, prompt, served) - lp).abs().max().item())
     return moved
 
