@@ -117,7 +117,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.proposer: Proposer | None = None
         if spec is not None and hybrid:
-            check_spec_supported(self.arch.architecture, spec.method, self.device, self.tp)
+            check_spec_supported(self.arch.architecture, spec.method, self.tp)
         if spec is not None:
             self.proposer = make_proposer(spec)
             self.proposer.load(self)

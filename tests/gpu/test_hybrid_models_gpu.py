@@ -80,3 +80,31 @@ def test_fp16_default_flags_track_fp32(arch: str, eager: bool) -> None:
         for step, t in enumerate(out):
             gap = lp[step].max().item() - lp[step, t].item()
             assert gap <= 0.1, (arch, step, t, int(lp[step].argmax()), gap, out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("repeat_head", [False, True], ids=["random-head", "repeat-head"])
+def test_fp32_mtp_equals_transformers(arch: str, repeat_head: bool) -> None:
+    """MTP speculation on CUDA (decode graphs captured, verify steps eager with the state
+    rollback): greedy equals transformers fp32, 6 requests at once, with a random MTP head
+    (mostly rejected) and one that proposes the last token k times (accepted where the target
+    repeats a token)."""
+    from tests.mtp_checkpoints import mtp_checkpoint
+
+    prompts = _prompts(11, 6, 4, 40)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(mtp_checkpoint(arch, repeat_head=repeat_head)),
+            device="cuda",
+            dtype="float32",
+            max_model_len=128,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    want = [greedy_tokens(_hf(arch), p, MAX_NEW) for p in prompts]
+    assert engine.generate(prompts, params) == want
+    st = engine.stats()
+    assert st.spec_decode_num_drafts > 0
+    assert st.spec_decode_num_accepted_tokens <= st.spec_decode_num_draft_tokens
+    assert engine.check_all_free()

@@ -28,9 +28,13 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     step's token budget (a step never schedules more) and what the decode attention can
     take. A verify step of more sequences runs eagerly: speculation pays at small batches,
     and at large ones the step is compute-bound, where a graph saves little. [] when
-    speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0)."""
+    speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0, or a target with
+    linear-attention state: its verify rows' per-position state snapshots, state_rollback.py,
+    are taken by eager code)."""
     spec = runner.config.speculative_config
     if spec is None or not spec_graphs_enabled() or graph_batch < 1:
+        return []
+    if runner.state_cache is not None:
         return []
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
