@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.linear_plan import GEMV, MAX_ROWS, linear_impl
 from voltserve.services.executor.quant.base import UNQUANTIZED, QuantConfig, UnquantizedMethod
@@ -28,6 +29,7 @@ from voltserve.services.executor.tp.sharding import (
 )
 
 if TYPE_CHECKING:
+    from voltserve.services.executor.models.llama import ModelArch
     from voltserve.services.executor.state_rollback import VerifyStates
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
@@ -239,6 +241,17 @@ def lm_head(
         return None
     cut = column_parallel(tp, {None: (vocab_start, vocab_per_rank)})
     return Linear(hidden, {None: vocab_size}, False, dtype, quant, ["lm_head"], cut)
+
+
+def rotary_and_ops(module: nn.Module, arch: ModelArch) -> None:
+    """Give a model (or draft head) its rotary table, the non-persistent buffer `cos_sin_cache`
+    (built on the current default device, so it moves with the module), and an empty `ops` slot
+    that the runner fills once the device is known."""
+    cache = build_cos_sin_cache(
+        arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+    )
+    module.register_buffer("cos_sin_cache", cache, persistent=False)
+    module.ops = None
 
 
 class VocabParallelEmbedding(nn.Module):

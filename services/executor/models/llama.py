@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from voltserve.kernels.attention import qk_norm_rope
-from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
@@ -25,6 +24,7 @@ from voltserve.services.executor.models.layers import (
     linear,
     lm_head,
     paged_attend,
+    rotary_and_ops,
 )
 from voltserve.services.executor.models.moe import SparseMoE
 from voltserve.services.executor.quant.base import QuantConfig
@@ -351,6 +351,9 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints except the merged projections
     (qkv_proj <- q/k/v_proj, gate_up_proj <- gate/up_proj); `stacked_params` maps them."""
 
+    ops: KernelDispatch | None  # set by the runner once the device is known
+    cos_sin_cache: torch.Tensor
+
     # checkpoint name fragment -> (our fragment, shard)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
@@ -392,11 +395,7 @@ class LlamaForCausalLM(nn.Module):
             lay.vocab_start,
             lay.vocab_per_rank,
         )
-        cache = build_cos_sin_cache(
-            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.ops: KernelDispatch | None = None  # set by the runner once the device is known
+        rotary_and_ops(self, arch)
 
     def lm_head_weight(self) -> torch.Tensor | None:
         """The float [vocab, hidden] weight of the lm_head (None: it is quantized)."""

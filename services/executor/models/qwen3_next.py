@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.models.layers import (
     AttentionMetadata,
@@ -47,6 +46,7 @@ from voltserve.services.executor.models.layers import (
     linear,
     lm_head,
     paged_attend,
+    rotary_and_ops,
 )
 from voltserve.services.executor.models.llama import MLP, KVCache, ModelArch
 from voltserve.services.executor.models.moe import SparseMoE
@@ -606,6 +606,9 @@ class Qwen3NextForCausalLM(nn.Module):
     loaded). kv_caches holds the full-attention layers' caches, in layer order; the linear
     layers read their pools from `state_cache` (set by the runner)."""
 
+    ops: KernelDispatch | None  # set by the runner
+    cos_sin_cache: torch.Tensor
+
     def __init__(
         self,
         arch: HybridArch,
@@ -641,11 +644,7 @@ class Qwen3NextForCausalLM(nn.Module):
             lay.vocab_start,
             lay.vocab_per_rank,
         )
-        cache = build_cos_sin_cache(
-            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.ops: KernelDispatch | None = None  # set by the runner
+        rotary_and_ops(self, arch)
         self.state_cache: StateCache | None = None  # set by the runner
 
     def state_specs(self) -> list[LayerStateSpec]:

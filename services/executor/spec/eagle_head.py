@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.models.layers import AttentionMetadata, Linear
+from voltserve.services.executor.models.layers import AttentionMetadata, Linear, rotary_and_ops
 from voltserve.services.executor.models.llama import DecoderLayer, KVCache, ModelArch
 from voltserve.shared import startup
 
@@ -52,6 +51,9 @@ class _NoInputNorm(nn.Module):
 
 
 class EagleHead(nn.Module):
+    ops: KernelDispatch | None  # set by the runner (the target's)
+    cos_sin_cache: torch.Tensor
+
     def __init__(self, arch: ModelArch, dtype: torch.dtype, fc_bias: bool) -> None:
         super().__init__()
         self.arch = arch
@@ -61,11 +63,7 @@ class EagleHead(nn.Module):
             DecoderLayer(arch, dtype, None, f"layers.{i}", index=i) for i in range(arch.num_layers)
         )
         self.layers[0].input_layernorm = _NoInputNorm()
-        cache = build_cos_sin_cache(
-            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.ops: KernelDispatch | None = None  # set by the runner (the target's)
+        rotary_and_ops(self, arch)
 
     @torch.inference_mode()
     def forward(

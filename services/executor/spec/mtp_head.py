@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from voltserve.kernels.attention.rotary import build_cos_sin_cache
 from voltserve.kernels.dispatch import KernelDispatch
-from voltserve.services.executor.models.layers import AttentionMetadata, Linear
+from voltserve.services.executor.models.layers import AttentionMetadata, Linear, rotary_and_ops
 from voltserve.services.executor.models.llama import KVCache
 from voltserve.services.executor.models.qwen3_next import (
     FULL,
@@ -52,6 +51,9 @@ _QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".we
 
 
 class MtpHead(nn.Module):
+    ops: KernelDispatch | None  # set by the runner (the target's)
+    cos_sin_cache: torch.Tensor
+
     def __init__(self, arch: HybridArch, dtype: torch.dtype) -> None:
         """arch: the target's, with one full-attention layer per MTP layer (mtp_arch)."""
         super().__init__()
@@ -66,11 +68,7 @@ class MtpHead(nn.Module):
             for i in range(arch.num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(h, eps, dtype)
-        cache = build_cos_sin_cache(
-            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.ops: KernelDispatch | None = None  # set by the runner (the target's)
+        rotary_and_ops(self, arch)
 
     @torch.inference_mode()
     def forward(
