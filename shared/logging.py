@@ -2,7 +2,8 @@
 
 Quiet by default (WARNING, plus one INFO line per start-up phase); `--log-level info|debug`
 makes a service talk. Call `setup_logging` once in a service's main(), and
-`add_log_level_flag` when building its argparse parser.
+`add_log_level_flag` when building its argparse parser. `warn_once` logs a warning the first
+time a condition is met in a process (a load-time fact that would repeat per layer or tensor).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import os
 import time
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# The keys warn_once has logged in this process.
+_warned: set[str] = set()
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -82,3 +86,11 @@ def setup_logging(service: str, level: str = "warning", json_lines: bool = False
     logging.getLogger("voltserve.startup").setLevel(
         root.level if quiet else min(root.level, logging.INFO)
     )
+
+
+def warn_once(logger: logging.Logger, key: str, msg: str, *args: object) -> None:
+    """logger.warning(msg, *args), unless a warning under `key` was logged before in this process
+    (the key names the condition; the first call's arguments are the ones logged)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from voltserve.services.executor.loader import ModelLoadError, load_model
 from voltserve.services.executor.models.moe import experts_method
-from voltserve.services.executor.quant import fp4 as fp4_method
 from voltserve.services.executor.quant.base import QuantFormatError
 from voltserve.services.executor.quant.compressed_tensors import CompressedTensorsConfig
+from voltserve.shared import logging as vlog
 
 from tests import fp4_checkpoints as fc
 
@@ -51,7 +51,7 @@ def _layer0(loaded):
 
 
 def test_w4a4_checkpoints_serve_the_weights_and_say_so_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(fp4_method, "_said_activations", False)
+    monkeypatch.setattr(vlog, "_warned", set())
     a16, _ = fc.ct_fp4_checkpoint("llama", "nvfp4")
     w4a4, _ = fc.ct_fp4_checkpoint("llama", "nvfp4", w4a4=True)
     assert "input_global_scale" in str(load_file(w4a4 / "model.safetensors").keys())
@@ -70,10 +70,7 @@ def test_w4a4_checkpoints_serve_the_weights_and_say_so_once(monkeypatch, caplog)
 def test_w4a4_moe_experts_serve_the_weights_and_say_so_once(monkeypatch, caplog) -> None:
     """The experts' input scales are dropped as the dense linears' are; the log says once that
     FP4 experts are dequantized at load (their memory is the run dtype's)."""
-    from voltserve.services.executor.quant import fp4_experts
-
-    monkeypatch.setattr(fp4_method, "_said_activations", False)
-    monkeypatch.setattr(fp4_experts, "_said_dequantized", False)
+    monkeypatch.setattr(vlog, "_warned", set())
     a16, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
     w4a4, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4", w4a4=True)
     with caplog.at_level(logging.WARNING):

@@ -32,25 +32,24 @@ from voltserve.services.executor.quant.staged import (
     staged_shards,
 )
 from voltserve.services.executor.tp.sharding import TensorSplit
+from voltserve.shared.logging import warn_once
 
 if TYPE_CHECKING:
     from voltserve.kernels.dispatch import KernelDispatch
     from voltserve.services.executor.models.layers import Linear
 
 logger = logging.getLogger(__name__)
-_said_activations = False
 
 
 def note_activation_scales_ignored(where: str) -> None:
     """Logs once per process that FP4 activation quantization is not applied."""
-    global _said_activations
-    if not _said_activations:
-        _said_activations = True
-        logger.warning(
-            "%s: the checkpoint's FP4 activation quantization (input scales) is ignored: "
-            "weights are served as FP4, activations stay in the run dtype (fp16)",
-            where,
-        )
+    warn_once(
+        logger,
+        "fp4.activation_scales_ignored",
+        "%s: the checkpoint's FP4 activation quantization (input scales) is ignored: "
+        "weights are served as FP4, activations stay in the run dtype (fp16)",
+        where,
+    )
 
 
 @dataclass(frozen=True)

@@ -31,20 +31,19 @@ from voltserve.services.executor.quant.fp4 import (
     split,
     unpack_shard,
 )
+from voltserve.shared.logging import warn_once
 
 logger = logging.getLogger(__name__)
-_said_dequantized = False
 
 
 def _note_dequantized(variant: str) -> None:
-    global _said_dequantized
-    if not _said_dequantized:
-        _said_dequantized = True
-        logger.warning(
-            "%s MoE experts are dequantized at load to the run dtype (no fused FP4 expert "
-            "kernel): they take the float experts' memory and speed, not FP4's",
-            variant,
-        )
+    warn_once(
+        logger,
+        "fp4_experts.dequantized",
+        "%s MoE experts are dequantized at load to the run dtype (no fused FP4 expert "
+        "kernel): they take the float experts' memory and speed, not FP4's",
+        variant,
+    )
 
 
 class Fp4Experts(UnquantizedExperts):
