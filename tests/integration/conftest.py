@@ -172,6 +172,24 @@ class Stack:
             r.close()
         raise TimeoutError(f"executor {name} alive={alive} not reached; logs:\n{self.logs()}")
 
+    def spec_drafts(self, timeout: float = 10.0) -> tuple[float, str]:
+        """vllm:spec_decode_num_drafts_total on /metrics (0 when absent) and the page it was read
+        from. The executor publishes its counters with its heartbeat (every 0.5 s), so the last
+        response's drafts may reach /metrics a beat after it: polled until positive, or until
+        the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(self.base_url() + "/metrics") as resp:
+                text = resp.read().decode()
+            drafts = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:spec_decode_num_drafts_total{")
+            ]
+            if (drafts and drafts[0] > 0) or time.monotonic() > deadline:
+                return (drafts[0] if drafts else 0.0), text
+            time.sleep(0.2)
+
     def limits(self) -> ModelLimits:
         """What the stack's live executors published (shared/model_limits.py): the context,
         eos ids and vocabulary the gateway and the renderer hold requests to."""

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,7 +60,7 @@ def test_hybrid_vl_checkpoint_over_http(tmp_path: Path, rng: random.Random) -> N
                     }
                 ],
             )
-        drafts = _spec_drafts(stack)
+        drafts, _ = stack.spec_drafts()
     finally:
         stack.stop()
     assert drafts > 0
@@ -72,20 +70,3 @@ def test_hybrid_vl_checkpoint_over_http(tmp_path: Path, rng: random.Random) -> N
     for p, r in zip(prompts, results):
         want = greedy_tokens(ref, p, MAX_NEW)
         assert r.choices[0].text == tok.decode(want, skip_special_tokens=True), f"prompt {p}"
-
-
-def _spec_drafts(stack: Stack) -> float:
-    """vllm:spec_decode_num_drafts_total on /metrics (the last response's drafts may reach it a
-    beat after the response: polled, with a deadline)."""
-    deadline = time.monotonic() + 10.0
-    while True:
-        with urllib.request.urlopen(stack.base_url() + "/metrics") as resp:
-            text = resp.read().decode()
-        drafts = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:spec_decode_num_drafts_total{")
-        ]
-        if (drafts and drafts[0] > 0) or time.monotonic() > deadline:
-            return drafts[0] if drafts else 0.0
-        time.sleep(0.2)
