@@ -28,11 +28,18 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
-_GDN = dict(
+# The hybrid families' Gated DeltaNet shapes, and their experts (with a shared expert).
+GDN = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
+)
+HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
 )
 
 # What makes each checkpoint exercise its architecture's distinct feature.
@@ -87,7 +94,7 @@ ARCH_OVERRIDES: dict[str, dict] = {
         head_dim=32,
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "full_attention", "full_attention"],
-        **_GDN,
+        **GDN,
     ),
     # fused in_proj_qkvz / in_proj_ba; MoE with a shared expert (top-2 of 4, renormalised)
     # in every layer; tied embeddings; full_attention_interval 2
@@ -96,27 +103,21 @@ ARCH_OVERRIDES: dict[str, dict] = {
         head_dim=32,
         num_hidden_layers=4,
         full_attention_interval=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        **_GDN,
+        **HYBRID_MOE,
+        **GDN,
     ),
     # every layer MoE with a shared expert (top-2 of 4, always renormalised); no dense MLP
     "qwen3_5_moe": dict(
         tie_word_embeddings=False,
         head_dim=32,
         num_hidden_layers=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        **_GDN,
+        **HYBRID_MOE,
+        **GDN,
     ),
     # the vision-language layout (model.language_model., a vision tower that is skipped)
-    "qwen3_5_vl": dict(tie_word_embeddings=False, head_dim=32, num_hidden_layers=4, **_GDN),
+    "qwen3_5_vl": dict(tie_word_embeddings=False, head_dim=32, num_hidden_layers=4, **GDN),
     # top-2 of 4, softmax then top-k then renormalise; block_sparse_moe.experts.N.w1/w2/w3
     "mixtral": dict(
         tie_word_embeddings=False,

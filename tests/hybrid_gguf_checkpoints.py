@@ -22,31 +22,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests import quant_checkpoints as qc
-from tests.checkpoints import _root, tokenizer
+from tests.checkpoints import GDN, HYBRID_MOE, _root, tokenizer
 
 GGUF_ARCH = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
-_GDN = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
-_MOE = dict(
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-)
 # llama.cpp states the layer pattern as full_attention_interval only
 SOURCES: dict[str, dict] = {
     # fused in_proj_qkvz / in_proj_ba, tied embeddings
     "qwen3_next": dict(
         tie_word_embeddings=True, head_dim=32, num_hidden_layers=4, full_attention_interval=2,
-        norm_topk_prob=True, decoder_sparse_step=1, **_MOE, **_GDN,
+        norm_topk_prob=True, decoder_sparse_step=1, **HYBRID_MOE, **GDN,
     ),
     "qwen3_5": dict(
         tie_word_embeddings=False, head_dim=32, num_hidden_layers=4, full_attention_interval=2,
-        **_GDN,
+        **GDN,
     ),
     # K-quant super-blocks (256) on every linear's input; value heads 64 wide, so a tiled
     # ssm_out moves whole 32-element blocks but cuts 256-element ones
@@ -57,14 +45,9 @@ SOURCES: dict[str, dict] = {
     ),
     "qwen3_5_moe": dict(
         tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, full_attention_interval=3,
-        **_MOE, **_GDN,
+        **HYBRID_MOE, **GDN,
     ),
 }  # fmt: skip
-_TOP = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 _LEAF = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -102,9 +85,6 @@ _LINEAR = re.compile(
 )
 
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 def float_source(source: str) -> Path:
     """The float folder of a SOURCES entry (`arch` or `arch-variant`)."""
     from voltserve.services.executor.demo_model import write_checkpoint
@@ -128,8 +108,8 @@ def _tile(x: np.ndarray, axis: int, hk: int, r: int, d: int) -> np.ndarray:
 
 def _layout(hf: str, x: np.ndarray, cfg: dict, garch: str) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, array) of one Hugging Face tensor: the converter's moves only."""
-    if hf in _TOP:
-        return [(_TOP[hf], x)]
+    if hf in qc.GGUF_TOP:
+        return [(qc.GGUF_TOP[hf], x)]
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
     blk, leaf = f"blk.{m[1]}.", m[2]
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
@@ -186,27 +166,10 @@ def _metadata(w, cfg: dict, mtp: bool) -> None:
     ]
     assert types == want, "llama.cpp states the layer pattern as an interval only"
     rope = cfg.get("rope_parameters") or {}
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    if cfg.get("intermediate_size"):
-        w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"] + mtp)
+    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 0.25
+    qc.add_gguf_metadata(w, cfg, cfg["num_hidden_layers"] + mtp, int(hd * partial))
     if mtp:
         w.add_nextn_predict_layers(1)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(float(rope.get("rope_theta") or cfg.get("rope_theta")))
-    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 0.25
-    w.add_rope_dimension_count(int(hd * partial))
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("num_experts"):
-        w.add_expert_count(cfg["num_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     w.add_ssm_state_size(cfg["linear_key_head_dim"])
     w.add_ssm_group_count(cfg["linear_num_key_heads"])
@@ -216,7 +179,6 @@ def _metadata(w, cfg: dict, mtp: bool) -> None:
     if w.arch != "qwen3next":
         # Qwen3.5's multimodal rotary sections (text reads one position in all of them)
         w.add_rope_dimension_sections([int(hd * partial) // 2 - 2, 1, 1, 0])
-    qc.add_gguf_tokenizer(w)
 
 
 def hybrid_gguf(
@@ -239,14 +201,7 @@ def hybrid_gguf(
     w = gguf.GGUFWriter(str(out / "model.gguf"), garch)
     _metadata(w, cfg, mtp)
     ref_sd: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, str]] = {}
-    for hf in list(sd):
-        m = _EXPERT.match(hf)
-        if m:
-            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = hf
-    for gname, names in experts.items():
-        # each layer's experts stacked per projection, [E, N, K]
-        hfs = [names[e] for e in range(len(names))]
+    for gname, hfs in qc.gguf_expert_groups(sd).items():
         stacked = np.stack([sd.pop(n).float().numpy() for n in hfs])
         data, raw = qc.gguf_quantize(stacked, types(gname))
         w.add_tensor(gname, data, raw_dtype=raw)
@@ -274,10 +229,7 @@ def hybrid_gguf(
                     w.add_tensor(gname.replace("blk.0.", f"blk.{n}.", 1), _values(gname, g))
         eh = np.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32)
         w.add_tensor(f"blk.{n}.nextn.eh_proj.weight", eh)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    qc.write_gguf(w)
     shutil.copytree(src, ref, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(ref_sd, ref / "model.safetensors", metadata={"format": "pt"})
     return out, ref

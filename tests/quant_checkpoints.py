@@ -593,36 +593,44 @@ _GGUF_LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# The tensors outside the layers, by their Hugging Face and GGUF names.
+GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def gguf_expert_groups(names) -> dict[str, list[str]]:
+    """GGUF name of each stacked expert tensor (blk.N.ffn_gate_exps ..., [E, N, K]) -> the
+    Hugging Face names of its experts' projections, in expert order."""
+    experts: dict[str, dict[int, str]] = {}
+    for hf in names:
+        m = _HF_EXPERT.match(hf)
+        if m:
+            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = hf
+    return {g: [per[e] for e in range(len(per))] for g, per in experts.items()}
 
 
 def _gguf_tensors(sd: dict) -> dict[str, np.ndarray]:
     """GGUF name -> float array, as llama.cpp's converter lays them out: each layer's experts
-    stacked per projection ([E, N, K]: blk.N.ffn_gate_exps ...), the shared-expert gate a
-    vector [H]."""
+    stacked per projection, the shared-expert gate a vector [H]."""
+    groups = gguf_expert_groups(sd)
+    stacked = {hf for names in groups.values() for hf in names}
     out: dict[str, np.ndarray] = {}
-    experts: dict[str, dict[int, np.ndarray]] = {}
     for hf, t in sd.items():
-        x = t.float().numpy()
-        m = _HF_EXPERT.match(hf)
-        if m:
-            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = x
-            continue
-        gname = _gguf_name(hf)
-        out[gname] = x.reshape(-1) if gname.endswith("ffn_gate_inp_shexp.weight") else x
-    for gname, per in experts.items():
-        out[gname] = np.stack([per[e] for e in range(len(per))])
+        if hf not in stacked:
+            gname, x = _gguf_name(hf), t.float().numpy()
+            out[gname] = x.reshape(-1) if gname.endswith("ffn_gate_inp_shexp.weight") else x
+    for gname, names in groups.items():
+        out[gname] = np.stack([sd[hf].float().numpy() for hf in names])
     return out
 
 
 def _gguf_name(hf: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in top:
-        return top[hf]
+    if hf in GGUF_TOP:
+        return GGUF_TOP[hf]
     parts = hf.split(".")  # model.layers.i.<module...>.<weight|bias>
     return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
 
@@ -678,6 +686,60 @@ def add_gguf_tokenizer(w) -> None:
     w.add_chat_template(tok.chat_template)
 
 
+def add_gguf_metadata(
+    w, cfg: dict, blocks: int, rotary_dim: int, expert_sizes: bool = True
+) -> None:
+    """The model keys llama.cpp's converter writes for a config.json (sizes, heads, rope,
+    vocabulary, experts) and the tokenizer. blocks: the block count (layers, with any MTP
+    block); expert_sizes: write the expert_(shared_)feed_forward_length keys."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    if cfg.get("intermediate_size"):
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(blocks)
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0))
+    w.add_rope_dimension_count(rotary_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if expert_sizes:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            if cfg.get("shared_expert_intermediate_size"):
+                w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    add_gguf_tokenizer(w)
+
+
+def write_gguf(w) -> None:
+    """Write a GGUFWriter's header, metadata and tensors to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def small_gguf(path: Path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> None:
+    """A GGUF file of the given `arch`.* metadata (int: uint32, else float32) and float
+    tensors, for the loader's refusals."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in meta.items():
+        (w.add_uint32 if isinstance(v, int) else w.add_float32)(f"{arch}.{k}", v)
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    write_gguf(w)
+
+
 def gguf_checkpoint(
     arch: str,
     types,
@@ -708,32 +770,8 @@ def gguf_checkpoint(
         if split > 1:
             w.add_uint16("split.no", part)
             w.add_uint16("split.count", split)
-        if not with_meta:
-            return w
-        w.add_context_length(cfg["max_position_embeddings"])
-        w.add_embedding_length(cfg["hidden_size"])
-        w.add_feed_forward_length(cfg["intermediate_size"])
-        w.add_block_count(cfg["num_hidden_layers"])
-        w.add_head_count(heads)
-        w.add_head_count_kv(kv)
-        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
-            "rope_theta", 10000.0
-        )
-        w.add_rope_freq_base(float(theta))
-        w.add_rope_dimension_count(head_dim)
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-        w.add_vocab_size(cfg["vocab_size"])
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5
-        if experts:
-            w.add_expert_count(experts)
-            w.add_expert_used_count(cfg["num_experts_per_tok"])
-            if expert_sizes:
-                w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-                if cfg.get("shared_expert_intermediate_size"):
-                    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-        add_gguf_tokenizer(w)
+        if with_meta:
+            add_gguf_metadata(w, cfg, cfg["num_hidden_layers"], head_dim, expert_sizes)
         return w
 
     tensors = _gguf_tensors(sd)
@@ -751,10 +789,7 @@ def gguf_checkpoint(
             w.add_tensor(gname, data, raw_dtype=raw)
         if llama3_rope and part == 0:
             w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        write_gguf(w)
     return out
 
 

@@ -23,6 +23,7 @@ from voltserve.services.executor.loader import ModelLoadError, load_model
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
+from tests import quant_checkpoints as qc
 from tests.checkpoints import hf_model_class, tokenizer
 from tests.greedy_reference import check_greedy_outputs
 from tests.hybrid_gguf_checkpoints import float_source, hybrid_gguf
@@ -137,20 +138,6 @@ def test_config_from_the_metadata_matches_the_source(arch: str) -> None:
     assert ours["partial_rotary_factor"] == want["rope_parameters"]["partial_rotary_factor"]
 
 
-def _write(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    for k, v in meta.items():
-        w.add_uint32(f"{arch}.{k}", v)
-    for name, x in tensors.items():
-        w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 _META = {
     "block_count": 2,
     "embedding_length": 32,
@@ -167,19 +154,19 @@ _META = {
 
 
 def test_bad_hybrid_files_are_refused_by_name(tmp_path) -> None:
-    _write(tmp_path / "a.gguf", "qwen35", {**_META, "ssm.time_step_rank": 3}, {})
+    qc.small_gguf(tmp_path / "a.gguf", "qwen35", {**_META, "ssm.time_step_rank": 3}, {})
     with pytest.raises(ModelLoadError, match=r"qwen35\.ssm\.time_step_rank 3 \(value heads\)"):
         load_model(tmp_path / "a.gguf", torch.float32, CPU)
     meta = {**_META, "expert_count": 4, "expert_used_count": 2}
     fused = {"blk.0.ffn_gate_up_exps.weight": np.zeros((4, 64, 32), np.float32)}
-    _write(tmp_path / "b.gguf", "qwen35moe", meta, fused)
+    qc.small_gguf(tmp_path / "b.gguf", "qwen35moe", meta, fused)
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_up_exps\.weight'"):
         load_model(tmp_path / "b.gguf", torch.float32, CPU)
 
 
 @pytest.mark.parametrize("arch", ["kimi-linear", "lfm2", "mamba2", "nemotron_h"])
 def test_other_linear_attention_architectures_stay_refused_by_name(tmp_path, arch: str) -> None:
-    _write(tmp_path / "m.gguf", arch, _META, {})
+    qc.small_gguf(tmp_path / "m.gguf", arch, _META, {})
     with pytest.raises(ModelLoadError, match=rf"architecture '{arch}' is not supported"):
         load_model(tmp_path / "m.gguf", torch.float32, CPU)
 

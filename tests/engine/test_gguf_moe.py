@@ -132,20 +132,6 @@ def test_expert_sizes_come_from_the_tensors_when_the_metadata_lacks_them() -> No
     assert (a.moe_intermediate_size, a.shared_expert_intermediate_size) == (96, 256)
 
 
-def _write(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    for k, v in meta.items():
-        (w.add_uint32 if isinstance(v, int) else w.add_float32)(f"{arch}.{k}", v)
-    for name, x in tensors.items():
-        w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 _META = {
     "block_count": 1,
     "embedding_length": 32,
@@ -159,10 +145,12 @@ def test_mixtral_gguf_is_refused_by_name(tmp_path) -> None:
     """Mixtral: llama.cpp writes a llama-architecture file with expert_count and stacked
     experts. With the metadata key, and with only the tensors."""
     exps = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 64, 32), np.float32)}
-    _write(tmp_path / "a.gguf", "llama", {**_META, "expert_count": 4, "expert_used_count": 2}, exps)
+    qc.small_gguf(
+        tmp_path / "a.gguf", "llama", {**_META, "expert_count": 4, "expert_used_count": 2}, exps
+    )
     with pytest.raises(ModelLoadError, match=r"llama.expert_count 4 \(Mixtral\) is not supported"):
         load_model(tmp_path / "a.gguf", torch.float32, CPU)
-    _write(tmp_path / "b.gguf", "llama", _META, exps)
+    qc.small_gguf(tmp_path / "b.gguf", "llama", _META, exps)
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight'.*Mixtral"):
         load_model(tmp_path / "b.gguf", torch.float32, CPU)
 
@@ -175,18 +163,18 @@ def test_moe_gguf_with_a_wrong_expert_count_is_refused_naming_the_tensor(tmp_pat
         "blk.0.ffn_up_exps.weight": np.zeros((4, 64, 32), np.float32),
         "blk.0.ffn_down_exps.weight": np.zeros((4, 32, 64), np.float32),
     }
-    _write(tmp_path / "m.gguf", "qwen3moe", meta, tensors)
+    qc.small_gguf(tmp_path / "m.gguf", "qwen3moe", meta, tensors)
     with pytest.raises(
         ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight': shape \[3, 64, 32\]"
     ):
         load_model(tmp_path / "m.gguf", torch.float32, CPU)
     del tensors["blk.0.ffn_gate_exps.weight"]
-    _write(tmp_path / "n.gguf", "qwen3moe", meta, tensors)
+    qc.small_gguf(tmp_path / "n.gguf", "qwen3moe", meta, tensors)
     with pytest.raises(ModelLoadError, match=r"lacks tensor 'blk\.0\.ffn_gate_exps\.weight'"):
         load_model(tmp_path / "n.gguf", torch.float32, CPU)
 
 
 def test_other_moe_architectures_stay_refused_by_name(tmp_path) -> None:
-    _write(tmp_path / "d.gguf", "deepseek2", _META, {})
+    qc.small_gguf(tmp_path / "d.gguf", "deepseek2", _META, {})
     with pytest.raises(ModelLoadError, match=r"architecture 'deepseek2' is not supported"):
         load_model(tmp_path / "d.gguf", torch.float32, CPU)

@@ -173,10 +173,7 @@ def test_gguf_unknown_type_is_refused_naming_the_tensor(tmp_path) -> None:
         np.zeros((8, 256 // 32 * 18), dtype=np.uint8),
         raw_dtype=gguf.GGMLQuantizationType.IQ4_NL,
     )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    qc.write_gguf(w)
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_up\.weight' has ggml type IQ4_NL"):
         load_model(out, torch.float32, CPU)
 
