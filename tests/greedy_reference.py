@@ -38,6 +38,11 @@ def check_greedy_tokens(model, prompt: list[int], served: list[int], atol: float
     output); returns the reference's log-softmax per served step (reference_logprobs)."""
     assert served, served
     lp = reference_logprobs(model, prompt, served)
+    _check_tokens(lp, prompt, served, atol)
+    return lp
+
+
+def _check_tokens(lp: torch.Tensor, prompt: list[int], served: list[int], atol: float) -> None:
     for step, t in enumerate(served):
         best = lp[step].max().item()
         want = lp[step, t].item()
@@ -45,7 +50,6 @@ def check_greedy_tokens(model, prompt: list[int], served: list[int], atol: float
             f"step {step}: served {t} ({want:.6f}) is not greedy: the reference's best is "
             f"{int(lp[step].argmax())} ({best:.6f}); prompt {prompt}, served {served}"
         )
-    return lp
 
 
 def check_greedy_outputs(
@@ -61,13 +65,25 @@ def check_greedy_outputs(
 def check_greedy(
     model, prompt: list[int], served: list[int], served_lps: list[float], atol: float
 ) -> torch.Tensor:
-    """check_greedy_tokens, and each served logprob within `atol` of the reference's."""
+    """check_greedy_tokens, and each served logprob within `atol` of the reference's; returns
+    the reference's log-softmax per served step."""
+    lp = reference_logprobs(model, prompt, served)
+    check_greedy_against(lp, prompt, served, served_lps, atol)
+    return lp
+
+
+def check_greedy_against(
+    lp: torch.Tensor, prompt: list[int], served: list[int], served_lps: list[float], atol: float
+) -> None:
+    """check_greedy against a reference forward the caller already ran: lp is
+    reference_logprobs(model, prompt, served) (for a caller whose tolerance depends on what
+    that forward saw)."""
     assert len(served) == len(served_lps) and served, (served, served_lps)
-    lp = check_greedy_tokens(model, prompt, served, atol)
+    assert lp.shape[0] == len(served), (lp.shape, len(served))
+    _check_tokens(lp, prompt, served, atol)
     for step, (t, got) in enumerate(zip(served, served_lps, strict=True)):
         want = lp[step, t].item()
         assert abs(got - want) < atol, (step, t, got, want, prompt, served)
-    return lp
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
 from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
-from tests.greedy_reference import check_greedy, reference_logprobs
+from tests.greedy_reference import check_greedy_against, reference_logprobs
 from tests.kv_rounding import codes, rounded
 
 LOGPROB_ATOL = 1e-4
@@ -89,11 +89,11 @@ def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None) -> float:
         served = [tok.token_id for tok in r.trace]
         assert r.output_token_ids == served and len(served) == max_new, kv_dtype
         model.ambiguous = False
-        reference_logprobs(model, prompt, served)
+        lp = reference_logprobs(model, prompt, served)  # sets model.ambiguous
         atol = AMBIGUOUS_ATOL if model.ambiguous else LOGPROB_ATOL
         if model.ambiguous:
             print(f"{kv_dtype}: an element of K / V sits at a rounding midpoint: atol {atol}")
-        lp = check_greedy(model, prompt, served, [t.logprob for t in r.trace], atol)
+        check_greedy_against(lp, prompt, served, [t.logprob for t in r.trace], atol)
         for step, tok in enumerate(r.trace):
             got_v = torch.tensor([v for _, v in tok.top_logprobs])
             assert torch.allclose(got_v, lp[step].topk(3).values, atol=atol, rtol=0)
