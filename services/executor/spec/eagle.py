@@ -55,6 +55,8 @@ class EagleProposer(ModelProposer):
     # The seam: the target's forward also hands out its hidden states.
     needs_hidden_states = True
     what = "eagle"
+    # What _load_head loads, for the start-up phase's name.
+    head_name = "the EAGLE head"
 
     def __init__(self, num_speculative_tokens: int, path: str) -> None:
         super().__init__(num_speculative_tokens, path)
@@ -67,9 +69,13 @@ class EagleProposer(ModelProposer):
         self.runner = runner
         self.device = runner.device
         self.target = runner.model
-        with startup.phase("loading the EAGLE head", runner.startup_times):
-            self.draft = load_eagle_head(self.path, runner.arch, runner.dtype, runner.device)
+        with startup.phase(f"loading {self.head_name}", runner.startup_times):
+            self.draft = self._load_head(runner)
         self.head = self.draft.model
+
+    def _load_head(self, runner):
+        """The head for the runner's target: its model (called as EagleHead.forward) and arch."""
+        return load_eagle_head(self.path, runner.arch, runner.dtype, runner.device)
 
     def make_graphs(self, runner, decode_sizes, verify_sizes, kv=None, capture=True) -> dict:
         """The head's single-row step graphs (the decode sizes): token and feature in, logits

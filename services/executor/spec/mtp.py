@@ -20,17 +20,12 @@ from __future__ import annotations
 
 from voltserve.services.executor.spec.eagle import EagleProposer
 from voltserve.services.executor.spec.mtp_head import load_mtp_head
-from voltserve.shared import startup
 
 
 class MtpProposer(EagleProposer):
     what = "mtp"
+    head_name = "the MTP layers"
 
-    def load(self, runner) -> None:
-        self.runner = runner
-        self.device = runner.device
-        self.target = runner.model
-        self.path = runner.config.model
-        with startup.phase("loading the MTP layers", runner.startup_times):
-            self.draft = load_mtp_head(self.path, runner.arch, runner.dtype, runner.device)
-        self.head = self.draft.model
+    def _load_head(self, runner):
+        self.path = runner.config.model  # the target's own folder
+        return load_mtp_head(self.path, runner.arch, runner.dtype, runner.device)
