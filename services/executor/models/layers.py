@@ -31,6 +31,7 @@ from voltserve.services.executor.tp.sharding import (
 if TYPE_CHECKING:
     from voltserve.services.executor.models.llama import ModelArch
     from voltserve.services.executor.state_rollback import VerifyStates
+    from voltserve.services.executor.tp.layout import TPLayout
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
 # the lm_head) may go to ops.gemv, a weight-streaming kernel; more rows go to cuBLAS, which wins
@@ -226,21 +227,18 @@ class Linear(nn.Module):
 
 
 def lm_head(
-    hidden: int,
-    vocab_size: int,
-    tied: bool,
+    arch: ModelArch,
     dtype: torch.dtype,
     quant: QuantConfig | None,
     tp: TPGroup | None,
-    vocab_start: int,
-    vocab_per_rank: int,
+    lay: TPLayout,
 ) -> Linear | None:
     """The output projection, vocabulary-parallel: this rank's rows of the padded vocabulary
     (zeros past it). None when the embedding is tied (the model reads the embedding's rows)."""
-    if tied:
+    if arch.tie_word_embeddings:
         return None
-    cut = column_parallel(tp, {None: (vocab_start, vocab_per_rank)})
-    return Linear(hidden, {None: vocab_size}, False, dtype, quant, ["lm_head"], cut)
+    cut = column_parallel(tp, {None: (lay.vocab_start, lay.vocab_per_rank)})
+    return Linear(arch.hidden_size, {None: arch.vocab_size}, False, dtype, quant, ["lm_head"], cut)
 
 
 def rotary_and_ops(module: nn.Module, arch: ModelArch) -> None:

@@ -385,16 +385,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # Ops a decode graph holds beyond the dense ones (the runner checks they capture).
         self.graph_ops = ("moe_topk", "moe_experts") if arch.num_experts else ()
-        self.lm_head = lm_head(
-            arch.hidden_size,
-            arch.vocab_size,
-            arch.tie_word_embeddings,
-            dtype,
-            quant,
-            tp,
-            lay.vocab_start,
-            lay.vocab_per_rank,
-        )
+        self.lm_head = lm_head(arch, dtype, quant, tp, lay)
         rotary_and_ops(self, arch)
 
     def lm_head_weight(self) -> torch.Tensor | None:

@@ -634,16 +634,7 @@ class Qwen3NextForCausalLM(nn.Module):
             "gated_delta_rule_decode",
             "gated_rms_norm",
         ) + (("moe_topk", "moe_experts") if arch.num_experts else ())
-        self.lm_head = lm_head(
-            arch.hidden_size,
-            arch.vocab_size,
-            arch.tie_word_embeddings,
-            dtype,
-            quant,
-            tp,
-            lay.vocab_start,
-            lay.vocab_per_rank,
-        )
+        self.lm_head = lm_head(arch, dtype, quant, tp, lay)
         rotary_and_ops(self, arch)
         self.state_cache: StateCache | None = None  # set by the runner
 
