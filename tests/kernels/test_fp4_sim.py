@@ -60,6 +60,27 @@ def make(gen, N, K, group, kind, every=False):
     return make_fp4_weight(packed, scales, gscale, group, kind)
 
 
+def launch_gemv(w, x: torch.Tensor, b, out: torch.Tensor, gate_up: bool = False) -> None:
+    """The GEMV kernel of x's row count on the production grid over out's columns; b None:
+    without bias."""
+    launch(
+        fp4_kernels.fp4_gemv_kernel(x.shape[0], gate_up=gate_up),
+        fp4_kernels.gemv_grid(out.shape[1]),
+        fp4_kernels.THREADS,
+        (
+            x.numpy(),
+            w.packed.view(torch.int32).numpy(),
+            w.scales.numpy(),
+            w.gscale.numpy(),
+            (out[0] if b is None else b).numpy(),
+            out.numpy(),
+            b is not None,
+            w.group_shift,
+            w.e8m0,
+        ),
+    )
+
+
 # E8M0 byte 254 (2**127) times 6 overflows fp32 to inf, in the kernel as in the reference
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize(
@@ -111,22 +132,7 @@ def test_gemv_kernel_matches_reference(M, kind, group, K, dtype, bias):
     x = torch.randn(M, K, generator=gen).to(dtype)
     b = torch.randn(N, generator=gen).to(dtype) if bias else None
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    launch(
-        fp4_kernels.fp4_gemv_kernel(M),
-        fp4_kernels.gemv_grid(N),
-        fp4_kernels.THREADS,
-        (
-            x.numpy(),
-            w.packed.view(torch.int32).numpy(),
-            w.scales.numpy(),
-            w.gscale.numpy(),
-            (b if bias else out[0]).numpy(),
-            out.numpy(),
-            bias,
-            w.group_shift,
-            w.e8m0,
-        ),
-    )
+    launch_gemv(w, x, b, out)
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
     wd = ref_weight(w.packed, w.scales, w.gscale, group, kind).double()
     ref = x.double() @ wd.T + (b.double() if bias else 0)
@@ -147,22 +153,7 @@ def test_gemv_gate_up_kernel_matches_linear_then_silu_and_mul(M, dtype, bias):
     x = torch.randn(M, K, generator=gen).to(dtype)
     b = torch.randn(2 * Cols, generator=gen).to(dtype) if bias else None
     out = torch.full((M, Cols), float("nan"), dtype=dtype)
-    launch(
-        fp4_kernels.fp4_gemv_kernel(M, gate_up=True),
-        fp4_kernels.gemv_grid(Cols),
-        fp4_kernels.THREADS,
-        (
-            x.numpy(),
-            w.packed.view(torch.int32).numpy(),
-            w.scales.numpy(),
-            w.gscale.numpy(),
-            (b if bias else out[0]).numpy(),
-            out.numpy(),
-            bias,
-            w.group_shift,
-            w.e8m0,
-        ),
-    )
+    launch_gemv(w, x, b, out, gate_up=True)
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) outputs"
     wd = ref_weight(w.packed, w.scales, w.gscale, 16, E4M3).double()
     y = (x.double() @ wd.T + (b.double() if bias else 0)).to(dtype).double()
