@@ -107,7 +107,7 @@ def storage_dtype(kv_cache_dtype: str, run_dtype: torch.dtype) -> torch.dtype:
     return torch.uint8
 
 
-def check_supported(config: EngineConfig, run_dtype: torch.dtype, device, hybrid: bool) -> None:
+def check_supported(config: EngineConfig, run_dtype: torch.dtype, device) -> None:
     """Start-up refusals, by name, for what the chosen KV storage does not cover yet."""
     name = config.kv_cache_dtype
     if name == "auto":
@@ -118,19 +118,16 @@ def check_supported(config: EngineConfig, run_dtype: torch.dtype, device, hybrid
             f"--kv-cache-dtype {name} with --dtype {config.dtype} ({run_dtype}) on CUDA: the "
             "attention kernels need the float16 run dtype"
         )
-    if fp8_format(name) is None:
-        return
-    why = None
-    if device.type == "cuda":
-        why = "the CUDA kernels for a one-byte KV cache are not built yet (the CPU path has it)"
-    elif hybrid:
-        why = "hybrid linear-attention models' full-attention layers do not take it yet"
-    elif config.speculative_config is not None:
-        why = "speculative decoding (--speculative-config) does not take it yet"
-    elif config.tensor_parallel_size > 1:
-        why = "tensor parallelism (--tensor-parallel-size > 1) does not take it yet"
-    if why is not None:
-        raise startup.StartupError(f"--kv-cache-dtype {name}: {why}")
+    if fp8_format(name) is not None and device.type == "cuda":
+        raise startup.StartupError(
+            f"--kv-cache-dtype {name}: the CUDA kernels for a one-byte KV cache are not built "
+            "yet (the CPU path has it)"
+        )
+
+
+# Scales are by layer index: the MTP layers' names (mtp.layers.N) would collide with the
+# target's own layers.
+_NOT_TARGET = ("mtp.",)
 
 
 def read_kv_scales(model_dir: str | Path) -> dict[int, dict[str, float]]:
@@ -143,7 +140,7 @@ def read_kv_scales(model_dir: str | Path) -> dict[int, dict[str, float]]:
         with safe_open(str(path), framework="pt") as st:
             for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 m = _SCALE_NAME.search(key)
-                if m is None:
+                if m is None or key.startswith(_NOT_TARGET):
                     continue
                 which = m[2] or m[3] or m[4]
                 t = st.get_tensor(key)
@@ -159,25 +156,50 @@ def read_kv_scales(model_dir: str | Path) -> dict[int, dict[str, float]]:
     return out
 
 
-def install(model, kv_cache_dtype: str, model_dir: str | Path) -> None:
-    """Give every attention layer of `model` its KVQuant (nothing for auto / fp16) and state
-    the scales' origin once in the log."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def install(
+    model: torch.nn.Module,
+    kv_cache_dtype: str,
+    scales_dir: str | Path | None,
+    what: str = "KV cache",
+) -> None:
+    """Give every attention layer of `model` (each module with a `kv_quant` attribute, under
+    `layers.N`) its KVQuant (nothing for auto / fp16), with e4m3 scales from the safetensors in
+    scales_dir (None: 1.0 for every layer), and state the format and the scales' origin once in
+    the log."""
     fmt = fp8_format(kv_cache_dtype)
     if fmt is None:
         return
-    layers = model.model.layers
-    scales = read_kv_scales(model_dir) if fmt == fp8.E4M3 else {}
-    for i, layer in enumerate(layers):
-        s = scales.get(i, {})
-        layer.self_attn.kv_quant = KVQuant(fmt, s.get("k", 1.0), s.get("v", 1.0))
+    scales = read_kv_scales(scales_dir) if fmt == fp8.E4M3 and scales_dir is not None else {}
+    n = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "kv_quant"):
+            continue
+        m = _LAYER.search(name)
+        s = scales.get(int(m[1]), {}) if m is not None else {}
+        module.kv_quant = KVQuant(fmt, s.get("k", 1.0), s.get("v", 1.0))
+        n += 1
     if fmt == fp8.E5M2:
-        logger.info("KV cache: fp8_e5m2 (one byte per element, no scale)")
+        logger.info("%s: fp8_e5m2 (one byte per element, no scale)", what)
     elif scales:
         logger.info(
-            "KV cache: fp8_e4m3 with the checkpoint's k_scale / v_scale (%d of %d layers; 1.0 "
-            "for the others)",
+            "%s: fp8_e4m3 with the checkpoint's k_scale / v_scale (%d of %d layers; 1.0 for "
+            "the others)",
+            what,
             len(scales),
-            len(layers),
+            n,
         )
+    elif scales_dir is None:
+        logger.info("%s: fp8_e4m3, scale 1.0", what)
     else:
-        logger.info("KV cache: fp8_e4m3, scale 1.0 (the checkpoint has no k_scale / v_scale)")
+        logger.info("%s: fp8_e4m3, scale 1.0 (the checkpoint has no k_scale / v_scale)", what)
+
+
+def install_proposer(proposer, kv_cache_dtype: str) -> None:
+    """A proposer's own model (a draft model, an EAGLE head, the MTP layers) keeps its KV cache
+    in the target's format; nothing for a proposer without a model (n-gram)."""
+    draft = getattr(proposer, "draft", None)
+    if draft is not None:
+        install(draft.model, kv_cache_dtype, proposer.kv_scales_dir, "proposer's KV cache")

@@ -76,7 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.startup_times: dict[str, float] = {}  # phase -> seconds
         # Refused before the weights load where the choice of KV storage rules the run out.
-        kv_quant.check_supported(config, self.dtype, self.device, hybrid=False)
+        kv_quant.check_supported(config, self.dtype, self.device)
         self.compile_report: compile_cache.CompileReport | None = None
         t_start = time.perf_counter()
         # Tensor parallelism (tp/worker.py): this rank's session and its group.
@@ -107,7 +107,6 @@ class ModelRunner:
         self.model = loaded.model
         self.arch = loaded.arch
         hybrid = isinstance(self.arch, HybridArch)
-        kv_quant.check_supported(config, self.dtype, self.device, hybrid=hybrid)
         kv_quant.install(self.model, config.kv_cache_dtype, config.model)
         if layer_trace.enabled():
             layer_trace.install(self.model)
@@ -121,6 +120,7 @@ class ModelRunner:
         if spec is not None:
             self.proposer = make_proposer(spec)
             self.proposer.load(self)
+            kv_quant.install_proposer(self.proposer, config.kv_cache_dtype)
         # The hidden-state seam: for a proposer that reads the target's last hidden states
         # (EAGLE), each eager forward, and each verify graph replay, puts (request, first
         # position, rows) in the step's RunnerOutput.hidden_states. Decode-only steps then

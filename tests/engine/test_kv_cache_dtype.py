@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from voltserve.services.executor.engine_args import add_engine_flags, engine_config
 from voltserve.services.executor.kv_quant import check_supported
@@ -23,7 +23,7 @@ from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
-from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
+from tests.checkpoints import checkpoint, drive, hf_model_class, tokenizer
 from tests.greedy_reference import check_greedy, reference_logprobs
 from tests.kv_rounding import codes, rounded
 
@@ -53,7 +53,7 @@ def rounded_reference(path, kv_dtype: str | None, scales=None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = hf_model_class(path).from_pretrained(
         path, dtype=torch.float32, attn_implementation=name
     )
     model.ambiguous = False
@@ -164,26 +164,17 @@ def test_unknown_kv_cache_dtype_refused(capsys) -> None:
         EngineConfig(model="m", kv_cache_dtype="e4m3")
 
 
-def test_not_covered_yet_refused_by_name() -> None:
-    """Hybrid models, speculation, tensor parallelism and the CUDA path refuse a one-byte KV
-    cache at start-up, naming what does not take it."""
-    with pytest.raises(StartupError, match="hybrid"):
-        ModelRunner(EngineConfig(model=str(checkpoint(HYBRID_ARCHS[0])), kv_cache_dtype="fp8"))
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    cfg = engine_config(model="m", kv_cache_dtype="fp8_e5m2", speculative_config=spec)
-    with pytest.raises(StartupError, match="speculative"):
-        ModelRunner(cfg)
-    with pytest.raises(StartupError, match="tensor parallel"):
-        ModelRunner(EngineConfig(model="m", kv_cache_dtype="fp8", tensor_parallel_size=2))
+def test_cuda_refused_by_name() -> None:
+    """The CUDA path refuses a one-byte KV cache at start-up, naming what does not take it
+    (hybrid models, speculation and tensor parallelism take it: test_kv_fp8_paths.py)."""
     cuda = torch.device("cuda")
     with pytest.raises(StartupError, match="CUDA kernels"):
-        check_supported(EngineConfig(model="m", kv_cache_dtype="fp8"), torch.float16, cuda, False)
+        check_supported(EngineConfig(model="m", kv_cache_dtype="fp8"), torch.float16, cuda)
     with pytest.raises(StartupError, match="float16 run dtype"):
         check_supported(
             EngineConfig(model="m", kv_cache_dtype="fp16", dtype="bfloat16"),
             torch.bfloat16,
             cuda,
-            False,
         )
 
 

@@ -33,6 +33,12 @@ class ModelProposer(Proposer):
     def from_config(cls, config) -> ModelProposer:
         return cls(config.num_speculative_tokens, config.model)
 
+    @property
+    def kv_scales_dir(self) -> str | None:
+        """The folder whose k_scale / v_scale tensors scale its e4m3 KV cache (kv_quant.py):
+        its own checkpoint's."""
+        return self.path
+
     def use_ops(self, ops) -> None:
         self.draft.model.ops = ops
 

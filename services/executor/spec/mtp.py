@@ -25,6 +25,9 @@ from voltserve.shared import startup
 
 class MtpProposer(EagleProposer):
     what = "mtp"
+    # The MTP layers sit in the target's folder, whose KV scales are the target layers' (by
+    # index): their own e4m3 cache takes 1.0.
+    kv_scales_dir = None
 
     def load(self, runner) -> None:
         self.runner = runner
