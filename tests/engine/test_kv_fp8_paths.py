@@ -81,7 +81,7 @@ def test_hybrid_full_attention_layers(arch: str, kv_dtype: str, rng) -> None:
     assert all(k.dtype == v.dtype == torch.uint8 for k, v in runner.kv_caches)
     attn = [m.self_attn for m in runner.model.model.layers if m.kind == "full_attention"]
     assert len(attn) == runner.arch.num_kv_layers
-    assert all(a.kv_quant is not None for a in attn)
+    assert all(a.kv_quant is not None and a.kv_quant.workspace is runner.kv_workspace for a in attn)
     V = len(tokenizer())
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (rng.randint(2, 6), 37)]
     reqs = run_prompts(runner, prompts, 6, chunk=rng.choice([7, 16, 29]))

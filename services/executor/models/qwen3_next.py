@@ -193,7 +193,7 @@ class GatedAttention(nn.Module):
         v = v.contiguous()
         if self.kv_quant is not None:
             ops.rotary_embedding(positions, q, k, hd, cos_sin_cache, True)
-            self.kv_quant.write(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.kv_quant.write(ops, k, v, k_cache, v_cache, meta.slot_mapping)
             o = self.kv_quant.attend(
                 ops, q.view(T, self.num_heads, hd), k_cache, v_cache, meta, self.scale
             )

@@ -42,6 +42,10 @@ class ModelProposer(Proposer):
     def use_ops(self, ops) -> None:
         self.draft.model.ops = ops
 
+    def kv_row_elements(self) -> int:
+        """Elements of one token's K (or V) in one layer of its cache."""
+        return self.draft.arch.num_kv_heads * self.draft.arch.head_dim
+
     def kv_bytes_per_block(self, runner) -> int:
         a = self.draft.arch
         elem = torch.empty((), dtype=runner.kv_cache_dtype).element_size()
