@@ -135,6 +135,8 @@ class KernelDispatch:
     qk_norm_rope_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
+    reshape_and_cache_fp8: Callable[..., None]
+    expand_kv_pages: Callable[..., None]
     gemv: Callable[..., torch.Tensor]
     gemv_gate_up: Callable[..., torch.Tensor]
     apply_token_bitmask: Callable[..., None]

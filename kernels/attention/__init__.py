@@ -53,6 +53,22 @@ OPS = (
         block_sizes=(16,),
         decode_graph=True,
     ),
+    # The one-byte (fp8) KV cache (services/executor/kv_quant.py): the quantizing cache write,
+    # and the widening of the pages a step reads into an fp16 workspace of the cache's shape,
+    # which the fp16 attention kernels above then read. Both launchers take fp16 K/V and never
+    # sync with the host (a decode graph holds them: kv_quant.GRAPH_OPS); the references do.
+    Op(
+        "reshape_and_cache_fp8",
+        "attention.kv_cache_fp8.reshape_and_cache_fp8_ref",
+        ("attention.kv_cache_fp8",),
+        cuda_dtypes=("float16",),
+    ),
+    Op(
+        "expand_kv_pages",
+        "attention.kv_expand.expand_kv_pages_ref",
+        ("attention.kv_expand",),
+        cuda_dtypes=("float16",),
+    ),
 )
 
 KERNELS = (

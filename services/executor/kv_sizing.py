@@ -4,7 +4,9 @@ measures the activation peak on CUDA; a byte budget on the CPU), and the caches 
 A block holds block_size tokens of every layer's keys and values (the target's KV heads of this
 rank, and those of a draft model or EAGLE head that keeps its KV in the same block layout). On
 CUDA every cache has one extra block past the block manager's: the scratch block that padded
-CUDA-graph rows write.
+CUDA-graph rows write. A one-byte cache adds its widening workspace (kv_workspace.py): one
+layer's K and V per block in the run dtype, at the wider of the target's and the proposer's
+rows.
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ logger = logging.getLogger(__name__)
 
 def kv_bytes_per_block(runner: ModelRunner) -> int:
     """The target's KV bytes per block (this rank's KV heads under tensor parallelism), plus
-    what the proposer's own KV cache adds (spec/proposer.py)."""
+    what the proposer's own KV cache adds (spec/proposer.py) and the widening workspace's."""
     elem = torch.empty((), dtype=runner.kv_cache_dtype).element_size()
     a = runner.arch
     target = a.num_kv_layers * 2 * runner.num_kv_heads * runner.block_size * a.head_dim * elem
     proposer = runner.proposer
-    return target + (proposer.kv_bytes_per_block(runner) if proposer is not None else 0)
+    target += proposer.kv_bytes_per_block(runner) if proposer is not None else 0
+    return target + workspace_bytes_per_block(runner)
+
+
+def workspace_bytes_per_block(runner: ModelRunner) -> int:
+    """The one-byte cache's widening workspace per block (0 without one): K and V of one layer
+    in the run dtype, at the wider of the target's and the proposer's rows."""
+    if getattr(runner, "kv_workspace", None) is None:
+        return 0
+    row = runner.num_kv_heads * runner.arch.head_dim
+    if runner.proposer is not None:
+        row = max(row, runner.proposer.kv_row_elements())
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    return 2 * row * runner.block_size * elem
 
 
 def state_cache_bytes(runner: ModelRunner) -> int:
@@ -119,12 +134,16 @@ def profile_gpu_blocks(runner: ModelRunner, per_block: int) -> int:
     tmp_blocks = profile_blocks(runner)
     tmp = alloc_kv_caches(runner, tmp_blocks, scratch=False)
     tmp_bytes = sum(t.numel() * t.element_size() for kv in tmp for t in kv)
+    ws = getattr(runner, "kv_workspace", None)
+    tmp_bytes += ws.nbytes if ws is not None else 0
     torch.cuda.reset_peak_memory_stats()
     logits = profile_forward(runner, tmp)
     torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's peak (sort + softmax)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del tmp, logits
+    if ws is not None:
+        ws.release()  # the real caches reserve theirs
     torch.cuda.empty_cache()
     activation = max(0, peak - weights - tmp_bytes)
     # The graphs' logits buffers, allocated after this sizing and held for good.
@@ -157,12 +176,16 @@ def profile_gpu_blocks(runner: ModelRunner, per_block: int) -> int:
 def alloc_kv_caches(
     runner: ModelRunner, num_blocks: int, scratch: bool | None = None, arch=None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # On CUDA one extra block past those the block manager owns receives padded graph rows.
+    # On CUDA one extra block past those the block manager owns receives padded graph rows. A
+    # one-byte cache's widening workspace is reserved for the shape here (kv_workspace.py).
     if scratch is None:
         scratch = runner.device.type == "cuda"
     a = arch or runner.arch
     heads = runner.num_kv_heads if arch is None else a.num_kv_heads
     shape = (num_blocks + int(scratch), heads, runner.block_size, a.head_dim)
+    ws = getattr(runner, "kv_workspace", None)
+    if ws is not None and a.num_kv_layers:
+        ws.reserve(int(np.prod(shape)))
     return [
         (
             torch.zeros(shape, dtype=runner.kv_cache_dtype, device=runner.device),

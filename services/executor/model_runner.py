@@ -76,7 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.startup_times: dict[str, float] = {}  # phase -> seconds
         # Refused before the weights load where the choice of KV storage rules the run out.
-        kv_quant.check_supported(config, self.dtype, self.device, hybrid=False)
+        kv_quant.check_supported(config, self.dtype, self.device)
         self.compile_report: compile_cache.CompileReport | None = None
         t_start = time.perf_counter()
         # Tensor parallelism (tp/worker.py): this rank's session and its group.
@@ -107,8 +107,10 @@ class ModelRunner:
         self.model = loaded.model
         self.arch = loaded.arch
         hybrid = isinstance(self.arch, HybridArch)
-        kv_quant.check_supported(config, self.dtype, self.device, hybrid=hybrid)
-        kv_quant.install(self.model, config.kv_cache_dtype, config.model)
+        # A one-byte KV cache: every attention layer's format and scales, and the workspace its
+        # pages are widened into before attention (kv_quant.py, kv_workspace.py).
+        self.kv_workspace = kv_quant.workspace(config.kv_cache_dtype, self.dtype, self.device)
+        kv_quant.install(self.model, config.kv_cache_dtype, config.model, self.kv_workspace)
         if layer_trace.enabled():
             layer_trace.install(self.model)
         # Speculation (spec/proposer.py): the proposer loads what it runs (a draft model, an
@@ -121,6 +123,7 @@ class ModelRunner:
         if spec is not None:
             self.proposer = make_proposer(spec)
             self.proposer.load(self)
+            kv_quant.install_proposer(self.proposer, config.kv_cache_dtype, self.kv_workspace)
         # The hidden-state seam: for a proposer that reads the target's last hidden states
         # (EAGLE), each eager forward, and each verify graph replay, puts (request, first
         # position, rows) in the step's RunnerOutput.hidden_states. Decode-only steps then
@@ -297,9 +300,10 @@ class ModelRunner:
             return "max_graph_batch_size < 1"
         if self.state_cache is not None:
             return "decode graphs do not stage the linear-attention state slots yet"
-        if not (
-            self.ops.capturable() and self.ops.capturable(getattr(self.model, "graph_ops", ()))
-        ):
+        extra = getattr(self.model, "graph_ops", ())
+        if self.kv_workspace is not None:
+            extra += kv_quant.GRAPH_OPS
+        if not (self.ops.capturable() and self.ops.capturable(extra)):
             return f"some decode ops cannot be captured ({self.ops.impl})"
         need = self.fallback_gather_bytes(graph_batch)
         if need > 2 * 2**30:
@@ -450,6 +454,9 @@ class ModelRunner:
             v.index_fill_(0, idx, 0)
         if self.proposer is not None:
             self.proposer.scrub_kv_blocks(idx)
+        if self.kv_workspace is not None:
+            # Widened pages of those blocks (any layer's): zeroed whole, a rare event.
+            self.kv_workspace.scrub()
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks of a tensor-parallel group to exit and wait for them

@@ -12,18 +12,22 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from voltserve.services.executor.engine_args import add_engine_flags, engine_config
 from voltserve.services.executor.kv_quant import check_supported
-from voltserve.services.executor.kv_sizing import decide_num_blocks, kv_bytes_per_block
+from voltserve.services.executor.kv_sizing import (
+    decide_num_blocks,
+    kv_bytes_per_block,
+    workspace_bytes_per_block,
+)
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.request import Request
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
-from tests.checkpoints import HYBRID_ARCHS, checkpoint, drive, tokenizer
+from tests.checkpoints import checkpoint, drive, hf_model_class, tokenizer
 from tests.greedy_reference import check_greedy_against, reference_logprobs
 from tests.kv_rounding import codes, rounded
 
@@ -53,7 +57,7 @@ def rounded_reference(path, kv_dtype: str | None, scales=None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = hf_model_class(path).from_pretrained(
         path, dtype=torch.float32, attn_implementation=name
     )
     model.ambiguous = False
@@ -164,32 +168,25 @@ def test_unknown_kv_cache_dtype_refused(capsys) -> None:
         EngineConfig(model="m", kv_cache_dtype="e4m3")
 
 
-def test_not_covered_yet_refused_by_name() -> None:
-    """Hybrid models, speculation, tensor parallelism and the CUDA path refuse a one-byte KV
-    cache at start-up, naming what does not take it."""
-    with pytest.raises(StartupError, match="hybrid"):
-        ModelRunner(EngineConfig(model=str(checkpoint(HYBRID_ARCHS[0])), kv_cache_dtype="fp8"))
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    cfg = engine_config(model="m", kv_cache_dtype="fp8_e5m2", speculative_config=spec)
-    with pytest.raises(StartupError, match="speculative"):
-        ModelRunner(cfg)
-    with pytest.raises(StartupError, match="tensor parallel"):
-        ModelRunner(EngineConfig(model="m", kv_cache_dtype="fp8", tensor_parallel_size=2))
+def test_cuda_needs_the_float16_run_dtype() -> None:
+    """On CUDA any KV storage but the run dtype's is refused at start-up with another run dtype,
+    naming it: the attention kernels (and the one-byte formats' write and widening) take
+    float16 only. The one-byte formats are not refused otherwise (hybrid models, speculation
+    and tensor parallelism: test_kv_fp8_paths.py)."""
     cuda = torch.device("cuda")
-    with pytest.raises(StartupError, match="CUDA kernels"):
-        check_supported(EngineConfig(model="m", kv_cache_dtype="fp8"), torch.float16, cuda, False)
-    with pytest.raises(StartupError, match="float16 run dtype"):
-        check_supported(
-            EngineConfig(model="m", kv_cache_dtype="fp16", dtype="bfloat16"),
-            torch.bfloat16,
-            cuda,
-            False,
-        )
+    for kv in ("fp16", "fp8"):
+        cfg = EngineConfig(model="m", kv_cache_dtype=kv, dtype="bfloat16")
+        with pytest.raises(StartupError, match="float16 run dtype"):
+            check_supported(cfg, torch.bfloat16, cuda)
+    check_supported(EngineConfig(model="m", kv_cache_dtype="fp8_e5m2"), torch.float16, cuda)
+    check_supported(EngineConfig(model="m", dtype="bfloat16"), torch.bfloat16, cuda)
 
 
 def test_fp8_blocks_are_half_the_bytes() -> None:
-    """A byte budget holds twice the blocks in one-byte storage as in fp16 (four times the fp32
-    run dtype's)."""
+    """A byte budget holds twice the blocks' worth of layers in one-byte storage as in fp16
+    (four times the fp32 run dtype's), less one layer's K and V in the run dtype per block: the
+    workspace the pages are widened into, allocated with the caches and counted by the
+    sizing."""
     budget = 1 << 20
     blocks, per_block = {}, {}
     for d in ("auto", "fp16", "fp8"):
@@ -200,6 +197,18 @@ def test_fp8_blocks_are_half_the_bytes() -> None:
         blocks[d], per_block[d] = decide_num_blocks(runner), kv_bytes_per_block(runner)
         assert runner.num_kv_blocks == blocks[d]
         got = sum(t.numel() * t.element_size() for kv in runner.kv_caches for t in kv)
+        ws = runner.kv_workspace
+        if d == "fp8":
+            # One layer's K and V (fp32 here) per block, and every cache's storage one byte.
+            k = runner.kv_caches[0][0]
+            assert ws.nbytes == 2 * k.numel() * 4 == blocks[d] * workspace_bytes_per_block(runner)
+            assert all(a.self_attn.kv_quant.workspace is ws for a in runner.model.model.layers)
+            got += ws.nbytes
+        else:
+            assert ws is None and workspace_bytes_per_block(runner) == 0
         assert got == blocks[d] * per_block[d]
-    assert per_block["auto"] == 2 * per_block["fp16"] == 4 * per_block["fp8"]
-    assert blocks["fp8"] == budget // per_block["fp8"] >= 2 * blocks["fp16"]
+    layers = len(runner.kv_caches)
+    ws_per_block = workspace_bytes_per_block(runner)
+    assert per_block["auto"] == 2 * per_block["fp16"] == 4 * (per_block["fp8"] - ws_per_block)
+    assert ws_per_block * layers == per_block["auto"]  # one layer of the fp32 run dtype
+    assert blocks["fp8"] == budget // per_block["fp8"]

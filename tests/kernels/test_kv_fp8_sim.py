@@ -163,3 +163,95 @@ def test_expanded_pages_feed_chunked_prefill(seed) -> None:
     ref = reference(q, k_ref, v_ref, tables, seq_lens, qsl.tolist(), scale)
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def _numpy_launch(kernel, grid, block, args, stream=None):
+    """The launchers' launch with torch CPU tensors as numpy views (the simulator's arrays); the
+    simulator takes contiguous arrays only, so a strided input (K / V rows of a fused qkv) goes
+    as a copy, and every output (cache, workspace) is contiguous: written in place."""
+    from voltserve.kernels.runtime import numba_common
+
+    args = tuple(
+        np.ascontiguousarray(a.numpy()) if isinstance(a, torch.Tensor) else a for a in args
+    )
+    numba_common.launch(kernel, grid, block, args)
+
+
+def test_kv_quant_through_the_cuda_launchers(seed, monkeypatch) -> None:
+    """The engine's seam (kv_quant.KVQuant: write, then attend over the shared workspace) with
+    the dispatch's CUDA launchers of the two one-byte ops, which the simulator runs: a step of
+    two chunks (one continuing a cached prefix across a block boundary), then a decode step,
+    against attention over K / V rounded by torch. The attention over the workspace is the
+    reference here (its kernels read expanded pages in the tests above)."""
+    from voltserve.kernels.attention import kv_cache_fp8, kv_expand
+    from voltserve.kernels.attention.ref import paged_attention_ref
+    from voltserve.kernels.dispatch import KernelDispatch
+    from voltserve.services.executor.input_batch import attention_metadata
+    from voltserve.services.executor.kv_quant import GRAPH_OPS, KVQuant
+    from voltserve.services.executor.kv_workspace import KVWorkspace
+
+    cuda_ops = KernelDispatch("cuda", torch.float16, force_ref=False)  # resolving runs nothing
+    assert cuda_ops.reshape_and_cache_fp8 is kv_cache_fp8.reshape_and_cache_fp8_cuda
+    assert cuda_ops.expand_kv_pages is kv_expand.expand_kv_pages_cuda
+    assert cuda_ops.capturable(GRAPH_OPS)
+    assert not KernelDispatch("cuda", torch.bfloat16, force_ref=False).capturable(GRAPH_OPS)
+    ops = KernelDispatch("cpu", torch.float16)
+    ops.reshape_and_cache_fp8 = cuda_ops.reshape_and_cache_fp8
+    ops.expand_kv_pages = cuda_ops.expand_kv_pages
+    for mod in (kv_cache_fp8, kv_expand):
+        monkeypatch.setattr(mod, "launch", _numpy_launch)
+        monkeypatch.setattr(mod, "current_stream", lambda: None)
+    # One warp per block (the kernels stride by blockDim): a simulated thread costs.
+    monkeypatch.setattr(kv_cache_fp8, "BLOCK", 32)
+    monkeypatch.setattr(kv_expand, "THREADS", 32)
+
+    g = torch.Generator().manual_seed(seed)
+    fmt, ks, vs = "fp8_e4m3", 0.625, 1.5
+    H, KVH, D, n_blocks = 2, 1, 8, 5
+    tables = torch.tensor([[3, 0], [4, 1]], dtype=torch.int32)  # A: blocks 3, 0; B: 4, 1
+    cached = 15  # A's positions already in the cache (from earlier steps)
+    k_cache = torch.full((n_blocks, KVH, BLOCK_SIZE, D), POISON, dtype=torch.uint8)
+    v_cache = k_cache.clone()
+    ws = KVWorkspace(torch.float16, torch.device("cpu"))
+    ws.reserve(k_cache.numel())
+    quant = KVQuant(fmt, ks, vs, ws)
+    full_k = [torch.randn(40, KVH, D, generator=g).half() * 3 for _ in range(2)]
+    full_v = [torch.randn(40, KVH, D, generator=g).half() * 3 for _ in range(2)]
+    k_cache[3, :, :cached] = codes(full_k[0][:cached].transpose(0, 1), fmt, ks)
+    v_cache[3, :, :cached] = codes(full_v[0][:cached].transpose(0, 1), fmt, vs)
+    lens = [cached, 0]
+    # Step 1: A's positions 15..17 (across its block boundary) and B's 0..1; step 2: decode.
+    for new in ([3, 2], [1, 1]):
+        T = sum(new)
+        pos = [p for b in range(2) for p in range(lens[b], lens[b] + new[b])]
+        seq = [b for b in range(2) for _ in range(new[b])]
+        slots = [
+            int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for b, p in zip(seq, pos)
+        ]
+        # K and V as strided row views of a fused qkv, as the model hands them over.
+        qkv = torch.zeros(T, (H + 2 * KVH) * D, dtype=torch.float16)
+        k, v = qkv[:, H * D : (H + KVH) * D], qkv[:, (H + KVH) * D :]
+        for t, (b, p) in enumerate(zip(seq, pos)):
+            k[t] = full_k[b][p].flatten()
+            v[t] = full_v[b][p].flatten()
+        lens = [lens[b] + new[b] for b in range(2)]
+        qsl = torch.tensor([0, new[0], T], dtype=torch.int32)
+        meta = attention_metadata(
+            torch.tensor(slots), tables, torch.tensor(lens, dtype=torch.int32), qsl,
+            max(new) == 1, max(new),
+        )  # fmt: skip
+        q = torch.randn(T, H, D, generator=g).half()
+        quant.write(ops, k, v, k_cache, v_cache, meta.slot_mapping)
+        out = quant.attend(ops, q, k_cache, v_cache, meta, D**-0.5)
+        # The reference: every sequence's K / V so far, rounded by torch, in a fresh cache.
+        ref_k = torch.zeros(n_blocks, KVH, BLOCK_SIZE, D)
+        ref_v = torch.zeros_like(ref_k)
+        for b in range(2):
+            for p in range(lens[b]):
+                blk, off = int(tables[b, p // BLOCK_SIZE]), p % BLOCK_SIZE
+                ref_k[blk, :, off] = rounded(full_k[b][p].float(), fmt, ks)
+                ref_v[blk, :, off] = rounded(full_v[b][p].float(), fmt, vs)
+                assert torch.equal(k_cache[blk, :, off], codes(full_k[b][p], fmt, ks))
+                assert torch.equal(v_cache[blk, :, off], codes(full_v[b][p], fmt, vs))
+        want = paged_attention_ref(q.float(), ref_k, ref_v, tables, meta.seq_lens, qsl, D**-0.5)
+        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)

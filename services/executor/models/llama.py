@@ -197,7 +197,7 @@ class Attention(nn.Module):
         # launch writes the rotated k and v into the paged cache.
         if self.kv_quant is not None:
             ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
-            self.kv_quant.write(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.kv_quant.write(ops, k, v, k_cache, v_cache, meta.slot_mapping)
         elif not fused:
             ops.rotary_and_cache(
                 positions,

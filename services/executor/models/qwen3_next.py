@@ -35,6 +35,7 @@ is plain rotary. The forward has the Llama class's interface (models/llama.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ from voltserve.services.executor.state_cache import LayerStateSpec, StateCache
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.layout import TPLayout
 from voltserve.services.executor.tp.sharding import column_parallel, narrow, row_parallel
+
+if TYPE_CHECKING:
+    from voltserve.services.executor.kv_quant import KVQuant
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -164,6 +168,8 @@ class GatedAttention(nn.Module):
         )
         self.q_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
         self.k_norm = ZeroCenteredRMSNorm(hd, arch.rms_norm_eps, dtype)
+        # A one-byte KV cache's format and scales (kv_quant.install); None: the run dtype's.
+        self.kv_quant: KVQuant | None = None
 
     def forward(
         self,
@@ -185,11 +191,17 @@ class GatedAttention(nn.Module):
         q = self.q_norm(ops, q_all.reshape(-1, hd)).view(T, self.q_size)
         k = self.k_norm(ops, k.reshape(-1, hd)).view(T, self.kv_size)
         v = v.contiguous()
-        ops.rotary_and_cache(
-            positions, q, k, v, hd, cos_sin_cache, True, k_cache, v_cache, meta.slot_mapping
-        )
-        q = q.view(T, self.num_heads, hd)
-        o = paged_attend(ops, q, k_cache, v_cache, meta, self.scale)
+        if self.kv_quant is not None:
+            ops.rotary_embedding(positions, q, k, hd, cos_sin_cache, True)
+            self.kv_quant.write(ops, k, v, k_cache, v_cache, meta.slot_mapping)
+            o = self.kv_quant.attend(
+                ops, q.view(T, self.num_heads, hd), k_cache, v_cache, meta, self.scale
+            )
+        else:
+            ops.rotary_and_cache(
+                positions, q, k, v, hd, cos_sin_cache, True, k_cache, v_cache, meta.slot_mapping
+            )
+            o = paged_attend(ops, q.view(T, self.num_heads, hd), k_cache, v_cache, meta, self.scale)
         o = o.reshape(T, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

@@ -33,8 +33,18 @@ class ModelProposer(Proposer):
     def from_config(cls, config) -> ModelProposer:
         return cls(config.num_speculative_tokens, config.model)
 
+    @property
+    def kv_scales_dir(self) -> str | None:
+        """The folder whose k_scale / v_scale tensors scale its e4m3 KV cache (kv_quant.py):
+        its own checkpoint's."""
+        return self.path
+
     def use_ops(self, ops) -> None:
         self.draft.model.ops = ops
+
+    def kv_row_elements(self) -> int:
+        """Elements of one token's K (or V) in one layer of its cache."""
+        return self.draft.arch.num_kv_heads * self.draft.arch.head_dim
 
     def kv_bytes_per_block(self, runner) -> int:
         a = self.draft.arch

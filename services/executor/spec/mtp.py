@@ -25,6 +25,9 @@ from voltserve.services.executor.spec.mtp_head import load_mtp_head
 class MtpProposer(EagleProposer):
     what = "mtp"
     head_name = "the MTP layers"
+    # The MTP layers sit in the target's folder, whose KV scales are the target layers' (by
+    # index): their own e4m3 cache takes 1.0.
+    kv_scales_dir = None
 
     def _load_head(self, runner):
         self.path = runner.config.model  # the target's own folder

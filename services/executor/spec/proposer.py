@@ -50,6 +50,10 @@ class Proposer(ABC):
         """The kernel dispatch the target runs with (decided after load)."""
         return None
 
+    def kv_row_elements(self) -> int:
+        """Elements of one token's K (or V) in one layer of its own KV cache (0: none)."""
+        return 0
+
     def kv_bytes_per_block(self, runner: ModelRunner) -> int:
         """Bytes the proposer's own KV cache adds per KV block (the KV sizing divides by it)."""
         return 0
