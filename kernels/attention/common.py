@@ -208,9 +208,7 @@ def next_pow2(n: int) -> int:
     return p
 
 
-def check_paged_cache(
-    q, k_cache, v_cache, block_size: int, cache_dtype=None, **int32_args
-) -> None:
+def check_paged_cache(q, k_cache, v_cache, block_size: int, cache_dtype=None, **int32_args) -> None:
     """The launchers' shared checks of a paged KV cache [blocks, kv_heads, block_size, D] against
     q [..., H, D]: shapes, fp16 q and cache storage (cache_dtype: another storage, e.g. uint8
     for the one-byte caches), contiguous and 16-byte aligned caches (the kernels read them in

@@ -191,7 +191,9 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     # v_scale) as one more argument; K's is in `scale` (the launcher's product).
     one_byte = cfg.kv in kv_widen.ONE_BYTE
     emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
-    emit(0, f"           max_logits, exp_sums, tmp_out, counters{', v_scale' if one_byte else ''}):")
+    emit(
+        0, f"           max_logits, exp_sums, tmp_out, counters{', v_scale' if one_byte else ''}):"
+    )
     emit(1, "part = cuda.blockIdx.x")
     emit(1, "y = cuda.blockIdx.y")
     emit(1, "b = cuda.blockIdx.z")

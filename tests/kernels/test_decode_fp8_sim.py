@@ -141,7 +141,7 @@ def test_widening_covers_every_code() -> None:
             nan = want.isnan()
             want[nan] = torch.where(all_codes[nan] < 128, 480.0, -480.0) / 256
         lines: list[str] = []
-        kv_widen.emit_widen(lambda _i, line: lines.append(line), 0, "r", "x", fmt)
+        kv_widen.emit_widen(lambda _i, line, acc=lines: acc.append(line), 0, "r", "x", fmt)
         for shift in range(4):  # code c in byte (c + shift) % 4 of its word
             got = torch.empty(256)
             for c0 in range(0, 256, 16):
@@ -179,6 +179,4 @@ def test_an_fp16_cache_is_refused() -> None:
     cache = torch.zeros((2, 1, 16, 64), dtype=torch.float16)
     tables, sl = torch.zeros((1, 1), dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(TypeError, match="torch.uint8"):
-        decode_fp8.paged_decode_attention_fp8_cuda(
-            q, cache, cache, tables, sl, 0.1, fmt="fp8_e5m2"
-        )
+        decode_fp8.paged_decode_attention_fp8_cuda(q, cache, cache, tables, sl, 0.1, fmt="fp8_e5m2")
