@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh OUT_DIR [STAGE ...]
 #
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
-# (and `attention`: the decode/prefill attention benchmark alone; `attention-sweep`: decode
+# (and `attention`: the decode/prefill attention benchmark alone; `attention-fp8`: decode over
+# fp8 pages, its GPU tests and fp16 / e5m2 / e4m3 at 4K..256K; `attention-sweep`: decode
 # attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch;
 # `spec`: speculative decoding's GPU tests and benchmark;
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
@@ -136,6 +137,13 @@ for stage in $STAGES; do
       run bench_attention_1k $PY load_tests/bench_attention.py --contexts 1024 --batches 1,64,256 --out "$OUT/bench_attention_1k.json"
       # batch 1 with the KV evicted from L2 before every launch, as in a served step
       run bench_attention_b1_cold $PY load_tests/bench_attention.py --contexts 544,1056,4096 --batches 1 --skip-prefill --cold --out "$OUT/bench_attention_b1_cold.json"
+      ;;
+    attention-fp8)
+      # Decode attention over one-byte (fp8) pages read directly (attention/decode_fp8.py): its
+      # GPU tests at 4K / 32K / 128K, then batch 1 at 4K..256K with fp16, e5m2 and e4m3 pages
+      # in the same run, each against its bytes floor, KV evicted from L2 before each launch.
+      run decode_fp8_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_decode_fp8_gpu.py -p no:cacheprovider
+      run bench_attention_fp8 $PY load_tests/bench_attention.py --contexts 4096,32768,131072,262144 --batches 1 --kv fp16,fp8_e5m2,fp8_e4m3 --skip-prefill --cold --out "$OUT/bench_attention_fp8.json"
       ;;
     attention-sweep)
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,

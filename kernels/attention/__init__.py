@@ -169,6 +169,23 @@ KERNELS += (
     ),
 )
 
+# decode_fp8.py: decode.py's kernels over a one-byte cache (flat uint8 k/v caches), the V side's
+# factor as one more argument; the merge kernel is decode.py's.
+_DECODE_FP8_SIG = (
+    "void(float16[:, :, ::1], float16[:, :, ::1], uint8[::1], uint8[::1], int32[:, ::1],"
+    " int32[::1], float64, int64, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1],"
+    " int32[::1], float64)"
+)
+KERNELS += tuple(
+    KernelSpec("attention.decode_fp8", name, (_DECODE_FP8_SIG,))
+    for name in (
+        "decode_fp8_kernel_d128_g4_e4m3",
+        "decode_fp8_kernel_d128_g4_e5m2_online",
+        "decode_fp8_kernel_d64_g7_e4m3_online",
+        "decode_fp8_kernel_d256_g1_e5m2_direct",
+    )
+)
+
 # prefill.py: per-shape kernels from prefill_kernel(); representative instances. Arguments: out,
 # q, flat k/v caches, block_tables, seq_lens, query_start_loc, scale, num_kv_heads.
 _PREFILL_SIG = (

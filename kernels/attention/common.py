@@ -4,8 +4,9 @@
   flat fp16 array whose base is 16-byte aligned), widened to eight fp32 values. numba indexes
   arrays one element at a time and cannot prove alignment, so without this each thread would
   issue eight 2-byte loads; the KV cache streams at full bandwidth only with 16-byte loads.
-- `ld_u32x4(arr, i)`: the same 16-byte load, kept raw as four uint32 (two fp16 each), and
-  `half_lo(u)` / `half_hi(u)`: one fp16 of such a word widened to fp32. Splitting the load from
+- `ld_u32x4(arr, i)`: the same 16-byte load, kept raw as four uint32 (two fp16 each; of a flat
+  uint8 array, four one-byte codes each: arr[i:i+16]), and `half_lo(u)` / `half_hi(u)`: one fp16
+  of such a word widened to fp32. Splitting the load from
   the widening keeps a batch of in-flight loads at 4 registers each instead of 8, and puts each
   conversion next to its use.
 - `st_u32x4(arr, i, w0, w1, w2, w3)`: the matching 16-byte store of four such words into
@@ -35,7 +36,8 @@ if SIMULATOR:
         return tuple(np.float32(x) for x in arr[i : i + 8])
 
     def ld_u32x4(arr, i):
-        raw = np.array([arr[i + j] for j in range(8)], dtype=np.float16).view(np.uint32)
+        n = 16 // arr.dtype.itemsize
+        raw = np.array([arr[i + j] for j in range(n)], dtype=arr.dtype).view(np.uint32)
         return tuple(raw)
 
     def st_u32x4(arr, i, w0, w1, w2, w3):
@@ -95,7 +97,11 @@ else:
 
     @intrinsic
     def ld_u32x4(typingctx, arr, idx):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float16 and arr.ndim == 1):
+        if not (
+            isinstance(arr, types.Array)
+            and arr.dtype in (types.float16, types.uint8)
+            and arr.ndim == 1
+        ):
             return None
         if not isinstance(idx, types.Integer):
             return None
@@ -202,12 +208,15 @@ def next_pow2(n: int) -> int:
     return p
 
 
-def check_paged_cache(q, k_cache, v_cache, block_size: int, **int32_args) -> None:
+def check_paged_cache(q, k_cache, v_cache, block_size: int, cache_dtype=None, **int32_args) -> None:
     """The launchers' shared checks of a paged KV cache [blocks, kv_heads, block_size, D] against
-    q [..., H, D]: shapes, fp16 storage, contiguous and 16-byte aligned caches (the kernels read
-    them in 16-byte vectors), and int32 for every named tensor in int32_args (block tables,
-    sequence lengths, query offsets)."""
+    q [..., H, D]: shapes, fp16 q and cache storage (cache_dtype: another storage, e.g. uint8
+    for the one-byte caches), contiguous and 16-byte aligned caches (the kernels read them in
+    16-byte vectors), and int32 for every named tensor in int32_args (block tables, sequence
+    lengths, query offsets)."""
     import torch
+
+    cache_dtype = cache_dtype or torch.float16
 
     D = q.shape[-1]
     if k_cache.shape[2:] != (block_size, D) or v_cache.shape != k_cache.shape:
@@ -215,8 +224,11 @@ def check_paged_cache(q, k_cache, v_cache, block_size: int, **int32_args) -> Non
             f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
             f"[blocks, kv_heads, {block_size}, {D}]"
         )
-    if q.dtype != torch.float16 or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16:
-        raise TypeError(f"fp16 only, got q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype != torch.float16 or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
+        raise TypeError(
+            f"fp16 only (q; cache {cache_dtype}), got q {q.dtype}, cache "
+            f"{k_cache.dtype}/{v_cache.dtype}"
+        )
     for name, t in int32_args.items():
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from numba import cuda, float32, int32, int64
+from voltserve.kernels.attention import kv_widen
 from voltserve.kernels.attention.common import (
     check_paged_cache,
     half_hi,
@@ -76,6 +77,9 @@ class DecodeConfig:
     # Per-warp online softmax (see _emit_online_core) instead of the block-wide score/softmax/PV
     # phases: fewer barriers and no shared-memory score round trip, for latency-bound grids.
     online: bool = False
+    # The cache's storage (kv_widen.KV_FORMATS): fp16, or one-byte codes (decode_fp8.py), whose
+    # 16-byte loads hold 16 values, so a lane holds twice the q and PV values of fp16's.
+    kv: str = kv_widen.FP16
 
 
 def decode_config(
@@ -86,27 +90,36 @@ def decode_config(
     num_threads: int = 128,
     online: bool = False,
     max_group: int = MAX_HEADS_PER_BLOCK,
+    kv: str = kv_widen.FP16,
 ) -> DecodeConfig:
     """max_group: at most this many query heads per thread block (the rest of a KV head's
-    heads go to further blocks: `split`)."""
+    heads go to further blocks: `split`); kv: the cache's storage (max_heads_per_block)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim {head_dim} must be a multiple of 8 in [8, 256]")
+    vec = kv_widen.values_per_load(kv)
+    if head_dim % vec or not vec <= head_dim <= 256:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {vec} in [{vec}, 256] ({kv})")
     if num_threads % 32 or not 32 <= num_threads <= 1024:
         raise ValueError(f"num_threads {num_threads} must be a multiple of 32 in [32, 1024]")
     ratio = num_heads // num_kv_heads
-    cap = max(1, min(ratio, MAX_HEADS_PER_BLOCK, max_group))
+    cap = max(1, min(ratio, max_heads_per_block(kv), max_group))
     group = max(g for g in range(1, cap + 1) if ratio % g == 0)
     partition = partition_size or DEFAULT_PARTITION
     if partition % BLOCK_SIZE:
         raise ValueError(f"partition_size {partition} must be a multiple of {BLOCK_SIZE}")
-    return DecodeConfig(head_dim, group, ratio // group, partition, num_threads, online)
+    return DecodeConfig(head_dim, group, ratio // group, partition, num_threads, online, kv)
+
+
+def max_heads_per_block(kv: str) -> int:
+    """MAX_HEADS_PER_BLOCK for fp16; halved for one-byte storage, whose lanes hold 16 values of
+    q and of the PV sums per head instead of 8 (the same registers per head group)."""
+    return MAX_HEADS_PER_BLOCK * 8 // kv_widen.values_per_load(kv)
 
 
 def _layout(cfg: DecodeConfig) -> dict[str, int]:
     """Compile-time constants of the lane layout (see the module docstring)."""
-    nchunk = cfg.head_dim // 8  # 16-byte chunks per token row
+    vec = kv_widen.values_per_load(cfg.kv)  # values per 16-byte load
+    nchunk = cfg.head_dim // vec  # 16-byte chunks per token row
     tpt = max(2, next_pow2(nchunk))  # lanes per token (power of two: shuffles stay in the group)
     tpp = 32 // tpt  # tokens per warp pass
     npass = BLOCK_SIZE // tpp  # passes per KV block
@@ -116,7 +129,7 @@ def _layout(cfg: DecodeConfig) -> dict[str, int]:
     # Passes whose G scores are reduced together: reduce-scatter G x sc values over the tpt
     # lanes of a token costs ~G x sc shuffles instead of G x sc x log2(tpt).
     sc = max(1, min(batch, tpt // next_pow2(cfg.group)))
-    return dict(nchunk=nchunk, tpt=tpt, tpp=tpp, npass=npass, batch=batch, sc=sc)
+    return dict(nchunk=nchunk, tpt=tpt, tpp=tpp, npass=npass, batch=batch, sc=sc, vec=vec)
 
 
 def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
@@ -129,7 +142,7 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     direct, merge = mode == "direct", mode == "merge"
     D, G, PART, NT = cfg.head_dim, cfg.group, cfg.partition, cfg.num_threads
     lay = _layout(cfg)
-    NCHUNK, TPT, SC = lay["nchunk"], lay["tpt"], lay["sc"]
+    NCHUNK, TPT, SC, V = lay["nchunk"], lay["tpt"], lay["sc"], lay["vec"]
     GD = G * D
     NVAL = SC * G
     NPAD = next_pow2(NVAL)
@@ -171,11 +184,16 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
                 cur = [f"u{k}_0"]
         return cur
 
-    def word(r: str, j: int) -> str:
-        return f"{'half_hi' if j % 2 else 'half_lo'}({r}_{j // 2})"
+    def widen(indent: int, regs: str, name: str) -> None:
+        kv_widen.emit_widen(emit, indent, regs, name, cfg.kv)
 
+    # One-byte storage takes the V side's factor (kv_widen.scale_factor times the layer's
+    # v_scale) as one more argument; K's is in `scale` (the launcher's product).
+    one_byte = cfg.kv in kv_widen.ONE_BYTE
     emit(0, "def kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_heads,")
-    emit(0, "           max_logits, exp_sums, tmp_out, counters):")
+    emit(
+        0, f"           max_logits, exp_sums, tmp_out, counters{', v_scale' if one_byte else ''}):"
+    )
     emit(1, "part = cuda.blockIdx.x")
     emit(1, "y = cuda.blockIdx.y")
     emit(1, "b = cuda.blockIdx.z")
@@ -189,6 +207,8 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     emit(1, f"sub = lane // {TPT}")
     emit(1, f"c = lane % {TPT}")
     emit(1, "fscale = float32(scale)")
+    if one_byte:
+        emit(1, "vmul = float32(v_scale)")
     if NCHUNK < TPT:  # lanes past the row load a valid chunk and weigh it by q = 0
         emit(1, f"active = c < {NCHUNK}")
         emit(1, f"ce = min(c, {NCHUNK - 1})")
@@ -197,10 +217,10 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(1, "active = True")
         emit(1, "ce = c")
         emit(1, "qs = fscale")
-    emit(1, f"lane_off = sub * {D} + ce * 8")
+    emit(1, f"lane_off = sub * {D} + ce * {V}")
     for g in range(G):
-        for j in range(8):
-            emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * 8 + {j}]) * qs")
+        for j in range(V):
+            emit(1, f"q{g}_{j} = float32(q[b, h0 + {g}, ce * {V} + {j}]) * qs")
     if cfg.online:
         _emit_first_entry(emit, cfg, mode)
     emit(1, "seq_len = seq_lens[b]")
@@ -240,28 +260,33 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
         emit(1, f"for i in range(tid, n_blk, {NT}):")
         emit(2, "tbl[i] = block_tables[b, blk0 + i]")
     if cfg.online:
-        _emit_online_core(emit, cfg, lay, word)
+        _emit_online_core(emit, cfg, lay, widen)
     else:
-        _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word)
+        _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, widen)
     _emit_epilogue(emit, cfg, mode)
     return "\n".join(out) + "\n"
 
 
-def _emit_pv(emit, indent: int, G: int, word, regs: str, vname: str, probs: list[str]) -> None:
-    """a{g}_{j} += probs[g] * v_j for the 8 fp16 values of one lane's V chunk held in regs."""
-    for j in range(8):
-        emit(indent, f"{vname}{j} = {word(regs, j)}")
+def _emit_pv(emit, indent, G: int, V: int, widen, regs: str, vname: str, probs: list[str]) -> None:
+    """a{g}_{j} += probs[g] * v_j for the V values of one lane's V chunk held in regs."""
+    widen(indent, regs, vname)
     for g in range(G):
-        for j in range(8):
+        for j in range(V):
             emit(indent, f"a{g}_{j} += {probs[g]} * {vname}{j}")
 
 
-def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, word) -> None:
+def _acc_out(cfg: DecodeConfig, g: int, j: int) -> str:
+    """A lane's PV sum as it leaves the core: times the V side's factor for one-byte storage
+    (once per partition instead of once per value)."""
+    return f"a{g}_{j} * vmul" if cfg.kv in kv_widen.ONE_BYTE else f"a{g}_{j}"
+
+
+def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter, widen) -> None:
     """Scores of the partition into shared memory, then one softmax over them, then PV; the
     block's sums land in acc_s / m_s / l_s (the epilogue's inputs)."""
     D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
-    NCHUNK, TPT, TPP, NPASS, BATCH, SC = (
-        lay[k] for k in ("nchunk", "tpt", "tpp", "npass", "batch", "sc")
+    NCHUNK, TPT, TPP, NPASS, BATCH, SC, V = (
+        lay[k] for k in ("nchunk", "tpt", "tpp", "npass", "batch", "sc", "vec")
     )
     NW = NT // 32
     ROW = BLOCK_SIZE * D
@@ -296,10 +321,9 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
             names = []
             for psl in range(SC):
                 ps = sc0 + psl
-                for j in range(8):
-                    emit(indent, f"k{j} = {word(f'r{ps}', j)}")
+                widen(indent, f"r{ps}", "k")
                 for g in range(G):
-                    terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(8))
+                    terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(V))
                     emit(indent, f"s{psl * G + g} = {terms}")
                     names.append(f"s{psl * G + g}")
             names += ["float32(0.0)"] * (NPAD - NVAL)
@@ -339,9 +363,9 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
     emit(3, "l_s[g] = total")
     emit(1, "cuda.syncthreads()")
 
-    # PV: each lane accumulates its 8 dims of every head over its tokens.
+    # PV: each lane accumulates its V dims of every head over its tokens.
     for g in range(G):
-        for j in range(8):
+        for j in range(V):
             emit(1, f"a{g}_{j} = float32(0.0)")
 
     def pv(indent: int, bt: int) -> None:
@@ -352,7 +376,7 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
             emit(indent, "if tpos < n_tok:")
             for g in range(G):
                 emit(indent + 1, f"p{g} = logits[{g}, tpos]")
-            _emit_pv(emit, indent + 1, G, word, f"r{ps}", "v", [f"p{g}" for g in range(G)])
+            _emit_pv(emit, indent + 1, G, V, widen, f"r{ps}", "v", [f"p{g}" for g in range(G)])
 
     emit(1, f"for i in range(warp, n_blk, {NW}):")
     emit(2, f"base = (int64(tbl[i]) * num_kv_heads + kvh) * {ROW} + lane_off")
@@ -373,13 +397,13 @@ def _emit_block_core(emit, cfg, lay, steps, plain_mask, n_final, reduce_scatter,
             emit(ind, f"r{ps}_0, r{ps}_1, r{ps}_2, r{ps}_3 = ld_u32x4(v_cache, base + {off})")
         pv(2, bt)
     for g in range(G):
-        for j in range(8):
+        for j in range(V):
             for k in range(log_tpp):
                 emit(1, f"a{g}_{j} += shfl_xor(a{g}_{j}, {TPT << k})")
     emit(1, "if sub == 0 and active:")
     for g in range(G):
-        for j in range(8):
-            emit(2, f"cuda.atomic.add(acc_s, {g * D} + ce * 8 + {j}, a{g}_{j})")
+        for j in range(V):
+            emit(2, f"cuda.atomic.add(acc_s, {g * D} + ce * {V} + {j}, {_acc_out(cfg, g, j)})")
     emit(1, "cuda.syncthreads()")
 
 
@@ -439,7 +463,7 @@ def _emit_first_entry(emit, cfg: DecodeConfig, mode: str) -> None:
     emit(1, "spec_ent = block_tables[b, min(spec_blk0 + warp, block_tables.shape[1] - 1)]")
 
 
-def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> None:
+def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], widen) -> None:
     """Each warp takes whole KV blocks (16 tokens) and keeps its own running softmax in
     registers: K and V rows of a block loaded together (one memory round trip), scores summed
     over the token's lanes by butterflies (every lane of a token holds its score), the block's
@@ -450,7 +474,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     path, which is what a batch-1 decode step waits on (one wave of blocks, ~1-2 KV blocks per
     warp). Costs more registers (K and V in flight together): used for small grids only."""
     D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
-    TPT, TPP, NPASS = lay["tpt"], lay["tpp"], lay["npass"]
+    TPT, TPP, NPASS, V = lay["tpt"], lay["tpp"], lay["npass"], lay["vec"]
     NW = NT // 32
     GD = G * D
     ROW = BLOCK_SIZE * D
@@ -459,7 +483,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     for g in range(G):
         emit(1, f"m{g} = float32(-math.inf)")
         emit(1, f"l{g} = float32(0.0)")
-        for j in range(8):
+        for j in range(V):
             emit(1, f"a{g}_{j} = float32(0.0)")
     emit(1, f"for i in range(warp, n_blk, {NW}):")
     # The warp's first KV block's entry was loaded before seq_len (_emit_first_entry); it is
@@ -474,10 +498,9 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
             r = f"{reg}{ps}"
             emit(2, f"{r}_0, {r}_1, {r}_2, {r}_3 = ld_u32x4({cache}, base + {ps * TPP * D})")
     for ps in range(NPASS):
-        for j in range(8):
-            emit(2, f"k{j} = {word(f'r{ps}', j)}")
+        widen(2, f"r{ps}", "k")
         for g in range(G):
-            terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(8))
+            terms = " + ".join(f"q{g}_{j} * k{j}" for j in range(V))
             emit(2, f"s{ps}_{g} = {terms}")
     # Butterflies over a token's lanes, all scores of the step interleaved (independent chains).
     for m in tok_masks:
@@ -501,7 +524,7 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
         emit(2, f"f = math.exp(m{g} - mn)")
         emit(2, f"m{g} = mn")
         emit(2, f"l{g} *= f")
-        for j in range(8):
+        for j in range(V):
             emit(2, f"a{g}_{j} *= f")
         for ps in range(NPASS):
             emit(2, f"p{ps}_{g} = math.exp(s{ps}_{g} - mn)")
@@ -509,12 +532,12 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
     for ps in range(NPASS):
         # Rows past the context hold stale data (maybe NaN): skipped, never multiplied by 0.
         emit(2, f"if ok{ps}:")
-        _emit_pv(emit, 3, G, word, f"v{ps}", "w", [f"p{ps}_{g}" for g in range(G)])
+        _emit_pv(emit, 3, G, V, widen, f"v{ps}", "w", [f"p{ps}_{g}" for g in range(G)])
     # Sums over the tokens of a pass (lanes with the same chunk c), then the warps' partials.
     for g in range(G):
         for m in sub_masks:
             emit(1, f"l{g} += shfl_xor(l{g}, {m})")
-            for j in range(8):
+            for j in range(V):
                 emit(1, f"a{g}_{j} += shfl_xor(a{g}_{j}, {m})")
     emit(1, f"wm = cuda.shared.array(({NW}, {G}), float32)")
     emit(1, f"wl = cuda.shared.array(({NW}, {G}), float32)")
@@ -525,8 +548,8 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], word) -> Non
         emit(2, f"wl[warp, {g}] = l{g}")
     emit(1, "if sub == 0 and active:")
     for g in range(G):
-        for j in range(8):
-            emit(2, f"wa[warp, {g * D} + ce * 8 + {j}] = a{g}_{j}")
+        for j in range(V):
+            emit(2, f"wa[warp, {g * D} + ce * {V} + {j}] = {_acc_out(cfg, g, j)}")
     emit(1, "cuda.syncthreads()")
     # A warp that had no KV block has max -inf and zero sums: weighed by 0, not exp(nan).
     emit(1, f"for i in range(tid, {GD + G}, {NT}):")
@@ -668,7 +691,8 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         shfl_xor=shfl_xor,
     )
     core = " online" if cfg.online else ""
-    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}>"
+    kv = "" if cfg.kv == kv_widen.FP16 else f" {cfg.kv}"
+    name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}{kv}>"
     exec(compile(src, name, "exec"), namespace)
     # Large batches are bandwidth-bound on bytes in flight: capping registers at 128 (from
     # ~142, a few bytes of spill outside the loops) fits 4 blocks of 128 threads per SM instead
@@ -678,7 +702,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         max_registers = MAX_REGISTERS if mode != "direct" and not cfg.online else None
     opts = {"max_registers": max_registers} if max_registers is not None and not SIM else {}
     label = f"decode_attention_{mode}{core.replace(' ', '_')}_d{cfg.head_dim}_g{cfg.group}"
-    label += f"x{cfg.split}_p{cfg.partition}"
+    label += f"x{cfg.split}_p{cfg.partition}{kv.replace(' ', '_')}"
     return cuda.jit(fastmath=False, **opts)(named_kernel(namespace["kernel"], __name__, label))
 
 
@@ -783,6 +807,15 @@ ONLINE_MAX_BLOCKS_PER_SM = 2
 # Its q and PV accumulators take 2 x group x 8 registers per lane: on sm_70 ptxas fits 7 heads
 # of 128 dims in 255 registers without spilling, 8 spill (244 B): those stay on the block core.
 ONLINE_MAX_GROUP_DIMS = 7 * 128
+# One-byte storage: lanes hold 16 values of q and of the PV sums per head (2 x 16 x group
+# registers) and half the in-flight load words of fp16; with at most 4 heads a block
+# (max_heads_per_block) that is 4 heads of 64 or 128 dims and 3 of 256.
+ONLINE_MAX_GROUP_DIMS_ONE_BYTE = 3 * 256
+
+
+def online_max_group_dims(kv: str) -> int:
+    """The widest head group (heads x head_dim) the online core takes for this storage."""
+    return ONLINE_MAX_GROUP_DIMS_ONE_BYTE if kv in kv_widen.ONE_BYTE else ONLINE_MAX_GROUP_DIMS
 
 
 def direct_partition_limit(group: int) -> int:
@@ -833,10 +866,11 @@ def default_partition(
     max_partitions: int | None = None,
     num_threads: int = 128,
     max_group: int = MAX_HEADS_PER_BLOCK,
+    kv: str = kv_widen.FP16,
 ) -> int:
     """The partition the launcher takes for this shape, batch and bound (choose_partition with
     the head grouping decode_config gives)."""
-    group = decode_config(H, kvh, D, None, num_threads, max_group=max_group).group
+    group = decode_config(H, kvh, D, None, num_threads, max_group=max_group, kv=kv).group
     split = H // kvh // group
     return choose_partition(B, kvh * split, max_seq_len, num_sms, max_partitions, group)
 
@@ -852,6 +886,7 @@ def launch_config(
     num_threads: int = 128,
     partition_size: int | None = None,
     online: bool | None = None,
+    kv: str = kv_widen.FP16,
 ) -> tuple[DecodeConfig, int]:
     """(config, partitions) of a launch: the partition from default_partition unless given,
     the online core for latency-bound grids unless `online` says (see _narrow_online for head
@@ -872,36 +907,38 @@ def launch_config(
     auto = partition_size is None and max_partitions is None and online is None
     part = partition_size
     if part is None:
-        part = default_partition(H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads)
-    cfg = decode_config(H, kvh, D, part, num_threads)
+        part = default_partition(
+            H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads, kv=kv
+        )
+    cfg = decode_config(H, kvh, D, part, num_threads, kv=kv)
     n_part = num_partitions(max_seq_len, cfg.partition)
     if online is None:
-        online = latency_bound(B * kvh * cfg.split * n_part, num_sms)
-        online = online and cfg.group * D <= ONLINE_MAX_GROUP_DIMS
-        if not online and cfg.group * D > ONLINE_MAX_GROUP_DIMS:
+        wide = cfg.group * D > online_max_group_dims(kv)
+        online = latency_bound(B * kvh * cfg.split * n_part, num_sms) and not wide
+        if not online and wide:
             cfg, n_part, online = _narrow_online(
                 H, kvh, D, B, max_seq_len, num_sms, max_partitions, num_threads,
-                partition_size, cfg, n_part,
+                partition_size, cfg, n_part, kv,
             )  # fmt: skip
     if auto and (not online or n_part > MERGE_MAX_PARTITIONS):
-        capped = _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads)
+        capped = _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads, kv)
         if capped is not None:
             return capped
     return dataclasses.replace(cfg, online=online), n_part
 
 
-def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads):
+def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads, kv=kv_widen.FP16):
     """The online core's launch for a grid that, uncapped, is too large for it: the partitions
     capped at MERGE_MAX_PARTITIONS (the in-kernel merge), and further to at most one block per
     SM; None where even that is not an online grid of more than one partition."""
     capped = launch_config(
-        H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, None
+        H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, None, kv
     )
     per_part = B * kvh * capped[0].split
     if capped[0].online and per_part * capped[1] > num_sms:
         capped = launch_config(
             H, kvh, D, B, max_seq_len, num_sms, max(2, num_sms // per_part), num_threads, None,
-            None,
+            None, kv,
         )  # fmt: skip
     return capped if capped[0].online and capped[1] > 1 else None
 
@@ -928,17 +965,19 @@ def online_threads(cfg: DecodeConfig) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def launch_with_threads(
-    H, kvh, D, B, max_seq_len, num_sms, cap, num_threads, partition_size, online
+    H, kvh, D, B, max_seq_len, num_sms, cap, num_threads, partition_size, online, kv=kv_widen.FP16
 ) -> tuple[DecodeConfig, int]:
     """launch_config at num_threads, or, when None, at 128 unless the online core's launch at
     ONLINE_THREADS (online_threads) stays online and one wave (one block per SM at ~250
     registers a thread: a grid of more blocks than SMs would run in two). Cached: an eager
     decode step asks again for the same shapes and bounds."""
     nt = num_threads or 128
-    cfg, n_part = launch_config(H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online)
+    cfg, n_part = launch_config(
+        H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online, kv
+    )
     if num_threads is None and online_threads(cfg) != nt:
         wide = launch_config(
-            H, kvh, D, B, max_seq_len, num_sms, cap, ONLINE_THREADS, partition_size, online
+            H, kvh, D, B, max_seq_len, num_sms, cap, ONLINE_THREADS, partition_size, online, kv
         )
         if wide[0].online and B * kvh * wide[0].split * wide[1] <= num_sms:
             return wide
@@ -950,7 +989,9 @@ def latency_bound(blocks: int, num_sms: int) -> bool:
     return blocks <= ONLINE_MAX_BLOCKS_PER_SM * num_sms
 
 
-def _narrow_online(H, kvh, D, B, max_seq_len, sms, cap, num_threads, fixed_partition, cfg, n_part):
+def _narrow_online(
+    H, kvh, D, B, max_seq_len, sms, cap, num_threads, fixed_partition, cfg, n_part, kv
+):
     """(cfg, partitions, online) for a small grid whose head group is too wide for the online
     core's registers (8 query heads of 128 dims per KV head: Qwen3-30B-A3B, Llama-3-70B): the
     group is split over more blocks that the online core takes, each reading its KV head again.
@@ -958,13 +999,14 @@ def _narrow_online(H, kvh, D, B, max_seq_len, sms, cap, num_threads, fixed_parti
     the block core took 45 us a layer for one Qwen3-30B-A3B sequence of ~150 tokens, the online
     core ~13 us for a Llama-3-8B one of ~560. Falls back to (cfg, n_part, False) when the
     narrower grid would not be latency-bound."""
-    g = ONLINE_MAX_GROUP_DIMS // D
+    limit = online_max_group_dims(kv)
+    g = max(1, limit // D)
     part = fixed_partition
     if part is None:
-        part = default_partition(H, kvh, D, B, max_seq_len, sms, cap, num_threads, max_group=g)
-    narrow = decode_config(H, kvh, D, part, num_threads, max_group=g)
+        part = default_partition(H, kvh, D, B, max_seq_len, sms, cap, num_threads, g, kv)
+    narrow = decode_config(H, kvh, D, part, num_threads, max_group=g, kv=kv)
     n = num_partitions(max_seq_len, narrow.partition)
-    if narrow.group * D <= ONLINE_MAX_GROUP_DIMS and latency_bound(B * kvh * narrow.split * n, sms):
+    if narrow.group * D <= limit and latency_bound(B * kvh * narrow.split * n, sms):
         return narrow, n, True
     return cfg, n_part, False
 
@@ -1012,17 +1054,43 @@ def paged_decode_attention_cuda(
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
     most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
+    check_paged_cache(q, k_cache, v_cache, BLOCK_SIZE, block_tables=block_tables, seq_lens=seq_lens)
+    return launch_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len, partition_size,
+        workspace, num_threads, max_registers, online,
+    )  # fmt: skip
+
+
+def launch_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale: float,
+    out,
+    max_seq_len: int | None,
+    partition_size: int | None,
+    workspace,
+    num_threads: int | None,
+    max_registers: int | None,
+    online: bool | None,
+    kv: str = kv_widen.FP16,
+    v_scale: float = 1.0,
+):
+    """The launches of paged_decode_attention_cuda (its arguments, checked by its caller) for a
+    cache stored as `kv`: `scale` multiplies q (for one-byte storage the launcher folds K's
+    factors into it), `v_scale` the PV sums (one-byte storage only, see kv_widen)."""
     import torch
 
     B, H, D = q.shape
     kvh = k_cache.shape[1]
-    check_paged_cache(q, k_cache, v_cache, BLOCK_SIZE, block_tables=block_tables, seq_lens=seq_lens)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * BLOCK_SIZE
     cap = None if workspace is None else workspace[2].shape[2]
     sms = sm_count(q.device)
     cfg, n_part = launch_with_threads(
-        H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online
+        H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online, kv
     )
     mode = "direct" if n_part == 1 else "split"
     # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
@@ -1061,6 +1129,8 @@ def paged_decode_attention_cuda(
         tmp,
         counters,
     )
+    if kv in kv_widen.ONE_BYTE:
+        args += (float(v_scale),)
     launch(decode_kernel(cfg, mode, max_registers), grid, cfg.num_threads, args, stream)
     if mode == "split":
         args = (out, ml, es, tmp, seq_lens, cfg.partition)

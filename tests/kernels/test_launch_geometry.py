@@ -431,6 +431,29 @@ def test_decode_attention_over_batches_and_contexts() -> None:
             assert launches[1].grid == (H, B, 1)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e5m2", "fp8_e4m3"])
+def test_fp8_decode_attention_at_262144_tokens(fmt: str) -> None:
+    """The one-byte cache's decode (decode_fp8.py) at a 262,144-token context and bound, batch 1
+    and 256, every head shape: the partitions (grid x), the head blocks and the batch within
+    the limits, the partials' workspace holding every partition of the grid."""
+    from voltserve.kernels.attention import decode_fp8
+
+    U8 = torch.uint8
+    context = 262_144
+    for (H, kvh, D), B, sms in itertools.product(HEADS, (1, 256), SMS):
+        cache = t(B * context // 16 + 1, kvh, 16, D, dtype=U8)
+        args = (t(B, H, D), cache, cache, t(B, context // 16, dtype=I32), t(B, dtype=I32), 0.1)
+        fn = decode_fp8.paged_decode_attention_fp8_cuda
+        launches = recorded("decode", fn, *args, sms=sms, fmt=fmt, k_scale=1.0, v_scale=1.0)
+        main = launches[0]
+        assert fmt in main.kernel
+        assert main.grid[2] == B and main.arg("out").shape == (B, H, D)
+        assert main.arg("k_cache").shape == (cache.numel(),)
+        assert main.arg("tmp_out").shape[2] >= main.grid[0]  # a slot for every partition
+        if len(launches) == 2:  # the separate merge
+            assert launches[1].grid == (H, B, 1)
+
+
 @pytest.mark.parametrize("seqs", [1, 32, 256])
 def test_prefill_attention_over_chunks_and_prompts(seqs: int) -> None:
     from voltserve.kernels.attention import prefill as prefill_attention
