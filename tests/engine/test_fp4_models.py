@@ -56,23 +56,30 @@ MOE_CASES = {
 
 
 def _check_stacked_experts(model, ref) -> None:
-    """Every layer's experts dequantized at load (quant/fp4_experts.py), each expert's stacked
-    rows equal to the reference folder's weights (gate rows, then up; down), so no expert or
-    part is swapped."""
+    """Every layer's experts kept packed (quant/fp4_experts.py: FP4 codes, scale bytes and a
+    global scale per row; no float copy), each expert's dequantized stacked rows equal to the
+    reference folder's weights (gate rows, then up; down), so no expert or part is swapped."""
     want = load_file(ref / "model.safetensors")
     layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert layers
     for fe in layers:
         assert isinstance(fe.method, Fp4Experts)
+        E, H, inter = fe.num_experts, fe.hidden, fe.inter
+        assert not list(fe.parameters())
+        assert fe.w13_packed.shape == (E, 2 * inter, H // 2) and fe.w2_packed.dtype == torch.uint8
+        g = fe.method.layout.group
+        weights = E * 3 * H * inter  # codes: two a byte; scales: one byte a block of g
+        assert fe.nbytes() == weights // 2 + weights // g + E * (2 * inter + H) * 4
+        w13, w2 = fe.method.dense(fe, "w13"), fe.method.dense(fe, "w2")
         leaf = {pp: leaf for leaf, pp in fe.names.items()}
         for e in range(fe.num_experts):
             p = f"{fe.method.prefix}.{e}"
             gate, up = (want[f"{p}.{leaf['w13', i]}.weight"] for i in (0, 1))
             # compressed-tensors divides by its global scale, the loader multiplies by its fp32
             # reciprocal: within a rounding or two
-            torch.testing.assert_close(fe.w13[e], torch.cat([gate, up]), rtol=1e-6, atol=0)
+            torch.testing.assert_close(w13[e], torch.cat([gate, up]), rtol=1e-6, atol=0)
             down = want[f"{p}.{leaf['w2', None]}.weight"]
-            torch.testing.assert_close(fe.w2[e], down, rtol=1e-6, atol=0)
+            torch.testing.assert_close(w2[e], down, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
