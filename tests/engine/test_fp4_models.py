@@ -108,3 +108,27 @@ def test_fp4_hybrid_moe_matches_transformers(rng) -> None:
     mlp = engine.runner.model.model.layers[0].mlp
     assert isinstance(mlp.shared_expert.gate_up_proj.method, Fp4Method)
     _check_stacked_experts(engine.runner.model, ref)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_experts_cpu_path_is_the_float_experts_reference(rng, fmt: str) -> None:
+    """On CPU the packed experts give exactly what the float experts did (moe_experts_ref on
+    every expert dequantized, which dequantizing at load ran), bit for bit, with experts that
+    receive no token and one that receives every token."""
+    from voltserve.kernels.moe.experts import moe_experts_ref
+    from voltserve.services.executor.loader import load_model
+
+    path, _ = fc.ct_fp4_checkpoint("qwen3_moe", fmt)
+    model = load_model(path, torch.float32, torch.device("cpu")).model
+    fe = next(m for m in model.modules() if isinstance(m, FusedExperts))
+    T, k, E = 5, 2, fe.num_experts
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    x = torch.randn(T, fe.hidden, generator=gen)
+    # expert 0 in every token's set, the others drawn from 1 .. E - 2 (expert E - 1: none)
+    others = torch.stack([torch.randperm(E - 2, generator=gen)[: k - 1] + 1 for _ in range(T)])
+    ids = torch.cat([torch.zeros(T, 1, dtype=torch.int64), others], 1).to(torch.int32)
+    wts = torch.rand(T, k, generator=gen)
+    got = fe(None, x, wts, ids)
+    d13, d2 = fe.method.dense(fe, "w13"), fe.method.dense(fe, "w2")
+    assert d13.dtype == torch.float32 and d13.shape == (E, 2 * fe.inter, fe.hidden)
+    assert torch.equal(got, moe_experts_ref(x, d13, d2, wts, ids))
