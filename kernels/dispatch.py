@@ -280,8 +280,9 @@ def fp4_dequantize(w: Any, dtype: torch.dtype, kernel: bool) -> torch.Tensor:
     (linear/fp4_kernels.py) when `kernel` and it takes w, else fp4_pack.dequantize_fp4 (the same
     values: the kernel is tested against it)."""
     from voltserve.kernels.linear import fp4_linear, fp4_pack
+    from voltserve.kernels.runtime.launch_geometry import on_gpu
 
-    if kernel and w.packed.is_cuda:
+    if kernel and on_gpu(w.packed):
         out = torch.empty(w.shape, dtype=dtype, device=w.packed.device)
         return fp4_linear.dequantize_into(w, out)
     return fp4_pack.dequantize_fp4(w, dtype)

@@ -28,6 +28,10 @@ Kernels:
   rounding. A block's rows past N compute row N - 1 and write nothing (every lane of the block
   reaches the same shuffles, which the simulator's stand-in needs).
 
+  The decode step (`decode_chunk`: a lane's 16 codes and its block's scale; `dot_chunk`: their
+  products with 16 inputs of an x row) is shared with the fused FP4 MoE experts
+  (moe/fp4_decode.py).
+
 - `fp4_gemv_kernel(M, gate_up=True)`: the merged gate_up weight [2I, K], a warp on gate row j
   and up row I + j, writing silu_and_mul's h[m, j] with quant_gemv's epilogue (each sum
   rounded as the linear stores it, then activation._silu_mul).

@@ -3,8 +3,8 @@ moe_experts_ref on the experts dequantized by the published rules (test_fp4_sim.
 fp4_pack's), rounded to the run dtype: NVFP4 (E4M3 scale per 16, a global scale per row) and
 MXFP4 (E8M0 per 32), k = 2, two and three tokens, an expert that receives every token and one that
 receives none, the intermediate h and the output NaN-poisoned, the production grids (one case
-with the pairs and tokens folded over y and z). Also the launch geometry of the production
-launcher at Qwen3-30B-A3B's shape (recorded, not run). Seeded (tests/conftest.py rng)."""
+with the pairs folded over y and z). The production launcher's geometry at model shapes is in
+test_launch_geometry.py. Seeded (tests/conftest.py rng)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from voltserve.kernels.runtime.numba_common import SIM, launch
 from tests.kernels.test_fp4_sim import ref_weight
 from tests.kernels.test_moe_sim import _routing
 
-sim_only = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
+pytestmark = pytest.mark.skipif(not SIM, reason="needs the CUDA simulator (no GPU present)")
 
 
 def _flat(gen, rows, K, kind, group):
@@ -67,7 +67,6 @@ CASES = [
 ]
 
 
-@sim_only
 @pytest.mark.parametrize("T,kind,group,dtype,limit", CASES)
 def test_fused_fp4_experts_match_the_reference(rng, T, kind, group, dtype, limit):
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
@@ -95,53 +94,3 @@ def test_fused_fp4_experts_match_the_reference(rng, T, kind, group, dtype, limit
     assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
     # the launcher's own reference is the same meaning (fp4_pack's dequantization)
     assert torch.equal(mf.moe_fp4_experts_ref(x, w13, w2, wts, ids), ref)
-
-
-def test_launch_geometry_at_qwen3_30b_a3b_shape():
-    """The production launcher at Qwen3-30B-A3B's experts (128 experts, H 2048, I 768, top-8;
-    NVFP4 and MXFP4) on meta tensors, recorded: every launch within the device limits, the
-    arguments in the kernels' order, and the batches the fused kernels take."""
-    from voltserve.kernels.runtime.launch_geometry import MAX_GRID_YZ, recording
-
-    E, H, inter, k = 128, 2048, 768, 8
-    for kind, group in ((E4M3, 16), (E8M0, 32)):
-
-        def flat(n, kk, kind=kind, group=group):
-            return mf.Fp4Weight(
-                torch.empty(E * n, kk // 2, dtype=torch.uint8, device="meta"),
-                torch.empty(E * n, kk // group, dtype=torch.uint8, device="meta"),
-                torch.empty(E * n, device="meta"),
-                group,
-                kind,
-            )
-
-        w13, w2 = flat(2 * inter, H), flat(H, inter)
-        for T in (1, 8, 128):
-            x = torch.empty(T, H, dtype=torch.float16, device="meta")
-            wts = torch.empty(T, k, device="meta")
-            ids = torch.empty(T, k, dtype=torch.int32, device="meta")
-            with recording() as launches:
-                assert mf.supports(x, w13, w2, k)
-                out = mf.moe_fp4_decode(x, w13, w2, wts, ids)
-            assert out.shape == (T, H)
-            gate_up, down = launches
-            assert gate_up.kernel == "moe.fp4_decode.fp4_moe_gate_up_kernel"
-            assert down.kernel == "moe.fp4_decode.fp4_moe_down_kernel"
-            # one warp per column of every pair (gate_up) / row of every token (down)
-            assert gate_up.grid == (inter // mf.WARPS, T * k, 1)
-            assert down.grid == (H // mf.WARPS, T, 1)
-            assert gate_up.block == down.block == (mf.THREADS, 1, 1)
-            assert gate_up.arg("packed").shape == (E * 2 * inter, H // 8)
-            assert gate_up.arg("scales").shape == (E * 2 * inter, H // group)
-            assert gate_up.arg("out").shape == (T * k, inter)
-            assert down.arg("h").shape == (T * k, inter)
-            assert down.arg("packed").shape == (E * H, inter // 8)
-            assert down.arg("wts").dtype == "float32" and down.arg("ids").dtype == "int32"
-            assert down.arg("e8m0").value == (kind == E8M0)
-            assert down.arg("gshift").value == group.bit_length() - 1
-        # past what pays (T * k > 8 E) the caller dequantizes instead
-        x = torch.empty(129, H, dtype=torch.float16, device="meta")
-        with recording():
-            assert not mf.supports(x, w13, w2, k)
-    # the fold keeps any count of pairs within gridDim.y
-    assert mf.grid(inter, 3 * MAX_GRID_YZ + 1) == (inter // mf.WARPS, MAX_GRID_YZ, 4)
