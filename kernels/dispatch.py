@@ -251,6 +251,45 @@ def quant_experts_take(x: torch.Tensor, w13: Any, w2: Any, k: int) -> bool:
     return mq.supports(x, w13, w2, k)
 
 
+def fp4_experts_decode(
+    ops: Any,
+    x: torch.Tensor,
+    w13: Any,
+    w2: Any,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """The fused FP4 experts (moe/fp4_decode.py) on flat FP4 weights when they serve this step
+    (behind the fp16 experts' switch, impl["moe_experts"]), else None: the caller dequantizes."""
+    if ops is None or ops.impl.get("moe_experts") != "cuda":
+        return None
+    from voltserve.kernels.moe import fp4_decode as mf
+
+    if not mf.supports(x, w13, w2, topk_ids.shape[1]):
+        return None
+    return mf.moe_fp4_decode(x, w13, w2, topk_weights, topk_ids)
+
+
+def fp4_experts_flat(packed, scales, gscale, group_size: int, scale_kind: str) -> Any:
+    """A layer's stacked FP4 experts as the one flat weight the fused launcher reads."""
+    from voltserve.kernels.moe import fp4_decode as mf
+
+    return mf.flat_experts(packed, scales, gscale, group_size, scale_kind)
+
+
+def fp4_dequantize(w: Any, dtype: torch.dtype, kernel: bool) -> torch.Tensor:
+    """The [N, K] float weight of an FP4 one in dtype: the dequantize kernel
+    (linear/fp4_kernels.py) when `kernel` and it takes w, else fp4_pack.dequantize_fp4 (the same
+    values: the kernel is tested against it)."""
+    from voltserve.kernels.linear import fp4_linear, fp4_pack
+    from voltserve.kernels.runtime.launch_geometry import on_gpu
+
+    if kernel and on_gpu(w.packed):
+        out = torch.empty(w.shape, dtype=dtype, device=w.packed.device)
+        return fp4_linear.dequantize_into(w, out)
+    return fp4_pack.dequantize_fp4(w, dtype)
+
+
 def _reshape_and_cache_capturable(
     key: torch.Tensor,
     value: torch.Tensor,

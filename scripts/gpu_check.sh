@@ -308,7 +308,7 @@ PYEOF
     moe|moe-tests|moe-bench)
       # MoE: the expert kernels against their reference at Qwen3-30B-A3B and Mixtral-8x7B shapes
       # (1..8192 tokens), graph capture, the tiny MoE models against transformers on the GPU,
-      # the fused quantized expert kernels (moe-tests); then bench_moe (moe-bench: MOE_LAYERS of
+      # the fused quantized and FP4 expert kernels (moe-tests); then bench_moe (moe-bench: MOE_LAYERS of
       # the 48 layers, default 8: batch 1 against the bytes-read floor and transformers on the
       # same weights, batch 64 and 256; then, in the same run, the model with AWQ int4 g128
       # experts written from it (MOE_INT4=0 skips): its floor from the int4 bytes read and the
@@ -326,6 +326,8 @@ PYEOF
         run moe_tests $PY -P -m pytest -q --timeout 900 $XDIST tests/gpu/test_moe_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
         # the fused int4/int8 expert kernels (kernels/moe/quant_decode.py) at Qwen3-30B-A3B shapes
         run moe_quant_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_moe_quant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+        # the fused FP4 expert kernels (kernels/moe/fp4_decode.py) at Qwen3-30B-A3B shapes
+        run moe_fp4_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_moe_fp4_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       fi
       if [ "$stage" != moe-tests ]; then
         # The checkpoint is kept (MOE_DIR; its int4 copy next to it) for the WMMA run, which

@@ -88,9 +88,14 @@ def setup_logging(service: str, level: str = "warning", json_lines: bool = False
     )
 
 
-def warn_once(logger: logging.Logger, key: str, msg: str, *args: object) -> None:
-    """logger.warning(msg, *args), unless a warning under `key` was logged before in this process
-    (the key names the condition; the first call's arguments are the ones logged)."""
+def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> None:
+    """logger.log(level, msg, *args), unless a message under `key` was logged before in this
+    process (the key names the condition; the first call's arguments are the ones logged)."""
     if key not in _warned:
         _warned.add(key)
-        logger.warning(msg, *args)
+        logger.log(level, msg, *args)
+
+
+def warn_once(logger: logging.Logger, key: str, msg: str, *args: object) -> None:
+    """log_once at WARNING."""
+    log_once(logger, logging.WARNING, key, msg, *args)

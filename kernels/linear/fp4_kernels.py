@@ -28,6 +28,10 @@ Kernels:
   rounding. A block's rows past N compute row N - 1 and write nothing (every lane of the block
   reaches the same shuffles, which the simulator's stand-in needs).
 
+  The decode step (`decode_chunk`: a lane's 16 codes and its block's scale; `dot_chunk`: their
+  products with 16 inputs of an x row) is shared with the fused FP4 MoE experts
+  (moe/fp4_decode.py).
+
 - `fp4_gemv_kernel(M, gate_up=True)`: the merged gate_up weight [2I, K], a warp on gate row j
   and up row I + j, writing silu_and_mul's h[m, j] with quant_gemv's epilogue (each sum
   rounded as the linear stores it, then activation._silu_mul).
@@ -118,6 +122,48 @@ def fp4_dequant_kernel(packed, scales, gscale, out, gshift, e8m0):
 fp4_dequant_kernel = cuda.jit(fp4_dequant_kernel)
 
 
+@cuda.jit(device=True, inline="always")
+def decode_chunk(tab, packed, scales, r, k, gshift, e8m0, g):
+    """The decode step: inputs k .. k + 15 of weight row r (two code words, one block) as their
+    16 E2M1 values (fp32, from the shared table `tab`) and the block's scale times g (the row's
+    global scale; the MoE down projection folds its routing weight in too)."""
+    s = scale_f32(scales[r, k >> gshift], e8m0) * g
+    u0 = packed[r, k >> 3]  # inputs k .. k + 7 (input k + e at bits 4e)
+    u1 = packed[r, (k >> 3) + 1]  # inputs k + 8 .. k + 15
+    w = (
+        tab[u0 & 15],
+        tab[(u0 >> 4) & 15],
+        tab[(u0 >> 8) & 15],
+        tab[(u0 >> 12) & 15],
+        tab[(u0 >> 16) & 15],
+        tab[(u0 >> 20) & 15],
+        tab[(u0 >> 24) & 15],
+        tab[(u0 >> 28) & 15],
+        tab[u1 & 15],
+        tab[(u1 >> 4) & 15],
+        tab[(u1 >> 8) & 15],
+        tab[(u1 >> 12) & 15],
+        tab[(u1 >> 16) & 15],
+        tab[(u1 >> 20) & 15],
+        tab[(u1 >> 24) & 15],
+        tab[(u1 >> 28) & 15],
+    )
+    return w, s
+
+
+@cuda.jit(device=True, inline="always")
+def dot_chunk(w, x, m, k):
+    """The 16 products of decode_chunk's values with x[m, k .. k + 15] (two 16-byte loads),
+    summed in fp32 before the caller's one multiply by the block's scale."""
+    a = ld8(x, (m, k))
+    b = ld8(x, (m, k + 8))
+    d = w[0] * a[0] + w[1] * a[1] + w[2] * a[2] + w[3] * a[3]
+    d += w[4] * a[4] + w[5] * a[5] + w[6] * a[6] + w[7] * a[7]
+    d += w[8] * b[0] + w[9] * b[1] + w[10] * b[2] + w[11] * b[3]
+    d += w[12] * b[4] + w[13] * b[5] + w[14] * b[6] + w[15] * b[7]
+    return d
+
+
 def _make_gemv(M: int, gate_up: bool):
     RW = 2 if gate_up else 1  # weight rows per warp: (gate j, up N / 2 + j) or one row
 
@@ -139,26 +185,10 @@ def _make_gemv(M: int, gate_up: bool):
             r = c + i * N
             g = gscale[r]
             for k in range(lane * CHUNK, K, 32 * CHUNK):
-                s = scale_f32(scales[r, k >> gshift], e8m0) * g
-                u0 = packed[r, k >> 3]  # inputs k .. k + 7 (input k + e at bits 4e)
-                u1 = packed[r, (k >> 3) + 1]  # inputs k + 8 .. k + 15
-                w0, w1 = tab[u0 & 15], tab[(u0 >> 4) & 15]
-                w2, w3 = tab[(u0 >> 8) & 15], tab[(u0 >> 12) & 15]
-                w4, w5 = tab[(u0 >> 16) & 15], tab[(u0 >> 20) & 15]
-                w6, w7 = tab[(u0 >> 24) & 15], tab[(u0 >> 28) & 15]
-                w8, w9 = tab[u1 & 15], tab[(u1 >> 4) & 15]
-                w10, w11 = tab[(u1 >> 8) & 15], tab[(u1 >> 12) & 15]
-                w12, w13 = tab[(u1 >> 16) & 15], tab[(u1 >> 20) & 15]
-                w14, w15 = tab[(u1 >> 24) & 15], tab[(u1 >> 28) & 15]
+                w, s = decode_chunk(tab, packed, scales, r, k, gshift, e8m0, g)
                 for m in range(M):
                     if m < Mx:
-                        a = ld8(x, (m, k))
-                        b = ld8(x, (m, k + 8))
-                        d = w0 * a[0] + w1 * a[1] + w2 * a[2] + w3 * a[3]
-                        d += w4 * a[4] + w5 * a[5] + w6 * a[6] + w7 * a[7]
-                        d += w8 * b[0] + w9 * b[1] + w10 * b[2] + w11 * b[3]
-                        d += w12 * b[4] + w13 * b[5] + w14 * b[6] + w15 * b[7]
-                        acc[i, m] += d * s
+                        acc[i, m] += dot_chunk(w, x, m, k) * s
         for m in range(M):
             v = _warp_sum(acc[0, m])
             u = v
@@ -207,6 +237,9 @@ fp4_gemv_kernel_m8 = fp4_gemv_kernel(8)
 fp4_gemv_gate_up_kernel_m1 = fp4_gemv_kernel(1, gate_up=True)
 
 __all__ = [
+    "decode_chunk",
+    "dot_chunk",
+    "fill_table",
     "fp4_dequant_kernel",
     "fp4_gemv_kernel",
     "gemv_grid",

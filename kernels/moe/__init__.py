@@ -1,5 +1,5 @@
-"""Mixture-of-experts: routing, the fused decode experts (fp16 and quantized), the grouped GEMMs
-on CUDA cores and on tensor cores, and the experts op that picks among them."""
+"""Mixture-of-experts: routing, the fused decode experts (fp16, group-quantized and FP4), the
+grouped GEMMs on CUDA cores and on tensor cores, and the experts op that picks among them."""
 
 from voltserve.kernels.registry import KernelSpec, Op, both
 
@@ -104,4 +104,23 @@ KERNELS += tuple(
         ("moe_q_gate_up_int4_half2", _MOEQ_GATE_UP_SIG),
         ("moe_q_down_int4_half2", _MOEQ_DOWN_SIG),
     )
+)
+
+# fp4_decode.py: fused MoE experts with FP4 weights (NVFP4, MXFP4) for decode batches, fp16
+# (what decode runs). gate_up: x [T, H], the stacked experts flattened as code words int32
+# [E * 2I, H / 8], scale bytes uint8 [E * 2I, H / g], global scales fp32 [E * 2I], topk_ids [T, k]
+# int32, h [T * k, I], group_shift, e8m0; down: h, code words [E * H, I / 8], scale bytes, global
+# scales, topk_ids, topk_weights [T, k] fp32, out [T, H], group_shift, e8m0.
+_FP4_W = "int32[:, ::1], uint8[:, ::1], float32[::1], int32[:, ::1]"
+KERNELS += (
+    KernelSpec(
+        "moe.fp4_decode",
+        "fp4_moe_gate_up_kernel",
+        (f"void(float16[:, :], {_FP4_W}, float16[:, ::1], int64, boolean)",),
+    ),
+    KernelSpec(
+        "moe.fp4_decode",
+        "fp4_moe_down_kernel",
+        (f"void(float16[:, ::1], {_FP4_W}, float32[:, ::1], float16[:, ::1], int64, boolean)",),
+    ),
 )

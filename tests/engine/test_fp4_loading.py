@@ -69,18 +69,22 @@ def test_w4a4_checkpoints_serve_the_weights_and_say_so_once(monkeypatch, caplog)
 
 def test_w4a4_moe_experts_serve_the_weights_and_say_so_once(monkeypatch, caplog) -> None:
     """The experts' input scales are dropped as the dense linears' are; the log says once that
-    FP4 experts are dequantized at load (their memory is the run dtype's)."""
+    FP4 experts stay packed, with their size and the float size they would take."""
     monkeypatch.setattr(vlog, "_warned", set())
     a16, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
     w4a4, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4", w4a4=True)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         got = _layer0(load_model(w4a4, torch.float32, CPU)).mlp.experts
     messages = [r.getMessage() for r in caplog.records]
-    said = [m for m in messages if "experts are dequantized at load" in m]
+    said = [m for m in messages if "MoE experts stay packed" in m]
     assert len(said) == 1 and "compressed-tensors NVFP4 g16" in said[0]
+    mib = 2**20
+    floats = got.num_experts * 3 * got.hidden * got.inter * 4 / mib
+    assert f"{got.nbytes() / mib:.1f} MiB a layer ({floats:.1f} MiB as float32)" in said[0]
     assert sum("activation quantization" in m for m in messages) == 1
     want = _layer0(load_model(a16, torch.float32, CPU)).mlp.experts
-    assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)
+    for b in ("w13_packed", "w13_scales", "w13_gscale", "w2_packed", "w2_scales", "w2_gscale"):
+        assert torch.equal(getattr(got, b), getattr(want, b)), b
 
 
 def test_modelopt_is_detected_and_forced() -> None:
@@ -193,8 +197,8 @@ def test_fp4_moe_experts_of_mixed_formats_are_refused_by_name() -> None:
 
 
 def test_fp4_experts_load_on_every_rank() -> None:
-    """Tensor parallelism at 2 ranks (loading only): each rank dequantizes its rows of every
-    expert's gate and up and its columns of down; together they are the whole experts."""
+    """Tensor parallelism at 2 ranks (loading only): each rank holds its rows of every expert's
+    gate and up and its columns of down; together they dequantize to the whole experts."""
     from voltserve.services.executor.tp.group import TPGroup
 
     path, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
@@ -205,9 +209,10 @@ def test_fp4_experts_load_on_every_rank() -> None:
     ]
     E, H, inter = full.num_experts, full.hidden, full.inter
     assert all(r.inter == inter // 2 for r in ranks)
-    w13 = torch.cat([r.w13.view(E, 2, inter // 2, H) for r in ranks], 2)
-    assert torch.equal(w13.view(E, 2 * inter, H), full.w13)
-    assert torch.equal(torch.cat([r.w2 for r in ranks], 2), full.w2)
+    w13 = torch.cat([r.method.dense(r, "w13").view(E, 2, inter // 2, H) for r in ranks], 2)
+    assert torch.equal(w13.view(E, 2 * inter, H), full.method.dense(full, "w13"))
+    w2 = torch.cat([r.method.dense(r, "w2") for r in ranks], 2)
+    assert torch.equal(w2, full.method.dense(full, "w2"))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -56,23 +56,30 @@ MOE_CASES = {
 
 
 def _check_stacked_experts(model, ref) -> None:
-    """Every layer's experts dequantized at load (quant/fp4_experts.py), each expert's stacked
-    rows equal to the reference folder's weights (gate rows, then up; down), so no expert or
-    part is swapped."""
+    """Every layer's experts kept packed (quant/fp4_experts.py: FP4 codes, scale bytes and a
+    global scale per row; no float copy), each expert's dequantized stacked rows equal to the
+    reference folder's weights (gate rows, then up; down), so no expert or part is swapped."""
     want = load_file(ref / "model.safetensors")
     layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert layers
     for fe in layers:
         assert isinstance(fe.method, Fp4Experts)
+        E, H, inter = fe.num_experts, fe.hidden, fe.inter
+        assert not list(fe.parameters())
+        assert fe.w13_packed.shape == (E, 2 * inter, H // 2) and fe.w2_packed.dtype == torch.uint8
+        g = fe.method.layout.group
+        weights = E * 3 * H * inter  # codes: two a byte; scales: one byte a block of g
+        assert fe.nbytes() == weights // 2 + weights // g + E * (2 * inter + H) * 4
+        w13, w2 = fe.method.dense(fe, "w13"), fe.method.dense(fe, "w2")
         leaf = {pp: leaf for leaf, pp in fe.names.items()}
         for e in range(fe.num_experts):
             p = f"{fe.method.prefix}.{e}"
             gate, up = (want[f"{p}.{leaf['w13', i]}.weight"] for i in (0, 1))
             # compressed-tensors divides by its global scale, the loader multiplies by its fp32
             # reciprocal: within a rounding or two
-            torch.testing.assert_close(fe.w13[e], torch.cat([gate, up]), rtol=1e-6, atol=0)
+            torch.testing.assert_close(w13[e], torch.cat([gate, up]), rtol=1e-6, atol=0)
             down = want[f"{p}.{leaf['w2', None]}.weight"]
-            torch.testing.assert_close(fe.w2[e], down, rtol=1e-6, atol=0)
+            torch.testing.assert_close(w2[e], down, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
@@ -101,3 +108,27 @@ def test_fp4_hybrid_moe_matches_transformers(rng) -> None:
     mlp = engine.runner.model.model.layers[0].mlp
     assert isinstance(mlp.shared_expert.gate_up_proj.method, Fp4Method)
     _check_stacked_experts(engine.runner.model, ref)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_experts_cpu_path_is_the_float_experts_reference(rng, fmt: str) -> None:
+    """On CPU the packed experts give exactly what the float experts did (moe_experts_ref on
+    every expert dequantized, which dequantizing at load ran), bit for bit, with experts that
+    receive no token and one that receives every token."""
+    from voltserve.kernels.moe.experts import moe_experts_ref
+    from voltserve.services.executor.loader import load_model
+
+    path, _ = fc.ct_fp4_checkpoint("qwen3_moe", fmt)
+    model = load_model(path, torch.float32, torch.device("cpu")).model
+    fe = next(m for m in model.modules() if isinstance(m, FusedExperts))
+    T, k, E = 5, 2, fe.num_experts
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    x = torch.randn(T, fe.hidden, generator=gen)
+    # expert 0 in every token's set, the others drawn from 1 .. E - 2 (expert E - 1: none)
+    others = torch.stack([torch.randperm(E - 2, generator=gen)[: k - 1] + 1 for _ in range(T)])
+    ids = torch.cat([torch.zeros(T, 1, dtype=torch.int64), others], 1).to(torch.int32)
+    wts = torch.rand(T, k, generator=gen)
+    got = fe(None, x, wts, ids)
+    d13, d2 = fe.method.dense(fe, "w13"), fe.method.dense(fe, "w2")
+    assert d13.dtype == torch.float32 and d13.shape == (E, 2 * fe.inter, fe.hidden)
+    assert torch.equal(got, moe_experts_ref(x, d13, d2, wts, ids))

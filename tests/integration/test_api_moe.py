@@ -2,8 +2,10 @@
 between two sparse ones) through the real services: concurrent greedy completions equal
 transformers token for token (teacher-forced, ties either way: tests/greedy_reference.py), and
 their logprobs agree within LOGPROB_ATOL. The same for its
-AWQ int4 version (experts quantized too; tests/quant_checkpoints.py), against transformers on
-the dequantized reference weights."""
+AWQ int4 version (experts quantized too; tests/quant_checkpoints.py) and its compressed-tensors
+NVFP4 version (every attention and expert projection FP4, written by the library's own
+compressor; tests/fp4_checkpoints.py), each against transformers on the dense folder of its
+reference weights (for NVFP4, what compressed-tensors' own decompressor gives)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,16 @@ def _model(kind: str) -> tuple[Path, Path]:
     """(served folder, transformers reference folder)."""
     if kind == "float":
         return checkpoint("qwen3_moe"), checkpoint("qwen3_moe")
+    if kind == "ct-nvfp4":
+        from tests.fp4_checkpoints import ct_fp4_checkpoint
+
+        return ct_fp4_checkpoint("qwen3_moe", "nvfp4")
     from tests.quant_checkpoints import awq_checkpoint
 
     return awq_checkpoint("qwen3_moe", 32)
 
 
-@pytest.mark.parametrize("kind", ["float", "awq-int4"])
+@pytest.mark.parametrize("kind", ["float", "awq-int4", "ct-nvfp4"])
 def test_moe_concurrent_greedy_and_logprobs_equal_transformers(
     kind: str, tmp_path: Path, rng: random.Random
 ) -> None:

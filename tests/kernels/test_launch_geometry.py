@@ -315,6 +315,56 @@ def test_stacked_experts_and_fused_moe_decode(fmt: str) -> None:
             assert [r.arg("out").shape for r in launches] == [(T * k, inter), (T, H)]
 
 
+@pytest.mark.parametrize("kind,group", [("e4m3", 16), ("e8m0", 32)])  # NVFP4, MXFP4
+def test_fp4_experts_fused_moe_decode_and_dequantize(kind: str, group: int) -> None:
+    """FP4 MoE experts (quant/fp4_experts.py): the fused decode kernels up to the token counts
+    they take (one warp per column of every pair, per row of every token), and the batched
+    path's dequantize of every stacked expert in one launch (Qwen3-30B-A3B: 196,608 rows)."""
+    from voltserve.kernels import dispatch
+    from voltserve.kernels.linear import fp4_kernels
+    from voltserve.kernels.linear.fp4_pack import Fp4Weight
+    from voltserve.kernels.moe import fp4_decode as mf
+
+    U8 = torch.uint8
+
+    def flat(rows: int, K: int) -> Fp4Weight:
+        return Fp4Weight(
+            t(rows, K // 2, dtype=U8),
+            t(rows, K // group, dtype=U8),
+            t(rows, dtype=F32),
+            group,
+            kind,
+        )
+
+    for E, H, inter, k in ((128, 2048, 768, 8), (8, 4096, 14336, 2)):
+        w13, w2 = flat(E * 2 * inter, H), flat(E * H, inter)
+        launches = recorded("fp4_dequant", dispatch.fp4_dequantize, w13, F16, True)
+        rec = one(launches, "fp4_dequant")
+        assert rec.arg("out").shape == (E * 2 * inter, H)
+        assert rec.grid[0] * fp4_kernels.THREADS * 8 >= H
+        y, z = rec.grid[1:]  # the rows folded over y and z
+        assert (z - 1) * y < E * 2 * inter <= z * y
+        for T in (1, 8, 64, 128, 512):
+            with lg.recording():
+                fused = mf.supports(t(T, H), w13, w2, k)
+            assert fused == mf.fused_pays(T, k, E)
+            if not fused:
+                continue
+            routing = (t(T, k, dtype=F32), t(T, k, dtype=I32))
+            launches = recorded("fp4_moe", mf.moe_fp4_decode, t(T, H), w13, w2, *routing)
+            gate_up, down = one(launches, "fp4_moe_gate_up"), one(launches, "fp4_moe_down")
+            assert gate_up.arg("out").shape == (T * k, inter) and down.arg("out").shape == (T, H)
+            assert gate_up.arg("packed").shape == (E * 2 * inter, H // 8)  # int32 code words
+            assert down.arg("packed").shape == (E * H, inter // 8)
+            assert down.arg("scales").shape == (E * H, inter // group)
+            assert down.arg("e8m0").value == (kind == "e8m0")
+            assert down.arg("gshift").value == group.bit_length() - 1
+            for rec, cols, programs in ((gate_up, inter, T * k), (down, H, T)):
+                assert rec.grid[0] * rec.block[0] // 32 >= cols  # a warp per column
+                y, z = rec.grid[1:]
+                assert (z - 1) * y < programs <= z * y
+
+
 # ---------------------------------------------------------------------------------------------
 # fp16 linears (the decode GEMVs; prefill is cuBLAS), the lm_head over the vocabulary included
 

@@ -17,8 +17,8 @@ quantization config says of each expert projection. `UnquantizedExperts` stores 
 and w2 [E, H, I] and runs `ops.moe_experts`; quant/experts.py `GroupQuantExperts` (AWQ, GPTQ,
 compressed-tensors) stacks each expert's packed codes/scales/offsets per layer and lists the
 per-expert tensor names the format has (`checkpoint_params`); quant/fp4_experts.py `Fp4Experts`
-(the FP4 formats) dequantizes each expert at load into `UnquantizedExperts`' layout. The model
-and the loader stay the same.
+(the FP4 formats) stacks each expert's FP4 codes and scale bytes. The model and the loader stay
+the same.
 
 Tensor parallelism (vLLM's layout): every expert's intermediate dim is split across the ranks
 (gate/up rows column-parallel, down columns row-parallel, each method narrowing its own

@@ -4,61 +4,92 @@ side of the quantization seam (models/moe.py `ExpertsMethod`) for the formats of
 Checkpoints store each expert's projections as separate FP4 linears
 (model.layers.N.mlp.experts.E.gate_proj.weight_packed / .weight_scale / .weight_global_scale,
 ModelOpt's .weight / .weight_scale / .weight_scale_2). Each one is checked and unpacked as a
-dense FP4 linear's shard is (fp4.unpack_shard), gate and up are merged along N, and every expert
-is dequantized once at load (kernels/linear/fp4_pack.dequantize_fp4: computed in fp32, rounded
-once to the run dtype) into the float experts' stacked layout, w13 [E, 2I, H] and w2 [E, H, I].
-The float experts' kernels (ops.moe_experts) run them, on CPU and CUDA alike: there is no fused
-FP4 expert kernel, so the experts take the run dtype's bytes in memory (4x the FP4 codes for
-fp16), which the loader says once in its log. The activation scales some checkpoints carry are
-read and dropped (weights only), as for the dense FP4 linears.
+dense FP4 linear's shard is (fp4.unpack_shard), gate and up are merged along N, and the packed
+experts are stacked per layer as they were read (kernels/linear/fp4_pack.py's layout, nothing
+dequantized at load):
+
+    w13_packed [E, 2I, H / 2] uint8, w13_scales [E, 2I, H / g] uint8, w13_gscale [E, 2I] fp32
+    w2_packed  [E, H,  I / 2] uint8, w2_scales  [E, H,  I / g] uint8, w2_gscale  [E, H]  fp32
+
+so the experts hold 4.5 (NVFP4) or 4.25 (MXFP4) bits a weight plus 4 bytes a row.
+
+`apply`: on CUDA, decode batches (kernels/moe/quant_decode.fused_pays: up to 8 tokens, more
+while the routed pairs read fewer bytes than the alternative) run the fused FP4 expert kernels
+(kernels/moe/fp4_decode.py), behind the fp16 experts' switch (impl["moe_experts"] == "cuda").
+Larger batches dequantize every expert of the layer once per call (the FP4 dequantize kernel),
+then run the float expert kernels (ops.moe_experts), with no host sync, so a CUDA graph can hold
+either. That float copy is one layer's, transient: the caching allocator hands the same blocks to
+the next layer, so the peak adds one layer's float experts (Qwen3-30B-A3B in fp16: 1.1 GiB), not
+the whole model's (48 layers: 54 GiB, what dequantizing at load took), and the start-up profile
+that sizes the KV cache sees it. Per-expert chunks would shrink that transient further but run
+the grouped GEMMs once per chunk over the whole batch; prefill amortises one dequantize over
+its tokens. On CPU the experts that received a token are dequantized (fp4_pack.dequantize_fp4,
+rounded once to the run dtype) and moe_experts_ref runs on them: the same values, in the same
+order, as dequantizing every expert, so the CPU output is the float experts' reference exactly.
+The activation scales some checkpoints carry are read and dropped (weights only), as for the
+dense FP4 linears.
 
 Tensor parallelism: each expert projection narrows by the FP4 shard rule (fp4.split: gate/up
-along the outputs, down along the inputs by whole blocks), so each rank dequantizes its slice of
+along the outputs, down along the inputs by whole blocks), so each rank stacks its slice of
 every expert.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
-from voltserve.kernels.linear.fp4_pack import concat_rows, dequantize_fp4
-from voltserve.services.executor.models.moe import FusedExperts, UnquantizedExperts
+from voltserve.kernels import dispatch
+from voltserve.kernels.linear.fp4_pack import Fp4Weight, concat_rows
+from voltserve.services.executor.models.moe import ExpertsMethod, FusedExperts
 from voltserve.services.executor.quant.fp4 import (
     Fp4Layout,
     note_activation_scales_ignored,
     split,
     unpack_shard,
 )
-from voltserve.shared.logging import warn_once
+from voltserve.shared.logging import log_once
+
+if TYPE_CHECKING:
+    from voltserve.kernels.dispatch import KernelDispatch
 
 logger = logging.getLogger(__name__)
+_FIELDS = ("packed", "scales", "gscale")
+_PARTS = {"w13": (0, 1), "w2": (None,)}  # our stacked weight -> its parts (EXPERT_NAMES)
 
 
-def _note_dequantized(variant: str) -> None:
-    warn_once(
+def _note_packed(variant: str, layer: FusedExperts, dtype: torch.dtype) -> None:
+    mib = 2**20
+    floats = layer.num_experts * 3 * layer.hidden * layer.inter * dtype.itemsize
+    log_once(
         logger,
-        "fp4_experts.dequantized",
-        "%s MoE experts are dequantized at load to the run dtype (no fused FP4 expert "
-        "kernel): they take the float experts' memory and speed, not FP4's",
+        logging.INFO,
+        "fp4_experts.packed",
+        "%s MoE experts stay packed: %.1f MiB a layer (%.1f MiB as %s); decode batches run "
+        "the fused FP4 expert kernels on CUDA, larger ones dequantize one layer's experts "
+        "at a time (a transient of the float size)",
         variant,
+        layer.nbytes() / mib,
+        floats / mib,
+        str(dtype).removeprefix("torch."),
     )
 
 
-class Fp4Experts(UnquantizedExperts):
-    """Stacked experts dequantized from their FP4 projections at load; `layout` is the one the
-    config gives every expert projection of the layer."""
+class Fp4Experts(ExpertsMethod):
+    """Stacked packed FP4 experts; `layout` is the one the config gives every expert projection
+    of the layer."""
 
     def __init__(self, layout: Fp4Layout, prefix: str) -> None:
         self.layout, self.prefix = layout, prefix
         self.variant = layout.variant
 
     def describe(self) -> str:
-        return f"{self.variant} experts (dequantized at load)"
+        return f"{self.variant} experts"
 
     def create_weights(self, layer: FusedExperts, dtype: torch.dtype) -> None:
-        super().create_weights(layer, dtype)
+        self.dtype = dtype
+        self.device = torch.empty(0).device  # the model is built under torch.device(...)
         layer.staged = {}  # (expert, part) -> {tensor name: tensor}
 
     def checkpoint_params(self, layer: FusedExperts) -> dict:
@@ -98,28 +129,92 @@ class Fp4Experts(UnquantizedExperts):
         layer.staged.setdefault((e, part), {})[name] = t
 
     def process_after_loading(self, layer: FusedExperts) -> None:
-        H, inter = layer.hidden, layer.inter
-        dev, dtype = layer.w13.device, layer.w13.dtype
+        E, H, inter, dev = layer.num_experts, layer.hidden, layer.inter, self.device
+        g = self.layout.group
         shapes = {"w13": (inter, H), "w2": (H, inter)}  # per part: (rows, in_features)
-        for e in range(layer.num_experts):
-            for param, parts in (("w13", (0, 1)), ("w2", (None,))):
-                # checked and unpacked where loaded (the host), dequantized on the device
+        for param, parts in _PARTS.items():
+            rows, k = shapes[param]
+            n = rows * len(parts)
+            stacked = {
+                "packed": torch.empty(E, n, k // 2, dtype=torch.uint8, device=dev),
+                "scales": torch.empty(E, n, k // g, dtype=torch.uint8, device=dev),
+                "gscale": torch.empty(E, n, dtype=torch.float32, device=dev),
+            }
+            for e in range(E):
+                # checked and unpacked where loaded (the host), then copied to the device
                 ws = [
                     unpack_shard(
                         layer.staged.pop((e, part)),
                         self._name(layer, e, part),
-                        *shapes[param],
+                        rows,
+                        k,
                         self.layout,
                     )
                     for part in parts
                 ]
                 w = ws[0] if len(ws) == 1 else concat_rows(ws)
-                w = replace(
-                    w, packed=w.packed.to(dev), scales=w.scales.to(dev), gscale=w.gscale.to(dev)
-                )
-                getattr(layer, param).data[e].copy_(dequantize_fp4(w, dtype))
+                for f in _FIELDS:
+                    stacked[f][e].copy_(getattr(w, f))
+            for f, t in stacked.items():
+                layer.register_buffer(f"{param}_{f}", t, persistent=False)
         del layer.staged
-        _note_dequantized(self.variant)
+        _note_packed(self.variant, layer, self.dtype)
+
+    def flat(self, layer: FusedExperts, param: str, experts: torch.Tensor | None = None):
+        """The stacked experts of `param` ("w13" / "w2") as one flat Fp4Weight [E' * N, K]:
+        views of the layer's buffers, or of `experts`' rows (int64 ids) when given."""
+
+        def pick(f: str) -> torch.Tensor:
+            t = getattr(layer, f"{param}_{f}")
+            return t if experts is None else t.index_select(0, experts)
+
+        return dispatch.fp4_experts_flat(
+            *(pick(f) for f in _FIELDS), self.layout.group, self.layout.scale_kind
+        )
+
+    def dense(
+        self,
+        layer: FusedExperts,
+        param: str,
+        experts: torch.Tensor | None = None,
+        kernel: bool = False,
+    ) -> torch.Tensor:
+        """The float weights [E', N, K] of `experts` (int64 ids; None: all E) in the run dtype,
+        in one dequantize (kernel: on CUDA, the FP4 dequantize kernel where it takes them)."""
+        w: Fp4Weight = self.flat(layer, param, experts)
+        E = layer.num_experts if experts is None else experts.numel()
+        out = dispatch.fp4_dequantize(w, self.dtype, kernel)
+        return out.view(E, -1, w.in_features)
+
+    def apply(
+        self,
+        layer: FusedExperts,
+        ops: KernelDispatch,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        if x.is_cuda:
+            # No host sync (graph-capturable): the fused kernels for the steps they take, else
+            # every expert of the layer dequantized once, then the float kernels.
+            w13, w2 = self.flat(layer, "w13"), self.flat(layer, "w2")
+            out = dispatch.fp4_experts_decode(ops, x, w13, w2, topk_weights, topk_ids)
+            if out is not None:
+                return out
+            kernel = ops.impl.get("moe_experts") == "cuda"
+            d13 = self.dense(layer, "w13", kernel=kernel)
+            d2 = self.dense(layer, "w2", kernel=kernel)
+            return ops.moe_experts(x, d13, d2, topk_weights, topk_ids)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        # the experts that received a token, in id order: moe_experts_ref visits them in the
+        # same order with the same values as it would the whole stack
+        used = torch.unique(topk_ids.reshape(-1).long())
+        remap = torch.zeros(layer.num_experts, dtype=torch.int64)
+        remap[used] = torch.arange(used.numel())
+        d13, d2 = self.dense(layer, "w13", used), self.dense(layer, "w2", used)
+        moe_experts_ref = dispatch.reference("moe_experts")
+        return moe_experts_ref(x, d13, d2, topk_weights, remap[topk_ids.long()])
 
 
 __all__ = ["Fp4Experts"]
