@@ -69,6 +69,15 @@ OPS = (
         ("attention.kv_expand",),
         cuda_dtypes=("float16",),
     ),
+    # Decode-only steps read the one-byte pages directly (converted per tile in registers):
+    # half the bytes of the widened pages, and no expansion pass.
+    Op(
+        "paged_decode_attention_fp8",
+        "attention.decode_fp8.paged_decode_attention_fp8_ref",
+        ("attention.decode_fp8",),
+        cuda_dtypes=("float16",),
+        block_sizes=(16,),
+    ),
 )
 
 KERNELS = (

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 _FP8 = {"fp8": fp8.E4M3, "fp8_e4m3": fp8.E4M3, "fp8_e5m2": fp8.E5M2}
 # The ops a decode graph holds beyond the dense ones with a one-byte cache (the runner checks
 # they capture).
-GRAPH_OPS = ("reshape_and_cache_fp8", "expand_kv_pages")
+GRAPH_OPS = ("reshape_and_cache_fp8", "expand_kv_pages", "paged_decode_attention_fp8")
 _SCALE_NAME = re.compile(
     r"layers\.(\d+)\.self_attn\.(?:k_proj\.(k)_scale|v_proj\.(v)_scale|([kv])_scale)$"
 )
@@ -102,11 +102,23 @@ class KVQuant:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """A decode-only step (one query row per sequence: what the decode graphs run). The one
-        place where a decode kernel that reads the one-byte pages itself (converting per tile;
-        the fp16 decode's arguments plus fmt, k_scale, v_scale, as an op of the dispatch)
-        replaces the expansion; prefill, chunked prefill and verify steps keep it."""
-        return self.expanded(ops, q, k_cache, v_cache, meta, scale)
+        """A decode-only step (one query row per sequence: what the decode graphs run). On CUDA
+        the decode kernel reads the one-byte pages itself, converting per tile
+        (kernels/attention/decode_fp8.py); the reference path (CPU) widens only the pages the
+        step reads, as prefill, chunked prefill and verify steps do everywhere."""
+        if ops.impl["paged_decode_attention_fp8"] != "cuda":
+            return self.expanded(ops, q, k_cache, v_cache, meta, scale)
+        return ops.paged_decode_attention_fp8(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            fmt=self.fmt,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
 
     def expanded(
         self,
