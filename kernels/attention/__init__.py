@@ -159,8 +159,6 @@ KERNELS += tuple(
         "decode_kernel_d128_g4",
         "decode_kernel_d128_g4_direct",
         "decode_kernel_d128_g4_merge",
-        "decode_kernel_d64_g7",
-        "decode_kernel_d64_g7_merge",
         "decode_kernel_d256_g1",
         "decode_kernel_d128_g4_online",
         "decode_kernel_d64_g7_online",
@@ -190,8 +188,6 @@ KERNELS += tuple(
     for name in (
         "decode_fp8_kernel_d128_g4_e4m3",
         "decode_fp8_kernel_d128_g4_e5m2_online",
-        "decode_fp8_kernel_d64_g7_e4m3_online",
-        "decode_fp8_kernel_d256_g1_e5m2_direct",
     )
 )
 
