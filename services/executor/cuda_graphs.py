@@ -8,12 +8,14 @@ sharing one memory pool (captured largest first, so smaller ones reuse its memor
 
 Inputs live in static buffers that every graph reads; a step fills them and pads rows
 B..padded-1 with token 0, position 0, slot -1 (no KV write; the torch fallback writes the scratch
-block), seq_len 1 and an all-zero block table row (a real, readable block), so padded rows compute
-finite garbage that nobody reads. Block tables are captured at the full width
+block), seq_len 1, an all-zero block table row (a real, readable block) and, for a model with
+linear-attention state, state slot -1 (the conv and recurrent decode kernels leave no state for
+it), so padded rows compute finite garbage that nobody reads. Block tables are captured at the full width
 (max_model_len / block_size), so any sequence up to max_model_len replays correctly.
 
 The static buffers are typed views of ONE device byte buffer, laid out
-[input_ids i64 | positions i64 | slot_mapping i64 | seq_lens i32 | block_tables i32 row-major],
+[input_ids i64 | positions i64 | slot_mapping i64 | state_slots i64 | seq_lens i32 |
+block_tables i32 row-major] (state_slots only for a model with linear-attention state),
 with a pinned host twin of the same layout. The runner's decode path (`stage` + `replay_staged`)
 writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
 the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
@@ -83,18 +85,27 @@ class CudaGraphRunner(GraphSet):
         n, width = graph_sizes[-1], runner.max_blocks_per_seq
         dev = self.device
         self.width = width
-        # 8-byte fields first, so every view is aligned: tables start at byte 28 * n.
+        # Each request's linear-attention state slot (state_cache.py), for models with one.
+        self.has_state = runner.state_cache is not None
+        state = [("state", torch.int64, (n,))] if self.has_state else []
+        # 8-byte fields first, so every view is aligned.
         self.st = Staging(
             [
                 ("ids", torch.int64, (n,)),
                 ("pos", torch.int64, (n,)),
                 ("slots", torch.int64, (n,)),
+                *state,
                 ("seq_lens", torch.int32, (n,)),
                 ("tables", torch.int32, (n, width)),
             ],
             dev,
         )
         d, h = self.st.dev, self.st.host
+        self.state_slots = d.get("state")
+        self.host_state = h.get("state")
+        if self.has_state:
+            self.state_slots.fill_(-1)
+            self.host_state.fill(-1)
         self.input_ids, self.positions, self.slot_mapping = d["ids"], d["pos"], d["slots"]
         self.seq_lens, self.block_tables = d["seq_lens"], d["tables"]
         self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
@@ -123,6 +134,7 @@ class CudaGraphRunner(GraphSet):
             self.seq_lens[:bs],
             self.query_start_loc[: bs + 1],
             is_decode=True,
+            state_slots=self.state_slots[:bs] if self.has_state else None,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -167,8 +179,8 @@ class CudaGraphRunner(GraphSet):
 
     def stage(self, num_seqs: int, zero_rows: bool = True) -> int:
         """Prepare the host twin for a batch of num_seqs rows; returns the padded size. The caller
-        then writes rows [0, num_seqs) of host_ids, host_pos, host_slots, host_seq_lens and
-        host_tables (whose rows [0, padded) are zero on return; with zero_rows=False only the
+        then writes rows [0, num_seqs) of host_ids, host_pos, host_slots, host_seq_lens,
+        host_state (a model with linear-attention state) and host_tables (whose rows [0, padded) are zero on return; with zero_rows=False only the
         padding rows [num_seqs, padded) are, and the caller writes rows [0, num_seqs) of
         host_tables over their full width), and calls replay_staged."""
         bs = self.padded_size(num_seqs)
@@ -179,6 +191,8 @@ class CudaGraphRunner(GraphSet):
             self.host_pos[num_seqs:bs] = 0
             self.host_slots[num_seqs:bs] = -1
             self.host_seq_lens[num_seqs:bs] = 1
+            if self.has_state:
+                self.host_state[num_seqs:bs] = -1
         return bs
 
     def argmax_of_last(self, num_seqs: int) -> torch.Tensor:

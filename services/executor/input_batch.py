@@ -336,6 +336,8 @@ class InputBatch:
             g.host_ids[:B] = ids
         g.host_slots[:B] = tables[np.arange(B), blk_idx].astype(np.int64) * bs + pos % bs
         g.host_seq_lens[:B] = pos + 1
+        if g.has_state:
+            g.host_state[:B] = np.fromiter((r.state_slot for r in reqs), np.int64, B)
 
     def _fix_table_rows(self, reqs: list[Request], tables, pos, counts: list[int]) -> None:
         """Rows whose request holds more or fewer blocks than the step reads: too few is an

@@ -243,10 +243,16 @@ class ModelRunner:
                 self.graphs.before_replay = (
                     self.tp_session.send_graph_step if tp_rank == 0 else None
                 )
-            elif pipeline_enabled() and config.speculative_config is None:
+            elif (
+                pipeline_enabled()
+                and config.speculative_config is None
+                and self.state_cache is None
+            ):
                 # Not under tensor parallelism (a step launched ahead would need the other
                 # ranks to launch it too), nor with speculation (it changes the tokens
-                # between steps).
+                # between steps), nor with linear-attention state (a step launched ahead and
+                # then dropped would have advanced the recurrent state: not idempotent as a
+                # KV write is).
                 self.pipeline = DecodePipeline(self, pipeline_max_batch())
         logger.info(
             "model %s (%s) on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
@@ -298,8 +304,6 @@ class ModelRunner:
     def _why_no_graphs(self, graph_batch: int) -> str | None:
         if graph_batch < 1:
             return "max_graph_batch_size < 1"
-        if self.state_cache is not None:
-            return "decode graphs do not stage the linear-attention state slots yet"
         extra = getattr(self.model, "graph_ops", ())
         if self.kv_workspace is not None:
             extra += kv_quant.GRAPH_OPS

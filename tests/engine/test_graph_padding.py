@@ -210,3 +210,48 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     assert graph_engine.batcher.num_preemptions > 0
     # More requests than mirror rows went through: rows were reclaimed and reused.
     assert len(arrivals) > len(runner.input_batch.tables.table)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_hybrid_graph_decode_stages_state_slots_and_equals_eager(arch: str, rng) -> None:
+    """A model with linear-attention state in the decode graphs: each row's state slot staged
+    beside its KV slots, padding rows at state slot -1 (their conv and recurrent updates touch no
+    request's state), slots changing hands as requests finish and arrive. Tokens equal the eager
+    engine's and every staged state slot is its request's."""
+    from voltserve.services.executor.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=str(checkpoint(arch)), num_kv_blocks=24, max_model_len=96, max_num_seqs=5
+    )
+    runner = _emulated_graph_runner(cfg, 8)
+    g = runner.graphs
+    assert g.has_state and runner.pipeline is None
+    inner = runner.input_batch.stage_decode
+    staged = 0
+
+    def checked(graphs, plan):
+        nonlocal staged
+        out = inner(graphs, plan)
+        B, n = len(plan.scheduled), g.padded_size(len(plan.scheduled))
+        assert g.host_state[:B].tolist() == [s.request.state_slot for s in plan.scheduled]
+        assert (g.host_state[B:n] == -1).all()
+        assert g._meta(n).state_slots.data_ptr() == g.state_slots.data_ptr()
+        staged += 1
+        return out
+
+    runner.input_batch.stage_decode = checked
+    graph_engine, eager_engine = LLMEngine(cfg, runner), LLMEngine(cfg)
+    V = len(tokenizer())
+    arrivals = []
+    for i in range(9):
+        params = SamplingParams(
+            temperature=rng.choice((0.0, 0.9)),
+            max_tokens=rng.randint(2, 12),
+            ignore_eos=True,
+            seed=rng.randrange(1 << 30),
+        )
+        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
+        arrivals.append((rng.randrange(0, 10), f"h{i}", prompt, params))
+    results = [run_arrivals(e, arrivals, 11) for e in (graph_engine, eager_engine)]
+    assert_streams_match(*results, requests_of(arrivals), cfg.model)
+    assert g.num_replays == staged > 5
