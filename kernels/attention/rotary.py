@@ -31,21 +31,34 @@ def _inv_freq_llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn(
     base: float, rotary_dim: int, s: dict[str, Any], max_pos: int
 ) -> tuple[torch.Tensor, float]:
-    factor = s["factor"]
+    # transformers' reading of the keys: factor absent -> max positions over the original ones;
+    # attention_factor absent -> from mscale / mscale_all_dim where both are set (DeepSeek's
+    # form), else from the factor; truncate (default on) rounds the correction range outwards.
     orig = s.get("original_max_position_embeddings") or max_pos
-    beta_fast, beta_slow = s.get("beta_fast", 32.0), s.get("beta_slow", 1.0)
+    factor = s.get("factor") or max_pos / orig
+    beta_fast, beta_slow = s.get("beta_fast") or 32.0, s.get("beta_slow") or 1.0
     mscale = s.get("attention_factor")
     if mscale is None:
-        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        if m and m_all:
+            mscale = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+        else:
+            mscale = _yarn_mscale(factor)
 
     def correction_dim(n_rot: float) -> float:
         return (rotary_dim * math.log(orig / (n_rot * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)

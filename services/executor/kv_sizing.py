@@ -69,15 +69,29 @@ def decide_num_blocks(runner: ModelRunner) -> int:
             f"not enough memory for a single KV block ({per_block} bytes); "
             "lower --max-num-batched-tokens or raise --gpu-memory-utilization"
         )
-    if runner.device.type == "cuda" and n < runner.max_blocks_per_seq:
+    cuda = runner.device.type == "cuda"
+    if n < runner.max_blocks_per_seq and (cuda or runner.config.max_model_len is not None):
         # A sequence of max_model_len tokens could never be held: refuse to start rather
-        # than serve a context the cache cannot hold.
+        # than serve a context the cache cannot hold. On the CPU the model's own length (no
+        # --max-model-len) is capped instead (engine.py): its budget is a fixed byte count.
         raise startup.StartupError(
-            f"the KV cache fits {int(n)} blocks ({int(n) * runner.block_size} tokens), less "
-            f"than one sequence of max_model_len {runner.max_model_len} tokens; lower "
-            "--max-model-len or --max-num-batched-tokens, or raise --gpu-memory-utilization"
+            f"the KV cache fits {int(n)} blocks ({int(n) * runner.block_size} tokens, "
+            f"{per_block} bytes a block), less than one sequence of max_model_len "
+            f"{runner.max_model_len} tokens; {_fit_advice(runner)}"
         )
     return int(n)
+
+
+def _fit_advice(runner: ModelRunner) -> str:
+    """What makes a longer context fit, for the refusal above."""
+    advice = "lower --max-model-len"
+    if runner.device.type == "cuda":
+        advice += (
+            " or --max-num-batched-tokens, or raise --gpu-memory-utilization (or --max-gpu-memory)"
+        )
+    if runner.config.kv_cache_dtype in ("auto", "fp16"):
+        advice += ", or store the KV cache in one byte a value (--kv-cache-dtype fp8_e5m2)"
+    return advice
 
 
 def profile_blocks(runner: ModelRunner) -> int:

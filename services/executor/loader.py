@@ -150,6 +150,14 @@ def parse_arch(hf: dict[str, Any]) -> ModelArch:
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind in ("llama3", "yarn"):
+        # As transformers reads it: a top-level original_max_position_embeddings (Phi-3's
+        # place) wins over the rope dict's; neither: max_position_embeddings.
+        top = hf.get("original_max_position_embeddings")
+        orig = top or rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(
+            orig or hf.get("max_position_embeddings", 2048)
+        )
     sliding = hf.get("sliding_window")
     if name.startswith("Qwen") and not hf.get("use_sliding_window", False):
         sliding = None
