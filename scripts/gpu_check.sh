@@ -25,7 +25,9 @@
 # against wall time and the host functions behind the gap, 8B and 0.5B shapes; `real-shapes`:
 # every weight format at real vocabularies and widths (two layers) served at the default flags,
 # greedy against fp32 transformers; `serving-gguf`: bench_serving on the Llama-3-8B Q4_K_M GGUF
-# served at the default flags, then on its AWQ folder)
+# served at the default flags, then on its AWQ folder; `long-context`: batch-1 decode at 4K..128K
+# (256K by LONGCTX_CONTEXTS) with fp16 and fp8 KV, AWQ and fp16 weights, 128K TTFT, the fp8 KV
+# GPU tests; `long-context-fit`: the longest context under 16GiB / 32GiB budgets, served)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -233,6 +235,49 @@ PYEOF
       run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
       run make_llama8b_awq $PY load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-awq --group 128
       run serving_awq_16g $PY load_tests/bench_serving.py --launch /tmp/voltserve-llama3-8b-awq --num-prompts "${AWQ_PROMPTS:-256}" --input-len 1024 --output-len 256 --max-concurrency "${AWQ_CONCURRENCY:-32}" --serve-args "--max-gpu-memory 16GiB" --out "$OUT/serving_llama3-8b-awq-16g.json" -- --log-level info
+      ;;
+    long-context)
+      # Long contexts (load_tests/bench_long_context.py): a Llama-3.1-8B-shaped random checkpoint
+      # (llama3 rope, max_position_embeddings written as 262,144; kept in LONGCTX_DIR) and its
+      # AWQ int4 g128 copy; batch-1 decode at LONGCTX_CONTEXTS with the KV cache in each of
+      # LONGCTX_KV, AWQ weights first, then fp16 (LONGCTX_WEIGHTS), one engine per (weights,
+      # kv): each point against its bytes floor, the fp8 / fp16 speed ratio at 128K against
+      # the ratio of the floors, TTFT of a fresh 128K prompt (chunks of 16,384 tokens) and the
+      # prefill's peak memory. Then the fp8 KV GPU tests (teacher-forced at 1K/8K/32K through
+      # the runner; decode over fp8 pages at 4K/32K/128K) in the time left.
+      # Time, not yet measured (estimates from a 96K-token TTFT of 36 s on the same shape):
+      # checkpoint write ~1 min and AWQ copy ~1 min (both reused while /tmp lasts); an engine
+      # to 128K ~1.5-2 min (start ~0.5, the fresh 128K prefill ~1, decodes ~0.1; a cold kernel
+      # cache adds compiles to the first engines); 256K adds ~2 min an engine (128K more of
+      # prefill at 128K-256K of context). The full matrix (2 weights x 3 KV dtypes x 4K..256K)
+      # is ~25 min, so the defaults are the 10-minute cut: AWQ and fp16 weights x auto and
+      # fp8_e5m2 to 128K under a LONGCTX_SECONDS (390 s) budget that skips the engines the
+      # previous engine of the same weights says would not finish (recorded as skipped in the
+      # JSON), then the tests under whatever is left of LONGCTX_STAGE_SECONDS (570 s).
+      # 256K and e4m3 in calls of their own, e.g. LONGCTX_TESTS=0 LONGCTX_WEIGHTS=awq
+      # LONGCTX_KV=auto,fp8_e5m2 LONGCTX_CONTEXTS=4096,131072,262144 LONGCTX_SECONDS=540.
+      LC_T0=$(date +%s)
+      LONGCTX_DIR=${LONGCTX_DIR:-/tmp/voltserve-llama3.1-8b-262k}
+      run long_context $PY load_tests/bench_long_context.py --model-dir "$LONGCTX_DIR" --weights "${LONGCTX_WEIGHTS:-awq,fp16}" --kv "${LONGCTX_KV:-auto,fp8_e5m2}" --contexts "${LONGCTX_CONTEXTS:-4096,32768,131072}" --time-budget "${LONGCTX_SECONDS:-390}" --work-dir "$OUT/long_context" --out "$OUT/long_context.json"
+      if [ "${LONGCTX_TESTS:-1}" != 0 ]; then
+        LC_LEFT=$(( ${LONGCTX_STAGE_SECONDS:-570} - ($(date +%s) - LC_T0) ))
+        if [ "$LC_LEFT" -gt 30 ]; then
+          run long_context_tests timeout "$LC_LEFT" $PY -P -m pytest -q --timeout 900 tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_decode_fp8_gpu.py -p no:cacheprovider
+        else
+          echo "long_context_tests skipped: ${LC_LEFT}s left of the stage" | tee -a "$OUT/summary.txt"
+        fi
+      fi
+      ;;
+    long-context-fit)
+      # The longest context an executor holds under --max-gpu-memory 16GiB and 32GiB (AWQ
+      # weights, fp8_e5m2 KV: LONGCTX_FIT_KV), each found by `voltserve serve` itself (started at
+      # the model's 262,144 positions, then at the length its refusal names) and served with one
+      # completion request of exactly that length. Estimated, not measured: per budget one
+      # refused start (~0.5 min) and one served start (~1 min with graph capture); the request
+      # ~1 min at 16GiB (~110K tokens) and ~3-4 min at 32GiB (262,144 tokens): ~7 min in all,
+      # ~2 more where the checkpoints are not in /tmp yet (then run it in a call of its own).
+      LONGCTX_DIR=${LONGCTX_DIR:-/tmp/voltserve-llama3.1-8b-262k}
+      run long_context_fit $PY load_tests/bench_long_context.py --model-dir "$LONGCTX_DIR" --weights awq --fit "${LONGCTX_FIT:-16GiB,32GiB}" --fit-kv "${LONGCTX_FIT_KV:-fp8_e5m2}" --work-dir "$OUT/long_context_fit" --out "$OUT/long_context_fit.json"
       ;;
     decode-small)
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
