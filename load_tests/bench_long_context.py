@@ -336,6 +336,13 @@ def ensure_checkpoints(args, device: str, result: dict[str, Any]) -> dict[str, P
     return dirs
 
 
+def release_cached_memory(device: str) -> None:
+    """Give back what the checkpoint writes left in this process's allocator cache: the
+    engines (other processes) size their KV caches from the card's free memory."""
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def weight_read_bytes(weights: str, model_dir: Path, config, dtype: torch.dtype) -> int:
     if weights == "awq":
         return checkpoint_read_bytes(model_dir)["read_per_token_bytes"]
@@ -414,6 +421,7 @@ def run_point(args, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def main_bench(args, device: str, result: dict[str, Any], t_start: float) -> None:
     dirs = ensure_checkpoints(args, device, result)
+    release_cached_memory(device)
     config = make_hf_config(
         args.preset, args.torch_dtype, **rope_overrides(args.preset, args.rope, args.max_positions)
     )
@@ -573,6 +581,7 @@ def fit_request(url: str, length: int, args, http_json) -> dict[str, Any]:
 
 def main_fit(args, result: dict[str, Any]) -> None:
     dirs = ensure_checkpoints(args, "cuda", result)
+    release_cached_memory("cuda")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="voltserve-longctx-fit-"))
     work.mkdir(parents=True, exist_ok=True)
     result["fit"] = fits = []
