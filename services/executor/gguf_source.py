@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.gguf_hybrid import HybridLayout
 from voltserve.services.executor.quant.base import (
     LinearMethod,
@@ -38,7 +39,6 @@ from voltserve.services.executor.quant.base import (
     Shard,
     UnquantizedMethod,
 )
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.quant.group import GroupQuantMethod, ShardCodes
 from voltserve.services.executor.tp.sharding import Cut, TensorSplit
 from voltserve.shared.gguf_files import (

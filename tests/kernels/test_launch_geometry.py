@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES
 from voltserve.kernels.linear.quant_pack import GroupQuantWeight, _check_group
 from voltserve.kernels.runtime import launch_geometry as lg
 from voltserve.kernels.runtime.numba_common import SIM, launch
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES
 
 GRID_MAX = (2**31 - 1, 65_535, 65_535)
 BLOCK_MAX = (1_024, 1_024, 64)
