@@ -200,6 +200,22 @@ def fp4_gate_up_silu(x: torch.Tensor, w: Any, bias: torch.Tensor | None, ops: An
     return f.fp4_gate_up_silu(x, w, bias, ops)
 
 
+def kquant_linear(x: torch.Tensor, segs: Any, bias: torch.Tensor | None, ops: Any) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for 2-D x, GGUF K-quant weights in their block bytes (a list of
+    kquant_pack.KQuantSegment); the integer formats' switch (impl["quant_linear"]) picks kernels
+    or the reference."""
+    from voltserve.kernels.linear import kquant_linear as kq
+
+    return kq.kquant_linear(x, segs, bias, ops)
+
+
+def kquant_gate_up_silu(x: torch.Tensor, segs: Any, bias: torch.Tensor | None, ops: Any):
+    """silu_and_mul of a merged gate_up K-quant linear."""
+    from voltserve.kernels.linear import kquant_linear as kq
+
+    return kq.kquant_gate_up_silu(x, segs, bias, ops)
+
+
 def reserve_quant_scratch(ops: Any, numel: int) -> None:
     """The dequantize path's scratch for weights of up to numel elements, before graph capture."""
     from voltserve.kernels.linear import quant_linear as q

@@ -27,6 +27,9 @@ call streams from HBM), timed with events, median of 7.
         [--factored]   (the same as --forms factored)
         [--tc-configs]   (also quant_gemm_tc.CANDIDATES forced at rows above 8: impl
                         *_tc_<TileConfig.name>)
+    python load_tests/bench_quant_linear.py --kquant --out F.json [--rows 1,8]
+                        (GGUF Q4_K / Q6_K blocks read natively vs the widened path vs fp16:
+                        load_tests/bench_kquant.py)
 """
 
 # Every lambda below is timed (called) before its loop variables change:
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from pathlib import Path
 
 import torch
@@ -96,6 +100,11 @@ def timed(fn_of_weight, weights, reps: int = 4) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--kquant" in argv:  # GGUF K-quant blocks: native vs widened vs fp16 (bench_kquant.py)
+        from load_tests.bench_kquant import main as kquant_main
+
+        return kquant_main([a for a in argv if a != "--kquant"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,2048,8192")

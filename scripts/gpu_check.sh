@@ -21,7 +21,9 @@
 # serving burst step by step with two steps' kernels by kind; `decode-b1`: the batch-1 profile and one
 # bench_decode per DECODE_VARIANTS entry; `decode-batched`: batch 64/256 per DECODE_VARIANTS entry;
 # `gguf-b1`: Llama-3-8B as a llama.cpp Q4_K_M GGUF at batch 1 against its stored-bytes floor,
-# fp16 alongside as the anchor; `prefill-host`: a lone prompt's eager prefill step, GPU-busy
+# its K-quant blocks read natively and then widened (VOLTSERVE_GGUF_KQUANT=1 / 0), fp16 alongside
+# as the anchor; `kquant`: the K-quant kernels' GPU tests and bench_kquant (native vs widened vs
+# fp16 at the Llama-3-8B shapes); `prefill-host`: a lone prompt's eager prefill step, GPU-busy
 # against wall time and the host functions behind the gap, 8B and 0.5B shapes; `real-shapes`:
 # every weight format at real vocabularies and widths (two layers) served at the default flags,
 # greedy against fp32 transformers; `serving-gguf`: bench_serving on the Llama-3-8B Q4_K_M GGUF
@@ -317,6 +319,15 @@ PYEOF
       decode_variants batched --runs 1 --warmup 0 --batch-sizes "${BATCHED_SIZES:-64,256}" --context 1024
       clocks_stop
       ;;
+    kquant)
+      # GGUF K-quant blocks read as stored (kernels/linear/kquant_*.py): the GPU tests (Llama-3-8B
+      # shapes and the 128,256-row Q6_K lm_head against gguf's dequantizer, graphs), then
+      # bench_kquant: native vs the widened group-quantized path vs fp16 cuBLAS at rows
+      # KQUANT_ROWS (default 1,8), each against its bytes floor and the copy bandwidth of the same
+      # run, with the split-K and rows-a-warp sweep (KQUANT_BENCH_ARGS="--no-sweep" leaves it).
+      run kquant_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_kquant_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
+      run bench_kquant $PY load_tests/bench_kquant.py --rows "${KQUANT_ROWS:-1,8}" ${KQUANT_BENCH_ARGS:-} --out "$OUT/bench_kquant.json"
+      ;;
     gguf-b1)
       # GGUF Q4_K_M at the Llama-3-8B shape, batch 1, no transformers (the target: >= 0.60 of
       # its floor, the bytes the file stores over the copy bandwidth): the fp16 checkpoint
@@ -326,7 +337,10 @@ PYEOF
       # then on the fp16 folder in the same call as the anchor.
       run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
       run make_llama8b_q4km $PY load_tests/make_gguf_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-q4km/model.gguf --mix q4_k_m --device cuda
-      run decode_b1_gguf_q4km $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km.json"
+      # the K-quant blocks read natively (VOLTSERVE_GGUF_KQUANT=1, the CUDA default), then the
+      # same file unpacked and widened for the group-quantized kernels (=0), in the same call
+      run decode_b1_gguf_q4km env VOLTSERVE_GGUF_KQUANT=1 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km.json"
+      run decode_b1_gguf_q4km_widened env VOLTSERVE_GGUF_KQUANT=0 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km_widened.json"
       run decode_b1_fp16 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_fp16.json"
       ;;
     prefill-host)

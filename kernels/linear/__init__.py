@@ -161,6 +161,31 @@ KERNELS += tuple(
     )
 )
 
+# kquant_gemv.py: the GEMV over GGUF K-quant blocks as stored (kquant_pack.py), per type, row
+# variant, rows a warp and split-K (kquant_kernel); representative instances, fp16 only: Q4_K
+# and Q6_K at one row, Q6_K at two rows with split-K over two warps. Arguments: x [M, K], the
+# blocks as int32 words [N, K / 256 * bytes / 4], (Q6_K: int8 scales [N, K / 16], fp16 d
+# [N, K / 256]), bias [N] (unused without has_bias), out [M, N] (a column slice of a merged
+# output), has_bias. kquant_dequant.py: the blocks into an [N, K] buffer (the path above 8 rows).
+_KQ4 = "void(float16[:, :], int32[:, ::1], float16[::1], float16[:, :], boolean)"
+_KQ6 = (
+    "void(float16[:, :], int32[:, ::1], int8[:, ::1], float16[:, ::1], float16[::1],"
+    " float16[:, :], boolean)"
+)
+KERNELS += (
+    KernelSpec("linear.kquant_gemv", "kquant_gemv_q4_k_m1", (_KQ4,)),
+    KernelSpec("linear.kquant_gemv", "kquant_gemv_q6_k_m1", (_KQ6,)),
+    KernelSpec("linear.kquant_gemv", "kquant_gemv_q6_k_m2_ks2", (_KQ6,)),
+    KernelSpec(
+        "linear.kquant_dequant", "dequant_q4_k_kernel", ("void(int32[:, ::1], float16[:, ::1])",)
+    ),
+    KernelSpec(
+        "linear.kquant_dequant",
+        "dequant_q6_k_kernel",
+        ("void(int32[:, ::1], int8[:, ::1], float16[:, ::1], float16[:, ::1])",),
+    ),
+)
+
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
 # GEMV (fp4_gemv_kernel(M); M = 1 and 8 listed): x [M, K], codes as int32 words [N, K / 8], scale
 # bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without has_bias), out

@@ -5,6 +5,8 @@ inline (ir.InlineAsm, as wmma_inline.py does), on uint32 values that carry the t
     h2fma(a, b, c)     fma.rn.f16x2: a * b + c per half, one rounding
     h2mul(a, b)        mul.rn.f16x2: a * b per half
     h2f(u)             (float32(low half), float32(high half)): cvt.f32.f16 of each
+    prmt(a, sel)       prmt.b32 of a with itself: byte i of the result is byte (sel >> 4i) & 3
+                       of a (a constant selector: one instruction regrouping packed codes)
     ldh8(arr, (r, c))  arr[r, c:c+8] of a 2-D float16 array as four uint32 (the half2 pairs
                        (x0, x1), (x2, x3), (x4, x5), (x6, x7)), one 16-byte global load; c a
                        multiple of 8, rows 16-byte aligned
@@ -68,6 +70,13 @@ if SIM:
     def h2f(u):
         lo, hi = h2_vals(u)
         return np.float32(lo), np.float32(hi)
+
+    def prmt(a, sel):
+        a = int(a) & 0xFFFFFFFF
+        out = 0
+        for i in range(4):
+            out |= ((a >> (8 * ((int(sel) >> (4 * i)) & 3))) & 0xFF) << (8 * i)
+        return out
 
     def ldh8(arr, idx):
         r, c = idx
@@ -143,6 +152,19 @@ else:
         return sig, codegen
 
     @intrinsic
+    def prmt(typingctx, a, sel):
+        if not _ints(a) or not isinstance(sel, types.IntegerLiteral):
+            return None
+        selector = int(sel.literal_value) & 0x3333
+
+        def codegen(context, builder, signature, args):
+            asm = f"prmt.b32 $0, $1, $1, {selector:#x};"
+            fnty = ir.FunctionType(_I32, [_I32])
+            return builder.asm(fnty, asm, "=r,r", [_u32(builder, args[0])], side_effect=False)
+
+        return types.uint32(a, sel), codegen
+
+    @intrinsic
     def ldh8(typingctx, arr, idx):
         if not (
             isinstance(arr, types.Array)
@@ -156,4 +178,4 @@ else:
         return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
 
-__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "h2_bits", "h2_vals"]
+__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "prmt", "h2_bits", "h2_vals"]

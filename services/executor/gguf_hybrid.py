@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES
 
 # GGUF block leaf -> Hugging Face leaf (model.layers.N.<leaf>)
 LAYER = {

@@ -2,7 +2,8 @@
 QuantConfig (one ggml type per tensor), and the tensors under Hugging Face names.
 
 Quantized linear weights travel as their raw block bytes (uint8 [N, row bytes]) to the GGUF
-linear method, which unpacks them once at load; float tensors (F32/F16/BF16) and the token
+linear method: Q4_K / Q6_K linears keep them for the K-quant kernels (quant/kquant.py, the
+VOLTSERVE_GGUF_KQUANT switch, on where CUDA), every other linear unpacks them once at load; float tensors (F32/F16/BF16) and the token
 embedding (a gather, dequantized here) travel as float tensors. llama.cpp's converter permutes
 the rows of q and k of llama-arch files (its rotary pairs interleaved dimensions); that is undone
 here, on rows, before anything is unpacked.
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.gguf_hybrid import HybridLayout
 from voltserve.services.executor.quant.base import (
     LinearMethod,
@@ -38,7 +40,6 @@ from voltserve.services.executor.quant.base import (
     Shard,
     UnquantizedMethod,
 )
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.quant.group import GroupQuantMethod, ShardCodes
 from voltserve.services.executor.tp.sharding import Cut, TensorSplit
 from voltserve.shared.gguf_files import (
@@ -91,6 +92,7 @@ _GLOBAL = {
     "output.weight": "lm_head.weight",
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def hf_name(name: str, hybrid: HybridLayout | None = None) -> str | None:
@@ -153,6 +155,10 @@ class GGUFQuantConfig(QuantConfig):
             # A float shard beside quantized ones: one float weight for the whole linear.
             return _DequantizedMethod(dict(zip(prefixes, kinds)))
         variant = "GGUF " + "/".join(dict.fromkeys(kinds))
+        if self.native(prefixes, kinds):
+            from voltserve.services.executor.quant.kquant import KQuantMethod
+
+            return KQuantMethod(variant, {p: self.types[p] for p in prefixes}, self.split)
 
         def unpack(t: dict[str, torch.Tensor], prefix: str, n: int, k: int) -> ShardCodes:
             kind, gname = self.types[prefix]
@@ -166,6 +172,21 @@ class GGUFQuantConfig(QuantConfig):
             return ShardCodes(codes, scales, offsets, bt.bits, bt.group)
 
         return GroupQuantMethod(variant, ["weight"], [], unpack, family="GGUF", splits=self.split)
+
+    @staticmethod
+    def native(prefixes: list[str], kinds: list[str]) -> bool:
+        """Whether the linear keeps its blocks for the K-quant kernels: every shard a type their
+        GEMV reads, the switch on for the device the model is built on (kquant_linear.
+        native_enabled), and not a routed expert (stacked experts run the fused group-quantized
+        MoE kernels, quant/experts.py)."""
+        from voltserve.kernels.linear.kquant_gemv import NATIVE
+        from voltserve.kernels.linear.kquant_linear import native_enabled
+
+        return (
+            all(k in NATIVE for k in kinds)
+            and not any(_ROUTED_EXPERT.search(p) for p in prefixes)
+            and native_enabled(torch.empty(0).device)  # the model is built under its device
+        )
 
     def split(self, name: str, prefix: str) -> TensorSplit | None:
         """Tensor parallelism: a block-quantized [N, K] weight is N rows of whole blocks, so a

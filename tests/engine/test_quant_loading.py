@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES, unpack_blocks
 from voltserve.services.executor.loader import ModelLoadError, load_model
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES, unpack_blocks
 
 from tests import quant_checkpoints as qc
 from tests.checkpoints import tokenizer

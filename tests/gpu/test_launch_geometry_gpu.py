@@ -49,7 +49,7 @@ def test_dequantize_vocabulary_rows(kind: str, rows: int) -> None:
 
 def _gguf_bytes(kind: str, rows: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """Random ggml blocks of `kind` with a sane fp16 scale d in every block."""
-    from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES
+    from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES
 
     bt = BLOCK_TYPES[kind]
     nb = K // bt.block

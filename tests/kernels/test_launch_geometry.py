@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from voltserve.kernels.linear.gguf_blocks import BLOCK_TYPES
 from voltserve.kernels.linear.quant_pack import GroupQuantWeight, _check_group
 from voltserve.kernels.runtime import launch_geometry as lg
 from voltserve.kernels.runtime.numba_common import SIM, launch
-from voltserve.services.executor.quant.gguf_blocks import BLOCK_TYPES
 
 GRID_MAX = (2**31 - 1, 65_535, 65_535)
 BLOCK_MAX = (1_024, 1_024, 64)
@@ -560,3 +560,48 @@ def test_moe_routing_and_experts(wmma: str, monkeypatch) -> None:
             expect = "moe_wmma"
         assert all(expect in r.kernel for r in launches), [r.kernel for r in launches]
         assert launches[1].arg("y_pairs" if expect != "moe_decode" else "out").shape[1] == H
+
+
+def kquant_weight(kind: str, N: int, K: int):
+    from voltserve.kernels.linear.kquant_pack import make_kquant_weight
+
+    return make_kquant_weight(kind, t(N, K // 256 * BLOCK_TYPES[kind].nbytes, dtype=torch.uint8), K)
+
+
+@pytest.mark.parametrize("sms", SMS)
+def test_kquant_gemv_and_dequantize_at_model_shapes(sms: int) -> None:
+    """GGUF K-quant blocks (kquant_gemv, kquant_dequant): a Q6_K lm_head of every vocabulary, Q4_K
+    and Q6_K gate_up and down at both intermediate sizes, and a merged qkv of Q4_K q/k beside a
+    Q6_K v (one launch a type, each into its columns of one output)."""
+    from voltserve.kernels.linear import kquant_dequant, kquant_gemv
+    from voltserve.kernels.linear.kquant_linear import kquant_gemv_cuda
+    from voltserve.kernels.linear.kquant_pack import segments_of
+
+    for hidden, kind in itertools.product(HIDDENS, ("Q4_K", "Q6_K")):
+        for N, K in _linears(hidden):
+            if K % 256:
+                continue  # 29,568-wide rows hold no 256-element blocks: no K-quant (GGUFSource)
+            w = kquant_weight(kind, N, K)
+            for T in (1, 8):
+                launches = recorded(
+                    "kquant_gemv", kquant_gemv_cuda, t(T, K), segments_of([w]), sms=sms
+                )
+                rec = one(launches, "kquant_gemv")
+                assert rec.arg("out").shape == (T, N) and rec.arg("qw").shape == (
+                    N,
+                    w.words().shape[1],
+                )
+                with lg.recording(sms):
+                    R, KS = kquant_gemv.tiling(w, META)
+                groups = rec.grid[0] * kquant_gemv.WARPS // KS  # KS warps a group of R rows
+                assert groups * R >= N > (groups - kquant_gemv.WARPS // KS) * R
+            rec = one(recorded("dequant", kquant_dequant.dequantize_into, w, t(N, K)), "dequant")
+            assert rec.grid[0] * kquant_dequant.THREADS >= K // 256 * 4
+            y, z = rec.grid[1:]  # the rows folded over y and z
+            assert y == min(N, 65_535) and (z - 1) * y < N <= z * y
+    hidden, n_q, n_kv, D = 4096, 32, 8, 128
+    qk = [kquant_weight("Q4_K", n * D, hidden) for n in (n_q, n_kv)]
+    segs = segments_of([*qk, kquant_weight("Q6_K", n_kv * D, hidden)])
+    launches = recorded("kquant_gemv", kquant_gemv_cuda, t(1, hidden), segs, sms=sms)
+    assert [r.arg("out").shape for r in launches] == [(1, (n_q + n_kv) * D), (1, n_kv * D)]
+    assert ["q4_k" in r.kernel for r in launches] == [True, False]
