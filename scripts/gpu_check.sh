@@ -337,7 +337,7 @@ PYEOF
       # then on the fp16 folder in the same call as the anchor.
       run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
       run make_llama8b_q4km $PY load_tests/make_gguf_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-q4km/model.gguf --mix q4_k_m --device cuda
-      # the K-quant blocks read natively (VOLTSERVE_GGUF_KQUANT=1, the CUDA default), then the
+      # the K-quant blocks read natively (VOLTSERVE_GGUF_KQUANT=1), then the
       # same file unpacked and widened for the group-quantized kernels (=0), in the same call
       run decode_b1_gguf_q4km env VOLTSERVE_GGUF_KQUANT=1 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km.json"
       run decode_b1_gguf_q4km_widened env VOLTSERVE_GGUF_KQUANT=0 $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b-q4km/model.gguf --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_gguf_q4km_widened.json"

@@ -27,13 +27,14 @@ from voltserve.kernels.linear.kquant_pack import KQuantSegment, dequantize_kquan
 
 # The switch: GGUF Q4_K / Q6_K linears kept in their blocks and served by the kernels here
 # ("1"), or unpacked at load into codes and fp32 scales for the group-quantized kernels ("0").
-# Unset or "auto": on where the model runs on CUDA.
+# Unset: "0" (the K-quant kernels are opt-in until their GPU timing says they beat the unpacked
+# path); "auto": on where the model runs on CUDA.
 KQUANT_ENV = "VOLTSERVE_GGUF_KQUANT"
 
 
 def native_enabled(device: torch.device) -> bool:
     """Whether GGUF K-quant linears load as blocks (see KQUANT_ENV) on `device`."""
-    v = os.environ.get(KQUANT_ENV, "auto").strip().lower()
+    v = os.environ.get(KQUANT_ENV, "0").strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
     if v in ("0", "false", "no", "off"):

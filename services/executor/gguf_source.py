@@ -3,10 +3,10 @@ QuantConfig (one ggml type per tensor), and the tensors under Hugging Face names
 
 Quantized linear weights travel as their raw block bytes (uint8 [N, row bytes]) to the GGUF
 linear method: Q4_K / Q6_K linears keep them for the K-quant kernels (quant/kquant.py, the
-VOLTSERVE_GGUF_KQUANT switch, on where CUDA), every other linear unpacks them once at load; float tensors (F32/F16/BF16) and the token
-embedding (a gather, dequantized here) travel as float tensors. llama.cpp's converter permutes
-the rows of q and k of llama-arch files (its rotary pairs interleaved dimensions); that is undone
-here, on rows, before anything is unpacked.
+VOLTSERVE_GGUF_KQUANT switch), every other linear unpacks them once at load; float tensors
+(F32/F16/BF16) and the token embedding (a gather, dequantized here) travel as float tensors.
+llama.cpp's converter permutes the rows of q and k of llama-arch files (its rotary pairs
+interleaved dimensions); that is undone here, on rows, before anything is unpacked.
 
 MoE files (qwen2moe, qwen3moe) store each layer's routed experts stacked, one tensor per
 projection (`blk.N.ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, [E, rows, K] in torch
