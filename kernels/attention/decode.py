@@ -1011,6 +1011,33 @@ def _narrow_online(
     return cfg, n_part, False
 
 
+# The partitions a workspace allocated by the launcher holds, per mode: the in-kernel merge
+# needs the partition axis padded to MERGE_MAX_PARTITIONS (see _emit_merge).
+_WS_PARTITIONS = {
+    "direct": lambda n: 1,
+    "split": lambda n: n,
+    "merge": lambda n: MERGE_MAX_PARTITIONS,
+}
+
+
+def _mode(n_part: int, merge_ok: bool) -> str:
+    """direct (one partition), merge (in-kernel, up to MERGE_MAX_PARTITIONS partitions, when the
+    workspace is padded for it) or split (the separate merge kernel)."""
+    if n_part == 1:
+        return "direct"
+    return "merge" if n_part <= MERGE_MAX_PARTITIONS and merge_ok else "split"
+
+
+def workspace_bytes(
+    B: int, H: int, kvh: int, D: int, max_seq_len: int, sms: int, kv: str = kv_widen.FP16
+) -> int:
+    """The fp32 workspace a default launch allocates for a batch of B under max_seq_len (what
+    a decode CUDA graph of B rows holds in its pool per attention call)."""
+    _, n_part = launch_with_threads(H, kvh, D, B, max_seq_len, sms, None, None, None, None, kv)
+    p = _WS_PARTITIONS[_mode(n_part, True)](n_part)
+    return B * H * p * (D + 2) * 4
+
+
 def decode_workspace(B: int, H: int, partitions: int, D: int, device):
     """(max_logits [B, H, P], exp_sums [B, H, P], tmp_out [B, H, P, D]) fp32 for P partitions
     (P = MERGE_MAX_PARTITIONS selects the in-kernel merge, see paged_decode_attention_cuda)."""
@@ -1092,20 +1119,13 @@ def launch_decode(
     cfg, n_part = launch_with_threads(
         H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online, kv
     )
-    mode = "direct" if n_part == 1 else "split"
-    # The in-kernel merge needs the partition axis padded to MERGE_MAX_PARTITIONS (see
-    # _emit_merge): always so for the workspace allocated here.
-    if 1 < n_part <= MERGE_MAX_PARTITIONS and (
-        workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS
-    ):
-        mode = "merge"
+    mode = _mode(n_part, workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
-        p_ws = {"direct": 1, "split": n_part, "merge": MERGE_MAX_PARTITIONS}[mode]
-        workspace = decode_workspace(B, H, p_ws, D, q.device)
+        workspace = decode_workspace(B, H, _WS_PARTITIONS[mode](n_part), D, q.device)
     elif mode != "direct" and workspace[2].shape[2] < n_part:
         raise ValueError(f"workspace holds {workspace[2].shape[2]} partitions, need {n_part}")
     if B == 0:

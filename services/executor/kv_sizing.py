@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from voltserve.services.executor import kv_quant
 from voltserve.services.executor.input_batch import attention_metadata
 from voltserve.shared import startup
 
@@ -52,6 +53,29 @@ def state_cache_bytes(runner: ModelRunner) -> int:
     """The bytes of the runner's linear-attention state pools (0 without them)."""
     cache = getattr(runner, "state_cache", None)
     return 0 if cache is None else cache.nbytes
+
+
+def graph_workspace_bytes(runner: ModelRunner) -> int:
+    """The split-KV decode attention's fp32 workspace that the largest decode graph holds in
+    its pool: it grows with max_model_len (hundreds of MiB at 256 rows and 262,144 tokens)."""
+    rows = getattr(runner, "_graph_decode_rows", 0)
+    fmt = kv_quant.fp8_format(runner.config.kv_cache_dtype)
+    op = "paged_decode_attention" if fmt is None else "paged_decode_attention_fp8"
+    if rows < 1 or runner.ops.impl.get(op) != "cuda":
+        return 0
+    from voltserve.kernels.attention import decode, kv_widen
+    from voltserve.kernels.runtime.launch_geometry import sm_count
+
+    lay = runner.model.layout
+    return decode.workspace_bytes(
+        rows,
+        lay.num_heads,
+        lay.num_kv_heads,
+        runner.arch.head_dim,
+        runner.max_model_len,
+        sm_count(runner.device),
+        fmt or kv_widen.FP16,
+    )
 
 
 def decide_num_blocks(runner: ModelRunner) -> int:
@@ -160,9 +184,10 @@ def profile_gpu_blocks(runner: ModelRunner, per_block: int) -> int:
         ws.release()  # the real caches reserve theirs
     torch.cuda.empty_cache()
     activation = max(0, peak - weights - tmp_bytes)
-    # The graphs' logits buffers, allocated after this sizing and held for good.
+    # The graphs' logits buffers and the largest decode graph's attention workspace, allocated
+    # after this sizing and held for good.
     elem = torch.empty((), dtype=runner.dtype).element_size()
-    graphs = runner._graph_logits_rows * runner.vocab_size * elem
+    graphs = runner._graph_logits_rows * runner.vocab_size * elem + graph_workspace_bytes(runner)
     free, total = torch.cuda.mem_get_info()
     non_torch = total - free - torch.cuda.memory_reserved()
     card = total
@@ -174,7 +199,7 @@ def profile_gpu_blocks(runner: ModelRunner, per_block: int) -> int:
     )
     logger.info(
         "memory: total %.2f GiB (card %.2f GiB), weights %.2f GiB, activation peak %.2f GiB, "
-        "graph logits %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
+        "graph buffers %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
         total / 2**30,
         card / 2**30,
         weights / 2**30,

@@ -190,6 +190,8 @@ class ModelRunner:
         # graphs' largest size, the verify graphs' largest size times its rows per sequence,
         # and the proposer's graphs' (a draft model's catch-up graphs have the verify rows).
         self._graph_logits_rows = 0
+        # Rows of the largest decode graph, whose attention workspace its pool holds.
+        self._graph_decode_rows = graph_batch if use_graphs else 0
         if use_graphs:
             verify = spec_graph_sizes(self, graph_batch)
             if verify:

@@ -19,6 +19,7 @@ that have no simulator path: the flash prefill attention and the tensor-core MoE
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import pytest
@@ -605,3 +606,27 @@ def test_kquant_gemv_and_dequantize_at_model_shapes(sms: int) -> None:
     launches = recorded("kquant_gemv", kquant_gemv_cuda, t(1, hidden), segs, sms=sms)
     assert [r.arg("out").shape for r in launches] == [(1, (n_q + n_kv) * D), (1, n_kv * D)]
     assert ["q4_k" in r.kernel for r in launches] == [True, False]
+
+
+@pytest.mark.parametrize("kv", ["fp16", "fp8_e5m2"])
+def test_decode_workspace_bytes_is_what_a_launch_allocates(kv: str) -> None:
+    """decode.workspace_bytes (what KV sizing sets aside for the largest decode graph) equals
+    the partials the recorded launch is given at a 262,144-token bound, batch 1, 64 and 256,
+    every head shape (over 100 MiB at 256 rows: what a decode graph of 256 rows holds)."""
+    from voltserve.kernels.attention import decode, decode_fp8
+
+    context = 262_144
+    for (H, kvh, D), B, sms in itertools.product(HEADS, (1, 64, 256), SMS):
+        if kv == "fp16":
+            cache = t(2, kvh, 16, D)
+            fn, kw = decode.paged_decode_attention_cuda, {}
+        else:
+            cache = t(2, kvh, 16, D, dtype=torch.uint8)
+            fn, kw = decode_fp8.paged_decode_attention_fp8_cuda, {"fmt": kv}
+        args = (t(B, H, D), cache, cache, t(B, context // 16, dtype=I32), t(B, dtype=I32), 0.1)
+        main = recorded("decode", fn, *args, sms=sms, **kw)[0]
+        ml, es, tmp = (main.arg(n) for n in ("max_logits", "exp_sums", "tmp_out"))
+        got = 4 * sum(math.prod(a.shape) for a in (ml, es, tmp))
+        assert decode.workspace_bytes(B, H, kvh, D, context, sms, kv) == got, (H, B, sms)
+    big = decode.workspace_bytes(256, 32, 8, 128, context, 132, kv)
+    assert big > 100 * 2**20 and big >= decode.workspace_bytes(256, 32, 8, 128, 8192, 132, kv)
