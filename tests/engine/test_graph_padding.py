@@ -242,16 +242,21 @@ def test_hybrid_graph_decode_stages_state_slots_and_equals_eager(arch: str, rng)
     runner.input_batch.stage_decode = checked
     graph_engine, eager_engine = LLMEngine(cfg, runner), LLMEngine(cfg)
     V = len(tokenizer())
+    # Three long requests from step 0 (3 rows: a padding row at the graph size 4) outlive six
+    # short ones arriving at random (at most 3 waves of 2 through the other 2 rows, each done
+    # within 9 steps by step 37): the last steps are decode-only, whatever the draw.
     arrivals = []
     for i in range(9):
+        core = i < 3
         params = SamplingParams(
             temperature=rng.choice((0.0, 0.9)),
-            max_tokens=rng.randint(2, 12),
+            max_tokens=60 if core else rng.randint(2, 8),
             ignore_eos=True,
             seed=rng.randrange(1 << 30),
         )
         prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
-        arrivals.append((rng.randrange(0, 10), f"h{i}", prompt, params))
+        arrivals.append((0 if core else rng.randrange(0, 10), f"h{i}", prompt, params))
     results = [run_arrivals(e, arrivals, 11) for e in (graph_engine, eager_engine)]
     assert_streams_match(*results, requests_of(arrivals), cfg.model)
     assert g.num_replays == staged > 5
+    assert 4 in g.replays_by_size

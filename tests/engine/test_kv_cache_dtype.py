@@ -41,9 +41,10 @@ NUDGE = 1e-6
 AMBIGUOUS_ATOL = 1e-2
 
 
-def rounded_reference(path, kv_dtype: str | None, scales=None):
+def rounded_reference(path, kv_dtype: str | None, scales=None, nudge: float = NUDGE):
     """transformers (fp32, CPU) with every attention call's K and V rounded to kv_dtype (None:
-    as is), each layer's (k_scale, v_scale) from `scales` (default 1.0)."""
+    as is), each layer's (k_scale, v_scale) from `scales` (default 1.0); model.ambiguous says
+    whether an element sat within a relative `nudge` of a rounding midpoint."""
     name = f"voltserve_kv_{next(_NAMES)}"  # looked up at each call: one name per model
     scales = scales or {}
 
@@ -51,8 +52,8 @@ def rounded_reference(path, kv_dtype: str | None, scales=None):
         if kv_dtype is not None:
             ks, vs = scales.get(module.layer_idx, (1.0, 1.0))
             if kv_dtype != "fp16":
-                model.ambiguous |= near_midpoint(key, kv_dtype, ks)
-                model.ambiguous |= near_midpoint(value, kv_dtype, vs)
+                model.ambiguous |= near_midpoint(key, kv_dtype, ks, nudge)
+                model.ambiguous |= near_midpoint(value, kv_dtype, vs, nudge)
             key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
@@ -64,12 +65,12 @@ def rounded_reference(path, kv_dtype: str | None, scales=None):
     return model
 
 
-def near_midpoint(x: torch.Tensor, kv_dtype: str, scale: float) -> bool:
-    """Whether an element of x takes another code when nudged by a relative NUDGE."""
+def near_midpoint(x: torch.Tensor, kv_dtype: str, scale: float, nudge: float) -> bool:
+    """Whether an element of x takes another code when nudged by a relative `nudge`."""
     c = codes(x, kv_dtype, scale)
     return bool(
-        (codes(x * (1 + NUDGE), kv_dtype, scale) != c).any()
-        or (codes(x * (1 - NUDGE), kv_dtype, scale) != c).any()
+        (codes(x * (1 + nudge), kv_dtype, scale) != c).any()
+        or (codes(x * (1 - nudge), kv_dtype, scale) != c).any()
     )
 
 
@@ -83,11 +84,12 @@ def run_prompts(runner, prompts, max_new: int, chunk: int):
     return reqs
 
 
-def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None) -> float:
+def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None, nudge=NUDGE) -> float:
     """Asserts tokens and logprobs against the rounded reference, teacher-forced on each
     request's tokens (greedy_reference.check_greedy); returns the largest logprob gap between
     the rounded and the unrounded reference over them (how much the rounding moved them)."""
-    model, plain = rounded_reference(path, kv_dtype, scales), rounded_reference(path, None)
+    model = rounded_reference(path, kv_dtype, scales, nudge)
+    plain = rounded_reference(path, None)
     moved = 0.0
     for r, prompt in zip(reqs, prompts, strict=True):
         served = [tok.token_id for tok in r.trace]
