@@ -49,6 +49,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    cell,
     checkpoint_matches,
     checkpoint_read_bytes,
     dtype_name,
@@ -590,10 +591,6 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
             result["errors"]["engine"] = "batched decode failed for some batch sizes"
 
 
-def _fmt(x: Any, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def print_table(result: dict[str, Any]) -> None:
     bw = result.get("copy_bandwidth", {})
     fl = result.get("floor", {})
@@ -602,9 +599,9 @@ def print_table(result: dict[str, Any]) -> None:
         f"decode benchmark: {result['preset']} {result['dtype']} on {result['env'].get('device_name')}"
     )
     print(
-        f"copy bandwidth {_fmt(bw.get('bandwidth_GBps'), '.0f')} GB/s; "
-        f"weight floor {_fmt(fl.get('ms_per_token'), '.3f')} ms/token "
-        f"({_fmt(fl.get('tok_s'), '.1f')} tok/s)"
+        f"copy bandwidth {cell(bw.get('bandwidth_GBps'), '.0f')} GB/s; "
+        f"weight floor {cell(fl.get('ms_per_token'), '.3f')} ms/token "
+        f"({cell(fl.get('tok_s'), '.1f')} tok/s)"
     )
     print(f"{'':<14}{'tok/s':>10}{'ms/token':>10}{'TTFT ms':>10}{'of floor':>10}")
     for name in ("engine", "transformers"):
@@ -614,9 +611,9 @@ def print_table(result: dict[str, Any]) -> None:
             if frac is None and r.get("ms_per_token") and fl.get("ms_per_token"):
                 frac = fl["ms_per_token"] / r["ms_per_token"]
             print(
-                f"{name:<14}{_fmt(r.get('decode_tok_s'), '.1f'):>10}"
-                f"{_fmt(r.get('ms_per_token'), '.3f'):>10}{_fmt(r.get('ttft_ms'), '.1f'):>10}"
-                f"{_fmt(frac, '.1%'):>10}"
+                f"{name:<14}{cell(r.get('decode_tok_s'), '.1f'):>10}"
+                f"{cell(r.get('ms_per_token'), '.3f'):>10}{cell(r.get('ttft_ms'), '.1f'):>10}"
+                f"{cell(frac, '.1%'):>10}"
             )
     if result.get("speedup_vs_transformers"):
         print(

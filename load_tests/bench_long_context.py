@@ -62,6 +62,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    cell,
     checkpoint_matches,
     checkpoint_read_bytes,
     env_info,
@@ -723,16 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result["errors"] else 0
 
 
-def _fmt(x: Any, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def print_table(result: dict[str, Any]) -> None:
     bw = result.get("copy_bandwidth", {})
     print()
     print(
         f"long context: {result['preset']} on {result['env'].get('device_name')}, copy "
-        f"bandwidth {_fmt(bw.get('bandwidth_GBps'), '.0f')} GB/s, bound {result.get('bound')}"
+        f"bandwidth {cell(bw.get('bandwidth_GBps'), '.0f')} GB/s, bound {result.get('bound')}"
     )
     if result.get("runs"):
         print(
@@ -747,10 +744,10 @@ def print_table(result: dict[str, Any]) -> None:
             act = p.get("prefill_activation_bytes")
             print(
                 f"{r['weights']:<8}{r['kv']:<10}{p['context']:>9}"
-                f"{_fmt(p.get('decode_tok_s'), '.1f'):>9}{_fmt(p.get('floor_tok_s'), '.1f'):>9}"
-                f"{_fmt(p.get('fraction_of_floor'), '.1%'):>9}{_fmt(p.get('ttft_s'), '.1f'):>9}"
+                f"{cell(p.get('decode_tok_s'), '.1f'):>9}{cell(p.get('floor_tok_s'), '.1f'):>9}"
+                f"{cell(p.get('fraction_of_floor'), '.1%'):>9}{cell(p.get('ttft_s'), '.1f'):>9}"
                 f"{p['prefill_tokens_computed']:>10}"
-                f"{_fmt(act / 2**30 if act is not None else None, '.2f'):>9}"
+                f"{cell(act / 2**30 if act is not None else None, '.2f'):>9}"
             )
     for x in result.get("kv_speed_ratios", []):
         print(
@@ -762,7 +759,7 @@ def print_table(result: dict[str, Any]) -> None:
         req = f.get("request") or {}
         print(
             f"fit {f['budget']}: max_model_len {f.get('max_model_len')}, request ok "
-            f"{req.get('ok')} in {_fmt(req.get('wall_s'), '.1f')} s"
+            f"{req.get('ok')} in {cell(req.get('wall_s'), '.1f')} s"
         )
     for k, v in result["errors"].items():
         print(f"ERROR {k}: {str(v)[:500]}")

@@ -615,6 +615,11 @@ def event_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 2) ->
     return statistics.median(times)
 
 
+def cell(x: Any, spec: str = ".2f") -> str:
+    """A table cell: `x` formatted by `spec`, or "-" when it was not measured."""
+    return "-" if x is None else format(x, spec)
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 

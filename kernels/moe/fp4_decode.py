@@ -42,8 +42,7 @@ from voltserve.kernels.linear.fp4_kernels import CHUNK, decode_chunk, dot_chunk,
 from voltserve.kernels.linear.fp4_linear import code_words
 from voltserve.kernels.linear.fp4_pack import Fp4Weight, dequantize_fp4
 from voltserve.kernels.linear.gemv import _warp_sum
-from voltserve.kernels.linear.quant_gemv import _aligned_rows
-from voltserve.kernels.moe.quant_decode import fused_pays
+from voltserve.kernels.moe.quant_decode import dequantized_experts_ref, fused_pays, launch_inputs
 from voltserve.kernels.runtime.launch_geometry import fold_yz, on_gpu
 from voltserve.kernels.runtime.numba_common import SIM, current_stream, float32, launch, round_like
 
@@ -141,13 +140,7 @@ def moe_fp4_experts_ref(
     topk_ids: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
     """moe_experts_ref on the dequantized experts (the meaning the kernels are tested to)."""
-    from voltserve.kernels.moe.experts import moe_experts_ref
-
-    H, inter = x.shape[1], w2.in_features
-    E = w2.out_features // H
-    d13 = dequantize_fp4(w13, x.dtype).view(E, 2 * inter, H)
-    d2 = dequantize_fp4(w2, x.dtype).view(E, H, inter)
-    return moe_experts_ref(x, d13, d2, topk_weights, topk_ids)
+    return dequantized_experts_ref(x, w13, w2, topk_weights, topk_ids, dequantize_fp4)
 
 
 def _weight_ok(w: Fp4Weight) -> bool:
@@ -185,13 +178,10 @@ def moe_fp4_decode(
     topk_ids: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
     """The two launches on torch's current stream, for inputs `supports` accepted: [T, H]."""
-    x = _aligned_rows(x)
+    inter = w2.in_features
+    x, wts, ids, h = launch_inputs(x, topk_weights, topk_ids, inter)
     T, H = x.shape
     k = topk_ids.shape[1]
-    inter = w2.in_features
-    wts = topk_weights.float().contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
-    h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     stream = current_stream()
     launch(

@@ -31,7 +31,9 @@ dequantized stacked weights (kernels/linear/quant_pack.dequantize).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from numba import cuda
@@ -230,6 +232,25 @@ def flat_experts(qweight, scales, offsets, w0: GroupQuantWeight) -> GroupQuantWe
     )
 
 
+def dequantized_experts_ref(
+    x: torch.Tensor,  # [T, H]
+    w13,  # flat [E * 2I, H]
+    w2,  # flat [E * H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k]
+    dequantize_fn: Callable[[Any, torch.dtype], torch.Tensor],
+) -> torch.Tensor:
+    """moe_experts_ref on the flat experts dequantized by `dequantize_fn(w, dtype)` (the meaning
+    the fused kernels, integer or FP4, are tested to)."""
+    from voltserve.kernels.moe.experts import moe_experts_ref
+
+    H, inter = x.shape[1], w2.in_features
+    E = w2.out_features // H
+    d13 = dequantize_fn(w13, x.dtype).view(E, 2 * inter, H)
+    d2 = dequantize_fn(w2, x.dtype).view(E, H, inter)
+    return moe_experts_ref(x, d13, d2, topk_weights, topk_ids)
+
+
 def moe_quant_experts_ref(
     x: torch.Tensor,  # [T, H]
     w13: GroupQuantWeight,  # flat [E * 2I, H]
@@ -238,13 +259,7 @@ def moe_quant_experts_ref(
     topk_ids: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
     """moe_experts_ref on the dequantized experts (the meaning the kernels are tested to)."""
-    from voltserve.kernels.moe.experts import moe_experts_ref
-
-    H, inter = x.shape[1], w2.in_features
-    E = w2.out_features // H
-    d13 = dequantize(w13, x.dtype).view(E, 2 * inter, H)
-    d2 = dequantize(w2, x.dtype).view(E, H, inter)
-    return moe_experts_ref(x, d13, d2, topk_weights, topk_ids)
+    return dequantized_experts_ref(x, w13, w2, topk_weights, topk_ids, dequantize)
 
 
 def _weight_ok(w: GroupQuantWeight, dtype: torch.dtype) -> bool:
@@ -280,6 +295,19 @@ def supports(x: torch.Tensor, w13: GroupQuantWeight, w2: GroupQuantWeight, k: in
     )
 
 
+def launch_inputs(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, inter: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both launches of a fused MoE decode (integer or FP4) read and write besides the
+    weights: x with aligned rows, the fp32 routing weights, the int32 expert ids and the
+    gate_up launch's [T * k, inter] output."""
+    x = _aligned_rows(x)
+    wts = topk_weights.float().contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    h = torch.empty((x.shape[0] * topk_ids.shape[1], inter), dtype=x.dtype, device=x.device)
+    return x, wts, ids, h
+
+
 def moe_quant_decode(
     x: torch.Tensor,  # [T, H]
     w13: GroupQuantWeight,  # flat [E * 2I, H]
@@ -289,13 +317,10 @@ def moe_quant_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two launches on torch's current stream, for inputs `supports` accepted: [T, H]."""
-    x = _aligned_rows(x)
+    inter = w2.in_features
+    x, wts, ids, h = launch_inputs(x, topk_weights, topk_ids, inter)
     T, H = x.shape
     k = topk_ids.shape[1]
-    inter = w2.in_features
-    wts = topk_weights.float().contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
-    h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     stream = current_stream()
@@ -335,10 +360,12 @@ def moe_quant_decode(
 
 __all__ = [
     "MAX_TOKENS",
+    "dequantized_experts_ref",
     "fused_pays",
     "flat_experts",
     "form_for",
     "grid",
+    "launch_inputs",
     "moe_qkernel",
     "moe_quant_decode",
     "moe_quant_experts_ref",

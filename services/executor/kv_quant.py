@@ -88,25 +88,12 @@ class KVQuant:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of the step's query rows over the one-byte cache (written already)."""
-        if meta.is_decode:
-            return self.decode(ops, q, k_cache, v_cache, meta, scale)
-        return self.expanded(ops, q, k_cache, v_cache, meta, scale)
-
-    def decode(
-        self,
-        ops,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """A decode-only step (one query row per sequence: what the decode graphs run). On CUDA
-        the decode kernel reads the one-byte pages itself, converting per tile
-        (kernels/attention/decode_fp8.py); the reference path (CPU) widens only the pages the
-        step reads, as prefill, chunked prefill and verify steps do everywhere."""
-        if ops.impl["paged_decode_attention_fp8"] != "cuda":
+        """Attention of the step's query rows over the one-byte cache (written already). A
+        decode-only step (one query row per sequence: what the decode graphs run) on CUDA: the
+        decode kernel reads the one-byte pages itself, converting per tile
+        (kernels/attention/decode_fp8.py); every other step, and the reference path (CPU),
+        widens only the pages the step reads (`expanded`)."""
+        if not meta.is_decode or ops.impl["paged_decode_attention_fp8"] != "cuda":
             return self.expanded(ops, q, k_cache, v_cache, meta, scale)
         return ops.paged_decode_attention_fp8(
             q,

@@ -13,33 +13,22 @@ import pytest
 import torch
 from voltserve.kernels.attention.ref import paged_attention_ref, paged_decode_attention_ref
 
+from tests.gpu.paged_cache import BLOCK, pages_for, shuffled_tables
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
 ATOL, RTOL = 2e-3, 5e-3
-BLOCK = 16
 CONTEXTS = [1, 15, 16, 17, 100, 1000, 4096, 32768]
 
 
 def make_cache(seq_lens, num_kv_heads, head_dim, gen, width=None):
-    n_blocks = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
-    total = sum(n_blocks) + 4
-    shape = (total, num_kv_heads, BLOCK, head_dim)
+    shape = (pages_for(seq_lens), num_kv_heads, BLOCK, head_dim)
     k = torch.randn(shape, generator=gen, device="cuda").half()
     v = torch.randn(shape, generator=gen, device="cuda").half()
-    perm = torch.randperm(total, generator=gen, device="cuda").int()
-    width = width or max(max(n_blocks), 1)
-    tables = torch.zeros((len(seq_lens), width), dtype=torch.int32, device="cuda")
-    pos = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[pos : pos + n]
-        pos += n
-        tail = seq_lens[b] % BLOCK
-        if tail:
-            k[tables[b, n - 1], :, tail:] = float("nan")
-            v[tables[b, n - 1], :, tail:] = float("nan")
+    tables = shuffled_tables(seq_lens, k, v, float("nan"), gen, width)
     return k, v, tables
 
 

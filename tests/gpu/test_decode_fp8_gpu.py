@@ -15,6 +15,7 @@ import pytest
 import torch
 from voltserve.kernels.attention.ref import paged_decode_attention_ref
 
+from tests.gpu.paged_cache import BLOCK, pages_for, shuffled_tables
 from tests.kv_rounding import codes
 
 pytestmark = [
@@ -23,7 +24,6 @@ pytestmark = [
 ]
 
 ATOL, RTOL = 2e-3, 5e-3
-BLOCK = 16
 CONTEXTS = [4096, 32768, 131072]
 TORCH_FP8 = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
 PAST_END = {"fp8_e5m2": 0x7F, "fp8_e4m3": 0x7E}
@@ -33,22 +33,10 @@ SCALES = {"fp8_e5m2": (1.0, 1.0), "fp8_e4m3": (0.0625, 0.75)}  # e4m3: k_scale, 
 def fp8_cache(seq_lens, kvh, D, fmt, gen, width=None):
     """(uint8 K, V caches, tables, fp32 dequantized K, V): N(0, 2) values in shuffled blocks."""
     k_scale, v_scale = SCALES[fmt]
-    n_blocks = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
-    total = sum(n_blocks) + 4
-    shape = (total, kvh, BLOCK, D)
+    shape = (pages_for(seq_lens), kvh, BLOCK, D)
     k = codes(2 * torch.randn(shape, generator=gen, device="cuda"), fmt, k_scale)
     v = codes(2 * torch.randn(shape, generator=gen, device="cuda"), fmt, v_scale)
-    perm = torch.randperm(total, generator=gen, device="cuda").int()
-    tables = torch.zeros((len(seq_lens), width or max(max(n_blocks), 1)), dtype=torch.int32)
-    tables = tables.cuda()
-    pos = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[pos : pos + n]
-        pos += n
-        tail = seq_lens[b] % BLOCK
-        if tail:
-            k[tables[b, n - 1], :, tail:] = PAST_END[fmt]
-            v[tables[b, n - 1], :, tail:] = PAST_END[fmt]
+    tables = shuffled_tables(seq_lens, k, v, PAST_END[fmt], gen, width)
     k_ref = k.view(TORCH_FP8[fmt]).float() * k_scale
     v_ref = v.view(TORCH_FP8[fmt]).float() * v_scale
     return k, v, tables, k_ref, v_ref

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from voltserve.kernels.linear.fp4_pack import E4M3, E8M0, dequantize_fp4, make_fp4_weight
 
+from tests.gpu.linear_ops import Ops
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -20,22 +22,6 @@ pytestmark = [
 DEV = "cuda"
 LLAMA = [(4096, 6144), (4096, 28672), (14336, 4096)]  # (K, N): qkv, gate_up, down
 ROWS = [1, 3, 8, 17, 256, 2048]
-
-
-class Ops:
-    """The parts of the KernelDispatch fp4_linear reads: the switch, the device and dtype of
-    the dequantize path's scratch, and silu_and_mul."""
-
-    impl = {"quant_linear": "cuda"}
-    device = torch.device(DEV)
-    dtype = torch.float16
-    quant_scratch = None
-
-    @staticmethod
-    def silu_and_mul(y):
-        from voltserve.kernels.elementwise.activation import silu_and_mul_ref
-
-        return silu_and_mul_ref(y)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from voltserve.kernels.linear.kquant_pack import make_kquant_weight, segments_of
 
 from load_tests.gguf_pack import quantize_k
+from tests.gpu.linear_ops import Ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,22 +34,6 @@ SHAPES = [
     (4096, [(128256, "Q6_K")]),
 ]
 ROWS = [1, 3, 8, 17, 256]
-
-
-class Ops:
-    """The parts of the KernelDispatch kquant_linear reads: the switch, the scratch, the
-    device and dtype of the dequantize path's scratch, and silu_and_mul."""
-
-    impl = {"quant_linear": "cuda"}
-    device = torch.device(DEV)
-    dtype = torch.float16
-    quant_scratch = None
-
-    @staticmethod
-    def silu_and_mul(y):
-        from voltserve.kernels.elementwise.activation import silu_and_mul_ref
-
-        return silu_and_mul_ref(y)
 
 
 @functools.cache

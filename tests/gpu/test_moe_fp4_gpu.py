@@ -9,29 +9,21 @@ Qwen3-MoE through the runner with the fused kernels counted. Skipped without CUD
 from __future__ import annotations
 
 import functools
-import os
-import random
 
 import pytest
 import torch
 from voltserve.kernels.linear.fp4_pack import E4M3, E8M0, dequantize_fp4, make_fp4_weight
 from voltserve.kernels.moe import fp4_decode as mf
-from voltserve.kernels.moe.routing import moe_topk_ref
+
+from tests.gpu import moe_decode_checks as mc
+from tests.gpu.moe_decode_checks import INTER, ROUTINGS, E, H
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-H, E, K_TOP, INTER = 2048, 128, 8, 768
 KINDS = {"nvfp4": (E4M3, 16), "mxfp4": (E8M0, 32)}
-ROUTINGS = ("random", "half_idle", "one_hot_expert")
-
-
-def _seed() -> int:
-    seed = int(os.environ.get("VOLTSERVE_TEST_SEED") or random.SystemRandom().randrange(1 << 31))
-    print(f"VOLTSERVE_TEST_SEED={seed}")
-    return seed
 
 
 def _flat(rows: int, K: int, kind: str, g: int, gen):
@@ -56,20 +48,6 @@ def _weights(name: str):
     return _flat(E * 2 * INTER, H, kind, g, gen), _flat(E * H, INTER, kind, g, gen)
 
 
-def _routing(kind: str, T: int, g):
-    logits = torch.randn(T, E, device="cuda", generator=g)
-    if kind == "half_idle":
-        logits[:, E // 2 :] = -1e4
-    elif kind == "one_hot_expert":
-        logits[:, 3] += 100.0
-    return moe_topk_ref(logits.half(), K_TOP, True, torch.float16)
-
-
-def _poison_pool(nbytes: int) -> None:
-    junk = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
-    del junk
-
-
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("T", [1, 8, 64])  # past 8: batched decode while fused_pays
 @pytest.mark.parametrize("fmt", list(KINDS))
@@ -77,46 +55,13 @@ def test_fused_fp4_experts_match_reference(fmt: str, T: int, routing: str) -> No
     if fmt != "nvfp4" and routing != "random":
         pytest.skip("MXFP4 on random routing only (time)")
     w13, w2 = _weights(fmt)
-    g = torch.Generator(device="cuda").manual_seed(_seed())
-    x = torch.randn(T, H, device="cuda", generator=g).half()
-    wts, ids = _routing(routing, T, g)
-    if routing == "half_idle":
-        assert int(ids.max()) < E // 2
-    if routing == "one_hot_expert":
-        assert bool((ids == 3).any(dim=1).all())
-    assert mf.supports(x, w13, w2, K_TOP)
-    _poison_pool(T * K_TOP * INTER * 2 + T * H * 2)
-    out = mf.moe_fp4_decode(x, w13, w2, wts, ids)
-    torch.cuda.synchronize()
-    ref = mf.moe_fp4_experts_ref(x, w13, w2, wts, ids)
-    assert out.dtype == torch.float16 and out.shape == (T, H)
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element)"
-    assert ref.abs().max() > 0
-    # the kernels decode in fp32, the reference rounds each weight to fp16 first
-    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    mc.check_matches_reference(mf, mf.moe_fp4_decode, mf.moe_fp4_experts_ref, w13, w2, T, routing)
 
 
 @pytest.mark.parametrize("T", [1, 8])
 def test_fused_fp4_experts_are_graph_capturable(T: int) -> None:
     w13, w2 = _weights("nvfp4")
-    g = torch.Generator(device="cuda").manual_seed(_seed())
-    x = torch.randn(T, H, device="cuda", generator=g).half()
-    wts, ids = _routing("random", T, g)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        mf.moe_fp4_decode(x, w13, w2, wts, ids)  # compiles
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mf.moe_fp4_decode(x, w13, w2, wts, ids)
-    x.copy_(torch.randn(T, H, device="cuda", generator=g).half())
-    new_wts, new_ids = _routing("random", T, g)
-    wts.copy_(new_wts)
-    ids.copy_(new_ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, mf.moe_fp4_decode(x, w13, w2, wts, ids), atol=0, rtol=0)
+    mc.check_graph_capturable(mf.moe_fp4_decode, w13, w2, T)
 
 
 @pytest.mark.parametrize("fmt", list(KINDS))
@@ -138,53 +83,7 @@ def test_runner_decodes_fp4_experts_through_the_fused_kernels(monkeypatch) -> No
     """The tiny NVFP4 Qwen3-MoE (fp32, eager) runs its decode steps on the fused kernels, and its
     greedy tokens equal the same runner's with every expert dequantized per call (the fused
     kernels turned away by their `supports`; every other op as before)."""
-    from voltserve.services.executor.model_runner import ModelRunner
-    from voltserve.services.executor.request import Request
-    from voltserve.shared.config import EngineConfig
-    from voltserve.shared.sampling_params import SamplingParams
-
     from tests import fp4_checkpoints as fc
-    from tests.checkpoints import drive
 
     path, _ = fc.ct_fp4_checkpoint("qwen3_moe", "nvfp4")
-    calls = []
-    real = mf.moe_fp4_decode
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(mf, "moe_fp4_decode", counted)
-
-    def run(dequantizing: bool):
-        if dequantizing:
-            monkeypatch.setattr(mf, "supports", lambda *a, **kw: False)
-        cfg = EngineConfig(
-            model=str(path),
-            dtype="float32",
-            device="cuda",
-            num_kv_blocks=64,
-            max_model_len=256,
-            enforce_eager=True,
-        )
-        runner = ModelRunner(cfg)
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        rng = random.Random(5)
-        reqs = [
-            Request(
-                f"r{i}",
-                [rng.randrange(300) for _ in range(9 + i)],
-                params,
-                seed=i,
-                arrival_time=0.0,
-            )
-            for i in range(3)
-        ]
-        drive(runner, reqs, 8, chunk=32)
-        return [r.output_token_ids for r in reqs]
-
-    fused = run(False)
-    assert calls and max(calls) <= 8, calls
-    calls.clear()
-    assert run(True) == fused
-    assert not calls
+    mc.check_runner_uses_fused_kernels(monkeypatch, mf, "moe_fp4_decode", path, max_tokens=8)

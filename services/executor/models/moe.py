@@ -29,8 +29,11 @@ them with one all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from voltserve.kernels import dispatch
 from voltserve.kernels.dispatch import KernelDispatch
 from voltserve.services.executor.models.layers import Linear, gate_up_silu
 from voltserve.services.executor.quant.base import (
@@ -88,6 +91,27 @@ class ExpertsMethod:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    @staticmethod
+    def reference_on_used_experts(
+        layer: FusedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        dense: Callable[[str, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """moe_experts_ref over only the experts that received a token, dequantized by
+        `dense(param, used)` (the float weights [E', N, K] of the int64 expert ids `used`)."""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        # the experts that received a token, in id order: moe_experts_ref visits them in the
+        # same order with the same values as it would the whole stack
+        used = torch.unique(topk_ids.reshape(-1).long())
+        remap = torch.zeros(layer.num_experts, dtype=torch.int64)
+        remap[used] = torch.arange(used.numel())
+        w13, w2 = dense("w13", used), dense("w2", used)
+        moe_experts_ref = dispatch.reference("moe_experts")
+        return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
 
 
 class UnquantizedExperts(ExpertsMethod):

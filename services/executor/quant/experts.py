@@ -230,16 +230,15 @@ class GroupQuantExperts(ExpertsMethod):
             w13 = self.dense_all(layer, "w13", kernel=kernel)
             w2 = self.dense_all(layer, "w2", kernel=kernel)
             return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
-        if x.shape[0] == 0:
-            return torch.zeros_like(x)
-        used = torch.unique(topk_ids.reshape(-1).long())
-        remap = torch.zeros(layer.num_experts, dtype=torch.int64)
-        remap[used] = torch.arange(used.numel())
-        ids = used.tolist()
-        w13 = torch.stack([self.dense_expert(layer, "w13", e) for e in ids])
-        w2 = torch.stack([self.dense_expert(layer, "w2", e) for e in ids])
-        moe_experts_ref = dispatch.reference("moe_experts")
-        return moe_experts_ref(x, w13, w2, topk_weights, remap[topk_ids.long()])
+        return self.reference_on_used_experts(
+            layer,
+            x,
+            topk_weights,
+            topk_ids,
+            lambda param, used: torch.stack(
+                [self.dense_expert(layer, param, e) for e in used.tolist()]
+            ),
+        )
 
     def _fused(self, layer: FusedExperts, ops, x: torch.Tensor, topk_ids: torch.Tensor):
         """kernels/moe/quant_decode's launcher when it serves this step, else None."""

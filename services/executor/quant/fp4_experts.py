@@ -205,16 +205,9 @@ class Fp4Experts(ExpertsMethod):
             d13 = self.dense(layer, "w13", kernel=kernel)
             d2 = self.dense(layer, "w2", kernel=kernel)
             return ops.moe_experts(x, d13, d2, topk_weights, topk_ids)
-        if x.shape[0] == 0:
-            return torch.zeros_like(x)
-        # the experts that received a token, in id order: moe_experts_ref visits them in the
-        # same order with the same values as it would the whole stack
-        used = torch.unique(topk_ids.reshape(-1).long())
-        remap = torch.zeros(layer.num_experts, dtype=torch.int64)
-        remap[used] = torch.arange(used.numel())
-        d13, d2 = self.dense(layer, "w13", used), self.dense(layer, "w2", used)
-        moe_experts_ref = dispatch.reference("moe_experts")
-        return moe_experts_ref(x, d13, d2, topk_weights, remap[topk_ids.long()])
+        return self.reference_on_used_experts(
+            layer, x, topk_weights, topk_ids, lambda param, used: self.dense(layer, param, used)
+        )
 
 
 __all__ = ["Fp4Experts"]

@@ -207,10 +207,7 @@ class GroupQuantMethod(StagedMethod):
                 f"{prefix}.{name}: {self.variant} has no tensor-parallel shard rule; use "
                 "--tensor-parallel-size 1"
             )
-        split = self._splits(name, prefix)
-        if split is None:
-            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
-        return split
+        return super().split(name, prefix)
 
     def create_weights(self, layer: Linear, bias: bool, dtype: torch.dtype) -> None:
         super().create_weights(layer, bias, dtype)

@@ -46,12 +46,6 @@ class KQuantMethod(StagedMethod):
     def staged_names(self) -> list[str]:
         return ["weight"]
 
-    def split(self, name: str, prefix: str) -> TensorSplit:
-        split = self._splits(name, prefix)
-        if split is None:
-            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
-        return split
-
     def create_weights(self, layer: Linear, bias: bool, dtype: torch.dtype) -> None:
         super().create_weights(layer, bias, dtype)
         layer.kquant = None

@@ -41,13 +41,20 @@ class StagedMethod(LinearMethod):
     checkpoint tensors it keeps per shard, `split` its tensor-parallel rule per tensor."""
 
     variant: str
+    # The format's shard rule per (tensor name, shard prefix); None from it: no such tensor.
+    _splits: Callable[[str, str], TensorSplit | None] | None = None
 
     @property
     def staged_names(self) -> list[str]:
         raise NotImplementedError
 
     def split(self, name: str, prefix: str) -> TensorSplit:
-        raise NotImplementedError
+        if self._splits is None:
+            raise NotImplementedError
+        split = self._splits(name, prefix)
+        if split is None:
+            raise KeyError(f"{self.variant} linear has no tensor {name!r}")
+        return split
 
     def describe(self) -> str:
         return self.variant
