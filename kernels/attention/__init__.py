@@ -159,9 +159,7 @@ KERNELS += tuple(
         "decode_kernel_d128_g4",
         "decode_kernel_d128_g4_direct",
         "decode_kernel_d128_g4_merge",
-        "decode_kernel_d256_g1",
         "decode_kernel_d128_g4_online",
-        "decode_kernel_d64_g7_online",
         "decode_kernel_d256_g1_online",
     )
 )
