@@ -72,6 +72,8 @@ def _trace_decode_graphs(runner: ModelRunner, graph_batch: int) -> None:
         kv_caches=kv_sizing.alloc_kv_caches(runner, 1),
         device=runner.device,
         max_blocks_per_seq=runner.max_blocks_per_seq,
+        # Padding rows carry state slot -1, so the trace writes no request's state.
+        state_cache=runner.state_cache,
     )
     g = CudaGraphRunner(probe, graph_batch, runner.config.cuda_graph_sizes, capture=False)
     for bs in g.sizes:

@@ -41,10 +41,14 @@ NUDGE = 1e-6
 AMBIGUOUS_ATOL = 1e-2
 
 
-def rounded_reference(path, kv_dtype: str | None, scales=None, nudge: float = NUDGE):
+def rounded_reference(
+    path, kv_dtype: str | None, scales=None, nudge: float = NUDGE, causal: bool = False
+):
     """transformers (fp32, CPU) with every attention call's K and V rounded to kv_dtype (None:
     as is), each layer's (k_scale, v_scale) from `scales` (default 1.0); model.ambiguous says
-    whether an element sat within a relative `nudge` of a rounding midpoint."""
+    whether an element sat within a relative `nudge` of a rounding midpoint. causal: the mask
+    is dropped for SDPA's own causal form (one unpadded sequence only), whose memory-efficient
+    kernel never holds the [heads, T, T] scores a 32K-token context would need."""
     name = f"voltserve_kv_{next(_NAMES)}"  # looked up at each call: one name per model
     scales = scales or {}
 
@@ -55,6 +59,8 @@ def rounded_reference(path, kv_dtype: str | None, scales=None, nudge: float = NU
                 model.ambiguous |= near_midpoint(key, kv_dtype, ks, nudge)
                 model.ambiguous |= near_midpoint(value, kv_dtype, vs, nudge)
             key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
+        if causal:
+            attention_mask = None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)

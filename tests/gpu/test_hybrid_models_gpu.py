@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
-from voltserve.shared.config import EngineConfig
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
@@ -43,7 +43,7 @@ def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
 def test_fp32_chunked_preempted_equals_transformers(arch: str) -> None:
     prompts = _prompts(5, 6, 16, 16)
     engine = LLMEngine(
-        EngineConfig(
+        engine_config(
             model=str(checkpoint(arch)),
             device="cuda",
             dtype="float32",
@@ -65,7 +65,7 @@ def test_fp32_chunked_preempted_equals_transformers(arch: str) -> None:
 def test_fp16_default_flags_track_fp32(arch: str, eager: bool) -> None:
     prompts = _prompts(7, 8, 1, 300)
     engine = LLMEngine(
-        EngineConfig(
+        engine_config(
             model=str(checkpoint(arch)), device="cuda", max_model_len=512, enforce_eager=eager
         )
     )
@@ -93,7 +93,7 @@ def test_fp32_mtp_equals_transformers(arch: str, repeat_head: bool) -> None:
 
     prompts = _prompts(11, 6, 4, 40)
     engine = LLMEngine(
-        EngineConfig(
+        engine_config(
             model=str(mtp_checkpoint(arch, repeat_head=repeat_head)),
             device="cuda",
             dtype="float32",

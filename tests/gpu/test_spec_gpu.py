@@ -14,8 +14,8 @@ import pytest
 import torch
 from voltserve.kernels.attention.ref import paged_attention_ref
 from voltserve.services.executor.engine import LLMEngine
+from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.spec.oracle import OracleProposer
-from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import ARCHS, checkpoint, hf_greedy, tokenizer
@@ -29,7 +29,7 @@ pytestmark = [
 def _engine(
     arch: str, dtype: str, spec: dict | None, eager: bool = False, graph_batch: int = 16
 ) -> LLMEngine:
-    cfg = EngineConfig(
+    cfg = engine_config(
         model=str(checkpoint(arch)),
         dtype=dtype,
         device="cuda",
@@ -98,7 +98,7 @@ def test_draft_model_on_gpu(dtype: str) -> None:
         assert sum(agree) >= len(want) * 8
 
 
-@pytest.mark.parametrize("kernel", ["prefill_attention", "prefill_attention_fa"])
+@pytest.mark.parametrize("kernel", ["prefill", "prefill_fa"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("q", [2, 4, 8])
@@ -108,8 +108,8 @@ def test_verify_attention_matches_reference(q: int, group: int, head_dim: int, k
     Contexts 1..32K, fp16 cache, against the fp32 reference; output poisoned with NaN first."""
     import importlib
 
-    # prefill_attention_fa's entry (the engine's) runs the flash kernel at these head dims.
-    fn = importlib.import_module(f"voltserve.kernels.{kernel}").paged_attention_cuda
+    # prefill_fa's entry (the engine's) runs the flash kernel at these head dims.
+    fn = importlib.import_module(f"voltserve.kernels.attention.{kernel}").paged_attention_cuda
     gen = torch.Generator(device="cuda").manual_seed(1234 + q * 100 + group * 10 + head_dim)
     dev = "cuda"
     kv_heads = 2
