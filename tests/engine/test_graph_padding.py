@@ -260,3 +260,28 @@ def test_hybrid_graph_decode_stages_state_slots_and_equals_eager(arch: str, rng)
     assert_streams_match(*results, requests_of(arrivals), cfg.model)
     assert g.num_replays == staged > 5
     assert 4 in g.replays_by_size
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_startup_trace_runs_the_graph_forwards_and_leaves_state_alone(arch: str) -> None:
+    """The start-up kernel trace (kernel_warmup.py) builds the decode graphs' buffers on a probe
+    of the runner and runs every size's forward: with a model holding linear-attention state the
+    probe must carry the state cache, and its padding rows (state slot -1) must leave every
+    slot's conv and recurrent state as it was. On the CPU only the trace itself runs (no numba
+    kernel is compiled), which is what the CUDA start-up runs before compiling."""
+    from voltserve.services.executor import kernel_warmup
+
+    cfg = EngineConfig(model=str(checkpoint(arch)), num_kv_blocks=8, max_model_len=64)
+    runner = ModelRunner(cfg)
+    cache = runner.state_cache
+    assert (cache is not None) == (arch == "qwen3_5")
+    if cache is not None:
+        g = torch.Generator().manual_seed(0)
+        for conv, rec in cache.layers:
+            conv.copy_(torch.randn(conv.shape, generator=g))
+            rec.copy_(torch.randn(rec.shape, generator=g))
+        before = [(c.clone(), r.clone()) for c, r in cache.layers]
+    kernel_warmup._trace_decode_graphs(runner, 4)
+    if cache is not None:
+        for (c0, r0), (c1, r1) in zip(before, cache.layers, strict=True):
+            assert torch.equal(c0, c1) and torch.equal(r0, r1)
