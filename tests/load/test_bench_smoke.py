@@ -254,6 +254,7 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
             "--output-len",
             "8",
             "--compare-engine",
+            "--compare-structured",
             "--transformers-baseline",
             "--hf-max-prompts",
             "8",
@@ -296,57 +297,21 @@ def test_bench_serving_launch_cpu_smoke(tmp_path):
         for key in ("request_throughput", "output_throughput", "total_token_throughput"):
             assert m[key] > 0
     assert set(d["services_overhead"]) >= {"median_ttft_ms", "median_itl_ms"}
+    # --compare-structured: a json_schema run against the same server on prompts of its own
+    # (the plain run's would hit the prefix cache), each request its full length.
+    assert d["dataset"]["structured_seed"] not in (None, d["args"].get("seed", 0))
+    for name, structured in (("http", False), ("http_structured", True)):
+        m = d[name]
+        assert m["structured"] is structured
+        assert m["completed"] == 8 and m["failed"] == 0, m.get("errors")
+        assert m["total_output_tokens"] == 64 and m["output_tokens_short"] == 0
+    cost = d["structured_cost"]
+    assert cost["output_throughput_ratio"] > 0 and cost["median_itl_ms_diff"] is not None
     assert d["transformers"]["output_throughput"] > 0
     assert d["transformers"]["total_output_tokens"] == 64
     assert set(d["speedup_vs_transformers"]) == {"http", "engine"}
     assert all(Path(p).exists() for p in d["plots"])
     assert (tmp_path / "serving_server.log").exists()
-
-
-@pytest.mark.slow  # a benchmark end to end: scheduled first
-@pytest.mark.skipif(
-    importlib.util.find_spec("xgrammar") is None, reason="structured outputs need xgrammar"
-)
-def test_bench_serving_compare_structured_cpu_smoke(tmp_path):
-    """--compare-structured: plain and with a json_schema response_format against one server,
-    each run on prompts of its own (the second would otherwise hit the prefix cache); the
-    constrained requests run their full length too."""
-    model = _demo_model()
-    out = tmp_path / "structured.json"
-    _run(
-        [
-            "load_tests/bench_serving.py",
-            "--launch",
-            str(model),
-            "--num-prompts",
-            "4",
-            "--input-len",
-            "8",
-            "--output-len",
-            "8",
-            "--compare-structured",
-            "--temperature",
-            "1.0",
-            "--launch-timeout",
-            "180",
-            "--no-plots",
-            "--out",
-            str(out),
-            "--",
-            "--device",
-            "cpu",
-        ],
-    )
-    d = json.loads(out.read_text())
-    assert d["errors"] == {}
-    assert d["dataset"]["structured_seed"] not in (None, d["args"].get("seed", 0))
-    for name, structured in (("http", False), ("http_structured", True)):
-        m = d[name]
-        assert m["structured"] is structured
-        assert m["completed"] == 4 and m["failed"] == 0, m.get("errors")
-        assert m["total_output_tokens"] == 32 and m["output_tokens_short"] == 0
-    cost = d["structured_cost"]
-    assert cost["output_throughput_ratio"] > 0 and cost["median_itl_ms_diff"] is not None
 
 
 @pytest.mark.slow  # a benchmark end to end: scheduled first
