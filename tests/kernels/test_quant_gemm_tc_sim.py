@@ -76,11 +76,12 @@ CASES = [
     (33, 64, 64, 8, 32, False, 1, BK128_W22),  # one half-filled step, 2 x 2 fragments
     # Two load stages and wider weight tiles (quant_gemm_tc.CANDIDATES): 1 x 4 fragments a warp
     # (BN 256, a partial column tile), a 3-step K with stages 2 (the third load issued in step
-    # 1), split-K slices of 2 steps, BN 128 at 128 rows.
+    # 1), split-K slices of 2 steps, BN 128 at 128 rows; one thread block along each axis where
+    # the case needs no more (the simulator runs every thread of every block).
     (20, 130, 128, 4, 32, True, 1, tc.TileConfig(1, 4, 1, 4, 64, 2)),
-    (40, 200, 192, 8, 32, False, 1, tc.TileConfig(2, 4, 1, 2, 64, 2)),
-    (64, 140, 256, 4, 64, True, 2, tc.TileConfig(2, 2, 2, 4, 64, 2)),
-    (100, 130, 128, 4, 16, False, 1, tc.TileConfig(4, 2, 2, 4, 64, 1)),
+    (24, 200, 192, 8, 32, False, 1, tc.TileConfig(2, 4, 1, 2, 64, 2)),
+    (64, 120, 256, 4, 64, True, 2, tc.TileConfig(2, 2, 2, 4, 64, 2)),
+    (100, 120, 128, 4, 16, False, 1, tc.TileConfig(4, 2, 2, 4, 64, 1)),
 ]
 
 
