@@ -39,8 +39,9 @@ from voltserve.shared.gguf_files import is_gguf
 logger = logging.getLogger(__name__)
 
 _FP8 = {"fp8": fp8.E4M3, "fp8_e4m3": fp8.E4M3, "fp8_e5m2": fp8.E5M2}
-# The ops a decode graph holds beyond the dense ones with a one-byte cache (the runner checks
-# they capture).
+# The ops the graphs hold beyond the dense ones with a one-byte cache (the runner checks they
+# capture): decode graphs write and read the one-byte pages directly; speculation's verify
+# graphs, prefill-shaped, widen the pages they read.
 GRAPH_OPS = ("reshape_and_cache_fp8", "expand_kv_pages", "paged_decode_attention_fp8")
 _SCALE_NAME = re.compile(
     r"layers\.(\d+)\.self_attn\.(?:k_proj\.(k)_scale|v_proj\.(v)_scale|([kv])_scale)$"
