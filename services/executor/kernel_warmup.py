@@ -56,7 +56,8 @@ def trace(runner: ModelRunner, graph_batch: int | None) -> list[tuple]:
             _trace_decode_graphs(runner, graph_batch)
             _trace_spec_graphs(runner, graph_batch)
         _trace_sampler(runner)
-    torch.cuda.synchronize()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
     if runner.kv_workspace is not None:
         runner.kv_workspace.release()  # sized for the trace's caches; the real ones reserve it
     return launches

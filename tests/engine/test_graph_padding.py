@@ -262,26 +262,61 @@ def test_hybrid_graph_decode_stages_state_slots_and_equals_eager(arch: str, rng)
     assert 4 in g.replays_by_size
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-def test_startup_trace_runs_the_graph_forwards_and_leaves_state_alone(arch: str) -> None:
-    """The start-up kernel trace (kernel_warmup.py) builds the decode graphs' buffers on a probe
-    of the runner and runs every size's forward: with a model holding linear-attention state the
-    probe must carry the state cache, and its padding rows (state slot -1) must leave every
-    slot's conv and recurrent state as it was. On the CPU only the trace itself runs (no numba
-    kernel is compiled), which is what the CUDA start-up runs before compiling."""
-    from voltserve.services.executor import kernel_warmup
+STARTUP_CASES = {
+    "llama": ("llama", None, "auto"),
+    "hybrid": ("qwen3_5", None, "auto"),
+    "ngram": ("llama", {"method": "ngram", "num_speculative_tokens": 3}, "auto"),
+    "draft": ("llama", {"method": "draft_model", "num_speculative_tokens": 2}, "auto"),
+    "mtp": ("mtp", {"method": "mtp", "num_speculative_tokens": 2}, "auto"),
+    "fp8-kv": ("llama", None, "fp8"),
+}
 
-    cfg = EngineConfig(model=str(checkpoint(arch)), num_kv_blocks=8, max_model_len=64)
+
+@pytest.mark.parametrize("case", sorted(STARTUP_CASES))
+def test_startup_trace_runs_every_forward_and_leaves_state_alone(case: str, monkeypatch) -> None:
+    """The start-up kernel trace (kernel_warmup.trace: the profile forward, the decode graphs'
+    forwards on a probe of the runner, speculation's graphs, the sampler) runs for each kind of
+    runner. With a model holding linear-attention state the decode graphs' probe must carry the
+    state cache, and its padding rows (state slot -1) must leave every slot's conv and recurrent
+    state as it was. On the CPU no numba kernel is traced (the simulator's dispatcher is not the
+    one the trace records), but every forward the CUDA start-up traces runs."""
+    import contextlib
+
+    from voltserve.services.executor import kernel_warmup
+    from voltserve.services.executor.engine_args import engine_config
+
+    from tests.mtp_checkpoints import mtp_checkpoint
+
+    arch, spec, kv = STARTUP_CASES[case]
+    model = str(mtp_checkpoint("qwen3_5") if arch == "mtp" else checkpoint(arch))
+    if spec is not None and spec["method"] == "draft_model":
+        spec = {**spec, "model": str(checkpoint("llama"))}
+    cfg = engine_config(
+        model=model,
+        device="cpu",
+        num_kv_blocks=8,
+        max_model_len=64,
+        speculative_config=spec,
+        kv_cache_dtype=kv,
+    )
     runner = ModelRunner(cfg)
+    monkeypatch.setattr(
+        kernel_warmup.compile_cache,
+        "traced_launches",
+        contextlib.contextmanager(lambda: iter([[]])),
+    )
+    assert kernel_warmup.trace(runner, 4) == []
     cache = runner.state_cache
-    assert (cache is not None) == (arch == "qwen3_5")
-    if cache is not None:
-        g = torch.Generator().manual_seed(0)
-        for conv, rec in cache.layers:
-            conv.copy_(torch.randn(conv.shape, generator=g))
-            rec.copy_(torch.randn(rec.shape, generator=g))
-        before = [(c.clone(), r.clone()) for c, r in cache.layers]
+    assert (cache is not None) == (arch in ("qwen3_5", "mtp"))
+    if cache is None:
+        return
+    # The profile forward above prefilled into some slots (harmless at start-up: a request's
+    # prefill starts from zeros); the decode graphs' padding rows must write no slot.
+    g = torch.Generator().manual_seed(0)
+    for conv, rec in cache.layers:
+        conv.copy_(torch.randn(conv.shape, generator=g))
+        rec.copy_(torch.randn(rec.shape, generator=g))
+    before = [(c.clone(), r.clone()) for c, r in cache.layers]
     kernel_warmup._trace_decode_graphs(runner, 4)
-    if cache is not None:
-        for (c0, r0), (c1, r1) in zip(before, cache.layers, strict=True):
-            assert torch.equal(c0, c1) and torch.equal(r0, r1)
+    for (c0, r0), (c1, r1) in zip(before, cache.layers, strict=True):
+        assert torch.equal(c0, c1) and torch.equal(r0, r1)
