@@ -90,7 +90,16 @@ def run_prompts(runner, prompts, max_new: int, chunk: int):
     return reqs
 
 
-def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None, nudge=NUDGE) -> float:
+def check_against(
+    reqs,
+    prompts,
+    path,
+    kv_dtype,
+    max_new,
+    scales=None,
+    nudge=NUDGE,
+    ambiguous_atol=AMBIGUOUS_ATOL,
+) -> float:
     """Asserts tokens and logprobs against the rounded reference, teacher-forced on each
     request's tokens (greedy_reference.check_greedy); returns the largest logprob gap between
     the rounded and the unrounded reference over them (how much the rounding moved them)."""
@@ -102,7 +111,7 @@ def check_against(reqs, prompts, path, kv_dtype, max_new, scales=None, nudge=NUD
         assert r.output_token_ids == served and len(served) == max_new, kv_dtype
         model.ambiguous = False
         lp = reference_logprobs(model, prompt, served)  # sets model.ambiguous
-        atol = AMBIGUOUS_ATOL if model.ambiguous else LOGPROB_ATOL
+        atol = ambiguous_atol if model.ambiguous else LOGPROB_ATOL
         if model.ambiguous:
             print(f"{kv_dtype}: an element of K / V sits at a rounding midpoint: atol {atol}")
         check_greedy_against(lp, prompt, served, [t.logprob for t in r.trace], atol)
