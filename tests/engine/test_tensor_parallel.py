@@ -101,11 +101,13 @@ def greedy(n: int) -> SamplingParams:
 
 
 def test_tp2_equals_tp1_and_transformers(engines, rng):
-    """A batch with chunked prefill (24-token budget) and preemption: 12 blocks of 16 tokens;
-    six prompts of 17-32 tokens take 2 blocks each and fill the pool, and each needs a third
-    block within 16 tokens of output (33 or more), so preemption is certain for every draw.
-    17-24 output tokens: every request crosses into its third block and runs on after the
-    preemption (each TP=2 step is collectives over gloo, slow on a loaded 2-core box)."""
+    """A batch with chunked prefill (24-token budget) and preemption: 12 blocks of 16 tokens.
+    Six prompts of 26-32 tokens (2 blocks each) with 18-24 output tokens, at least 50 tokens in
+    all: each request writes 49 or more positions, so it needs 4 blocks before it can finish.
+    The fourth prompt's first chunk is admitted within four steps, while the first three hold
+    at most 3 blocks each, so four requests run at once whose 16 blocks the 12 cannot hold:
+    preemption is certain for every draw (each TP=2 step is collectives over gloo, slow on a
+    loaded 2-core box)."""
     arch, e1, e2 = engines
     r = e2.runner
     assert r.tp is not None and r.tp.size == 2
@@ -115,8 +117,8 @@ def test_tp2_equals_tp1_and_transformers(engines, rng):
     assert attn.num_heads == a.num_heads // 2
     assert attn.num_kv_heads == max(1, a.num_kv_heads // 2)
     assert r.model.model.embed_tokens.weight.shape[0] == -(-VOCAB // 2)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(17, 33))] for _ in range(6)]
-    n = [rng.randrange(17, 25) for _ in prompts]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(26, 33))] for _ in range(6)]
+    n = [rng.randrange(50 - len(p), 25) for p in prompts]
     params = [greedy(k) for k in n]
     before = e2.stats().num_preemptions_total
     out2 = e2.generate(prompts, params)
