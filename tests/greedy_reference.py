@@ -27,7 +27,7 @@ def token_ids(logprob_tokens: list[str]) -> list[int]:
 def reference_logprobs(model, prompt: list[int], served: list[int]) -> torch.Tensor:
     """[len(served), V] log-softmax of the reference's logits before each served token, from one
     forward over the prompt and the served tokens."""
-    ids = torch.tensor([list(prompt) + list(served)])
+    ids = torch.tensor([list(prompt) + list(served)], device=model.device)
     with torch.no_grad():
         logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
     return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)

@@ -19,6 +19,7 @@ from voltserve.services.executor.engine_args import engine_config
 from voltserve.shared.sampling_params import SamplingParams
 
 from tests.checkpoints import checkpoint, greedy_tokens, hf_model_class, tokenizer
+from tests.greedy_reference import reference_logprobs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,13 +34,6 @@ MAX_NEW = 8
 def _hf(arch: str, dtype: torch.dtype = torch.float32):
     path = checkpoint(arch)
     return hf_model_class(path).from_pretrained(path, dtype=dtype).to("cuda").eval()
-
-
-def _teacher_forced(model, prompt: list[int], out: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + out], device="cuda")
-    with torch.no_grad():
-        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
-    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
 
 
 def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
@@ -82,8 +76,8 @@ def test_fp16_default_flags_track_fp32(arch: str, eager: bool) -> None:
     served = engine.generate(prompts, params)
     sensitive = 0
     for prompt, out in zip(prompts, served, strict=True):
-        lp32 = _teacher_forced(_hf(arch), prompt, out)
-        lp16 = _teacher_forced(_hf(arch, torch.float16), prompt, out)
+        lp32 = reference_logprobs(_hf(arch), prompt, out)
+        lp16 = reference_logprobs(_hf(arch, torch.float16), prompt, out)
         for step, t in enumerate(out):
             gap32 = lp32[step].max().item() - lp32[step, t].item()
             gap16 = lp16[step].max().item() - lp16[step, t].item()
