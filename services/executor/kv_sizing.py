@@ -194,6 +194,7 @@ def profile_gpu_blocks(runner: ModelRunner, per_block: int) -> int:
     if runner.config.max_gpu_memory is not None:
         total = min(total, runner.config.max_gpu_memory)
         non_torch = max(0, non_torch - runner._non_torch_at_start)
+        weights = max(0, weights - runner._allocated_at_start)
     budget = (
         total * runner.config.gpu_memory_utilization - non_torch - weights - activation - graphs
     )

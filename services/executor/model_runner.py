@@ -85,14 +85,16 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:
             self.tp_session = TPSession(config, self.device, tp_rank, tp_port, compile_only)
             self.device, self.tp = self.tp_session.device, self.tp_session.group
-        # What the card holds outside this process's torch allocator before it loads anything
-        # (other processes, this one's CUDA context): --max-gpu-memory budgets only what this
-        # process adds to it, so neighbours on a shared card do not eat the budget.
+        # What the card holds before this runner loads anything (other processes, this one's
+        # CUDA context, tensors this process already holds): --max-gpu-memory budgets only what
+        # this runner adds, so neighbours on a shared card do not eat the budget.
         self._non_torch_at_start = 0
+        self._allocated_at_start = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             free, total = torch.cuda.mem_get_info()
             self._non_torch_at_start = total - free - torch.cuda.memory_reserved()
+            self._allocated_at_start = torch.cuda.memory_allocated()
         try:
             with startup.phase("loading weights", self.startup_times):
                 loaded = load_model(

@@ -46,9 +46,10 @@ def rounded_reference(
 ):
     """transformers (fp32, CPU) with every attention call's K and V rounded to kv_dtype (None:
     as is), each layer's (k_scale, v_scale) from `scales` (default 1.0); model.ambiguous says
-    whether an element sat within a relative `nudge` of a rounding midpoint. causal: the mask
-    is dropped for SDPA's own causal form (one unpadded sequence only), whose memory-efficient
-    kernel never holds the [heads, T, T] scores a 32K-token context would need."""
+    whether an element sat within a relative `nudge` of a rounding midpoint. causal: torch's
+    SDPA in its own causal form on K and V repeated to every query head (one unpadded sequence
+    only): fp32 with grouped KV heads would take the math kernel, whose [heads, T, T] scores
+    are 64 GiB at 32K tokens; the memory-efficient kernel never holds them."""
     name = f"voltserve_kv_{next(_NAMES)}"  # looked up at each call: one name per model
     scales = scales or {}
 
@@ -60,7 +61,13 @@ def rounded_reference(
                 model.ambiguous |= near_midpoint(value, kv_dtype, vs, nudge)
             key, value = rounded(key, kv_dtype, ks), rounded(value, kv_dtype, vs)
         if causal:
-            attention_mask = None
+            groups = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=kw.get("scaling")
+            )
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(name, attention)
