@@ -19,6 +19,8 @@ ratio of their floors (2 for attention alone):
 
     python load_tests/bench_attention.py --contexts 4096,32768,131072,262144 --batches 1 \
         --kv fp16,fp8_e5m2,fp8_e4m3 --skip-prefill --cold --out results/bench_attention_fp8.json
+
+`--sweep 1x131072 --kv fp8_e5m2` times the launch variants over the one-byte pages too.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ WHOLE = -1
 
 
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
-    """What to time at one point: the default launch at 1x and 8x bounds, then at small batches
+    """What to time at one point: the default launch at 1x, 8x and 32x bounds (32x: a 4K
+    context under a 131K-token server bound, past the in-kernel merge's partitions), then at
+    small batches
     every short partition with the online and the block core (and 64 threads for partition 64:
     it lost 6 us at 1K context on an H200 with the block core; 256 threads, online, for 128);
     at larger ones (a full grid with
@@ -180,7 +184,7 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     under an 8x bound (a server's max_model_len), the 1024- and 2048-token partitions. Each is a
     numba compile (~25 s on the device for these unrolled kernels): --jobs spreads the compiles
     over processes."""
-    out = [Variant(bound=b) for b in (1, 8)]
+    out = [Variant(bound=b) for b in (1, 8, 32)]
     if partitions:  # --partitions: just these, block core
         return out + [Variant(partition=p, online=False) for p in partitions]
     if batch <= SWEEP_SMALL_BATCH:
@@ -200,7 +204,14 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
 
 
 def sweep_job(
-    batch: int, context: int, kvh: int, group: int, head_dim: int, v: Variant, cold: bool = False
+    batch: int,
+    context: int,
+    kvh: int,
+    group: int,
+    head_dim: int,
+    v: Variant,
+    cold: bool = False,
+    kv: str = "fp16",
 ) -> dict:
     """Build (compile and warm) one variant, then time it while holding the sweep's GPU lock
     (only one process times at a time; the others compile on the CPU meanwhile). The row has
@@ -212,13 +223,23 @@ def sweep_job(
         num_partitions,
         paged_decode_attention_cuda,
     )
+    from voltserve.kernels.attention.decode_fp8 import (
+        paged_decode_attention_fp8_cuda,
+        paged_decode_attention_fp8_ref,
+    )
     from voltserve.kernels.attention.ref import paged_decode_attention_ref
     from voltserve.kernels.runtime.launch_geometry import device_sms
 
     torch.manual_seed(batch * 7919 + context)
-    q, k, v_cache, tables, sl = decode_inputs(batch, context, kvh, group, head_dim)
+    q, k, v_cache, tables, sl = decode_inputs(batch, context, kvh, group, head_dim, kv)
     scale = head_dim**-0.5
-    want = paged_decode_attention_ref(q, k, v_cache, tables, sl, scale)
+    k_scale, v_scale = E4M3_SCALES if kv == "fp8_e4m3" else (1.0, 1.0)
+    if kv == "fp16":
+        want = paged_decode_attention_ref(q, k, v_cache, tables, sl, scale)
+    else:
+        want = paged_decode_attention_fp8_ref(
+            q, k, v_cache, tables, sl, scale, kv, k_scale, v_scale
+        )
     out = torch.full_like(q, float("nan"))
     # As the runner's tables: bound x the context's columns, zero beyond a sequence's blocks.
     wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
@@ -245,18 +266,24 @@ def sweep_job(
     if not v.partition:  # the default launch: the launcher's thread count
         sms = device_sms(torch.cuda.current_device())
         cfg, _ = launch_with_threads(
-            kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None
+            kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None, kv
         )
         threads = cfg.num_threads
 
     def call():
-        paged_decode_attention_cuda(q, k, v_cache, wide, sl, scale, out, **kw)
+        if kv == "fp16":
+            paged_decode_attention_cuda(q, k, v_cache, wide, sl, scale, out, **kw)
+            return
+        paged_decode_attention_fp8_cuda(
+            q, k, v_cache, wide, sl, scale, out, fmt=kv, k_scale=k_scale, v_scale=v_scale, **kw
+        )
 
     call()  # the compile, outside the lock
     torch.cuda.synchronize()
     with _GPU_LOCK:
         t = time_launch(call, 20, cold)
     return dict(
+        kv=kv,
         batch=batch,
         context=context,
         partition=kw.get("partition_size", 0),
@@ -286,12 +313,14 @@ def sweep_decode(
     jobs: int,
     partitions: tuple[int, ...] = (),
     cold: bool = False,
+    kv_formats: tuple[str, ...] = ("fp16",),
 ):
-    """Every sweep variant at every (batch, context) point, over `jobs` worker processes (each
-    builds its variants while another times; timing holds one lock). Rows print as measured.
-    cold: each launch timed with its KV evicted from L2 (time_launch)."""
+    """Every sweep variant at every (batch, context) point and KV storage, over `jobs` worker
+    processes (each builds its variants while another times; timing holds one lock). Rows print
+    as measured. cold: each launch timed with its KV evicted from L2 (time_launch)."""
     work = [
-        (b, c, kvh, group, head_dim, v, cold)
+        (b, c, kvh, group, head_dim, v, cold, kv)
+        for kv in kv_formats
         for b, c in points
         for v in sweep_variants(b, partitions)
     ]
@@ -314,7 +343,7 @@ def sweep_decode(
 
 def sweep_line(r: dict) -> str:
     return (
-        f"sweep b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
+        f"sweep {r['kv']} b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
         f"{r['partition']:>4} threads {r['threads']:>3} {r['mode']:>8} {r['core']:>6} regs "
         f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
     )
@@ -389,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sweep",
         default="",
         help="BATCHxCONTEXT,... e.g. 1x512,1x1024: also time the decode kernel's launch variants "
-        "there (partition, threads, merge mode, register cap)",
+        "there (partition, threads, merge mode, register cap), over each --kv storage",
     )
     ap.add_argument(
         "--partitions", default="", help="sweep only these partition sizes (block core), e.g. 528"
@@ -456,7 +485,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     parts = tuple(int(x) for x in args.partitions.split(",") if x.strip())
     sweep = sweep_decode(
-        points, args.kv_heads, args.group, args.head_dim, args.jobs, parts, args.cold
+        points,
+        args.kv_heads,
+        args.group,
+        args.head_dim,
+        args.jobs,
+        parts,
+        args.cold,
+        tuple(kv_formats),
     )
 
     result = dict(

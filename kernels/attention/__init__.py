@@ -158,6 +158,7 @@ KERNELS += tuple(
     for name in (
         "decode_kernel_d128_g4",
         "decode_kernel_d128_g4_direct",
+        "decode_kernel_d128_g4_spread",
         "decode_kernel_d128_g4_merge",
         "decode_kernel_d128_g4_online",
         "decode_kernel_d256_g1_online",
@@ -169,7 +170,7 @@ KERNELS += (
         "decode_reduce_kernel",
         (
             "void(float16[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1],"
-            " float32[:, :, :, ::1], int32[::1], int64)",
+            " float32[:, :, :, ::1], int32[::1], int64, int64, int64)",
         ),
     ),
 )

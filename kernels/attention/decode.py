@@ -80,6 +80,9 @@ class DecodeConfig:
     # The cache's storage (kv_widen.KV_FORMATS): fp16, or one-byte codes (decode_fp8.py), whose
     # 16-byte loads hold 16 values, so a lane holds twice the q and PV values of fp16's.
     kv: str = kv_widen.FP16
+    # Split mode only: spread each sequence's own KV blocks over the grid's partitions at run
+    # time (dynamic_partitions), for grids that one partition per sequence leaves mostly idle.
+    spread: bool = False
 
 
 def decode_config(
@@ -227,10 +230,9 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     if dynamic_partitions(cfg, mode):
         # The sequence's own KV blocks spread over the grid's partitions at run time (see
         # dynamic_partitions): pb blocks each, at least one per warp, at most PART / 16.
-        NW = NT // 32
         emit(1, f"n_kvb = (seq_len + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
         emit(1, "n_grid = cuda.gridDim.x")
-        emit(1, f"pb = max((n_kvb + n_grid - 1) // n_grid, {min(NW, PART // BLOCK_SIZE)})")
+        emit(1, f"pb = max((n_kvb + n_grid - 1) // n_grid, {spread_min_blocks(cfg)})")
         emit(1, "n_done = (n_kvb + pb - 1) // pb")
         emit(1, f"start = part * pb * {BLOCK_SIZE}")
         span = f"pb * {BLOCK_SIZE}"
@@ -456,8 +458,7 @@ def _emit_first_entry(emit, cfg: DecodeConfig, mode: str) -> None:
     partitions x pb blocks gets (all short contexts, the latency-bound case). The guess's index
     is always inside the table (the grid covers at most the table's width) and is clamped
     anyway; the core uses the entry only where the guess was right (spec_blk0 == blk0)."""
-    NW = cfg.num_threads // 32
-    pb0 = min(NW, cfg.partition // BLOCK_SIZE) if dynamic_partitions(cfg, mode) else None
+    pb0 = spread_min_blocks(cfg) if dynamic_partitions(cfg, mode) else None
     first = f"part * {pb0}" if pb0 else f"part * {cfg.partition // BLOCK_SIZE}"
     emit(1, f"spec_blk0 = {first}")
     emit(1, "spec_ent = block_tables[b, min(spec_blk0 + warp, block_tables.shape[1] - 1)]")
@@ -652,15 +653,32 @@ def _emit_merge(emit, G: int, D: int, NT: int, NW: int, PART: int, dyn: bool = F
 
 def dynamic_partitions(cfg: DecodeConfig, mode: str) -> bool:
     """Whether the kernel spreads each sequence's own context over the grid's partitions at run
-    time (the online core with the in-kernel merge: small, latency-bound grids). The grid's
+    time: the online core with the in-kernel merge (small, latency-bound grids), and split mode
+    where the launcher asks (DecodeConfig.spread: bounds past MERGE_MAX_PARTITIONS partitions,
+    where at batch 1 and 4K tokens under a 131,200-token bound 4 of 129 partitions of 1024
+    tokens ran, each warp walking 16 KV blocks one round trip after another: ~37 us a layer of
+    a 4.27 ms AWQ step on an H100, BENCHMARKS.md §17). The grid's
     partition count is fixed by the bound (a graph's max_model_len, 8K for Llama-3), so static
     PART-token partitions leave a short context few of them: at batch 1 and 540 tokens under an
     8K bound, 3 of 32 partitions of 256 tokens ran, each warp walking 4 KV blocks one memory
     round trip after another (13.4 us a layer, Llama-3-8B shape, H200). Spread, partition p
     takes KV blocks [p * pb, (p + 1) * pb) with pb = max(ceil(blocks / partitions), warps):
     every warp one KV block up to partitions x warps blocks (2048 tokens at 32 x 4), never more
-    than PART / 16 blocks (pb <= ceil(bound / 16 / partitions))."""
-    return cfg.online and mode == "merge"
+    than PART / 16 blocks (pb <= ceil(bound / 16 / partitions)). A context that fills the bound
+    gets the static split (pb = PART / 16)."""
+    return (cfg.online and mode == "merge") or (cfg.spread and mode == "split")
+
+
+def spread_min_blocks(cfg: DecodeConfig) -> int:
+    """The fewest KV blocks a spread partition takes: one a warp, at most a whole partition."""
+    return min(cfg.num_threads // 32, cfg.partition // BLOCK_SIZE)
+
+
+def spread_partitions(seq_len: int, grid_partitions: int, min_blocks: int) -> int:
+    """Partitions a spread sequence of seq_len tokens runs (the kernel's n_done)."""
+    n_kvb = -(-seq_len // BLOCK_SIZE)
+    pb = max(-(-n_kvb // grid_partitions), min_blocks)
+    return -(-n_kvb // pb)
 
 
 # direct: one partition covers the context: normalise and write `out`.
@@ -691,6 +709,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         shfl_xor=shfl_xor,
     )
     core = " online" if cfg.online else ""
+    core += " spread" if dynamic_partitions(cfg, mode) and mode == "split" else ""
     kv = "" if cfg.kv == kv_widen.FP16 else f" {cfg.kv}"
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}{kv}>"
     exec(compile(src, name, "exec"), namespace)
@@ -711,16 +730,25 @@ REDUCE_THREADS = 128  # also the largest block size decode_reduce_kernel may be 
 
 @cached
 @cuda.jit
-def decode_reduce_kernel(out, max_logits, exp_sums, tmp_out, seq_lens, partition):
+def decode_reduce_kernel(
+    out, max_logits, exp_sums, tmp_out, seq_lens, partition, grid_partitions, min_blocks
+):
     """Merge the partitions of one (sequence, head): grid (H, B), a power-of-two block size up to
     REDUCE_THREADS. The per-partition weights exp(max_p - max) / sum are computed once into
     shared memory, a chunk of blockDim partitions at a time, so the loop over partitions is only
-    coalesced loads of tmp_out and FMAs (four independent sums keep several loads in flight)."""
+    coalesced loads of tmp_out and FMAs (four independent sums keep several loads in flight).
+    min_blocks > 0: the partition kernel spread the context (spread_partitions, its formula);
+    0: static partitions of `partition` tokens."""
     h = cuda.blockIdx.x
     b = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    n_part = (seq_lens[b] + partition - 1) // partition
+    if min_blocks > 0:
+        n_kvb = (seq_lens[b] + BLOCK_SIZE - 1) // BLOCK_SIZE
+        pb = max((n_kvb + grid_partitions - 1) // grid_partitions, min_blocks)
+        n_part = (n_kvb + pb - 1) // pb
+    else:
+        n_part = (seq_lens[b] + partition - 1) // partition
     red = cuda.shared.array(REDUCE_THREADS, float32)
     w = cuda.shared.array(REDUCE_THREADS, float32)
 
@@ -816,6 +844,14 @@ ONLINE_MAX_GROUP_DIMS_ONE_BYTE = 3 * 256
 def online_max_group_dims(kv: str) -> int:
     """The widest head group (heads x head_dim) the online core takes for this storage."""
     return ONLINE_MAX_GROUP_DIMS_ONE_BYTE if kv in kv_widen.ONE_BYTE else ONLINE_MAX_GROUP_DIMS
+
+
+def spreads(batch: int, kv_blocks: int, num_sms: int) -> bool:
+    """Whether a split-mode launch spreads contexts over its partitions (DecodeConfig.spread):
+    where one partition per (sequence, head group) is less than a wave (choose_partition's test
+    for short partitions), a context shorter than the bound would leave SMs idle. Larger batches
+    keep the static split: spreading their many blocks only adds partial writes."""
+    return batch * kv_blocks < LONGEST_BLOCKS_PER_SM * num_sms
 
 
 def direct_partition_limit(group: int) -> int:
@@ -1120,6 +1156,8 @@ def launch_decode(
         H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online, kv
     )
     mode = _mode(n_part, workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS)
+    if mode == "split" and spreads(B, kvh * cfg.split, sms):
+        cfg = dataclasses.replace(cfg, spread=True)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     if out is None:
@@ -1153,7 +1191,8 @@ def launch_decode(
         args += (float(v_scale),)
     launch(decode_kernel(cfg, mode, max_registers), grid, cfg.num_threads, args, stream)
     if mode == "split":
-        args = (out, ml, es, tmp, seq_lens, cfg.partition)
+        min_blocks = spread_min_blocks(cfg) if cfg.spread else 0
+        args = (out, ml, es, tmp, seq_lens, cfg.partition, n_part, min_blocks)
         launch(decode_reduce_kernel, (H, B), REDUCE_THREADS, args, stream)
     return out
 
@@ -1193,6 +1232,9 @@ _COUNTERS = MergeCounters()
 # constants.
 decode_kernel_d128_g4 = decode_kernel(decode_config(32, 8, 128), "split")
 decode_kernel_d128_g4_direct = decode_kernel(decode_config(32, 8, 128), "direct")
+decode_kernel_d128_g4_spread = decode_kernel(
+    dataclasses.replace(decode_config(32, 8, 128, 1024), spread=True), "split"
+)
 decode_kernel_d128_g4_merge = decode_kernel(decode_config(32, 8, 128, 64), "merge")
 decode_kernel_d128_g4_online = decode_kernel(decode_config(32, 8, 128, 64, online=True), "merge")
 decode_kernel_d256_g1_online = decode_kernel(decode_config(8, 8, 256, 512, online=True), "direct")

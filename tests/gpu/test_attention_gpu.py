@@ -260,25 +260,33 @@ def test_decode_small_batch_in_kernel_merge_graph(head_dim, group, core):
         )
 
 
+@pytest.mark.parametrize("bound", [8192, 131072])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (32, 4, 128)])
-def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
-    """Batch 1 under a server's 8K bound with the launcher's defaults (the online core at
-    ONLINE_THREADS: 8 warps a block, launch_with_threads), captured once and replayed with
-    contexts from 1 to the bound: the dynamic spread over the partitions, the in-kernel merge
-    and its counters at every length. Llama-3-8B, Qwen2.5-0.5B and Qwen3-30B-A3B heads."""
+def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim, bound):
+    """Batch 1 under a server's bound with the launcher's defaults, captured once and replayed
+    with contexts from 1 to the bound. 8K: the online core at ONLINE_THREADS (8 warps a block,
+    launch_with_threads), the dynamic spread over the partitions, the in-kernel merge and its
+    counters at every length. 128K (more partitions than the in-kernel merge holds): split mode
+    with the context spread over the grid (DecodeConfig.spread) and the merge kernel told the
+    same split. Llama-3-8B, Qwen2.5-0.5B and Qwen3-30B-A3B heads."""
     from voltserve.kernels.attention.decode import (
         _COUNTERS,
+        MERGE_MAX_PARTITIONS,
         ONLINE_THREADS,
         launch_with_threads,
         paged_decode_attention_cuda,
+        spreads,
     )
     from voltserve.kernels.runtime.launch_geometry import device_sms
 
-    bound = 8192
     sms = device_sms(torch.cuda.current_device())
-    cfg, _ = launch_with_threads(heads, kv_heads, head_dim, 1, bound, sms, None, None, None, None)
-    if sms >= kv_heads * cfg.split * 16:  # an H100/H200-sized grid: the 8-warp launch
+    cfg, n_part = launch_with_threads(
+        heads, kv_heads, head_dim, 1, bound, sms, None, None, None, None
+    )
+    if bound == 8192 and sms >= kv_heads * cfg.split * 16:  # an H100/H200-sized grid
         assert cfg.online and cfg.num_threads == ONLINE_THREADS
+    if bound > 8192:
+        assert n_part > MERGE_MAX_PARTITIONS and spreads(1, kv_heads * cfg.split, sms)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     k, v, tables = make_cache([bound], kv_heads, head_dim, gen)
     q = torch.randn((1, heads, head_dim), generator=gen, device="cuda").half()
@@ -290,7 +298,10 @@ def test_decode_batch1_server_bound_graph(heads, kv_heads, head_dim):
         paged_decode_attention_cuda(q, k, v, tables, sl, scale, out, max_seq_len=bound)
 
     graph = captured(step)
-    for n in (1, 17, 140, 544, 1056, 2048, 4097, 8192):
+    lengths = [1, 17, 140, 544, 1056, 2048, 4097, 8192]
+    if bound > 8192:
+        lengths += [32768, 100003, bound]
+    for n in lengths:
         sl.fill_(n)
         q.copy_(torch.randn((1, heads, head_dim), generator=gen, device="cuda").half())
         out.fill_(float("nan"))

@@ -10,6 +10,7 @@ On a CUDA host the same tests run the compiled kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -26,6 +27,8 @@ from voltserve.kernels.attention.decode import (  # noqa: E402
     decode_kernel,
     decode_reduce_kernel,
     num_partitions,
+    spread_min_blocks,
+    spread_partitions,
 )
 from voltserve.kernels.attention.prefill import prefill_config, prefill_kernel  # noqa: E402
 from voltserve.kernels.attention.ref import paged_attention_ref  # noqa: E402
@@ -69,13 +72,16 @@ def run_decode(
     online=False,
     workspace=None,
     max_group=8,
+    spread=False,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
     per-warp online-softmax core instead of the block-wide phases. max_group: query heads per
-    block (a KV head's heads split over blocks below its group)."""
+    block (a KV head's heads split over blocks below its group). spread: split mode spreads each
+    context over the grid's partitions (DecodeConfig.spread)."""
     B, H, D = q.shape
     cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online, max_group=max_group)
+    cfg = dataclasses.replace(cfg, spread=spread)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
     p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
@@ -105,7 +111,10 @@ def run_decode(
         counters,
     )
     if mode == "split":
-        decode_reduce_kernel[(H, B), THREADS](out, ml, es, tmp, sl, cfg.partition)
+        min_blocks = spread_min_blocks(cfg) if spread else 0
+        decode_reduce_kernel[(H, B), THREADS](
+            out, ml, es, tmp, sl, cfg.partition, n_part, min_blocks
+        )
     return out
 
 
@@ -240,6 +249,38 @@ def test_decode_online_merge_spreads_the_context_over_the_grid(seed, seq_len, wa
     assert not counters.any()
     written = int((~np.isnan(ws[0][0, 0])).sum())
     assert written == (want_parts if want_parts > 1 else 0)
+
+
+@pytest.mark.parametrize("core", ["block", "online"])
+def test_decode_split_spreads_the_context_over_the_grid(seed, core):
+    """Split mode with DecodeConfig.spread (a small batch under a bound of more partitions than
+    the in-kernel merge holds): each sequence's own KV blocks spread over the grid's 8
+    partitions of 32 tokens (one warp: at least one KV block each), the merge kernel told the
+    same split. 70 tokens = 5 KV blocks -> 5 partitions of one block, 130 = 9 blocks -> 5 of
+    two (the last of one), 8 -> one, 0 (graph padding) -> none and a zero output. Static
+    partitions would run 3, 5, 1 and 0 of them."""
+    rng = np.random.default_rng(seed)
+    H, kvh, D = 2, 1, 32
+    seq_lens = [70, 130, 8, 0]
+    bound = 8 * PARTITION
+    k, v, tables = make_cache(rng, seq_lens, kvh, D)
+    width = bound // BLOCK_SIZE  # the grid covers the bound: the table is as wide
+    tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])), constant_values=-1)
+    q = rng.standard_normal((len(seq_lens), H, D)).astype(np.float16)
+    ws = {}
+    out = run_decode(
+        q, k, v, tables, seq_lens, 0.25, bound, online=core == "online", workspace=ws, spread=True
+    )
+    ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), 0.25)
+    ref[3] = 0
+    assert not np.isnan(out).any()
+    assert np.all(out[3] == 0), "padding row must be zero"
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+    cfg = decode_config(H, kvh, D, PARTITION, THREADS)
+    want = [spread_partitions(s, 8, spread_min_blocks(cfg)) if s else 0 for s in seq_lens]
+    assert want == [5, 5, 1, 0]
+    written = [int((~np.isnan(ws["max_logits"][b, 0])).sum()) for b in range(len(seq_lens))]
+    assert written == want
 
 
 def run_prefill(q, k, v, tables, seq_lens, qsl, scale):
