@@ -6,9 +6,10 @@ rank-one update of the fp32 state, 4 flops per 4-byte state element read and wri
 bound by the state's bytes; tensor cores have nothing to do). A block owns one (request, value
 head, 32-column tile of the state): 128 threads in 4 warps, lane = state column (a warp reads a
 128-byte row segment, coalesced), warp w = rows w, w + 4, ... (up to 32 rows a thread, held in
-registers between the read and the write). Per block: q and k of the key head are loaded and
-L2-normalised (block reductions), g and beta computed from a and b (gating.gates); the state
-tile is read once, decayed, S^T k reduced over rows (per-warp partials through shared memory),
+registers between the read and the write). Per block: the state tile's loads are issued
+first, all of them (their round trip overlaps the rest of the prologue); q and k of the key head
+are loaded and L2-normalised (block reductions), g and beta computed from a and b
+(gating.gates); the tile is decayed, S^T k reduced over rows (per-warp partials through shared memory),
 the rank-one update applied, S^T q reduced the same way, and the tile written back. Grid:
 (Dv / 32, Hv, batch) = 192 blocks at batch 1 for Qwen3.5-27B (48 heads, Dv 128).
 """
@@ -29,7 +30,7 @@ L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
 COLS = 32  # state columns a block owns (one per lane)
 WARPS = 4
 THREADS = WARPS * 32
-MAX_DK = 128  # key dims: rows a thread keeps = MAX_DK / WARPS
+MAX_DK = 128  # == THREADS: each thread stages one q and k element  # key dims: rows a thread keeps = MAX_DK / WARPS
 ROWS = MAX_DK // WARPS
 
 
@@ -84,6 +85,15 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
         if warp == 0 and j < Dv:
             out[req, h, j] = 0.0
         return
+    # The state tile's loads come first and all together: they need neither q, k nor the gates,
+    # so their round trip overlaps the norms' and the gates', and a body with no branch lets
+    # the compiler issue the ROWS loads back to back (rows and columns past the head are
+    # clamped to a valid element and zeroed below).
+    ok = j < Dv
+    jc = min(j, Dv - 1)
+    s = cuda.local.array(ROWS, float32)
+    for r in range(ROWS):
+        s[r] = state_pool[slot, h, min(warp + r * WARPS, Dk - 1), jc]
     qs = cuda.shared.array(MAX_DK, float32)
     ks = cuda.shared.array(MAX_DK, float32)
     part = cuda.shared.array((WARPS, COLS), float32)
@@ -95,22 +105,20 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
         kv = float32(k[req, hk, tid])
     qinv = float32(1.0) / math.sqrt(block_sum(qv * qv, scratch) + float32(L2_EPS))
     kinv = float32(1.0) / math.sqrt(block_sum(kv * kv, scratch) + float32(L2_EPS))
-    if tid < Dk:
-        qs[tid] = qv * qinv * scale
-        ks[tid] = kv * kinv
+    qs[tid] = qv * qinv * scale  # 0 past Dk: THREADS == MAX_DK
+    ks[tid] = kv * kinv
     g, beta = gates(a[req, h], b[req, h], a_log[h], dt_bias[h], b)
     decay = float32(math.exp(g))
     cuda.syncthreads()
 
-    s = cuda.local.array(ROWS, float32)
-    ok = j < Dv
     acc = float32(0.0)
     for r in range(ROWS):
         i = warp + r * WARPS
-        s[r] = 0.0
+        x = float32(0.0)
         if ok and i < Dk:
-            s[r] = state_pool[slot, h, i, j] * decay
-            acc += s[r] * ks[i]
+            x = s[r] * decay
+        s[r] = x
+        acc += x * ks[i]
     part[warp, lane] = acc
     cuda.syncthreads()
     kvm = part[0, lane]
@@ -123,10 +131,10 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     acc = float32(0.0)
     for r in range(ROWS):
         i = warp + r * WARPS
+        sv = s[r] + ks[i] * delta
         if ok and i < Dk:
-            sv = s[r] + ks[i] * delta
             state_pool[slot, h, i, j] = sv
-            acc += sv * qs[i]
+        acc += sv * qs[i]
     part[warp, lane] = acc
     cuda.syncthreads()
     if warp == 0 and ok:
