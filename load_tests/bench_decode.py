@@ -4,7 +4,14 @@ card and against transformers `generate` on the same weights.
 Single request (batch 1): a `--prompt-len` prompt, `--output-len` greedy tokens, ignore_eos; the
 decode phase is the time from the first token to the last (prefill excluded). Median of `--runs`
 warm runs. Its floor is the weight bytes one token reads (all layers + lm_head; the embedding
-gather is left out) over the device copy bandwidth measured in the same run.
+gather is left out) over the device copy bandwidth measured in the same run; `floor.
+with_context_ms_per_token` adds the KV at the decode's mean context (only the full-attention
+layers of a hybrid model hold KV) and a hybrid model's recurrent state, read and written once a
+step (`roofline_fraction_with_context`).
+
+Hybrid shapes at fewer layers (`--preset qwen3.5-27b --layers 16`: 12 Gated DeltaNet + 4 full
+attention layers, the published 3:1 pattern, the same widths) fit a benchmark's disk and time;
+the checkpoint and the floors follow the layer count.
 
 Batched (`--batch-sizes 64,256 --context 1024`): B requests with `--context`-token prompts are
 added at once and stepped until every one has finished its (chunked) prefill and produced its
@@ -49,6 +56,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    attention_layers,
     cell,
     checkpoint_matches,
     checkpoint_read_bytes,
@@ -56,11 +64,13 @@ from load_tests.common import (  # noqa: E402
     env_info,
     gguf_checkpoint_files,
     kv_bytes_per_token,
+    layer_overrides,
     make_hf_config,
     measure_copy_bandwidth,
     quantized_checkpoint,
     resolve_device,
     resolve_dtype,
+    state_bytes_per_sequence,
     synchronize,
     weight_bytes,
     write_json,
@@ -232,7 +242,11 @@ def run_single(engine, prompts, args, result: dict) -> bool:
             r.pop("tokens", None)
         single = {"runs": runs, **_summarise(runs)}
         if single["ms_per_token"]:
-            single["roofline_fraction"] = result["floor"]["ms_per_token"] / single["ms_per_token"]
+            fl = result["floor"]
+            single["roofline_fraction"] = fl["ms_per_token"] / single["ms_per_token"]
+            single["roofline_fraction_with_context"] = (
+                fl["with_context_ms_per_token"] / single["ms_per_token"]
+            )
         result["engine"] = single
         hf = result.get("transformers")
         if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:
@@ -381,6 +395,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="fewer layers than the preset's, same widths (a checkpoint written with them)",
+    )
+    p.add_argument(
         "--model-dir",
         help="reuse (or write once into) this checkpoint folder; a quantized folder or a GGUF "
         "file (or its folder) is served as it is",
@@ -435,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("numba").setLevel(logging.WARNING)  # a line per CUDA module unload
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    config = make_hf_config(args.preset, dtype)
+    overrides = layer_overrides(args.layers)
+    config = make_hf_config(args.preset, dtype, **overrides)
     # A quantized folder (--model-dir of an AWQ / GPTQ checkpoint) is served as it is, and its
     # floor counts the bytes it stores: packed codes, scales, zero points, fp16 lm_head. So is
     # a GGUF file (or a folder holding one: make_gguf_checkpoint.py's Q4_K_M), its floor the
@@ -453,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_read_bytes(Path(args.model_dir)) if quantized else weight_bytes(config, dtype)
     )
     kv_tok = kv_bytes_per_token(config, dtype)
+    state_seq = state_bytes_per_sequence(config, dtype)
     result: dict[str, Any] = {
         "benchmark": "decode",
         "preset": args.preset,
@@ -463,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": {
             **wbytes,
             "kv_bytes_per_token": kv_tok,
+            "state_bytes_per_sequence": state_seq,
+            "layers": config.num_hidden_layers,
+            "kv_layers": attention_layers(config),
             "vocab_size": config.vocab_size,
             "quantized": quantized,
             "format": "gguf" if gguf else "safetensors",
@@ -480,6 +505,18 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_token": floor_s * 1e3,
         "tok_s": 1.0 / floor_s,
     }
+    # The single request's floor with its KV (at the mean context of its decode) and its
+    # recurrent state (read and written once a step) added to the weights: what a long prompt
+    # or a hybrid model reads besides the weights.
+    mean_context = args.prompt_len + args.output_len / 2
+    seq_bytes = mean_context * kv_tok + 2 * state_seq
+    ctx_s = (wbytes["read_per_token_bytes"] + seq_bytes) / bw_Bps
+    result["floor"].update(
+        mean_context=mean_context,
+        kv_read_bytes=mean_context * kv_tok,
+        state_read_write_bytes=2 * state_seq,
+        with_context_ms_per_token=ctx_s * 1e3,
+    )
 
     tmp = None
     if args.model_dir:
@@ -488,13 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
         model_dir = Path(tmp)
     try:
-        if not quantized and not checkpoint_matches(model_dir, args.preset):
+        if not quantized and not checkpoint_matches(model_dir, args.preset, overrides):
             t0 = time.perf_counter()
             logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
-            write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
+            write_random_checkpoint(
+                model_dir, args.preset, device, dtype, seed=args.seed, overrides=overrides
+            )
             result["checkpoint_write_s"] = time.perf_counter() - t0
         result["model_dir"] = str(model_dir)
-        _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes)
+        _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes, state_seq)
     finally:
         if tmp and not args.keep_model:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -505,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> None:
+def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes, state_seq=0) -> None:
     rng = np.random.default_rng(args.seed)
     vocab = result["model"]["vocab_size"]
     n_engine = args.warmup + args.runs
@@ -538,8 +577,10 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes) -> 
         return
 
     def floor_at(batch: int, mean_context: float) -> float:
-        """ms to read the weights and `batch` sequences' KV at that mean context."""
-        return (wbytes["read_per_token_bytes"] + batch * mean_context * kv_tok) / bw_Bps * 1e3
+        """ms to read the weights, `batch` sequences' KV at that mean context and their
+        recurrent state (read and written)."""
+        seq = mean_context * kv_tok + 2 * state_seq
+        return (wbytes["read_per_token_bytes"] + batch * seq) / bw_Bps * 1e3
 
     batched = []
     for b in args.batch_sizes:
@@ -601,7 +642,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"copy bandwidth {cell(bw.get('bandwidth_GBps'), '.0f')} GB/s; "
         f"weight floor {cell(fl.get('ms_per_token'), '.3f')} ms/token "
-        f"({cell(fl.get('tok_s'), '.1f')} tok/s)"
+        f"({cell(fl.get('tok_s'), '.1f')} tok/s); with the KV at a mean context of "
+        f"{cell(fl.get('mean_context'), '.0f')} and the recurrent state "
+        f"{cell(fl.get('with_context_ms_per_token'), '.3f')} ms/token"
     )
     print(f"{'':<14}{'tok/s':>10}{'ms/token':>10}{'TTFT ms':>10}{'of floor':>10}")
     for name in ("engine", "transformers"):

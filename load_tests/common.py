@@ -115,6 +115,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Qwen3.5-27B's shape (hybrid: three Gated DeltaNet layers to one gated full-attention
+    # layer; 16 key / 48 value heads of 128 with a 128 x 128 fp32 state each; 24 query heads
+    # over 4 KV heads of 256 with partial rotary; a 248,320-token vocabulary). bos / eos are
+    # in-vocabulary ids for the synthetic tokenizer (random weights: their values do not matter).
+    # At 64 layers it is 54 GB in fp16: benchmarks write fewer (--layers, e.g. 16, which keeps
+    # the 3:1 pattern) and say so.
+    "qwen3.5-27b": dict(
+        model_type="qwen3_5_text",
+        architectures=["Qwen3_5ForCausalLM"],
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=17408,
+        vocab_size=248320,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25
+        ),
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=248044,
+        eos_token_id=248046,
+    ),
     "tiny": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
@@ -252,10 +282,33 @@ def weight_bytes(config, dtype: torch.dtype) -> dict[str, int]:
     return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
 
 
+def attention_layers(config) -> int:
+    """Layers that keep a KV cache: all of them, or a hybrid model's full-attention ones."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return config.num_hidden_layers
+    return sum(t == "full_attention" for t in types)
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
+    return 2 * attention_layers(config) * config.num_key_value_heads * head_dim * size
+
+
+def state_bytes_per_sequence(config, dtype: torch.dtype) -> int:
+    """A hybrid model's recurrent state per sequence (0 for others): per Gated DeltaNet layer the
+    fp32 state (value heads x key dim x value dim) and the conv state (the q, k and v channels x
+    kernel - 1 positions, in the run dtype). A decode step reads and writes it once."""
+    types = getattr(config, "layer_types", None) or []
+    n = sum(t == "linear_attention" for t in types)
+    if not n:
+        return 0
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    size = torch.tensor([], dtype=dtype).element_size()
+    conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1) * size
+    return n * (hv * dk * dv * 4 + conv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,6 +677,15 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def layer_overrides(layers: int | None) -> dict[str, Any]:
+    """The config overrides of a `--layers N` option (none without one)."""
+    if layers is None:
+        return {}
+    if layers < 1:
+        raise SystemExit(f"--layers {layers}: need at least one layer")
+    return {"num_hidden_layers": layers}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -633,17 +695,26 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--device", default="auto")
     mk.add_argument("--dtype", default="float16")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the preset's (same widths)"
+    )
     bw = sub.add_parser("bandwidth", help="print the device copy bandwidth")
     bw.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     if args.cmd == "make-checkpoint":
         device = resolve_device(args.device)
         t0 = time.perf_counter()
-        if checkpoint_matches(Path(args.out), args.preset):
+        overrides = layer_overrides(args.layers)
+        if checkpoint_matches(Path(args.out), args.preset, overrides):
             print(f"{args.out}: already holds a {args.preset} checkpoint")
             return
         write_random_checkpoint(
-            args.out, args.preset, device, resolve_dtype(args.dtype, device), args.seed
+            args.out,
+            args.preset,
+            device,
+            resolve_dtype(args.dtype, device),
+            args.seed,
+            overrides=overrides,
         )
         print(f"wrote {args.preset} to {args.out} in {time.perf_counter() - t0:.1f} s")
     else:

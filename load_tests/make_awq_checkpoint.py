@@ -5,6 +5,9 @@ aware search: the weights are random); packing follows AutoAWQ's layout: qweight
 and qzeros int32 [K/g, N/8] with 8 nibbles per word in the order 0,2,4,6,1,3,5,7, scales fp16
 [K/g, N]. The lm_head and embeddings stay fp16.
 
+Hybrid checkpoints (Qwen3.5, Qwen3-Next): the Gated DeltaNet projections are quantized too;
+the conv1d, A_log, dt_bias and norms stay float.
+
 MoE checkpoints (Qwen3-MoE, Mixtral-style per-expert tensors): every expert's projections
 (model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj) are linears of these names and are
 quantized like a dense MLP's; the router (mlp.gate) is not one of them and stays float, and is
@@ -30,7 +33,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from voltserve.services.executor.quant.base import module_listed
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    # the Gated DeltaNet projections of the hybrid families (Qwen3.5's four, Qwen3-Next's two)
+    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
+    "out_proj",
+)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

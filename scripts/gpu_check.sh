@@ -11,7 +11,8 @@
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
-# `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn;
+# `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn; `hybrid-decode`: the Qwen3.5-27B
+# shape (HYBRID_LAYERS of its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64;
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
 # MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
@@ -406,6 +407,26 @@ PYEOF
       # and 8 x 1024 against its roofline, transformers as the anchor).
       run gdn_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_linear_attention_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       run bench_gdn $PY load_tests/bench_gdn.py --out "$OUT/bench_gdn.json"
+      ;;
+    hybrid-decode)
+      # The Qwen3.5-27B shape (a hybrid: Gated DeltaNet and gated full attention, 3:1) at
+      # HYBRID_LAYERS layers (default 16 of its 64: the same pattern and widths; 17 GB in fp16,
+      # written once into /tmp) and its AWQ int4 g128 copy (every linear, the GDN projections
+      # too): batch-1 decode of the AWQ copy at 4K and 32K tokens of context, each against its
+      # floor with the KV of the full-attention layers and the recurrent state
+      # (roofline_fraction_with_context), under a 65,536-token bound; the fp16 folder at 4K with
+      # transformers (its torch fallback for the GDN layers) as the anchor in the same call;
+      # batch 64 at 1K of the AWQ copy. Not yet timed; estimated ~1 min of writes and ~1.5 min
+      # an engine.
+      HL=${HYBRID_LAYERS:-16}
+      HD=/tmp/voltserve-qwen3.5-27b-l$HL
+      run make_qwen35 $PY load_tests/common.py make-checkpoint --preset qwen3.5-27b --layers "$HL" --out "$HD" --device cuda
+      run make_qwen35_awq $PY load_tests/make_awq_checkpoint.py --src "$HD" --out "$HD-awq" --group 128
+      for ctx in 4096 32768; do
+        run "decode_qwen35_awq_$ctx" $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len "$ctx" --output-len 128 --runs 3 --warmup 1 --max-model-len 65536 --out "$OUT/decode_qwen3.5-27b-l${HL}_awq_b1_$ctx.json"
+      done
+      run decode_qwen35_fp16_4096 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD" --prompt-len 4096 --output-len 128 --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 0 --max-model-len 65536 --out "$OUT/decode_qwen3.5-27b-l${HL}_fp16_b1_4096.json"
+      run decode_qwen35_awq_b64 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len 512 --output-len 32 --runs 1 --warmup 0 --batch-sizes 64 --context 1024 --out "$OUT/decode_qwen3.5-27b-l${HL}_awq_b64.json"
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the

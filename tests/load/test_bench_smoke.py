@@ -72,6 +72,23 @@ def test_weight_bytes_match_llama3_8b_parameter_count():
     assert wq["read_per_token_bytes"] == wq["total_bytes"]
 
 
+def test_hybrid_floor_bytes_of_the_qwen3_5_27b_shape():
+    """Qwen3.5-27B: 26,895,998,464 parameters at its 64 layers (5120 hidden, a 248,320 x 5120
+    embedding and lm_head); at 16 layers (--layers) 12 Gated DeltaNet layers and 4 full-attention
+    ones, only those keeping KV (4 KV heads of 256); each GDN layer a 48 x 128 x 128 fp32 state
+    and a conv state over 2 x 16 x 128 + 48 x 128 channels x 3 positions."""
+    f16 = common.torch.float16
+    full = common.make_hf_config("qwen3.5-27b")
+    assert common.weight_bytes(full, f16)["total_bytes"] == 2 * 26_895_998_464
+    cfg = common.make_hf_config("qwen3.5-27b", **common.layer_overrides(16))
+    assert common.attention_layers(cfg) == 4
+    assert common.kv_bytes_per_token(cfg, f16) == 2 * 4 * 4 * 256 * 2
+    state = 48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 3 * 2
+    assert common.state_bytes_per_sequence(cfg, f16) == 12 * state
+    dense = common.make_hf_config("llama3-8b")
+    assert common.state_bytes_per_sequence(dense, f16) == 0
+
+
 def test_datasets_stay_in_vocab_and_share_prefix(seed):
     vocab = int(np.random.default_rng(seed).integers(100, 5000))
     args = bench_serving.parse_args(
@@ -157,6 +174,10 @@ def test_bench_decode_cpu_smoke(tmp_path):
     assert d["engine_config"]["max_model_len"] == 256
     assert d["copy_bandwidth"]["bandwidth_GBps"] > 0
     assert d["floor"]["ms_per_token"] > 0
+    # the floor with the KV at the decode's mean context (16 + 4 / 2 tokens) added
+    kv = d["model"]["kv_bytes_per_token"] * 18
+    assert d["floor"]["kv_read_bytes"] == kv and d["floor"]["state_read_write_bytes"] == 0
+    assert d["floor"]["with_context_ms_per_token"] > d["floor"]["ms_per_token"]
     for key in ("decode_tok_s", "ms_per_token", "ttft_ms", "roofline_fraction"):
         assert d["engine"][key] > 0, key
     assert d["transformers"]["decode_tok_s"] > 0
