@@ -47,7 +47,11 @@ cost curve and of the forced-acceptance runs gets an engine of its own (k fixed 
 every speculative figure reports how many verify steps (and draft-step and catch-up runs)
 replayed graphs and how many ran eagerly (`graphs`, and `verify_in_graphs`: every verify step in
 a graph).
-Parts: speculation off, n-gram, the oracle engine of each k, the draft model, the EAGLE head.
+A hybrid target's own MTP layer (`--mtp-k`; random weights in the published layout, added to
+the target folder once by common.write_random_mtp) runs batch 1 the same way: the step cost with
+its k forwards in it, acceptance as measured. Hybrid shapes at fewer layers: `--layers`, as
+bench_decode; an AWQ folder is served as it is.
+Parts: speculation off, n-gram, the oracle engine of each k, the draft model, the EAGLE head, MTP.
 Each builds its engines as locals, so they are unreachable when it ends, and the collector and
 the allocator's cache are run before the next; `released` records, per part, the engines still
 alive after it (0 unless something holds one) and the CUDA memory still allocated. A part that
@@ -88,12 +92,15 @@ from load_tests.common import (  # noqa: E402
     checkpoint_matches,
     dtype_name,
     env_info,
+    layer_overrides,
     make_hf_config,
+    quantized_checkpoint,
     resolve_device,
     resolve_dtype,
     synchronize,
     write_json,
     write_random_checkpoint,
+    write_random_mtp,
 )
 
 logger = logging.getLogger("bench_spec")
@@ -420,12 +427,19 @@ def default_eagle_dir(preset: str, model_dir: Path, seed: int) -> Path:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    p.add_argument("--model-dir", help="reuse (or write once into) this checkpoint folder")
+    p.add_argument(
+        "--model-dir",
+        help="reuse (or write once into) this checkpoint folder; a quantized folder (AWQ, "
+        "make_awq_checkpoint.py) is served as it is",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the preset's, same widths"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--ngram-k", type=int, default=3)
+    p.add_argument("--ngram-k", type=int, default=3, help="n-gram run (0: none)")
     p.add_argument("--oracle-ks", default="3,5")
     p.add_argument("--corrupt", default="0.1,0.3,0.5", help="oracle corruption probabilities")
     p.add_argument(
@@ -450,6 +464,13 @@ def parse_args(argv):
     )
     p.add_argument("--draft-k", type=int, default=4)
     p.add_argument("--eagle-k", type=int, default=3, help="EAGLE head run (0: none)")
+    p.add_argument(
+        "--mtp-k",
+        type=int,
+        default=0,
+        help="a hybrid target's own MTP layer (random weights, added to the folder once) "
+        "proposing k tokens (0: none)",
+    )
     p.add_argument(
         "--eagle-dir",
         default=None,
@@ -486,11 +507,16 @@ def main(argv=None) -> int:
 def _main(args, tmp_root: Path | None) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    vocab = make_hf_config(args.preset, dtype).vocab_size
+    overrides = layer_overrides(args.layers)
+    hf_config = make_hf_config(args.preset, dtype, **overrides)
+    vocab = hf_config.vocab_size
     model_dir = Path(args.model_dir) if tmp_root is None else tmp_root / "model"
-    if not checkpoint_matches(model_dir, args.preset):
+    quantized = model_dir.is_dir() and quantized_checkpoint(model_dir)
+    if not quantized and not checkpoint_matches(model_dir, args.preset, overrides):
         logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
-        write_random_checkpoint(model_dir, args.preset, device, dtype, seed=args.seed)
+        write_random_checkpoint(
+            model_dir, args.preset, device, dtype, seed=args.seed, overrides=overrides
+        )
     rng = np.random.default_rng(args.seed)
     B_max = max(args.batch_sizes)
     batch_prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(B_max)]
@@ -537,6 +563,8 @@ def _main(args, tmp_root: Path | None) -> int:
             recorded[B] = r.pop("tokens")
             off[str(B)] = r
         result["spec_off"] = off
+        if args.ngram_k <= 0:
+            return
         (C,) = run(eng, device, [P], args.output_len, "offP")["tokens"]
         prompt = P + C + P
         r = run(eng, device, [prompt], args.output_len, "offPCP")
@@ -580,7 +608,8 @@ def _main(args, tmp_root: Path | None) -> int:
         ng["speedup_same_engine"] = speedup(ng, in_engine_off["decode_tok_s"])
         result["ngram_batch1"] = ng
 
-    part(result, "ngram", out, ngram)
+    if args.ngram_k > 0:
+        part(result, "ngram", out, ngram)
 
     # 3. The oracle runs: one engine per k (the verify graphs are captured for the server's k).
     cost: dict[str, Any] = {}
@@ -667,6 +696,21 @@ def _main(args, tmp_root: Path | None) -> int:
     if args.eagle_k > 0:
         part(result, "eagle", out, eagle)
 
+    # 6. The target's own MTP layer (a hybrid model's; random weights written into the folder
+    # once: the step cost with k MTP forwards in it, acceptance as measured).
+    def mtp() -> None:
+        write_random_mtp(model_dir, hf_config, device, dtype, args.seed + 3)
+        eng = engine({"method": "mtp", "num_speculative_tokens": args.mtp_k})
+        prompt = batch_prompts[0]
+        run(eng, device, [prompt], 8, "warm")
+        m = with_proposer(eng, eng.proposer, device, [prompt], args.output_len, "mtp")
+        m.pop("tokens")
+        m["speedup"] = speedup(m, base_tok_s)
+        result["mtp_batch1"] = m
+
+    if args.mtp_k > 0:
+        part(result, "mtp", out, mtp)
+
     save(out, result)
     summary(args, result, base_tok_s)
     for name, err in result["errors"].items():
@@ -699,7 +743,11 @@ def summary(args, result: dict[str, Any], base_tok_s: float | None) -> None:
             f"acceptance {f(r['acceptance_rate'])} (expected {f(r['expected_acceptance_rate'])}), "
             f"accepted length {f(r['mean_acceptance_length'])}, ideal {f(r['ideal_speedup'])}"
         )
-    for key, what in (("draft_model_batch1", "draft model"), ("eagle_batch1", "eagle")):
+    for key, what in (
+        ("draft_model_batch1", "draft model"),
+        ("eagle_batch1", "eagle"),
+        ("mtp_batch1", "mtp"),
+    ):
         r = result.get(key)
         if r:
             print(

@@ -145,6 +145,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=248044,
         eos_token_id=248046,
     ),
+    # A hybrid of the Qwen3.5 kind at CPU-test size (the benchmarks' hybrid paths end to end).
+    "tiny-hybrid": dict(
+        model_type="qwen3_5_text",
+        architectures=["Qwen3_5ForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=512,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "tiny": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
@@ -499,6 +521,73 @@ def write_random_checkpoint(
         marker["overrides"] = overrides
     (out / "voltserve_preset.json").write_text(json.dumps(marker))
     return out
+
+
+def write_random_mtp(
+    model_dir: str | Path,
+    config,
+    device: str = "auto",
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    layers: int = 1,
+) -> bool:
+    """Add `layers` random multi-token-prediction layers to a hybrid checkpoint folder, in the
+    published Qwen3.5 / Qwen3-Next layout (services/executor/spec/mtp_head.py): mtp.fc over
+    [normed embedding; normed hidden], its norms, mtp.layers.i.* (a gated full-attention decoder
+    layer of the target's widths) and mtp.norm, in a shard of their own (listed in the index of
+    a sharded folder), float also in a quantized folder (the published AWQ checkpoints keep
+    them so: modules_to_not_convert names "mtp"), and mtp_num_hidden_layers in config.json.
+    `config`: the folder's transformers config. False when the folder already holds them."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(device)
+    out = Path(model_dir)
+    marker = out / "voltserve_mtp.json"
+    want = {"layers": layers, "seed": seed}
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return False
+    types = list(getattr(config, "layer_types", None) or [])
+    if "full_attention" not in types:
+        raise ValueError("write_random_mtp needs a hybrid config with full-attention layers")
+    # A decoder layer of the target's full-attention kind: names and shapes from a meta model of
+    # the same widths, up to its first full-attention layer.
+    first = types.index("full_attention")
+    small = type(config).from_dict(
+        {**config.to_dict(), "num_hidden_layers": first + 1, "layer_types": types[: first + 1]}
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(small, dtype=dtype)
+    stem = f"model.layers.{first}."
+    layer = {n[len(stem) :]: p.shape for n, p in model.named_parameters() if n.startswith(stem)}
+    H = config.hidden_size
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(shape, std: float) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0, std, generator=gen).cpu()
+
+    tensors = {"mtp.fc.weight": draw((H, 2 * H), (2 * H) ** -0.5)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = draw((H,), 0.1)  # zero-centred: a scale near 1
+    for i in range(layers):
+        for name, shape in layer.items():
+            std = 0.1 if name.endswith("norm.weight") else 0.02
+            tensors[f"mtp.layers.{i}.{name}"] = draw(shape, std)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "mtp.safetensors"))
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, "mtp.safetensors"))
+        index.write_text(json.dumps(data, indent=1))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = layers
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        skip = list(quant.get("modules_to_not_convert") or [])
+        quant["modules_to_not_convert"] = skip + ["mtp"] if "mtp" not in skip else skip
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    marker.write_text(json.dumps(want))
+    return True
 
 
 def gguf_checkpoint_files(path: Path) -> list[Path] | None:

@@ -13,6 +13,8 @@
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
 # `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn; `hybrid-decode`: the Qwen3.5-27B
 # shape (HYBRID_LAYERS of its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64;
+# `hybrid-spec`: the same AWQ copy through bench_spec (cost curve k = 1..4, forced acceptance,
+# its MTP layer);
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
 # MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
@@ -427,6 +429,21 @@ PYEOF
       done
       run decode_qwen35_fp16_4096 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD" --prompt-len 4096 --output-len 128 --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 0 --max-model-len 65536 --out "$OUT/decode_qwen3.5-27b-l${HL}_fp16_b1_4096.json"
       run decode_qwen35_awq_b64 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len 512 --output-len 32 --runs 1 --warmup 0 --batch-sizes 64 --context 1024 --out "$OUT/decode_qwen3.5-27b-l${HL}_awq_b64.json"
+      ;;
+    hybrid-spec)
+      # Speculative decoding on the Qwen3.5-27B shape's AWQ copy (hybrid-decode's folders, written
+      # here when absent), batch 1 at each of HYBRID_SPEC_CONTEXTS (default 4096; 32768 in a call
+      # of its own): the verify-step cost curve for k = 1..4 and forced acceptance (the oracle,
+      # p = 0.1 / 0.3 at k = 2 and 4) against the ideal, with the state rollback of the GDN
+      # layers; the model's own MTP layer (random, added to the folder once) at k =
+      # HYBRID_MTP_K; speculation off in the same run. Not yet timed.
+      HL=${HYBRID_LAYERS:-16}
+      HD=/tmp/voltserve-qwen3.5-27b-l$HL
+      run make_qwen35 $PY load_tests/common.py make-checkpoint --preset qwen3.5-27b --layers "$HL" --out "$HD" --device cuda
+      run make_qwen35_awq $PY load_tests/make_awq_checkpoint.py --src "$HD" --out "$HD-awq" --group 128
+      for ctx in ${HYBRID_SPEC_CONTEXTS:-4096}; do
+        run "spec_qwen35_awq_$ctx" $PY load_tests/bench_spec.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 --cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3 --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_qwen3.5-27b-l${HL}_awq_$ctx.json"
+      done
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the

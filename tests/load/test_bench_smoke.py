@@ -390,6 +390,28 @@ def test_bench_startup_cpu_smoke(tmp_path):
     assert run["cache_entries"] == 0  # nothing compiled on the CPU
 
 
+def test_bench_spec_hybrid_mtp_smoke(tmp_path):
+    """bench_spec on a hybrid target (Gated DeltaNet layers, fp32 on the CPU): a perfect oracle
+    (p = 0) has every proposal accepted through the verify steps' state rollback, and the
+    target's own MTP layer (random, written into the folder once) proposes k tokens a step;
+    n-gram, draft model and EAGLE left out."""
+    out = tmp_path / "spec.json"
+    model = tmp_path / "model"
+    args = ["load_tests/bench_spec.py", "--preset", "tiny-hybrid", "--device", "cpu"]
+    args += ["--model-dir", str(model), "--prompt-len", "24", "--output-len", "10"]
+    args += ["--cost-ks", "3", "--oracle-ks", "3", "--corrupt", "0", "--batch-sizes", "1"]
+    args += ["--ngram-k", "0", "--draft-preset", "none", "--eagle-k", "0", "--mtp-k", "2"]
+    _run(args + ["--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["errors"] == {}
+    assert "ngram_batch1" not in r and "draft_model_batch1" not in r and "eagle_batch1" not in r
+    forced = r["forced_acceptance_batch1"]["k3_p0.0"]
+    assert forced["acceptance_rate"] == 1.0, forced
+    m = r["mtp_batch1"]
+    assert m["num_drafts"] > 0 and m["decode_tok_s"] > 0
+    assert json.loads((model / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+
+
 def test_bench_spec_smoke(tmp_path, monkeypatch):
     """bench_spec end to end at a tiny size: every section written; a perfect oracle (p = 0,
     fp32 on the CPU) has every proposal accepted, at a k above the n-gram engine's (an engine
