@@ -455,15 +455,18 @@ def test_bench_spec_smoke(tmp_path, monkeypatch):
         assert fig["verify_in_graphs"] is False and fig["graphs"]["verify_graph"] == 0
 
 
-def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path, preset):
     """An AWQ folder given as --model-dir is served, not overwritten by a random fp16
-    checkpoint, and its floor counts the bytes it stores (codes, scales, zeros, fp16 lm_head)."""
+    checkpoint, and its floor counts the bytes it stores (codes, scales, zeros, fp16 lm_head).
+    The hybrid: its Gated DeltaNet projections quantized too, its floor with the recurrent
+    state of its 3 GDN layers and the KV of its one full-attention layer."""
     src, awq, out = tmp_path / "fp16", tmp_path / "awq", tmp_path / "decode.json"
-    _run(["load_tests/common.py", "make-checkpoint", "--preset", "tiny", "--out", str(src)])
+    _run(["load_tests/common.py", "make-checkpoint", "--preset", preset, "--out", str(src)])
     _run(
         ["load_tests/make_awq_checkpoint.py", "--src", str(src), "--out", str(awq), "--group", "32"]
     )
-    args = ["--preset", "tiny", "--device", "cpu", "--prompt-len", "8", "--output-len", "3"]
+    args = ["--preset", preset, "--device", "cpu", "--prompt-len", "8", "--output-len", "3"]
     args += ["--runs", "1", "--warmup", "0", "--bandwidth-bytes", str(1 << 20)]
     _run(["load_tests/bench_decode.py", *args, "--model-dir", str(src), "--out", str(out)])
     fp16 = json.loads(out.read_text())["model"]["read_per_token_bytes"]
@@ -478,6 +481,16 @@ def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path):
     # int4 g32 layers (~0.3 of fp16's bytes) beside the fp16 lm_head: well under fp16.
     assert 0 < d["model"]["read_per_token_bytes"] < 0.8 * fp16
     assert d["engine"]["decode_tok_s"] > 0
+    if preset == "tiny-hybrid":
+        from safetensors import safe_open
+
+        with safe_open(str(awq / "model.safetensors"), "pt") as st:
+            assert "model.layers.0.linear_attn.in_proj_qkv.qweight" in set(st.keys())
+        assert d["model"]["kv_layers"] == 1 and d["model"]["layers"] == 4
+        # the conv state in the run dtype: fp32 on the CPU
+        state = 3 * (8 * 16 * 16 * 4 + (2 * 4 * 16 + 8 * 16) * 3 * 4)
+        assert d["model"]["state_bytes_per_sequence"] == state
+        assert d["floor"]["state_read_write_bytes"] == 2 * state
 
 
 def test_profile_kernels_prefill_cpu_smoke(tmp_path):
