@@ -27,6 +27,13 @@ token time). Its floor: the weight bytes a token reads (all layers and the lm_he
 folder's stored bytes) plus the KV bytes at the decode's mean context (2 bytes an element in
 fp16, 1 in fp8), over the device copy bandwidth measured in the same run (common.py).
 
+A hybrid model (`--preset qwen3.5-27b --layers 16 --rope native`: Gated DeltaNet layers with a
+full-attention layer every fourth, its own rope to 262,144 positions) keeps KV in its
+full-attention layers only, so its floor adds the recurrent state read and written each step to
+the weights and that KV; `longest_over_shortest` is each run's speed at its longest context over
+its shortest (the reference system's 128K / 4K). Prefix caching is off for hybrid models, so
+each of their contexts is prefilled from nothing.
+
 Peak memory of the fresh prefill: torch.cuda.max_memory_allocated over the request (from its
 arrival to its first token), and above what was allocated before it (weights, the KV pool, the
 decode graph's pool): the activation share, next to the activation peak the engine's KV sizing
@@ -67,9 +74,11 @@ from load_tests.common import (  # noqa: E402
     checkpoint_read_bytes,
     env_info,
     kv_bytes_per_token,
+    layer_overrides,
     make_hf_config,
     measure_copy_bandwidth,
     resolve_device,
+    state_bytes_per_sequence,
     synchronize,
     weight_bytes,
     write_json,
@@ -89,7 +98,11 @@ LONGEST = 262144
 def rope_overrides(preset: str, rope: str, max_positions: int) -> dict[str, Any]:
     """Config fields that give `preset` a rope scaling reaching max_positions (see the module
     docstring): llama3 as Llama 3.1 with max_position_embeddings raised, or YaRN by
-    max_positions / ORIGINAL_POSITIONS."""
+    max_positions / ORIGINAL_POSITIONS; native: the preset's own rope (a model trained to its
+    max_position_embeddings, as Qwen3.5's 262,144), only the length written when it differs."""
+    if rope == "native":
+        native = PRESETS[preset].get("max_position_embeddings")
+        return {} if native == max_positions else {"max_position_embeddings": max_positions}
     theta = PRESETS[preset]["rope_theta"]
     original = min(ORIGINAL_POSITIONS, max_positions // 2)  # (small --max-positions: tests)
     if rope == "llama3":
@@ -109,8 +122,14 @@ def rope_overrides(preset: str, rope: str, max_positions: int) -> dict[str, Any]
             "original_max_position_embeddings": original,
         }
     else:
-        raise ValueError(f"unknown rope {rope!r} (llama3 or yarn)")
+        raise ValueError(f"unknown rope {rope!r} (llama3, yarn or native)")
     return {"max_position_embeddings": max_positions, "rope_parameters": params}
+
+
+def checkpoint_overrides(args) -> dict[str, Any]:
+    """The checkpoint's config overrides: the rope's (rope_overrides) and --layers'."""
+    rope = rope_overrides(args.preset, args.rope, args.max_positions)
+    return rope | layer_overrides(args.layers)
 
 
 def kv_bytes_per_element(kv: str, run_dtype: torch.dtype) -> int:
@@ -261,7 +280,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         max_graph_batch_size=1,
         cuda_graph_sizes=(1,),
         kv_cache_dtype=spec["kv"],
-        enable_prefix_caching=True,
+        # None: the engine's default, off for a hybrid model (its recurrent state has no
+        # snapshots at block boundaries), where every context is prefilled from nothing
+        enable_prefix_caching=spec.get("prefix_caching", True),
         seed=0,
     )
     t0 = time.perf_counter()
@@ -318,7 +339,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def ensure_checkpoints(args, device: str, result: dict[str, Any]) -> dict[str, Path]:
     """The fp16 folder (written once, reused when its marker matches) and, when asked for, its
     AWQ int4 g128 copy beside it."""
-    overrides = rope_overrides(args.preset, args.rope, args.max_positions)
+    overrides = checkpoint_overrides(args)
     fp16_dir = Path(args.model_dir)
     dirs: dict[str, Path] = {"fp16": fp16_dir}
     if not checkpoint_matches(fp16_dir, args.preset, overrides):
@@ -350,17 +371,29 @@ def weight_read_bytes(weights: str, model_dir: Path, config, dtype: torch.dtype)
     return weight_bytes(config, dtype)["read_per_token_bytes"]
 
 
-def add_floors(run: dict[str, Any], w_bytes: int, kv_tok: int, bw_Bps: float) -> None:
-    """Each point's floor (weights + KV at its mean context, over the copy bandwidth) and the
-    fraction of it the engine reached."""
+def add_floors(
+    run: dict[str, Any], w_bytes: int, kv_tok: int, bw_Bps: float, state_seq: int = 0
+) -> None:
+    """Each point's floor (weights + KV at its mean context + a hybrid model's recurrent state,
+    read and written once a step, over the copy bandwidth) and the fraction of it the engine
+    reached; the speed at the longest context over that at the shortest."""
     run["kv_bytes_per_token"] = kv_tok
+    run["state_bytes_per_sequence"] = state_seq
     for p in run.get("points", []):
-        read = w_bytes + p["mean_context"] * kv_tok
+        read = w_bytes + p["mean_context"] * kv_tok + 2 * state_seq
         p["floor_read_bytes"] = read
         p["floor_ms"] = read / bw_Bps * 1e3
         p["floor_tok_s"] = 1e3 / p["floor_ms"]
         if p.get("ms_per_token"):
             p["fraction_of_floor"] = p["floor_ms"] / p["ms_per_token"]
+    timed = sorted(
+        (p["context"], p["decode_tok_s"]) for p in run.get("points", []) if p.get("decode_tok_s")
+    )
+    if len(timed) > 1:
+        run["longest_over_shortest"] = {
+            "contexts": [timed[-1][0], timed[0][0]],
+            "speed_ratio": timed[-1][1] / timed[0][1],
+        }
 
 
 def kv_ratios(runs: list[dict[str, Any]], context: int) -> list[dict[str, Any]]:
@@ -423,10 +456,9 @@ def run_point(args, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 def main_bench(args, device: str, result: dict[str, Any], t_start: float) -> None:
     dirs = ensure_checkpoints(args, device, result)
     release_cached_memory(device)
-    config = make_hf_config(
-        args.preset, args.torch_dtype, **rope_overrides(args.preset, args.rope, args.max_positions)
-    )
+    config = make_hf_config(args.preset, args.torch_dtype, **checkpoint_overrides(args))
     kv_elem_tok = kv_bytes_per_token(config, torch.float16) // 2  # K and V elements a token
+    state_seq = state_bytes_per_sequence(config, args.torch_dtype)
     bw = result["copy_bandwidth"]["bandwidth_GBps"] * 1e9
     bound = min(args.max_positions, max(args.contexts) + args.output_len)
     if args.max_model_len:
@@ -469,6 +501,7 @@ def main_bench(args, device: str, result: dict[str, Any], t_start: float) -> Non
                 "warmup_len": args.warmup_len,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "gpu_memory_utilization": args.gpu_memory_utilization,
+                "prefix_caching": None if state_seq else True,
                 "seed": args.seed,
                 "out": str(work / f"{name}.json"),
             }
@@ -478,7 +511,7 @@ def main_bench(args, device: str, result: dict[str, Any], t_start: float) -> Non
             run["wall_s"] = last_wall[weights] = time.perf_counter() - t0
             run.update(res)
             kv_tok = kv_elem_tok * kv_bytes_per_element(kv, args.torch_dtype)
-            add_floors(run, w_bytes, kv_tok, bw)
+            add_floors(run, w_bytes, kv_tok, bw, state_seq)
             runs.append(run)
             write_json(args.out, result)
     ctx = args.ratio_context if args.ratio_context in args.contexts else max(args.contexts)
@@ -616,7 +649,10 @@ def _names(allowed: tuple[str, ...]):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    p.add_argument("--rope", choices=("llama3", "yarn"), default="llama3")
+    p.add_argument("--rope", choices=("llama3", "yarn", "native"), default="llama3")
+    p.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the preset's, same widths"
+    )
     p.add_argument(
         "--max-positions",
         type=int,
@@ -698,11 +734,13 @@ def main(argv: list[str] | None = None) -> int:
         args.model_dir = str(
             Path(tempfile.gettempdir())
             / f"voltserve-{args.preset}-{args.rope}-{args.max_positions}"
+            f"{f'-l{args.layers}' if args.layers else ''}"
         )
     result: dict[str, Any] = {
         "benchmark": "long_context",
         "preset": args.preset,
         "rope": rope_overrides(args.preset, args.rope, args.max_positions),
+        "layers": args.layers,
         "device": device,
         "env": env_info(device),
         "args": {k: v for k, v in vars(args).items() if k != "torch_dtype"},

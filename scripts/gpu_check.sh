@@ -14,7 +14,7 @@
 # `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn; `hybrid-decode`: the Qwen3.5-27B
 # shape (HYBRID_LAYERS of its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64;
 # `hybrid-spec`: the same AWQ copy through bench_spec (cost curve k = 1..4, forced acceptance,
-# its MTP layer);
+# its MTP layer); `hybrid-long-context`: the same AWQ copy at 4K and 128K with fp16 / fp8 KV;
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
 # MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
@@ -444,6 +444,16 @@ PYEOF
       for ctx in ${HYBRID_SPEC_CONTEXTS:-4096}; do
         run "spec_qwen35_awq_$ctx" $PY load_tests/bench_spec.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 --cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3 --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_qwen3.5-27b-l${HL}_awq_$ctx.json"
       done
+      ;;
+    hybrid-long-context)
+      # The Qwen3.5-27B shape's AWQ copy (hybrid-decode's folders) at batch 1, 4K and 128K
+      # (HYBRID_LONGCTX_CONTEXTS) with fp16 and fp8_e5m2 KV (HYBRID_LONGCTX_KV): each against
+      # its floor (weights + the full-attention layers' KV + the GDN state) and the 128K / 4K
+      # speed ratio (longest_over_shortest; the reference system's 0.75). Prefix caching is off
+      # for hybrids, so each context is prefilled from nothing. Not yet timed.
+      HL=${HYBRID_LAYERS:-16}
+      HD=/tmp/voltserve-qwen3.5-27b-l$HL
+      run hybrid_long_context $PY load_tests/bench_long_context.py --preset qwen3.5-27b --layers "$HL" --rope native --model-dir "$HD" --awq-dir "$HD-awq" --weights awq --kv "${HYBRID_LONGCTX_KV:-auto,fp8_e5m2}" --contexts "${HYBRID_LONGCTX_CONTEXTS:-4096,131072}" --time-budget "${LONGCTX_SECONDS:-480}" --work-dir "$OUT/hybrid_long_context" --out "$OUT/hybrid_long_context.json"
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the

@@ -58,3 +58,37 @@ def test_bench_long_context_cpu_smoke(tmp_path) -> None:
         ModelRunner(EngineConfig(model=str(model), max_model_len=128, cpu_kv_cache_bytes=3 * 8192))
     m = blc.REFUSAL.search(str(e.value))
     assert m is not None and int(m.group(2)) == 16 * int(m.group(1))
+
+
+def test_bench_long_context_hybrid_cpu_smoke(tmp_path) -> None:
+    """A hybrid model (tiny-hybrid: 3 Gated DeltaNet layers and 1 full-attention layer, its own
+    rope): KV counted for the full-attention layer only, the recurrent state read and written
+    once a step in every floor, prefix caching off (each context prefilled from nothing), and
+    the longest context's speed over the shortest's reported."""
+    out = tmp_path / "long.json"
+    model = tmp_path / "hybrid"
+    run_main(
+        "bench_long_context",
+        ["--preset", "tiny-hybrid", "--rope", "native", "--device", "cpu"]
+        + ["--max-positions", "128", "--contexts", "32,128", "--ttft-context", "128"]
+        + ["--output-len", "8", "--warmup-len", "16", "--max-num-batched-tokens", "64"]
+        + ["--weights", "fp16", "--kv", "auto,fp8_e5m2", "--in-process"]
+        + ["--bandwidth-bytes", str(1 << 20), "--model-dir", str(model), "--out", str(out)],
+    )
+    d = json.loads(out.read_text())
+    assert d["errors"] == {}
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 128  # the model's own rope, only the length set
+    assert cfg["rope_parameters"]["rope_type"] == "default"
+    auto, fp8 = d["runs"]
+    # one full-attention layer of 2 KV heads of 32, fp32 on the CPU
+    assert auto["kv_bytes_per_token"] == 2 * 1 * 2 * 32 * 4
+    state = 3 * (8 * 16 * 16 * 4 + (2 * 4 * 16 + 8 * 16) * 3 * 4)
+    for run in (auto, fp8):
+        assert run["errors"] == {} and run["state_bytes_per_sequence"] == state
+        for p in run["points"]:
+            assert p["cached_prompt_tokens"] == 0
+            kv = p["mean_context"] * run["kv_bytes_per_token"]
+            assert p["floor_read_bytes"] == run["weight_read_bytes"] + kv + 2 * state
+        assert run["longest_over_shortest"]["contexts"] == [128, 32]
+        assert run["longest_over_shortest"]["speed_ratio"] > 0
