@@ -11,6 +11,7 @@
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
+# `fp4-b1`: Llama-3-8B as NVFP4 and MXFP4 (compressed-tensors) at batch 1 beside its AWQ copy;
 # `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn; `hybrid-decode`: the Qwen3.5-27B
 # shape (HYBRID_LAYERS of its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64;
 # `hybrid-spec`: the same AWQ copy through bench_spec (cost curve k = 1..4, forced acceptance,
@@ -197,11 +198,12 @@ for stage in $STAGES; do
       ;;
     real-shapes)
       # tests/gpu/test_real_shapes_gpu.py alone (each server takes the whole GPU): fp16, AWQ,
-      # GPTQ act-order, compressed-tensors W4A16, GGUF Q4_K_M and Q8_0 at the Llama-3-8B shape
+      # GPTQ act-order, compressed-tensors W4A16, NVFP4 and MXFP4, GGUF Q4_K_M and Q8_0 at the
+      # Llama-3-8B shape
       # with two layers, fp16 and AWQ at Qwen2.5-7B's, fp16 with a 262,144-token vocabulary;
       # `voltserve serve` at its default flags, an 8K prompt prefilled in chunks, a batch of 64,
       # greedy within the stated tolerance of fp32 transformers (on an H100: ~75 s a case,
-      # checkpoint writes included; ~12 min for all nine). real_shapes.json: device, date, commit, each case's timings, largest
+      # checkpoint writes included; ~14 min for all eleven: two calls, GPU_TEST_K). real_shapes.json: device, date, commit, each case's timings, largest
       # differences and problems. GPU_TEST_K picks cases (e.g. "llama3-8b-gguf").
       run real_shapes env VOLTSERVE_REAL_SHAPES_OUT="$OUT" $PY -P -m pytest -q --timeout 1800 tests/gpu/test_real_shapes_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       ;;
@@ -409,6 +411,21 @@ PYEOF
       # and 8 x 1024 against its roofline, transformers as the anchor).
       run gdn_tests $PY -P -m pytest -q --timeout 900 tests/gpu/test_linear_attention_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} -p no:cacheprovider
       run bench_gdn $PY load_tests/bench_gdn.py --out "$OUT/bench_gdn.json"
+      ;;
+    fp4-b1)
+      # FP4 weights at the Llama-3-8B shape, batch 1, no transformers: the fp16 folder (written
+      # once), its AWQ int4 g128 copy and its compressed-tensors NVFP4 and MXFP4 copies
+      # (make_fp4_checkpoint.py: the library's own scales and compressor, on the GPU), each
+      # through bench_decode against its stored-bytes floor, in the same call (AWQ first: the
+      # anchor). Not yet timed; estimated ~1 min a conversion and ~1 min an engine.
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      run make_llama8b_awq $PY load_tests/make_awq_checkpoint.py --src /tmp/voltserve-llama3-8b --out /tmp/voltserve-llama3-8b-awq --group 128
+      for fmt in ${FP4_FORMATS:-nvfp4 mxfp4}; do
+        run "make_llama8b_$fmt" $PY load_tests/make_fp4_checkpoint.py --src /tmp/voltserve-llama3-8b --out "/tmp/voltserve-llama3-8b-$fmt" --format "$fmt"
+      done
+      for w in awq ${FP4_FORMATS:-nvfp4 mxfp4}; do
+        run "decode_b1_$w" $PY load_tests/bench_decode.py --preset llama3-8b --model-dir "/tmp/voltserve-llama3-8b-$w" --skip-transformers --runs 3 --warmup 1 --out "$OUT/decode_llama3-8b_b1_$w.json"
+      done
       ;;
     hybrid-decode)
       # The Qwen3.5-27B shape (a hybrid: Gated DeltaNet and gated full attention, 3:1) at

@@ -48,6 +48,7 @@ import torch
 from load_tests import common
 from load_tests import make_gguf_checkpoint as make_gguf
 from load_tests.serve_stack import ServeStack
+from tests import fp4_checkpoints as fc
 from tests import quant_checkpoints as qc
 
 # Seed of every float folder's random weights (the prompts come from each test's seed).
@@ -101,8 +102,10 @@ SHAPES: dict[str, Shape] = {
 
 # fp16 safetensors; AWQ int4 g128 (zero points); GPTQ int4 g128 act-order (symmetric, v1);
 # compressed-tensors W4A16 g128 (pack-quantized, symmetric); GGUF: llama.cpp's Q4_K_M mix (Q6_K
-# output.weight, Q4_K token_embd, Q4_K / Q6_K layers) and Q8_0 (token_embd and output too).
-FORMATS = ("fp16", "awq", "gptq", "ct", "gguf-q4_k_m", "gguf-q8_0")
+# output.weight, Q4_K token_embd, Q4_K / Q6_K layers) and Q8_0 (token_embd and output too);
+# compressed-tensors NVFP4 and MXFP4 weights (nvfp4- / mxfp4-pack-quantized, the library's own
+# scale rules and compressor: tests/fp4_checkpoints.py).
+FORMATS = ("fp16", "awq", "gptq", "ct", "gguf-q4_k_m", "gguf-q8_0", "ct-nvfp4", "ct-mxfp4")
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def float_folder(root: Path, shape: str) -> Path:
 
 def _outputs(root: Path, shape: str, fmt: str) -> list[Path]:
     """Folders a build of (shape, fmt) writes (the quant writers name theirs by their settings)."""
-    word = {"awq": "awq-", "gptq": "gptq-", "ct": "ct-"}.get(fmt, fmt)
+    word = {"awq": "awq-", "gptq": "gptq-", "ct": "ct-w"}.get(fmt, fmt)
     return sorted(root.glob(f"{shape}-{word}*"))
 
 
@@ -154,6 +157,8 @@ def build(root: Path, shape: str, fmt: str) -> Built:
         q, ref = qc.awq_checkpoint(arch, 128, src=src)
     elif fmt == "gptq":
         q, ref = qc.gptq_checkpoint(arch, 4, 128, desc_act=True, sym=True, src=src)
+    elif fmt in ("ct-nvfp4", "ct-mxfp4"):
+        q, ref = fc.ct_fp4_checkpoint(arch, fmt.removeprefix("ct-"), src=src)
     else:
         q, ref = qc.ct_checkpoint(arch, 4, 128, src=src)
     return Built(q, None, ref, {}, vocab)

@@ -5,8 +5,9 @@ memory), so skipped in a pytest-xdist worker: `scripts/gpu_check.sh OUT real-sha
 
 Cases: the Llama-3-8B shape with two layers (vocabulary 128,256, hidden 4096, intermediate
 14,336, 32 heads over 8 KV heads of 128) in fp16 safetensors, AWQ int4 g128, GPTQ int4 g128
-act-order, compressed-tensors W4A16 g128, GGUF Q4_K_M (llama.cpp's mix: Q6_K output.weight,
-Q4_K token_embd, Q4_K / Q6_K layers) and GGUF Q8_0 (token_embd and output Q8_0 too); the
+act-order, compressed-tensors W4A16 g128, compressed-tensors NVFP4 and MXFP4 (weights only),
+GGUF Q4_K_M (llama.cpp's mix: Q6_K output.weight, Q4_K token_embd, Q4_K / Q6_K layers) and
+GGUF Q8_0 (token_embd and output Q8_0 too); the
 Qwen2.5-7B shape with two layers (vocabulary 152,064, hidden 3584, intermediate 18,944, 28 heads
 over 4) in fp16 and AWQ; Gemma 3's 262,144-token vocabulary on the Llama widths in fp16. Each
 server starts with only --host / --port (and --tokenizer for a GGUF file, whose metadata cannot
@@ -70,6 +71,8 @@ CASES = [
     ("llama3-8b", "awq"),
     ("llama3-8b", "gptq"),
     ("llama3-8b", "ct"),
+    ("llama3-8b", "ct-nvfp4"),
+    ("llama3-8b", "ct-mxfp4"),
     ("qwen2.5-7b", "fp16"),
     ("qwen2.5-7b", "awq"),
     ("vocab262k", "fp16"),
