@@ -82,6 +82,8 @@ def convert(
         return {**want, "reused": True}
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    # A conversion that stops half way must not leave a marker saying the folder is complete.
+    marker.unlink(missing_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
             shutil.copy(f, out / f.name)
