@@ -170,6 +170,10 @@ class Variant:
 
 
 WHOLE = -1
+# The bound cut into MERGE_MAX_PARTITIONS partitions (rounded up to a KV block): the online core
+# with the in-kernel merge spreading each context over them, at any bound (its partitions keep
+# no scores in shared memory, so their length is free).
+MERGE_SPAN = -2
 
 
 def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant]:
@@ -177,7 +181,9 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     context under a 131K-token server bound, past the in-kernel merge's partitions), then at
     small batches
     every short partition with the online and the block core (and 64 threads for partition 64:
-    it lost 6 us at 1K context on an H200 with the block core; 256 threads, online, for 128);
+    it lost 6 us at 1K context on an H200 with the block core; 256 threads, online, for 128;
+    and the bound cut into MERGE_MAX_PARTITIONS online partitions at 1x and 32x: the in-kernel
+    merge at bounds whose 1024-token partitions it cannot hold);
     at larger ones (a full grid with
     one block per sequence and KV head) the whole context as one partition with the default
     registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, and,
@@ -194,6 +200,7 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
         return out + [
             Variant(partition=64, threads=64, online=True),
             Variant(partition=128, threads=256, online=True),
+            *(Variant(partition=MERGE_SPAN, threads=256, online=True, bound=b) for b in (1, 32)),
         ]
     return out + [
         Variant(partition=WHOLE, regs=128, online=False),
@@ -248,7 +255,11 @@ def sweep_job(
     kw: dict = dict(max_seq_len=bound)
     mode = "dflt"
     if v.partition:
-        part = -(-context // 16) * 16 if v.partition == WHOLE else v.partition
+        part = v.partition
+        if v.partition == WHOLE:
+            part = -(-context // 16) * 16
+        elif v.partition == MERGE_SPAN:
+            part = -(-bound // (MERGE_MAX_PARTITIONS * 16)) * 16
         n_part = num_partitions(bound, part)
         mode = "merge" if n_part <= MERGE_MAX_PARTITIONS else "split"
         p_ws = MERGE_MAX_PARTITIONS if mode == "merge" else n_part
