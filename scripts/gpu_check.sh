@@ -6,7 +6,8 @@
 # Stages (default: all, in this order): env tests kernels decode-small decode-8b serving
 # (and `attention`: the decode/prefill attention benchmark alone; `attention-fp8`: decode over
 # fp8 pages, its GPU tests and fp16 / e5m2 / e4m3 at 4K..256K; `attention-sweep`: decode
-# attention's launch variants (SWEEP=BxC,...); `prefill`: prefill attention at 1 and 8 prompts per launch;
+# attention's launch variants (SWEEP=BxC,...); `attention-long`: the same at batch 1 under long
+# bounds, fp16 and fp8 pages; `prefill`: prefill attention at 1 and 8 prompts per launch;
 # `spec`: speculative decoding's GPU tests and benchmark;
 # `prompt-logprobs`: prompt logprobs in prefill against transformers;
 # `startup`: serve to ready, cold/warm kernel cache and cache off, for the 8B and 0.5B shapes;
@@ -157,6 +158,16 @@ for stage in $STAGES; do
       # Decode attention over its launch knobs (11-12 kernel builds per point, ~25 s each,
       # spread over SWEEP_JOBS processes; rows are printed to the log as they are measured).
       run bench_attention_sweep $PY load_tests/bench_attention.py --contexts 1024 --batches 1 --skip-prefill --sweep "${SWEEP:-1x1024}" --partitions "${SWEEP_PARTITIONS:-}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_sweep.json"
+      ;;
+    attention-long)
+      # Batch-1 decode attention under long bounds, fp16 and fp8_e5m2 pages, KV evicted from L2:
+      # the launch variants of `attention-sweep` at 4K, 32K and 128K (ATTN_LONG_POINTS), among
+      # them the default at 1x / 8x / 32x bounds (split mode spreading the context past the
+      # in-kernel merge's 32 partitions) and the online core over the bound cut into 32
+      # partitions: which launch long bounds should take, and whether the one-byte pages reach
+      # the fp16 kernel's share of copy bandwidth under some launch. Not yet timed (~80
+      # compiles over SWEEP_JOBS processes).
+      run bench_attention_long $PY load_tests/bench_attention.py --contexts 4096 --batches 1 --kv fp16,fp8_e5m2 --skip-prefill --cold --sweep "${ATTN_LONG_POINTS:-1x4096,1x32768,1x131072}" --jobs "${SWEEP_JOBS:-12}" --out "$OUT/bench_attention_long.json"
       ;;
     prefill)
       # Prefill attention alone at one 1024-token prompt and at a serving step's 8 x 1024 (the
