@@ -244,9 +244,10 @@ def run_single(engine, prompts, args, result: dict) -> bool:
         if single["ms_per_token"]:
             fl = result["floor"]
             single["roofline_fraction"] = fl["ms_per_token"] / single["ms_per_token"]
-            single["roofline_fraction_with_context"] = (
-                fl["with_context_ms_per_token"] / single["ms_per_token"]
-            )
+            if "with_context_ms_per_token" in fl:  # (callers with floors of their own: bench_moe)
+                single["roofline_fraction_with_context"] = (
+                    fl["with_context_ms_per_token"] / single["ms_per_token"]
+                )
         result["engine"] = single
         hf = result.get("transformers")
         if hf and hf.get("decode_tok_s") and single["decode_tok_s"]:

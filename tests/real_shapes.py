@@ -164,6 +164,17 @@ def build(root: Path, shape: str, fmt: str) -> Built:
     return Built(q, None, ref, {}, vocab)
 
 
+def import_compressed_tensors() -> None:
+    """Every compressed-tensors module the ct writers use, imported in this thread."""
+    import compressed_tensors.compressors.mxfp4.base  # noqa: F401
+    import compressed_tensors.compressors.nvfp4.base  # noqa: F401
+    import compressed_tensors.compressors.nvfp4.helpers  # noqa: F401
+    import compressed_tensors.compressors.pack_quantized.base  # noqa: F401
+    import compressed_tensors.quantization  # noqa: F401
+    import compressed_tensors.quantization.lifecycle.forward  # noqa: F401
+    import compressed_tensors.quantization.utils.helpers  # noqa: F401
+
+
 class Builds:
     """Every case of a session built once, in `workers` threads started by start(); get() waits
     for one. A case's outputs count only once its marker is written: a build that stopped half
@@ -176,6 +187,10 @@ class Builds:
         self.folder_locks = {shape: threading.Lock() for shape in SHAPES}
 
     def start(self, cases: list[tuple[str, str]]) -> None:
+        if any(fmt.startswith("ct") for _, fmt in cases):
+            # compressed-tensors' compressor modules import each other: imported by two build
+            # threads at once, one of them finds the other's module half initialised.
+            import_compressed_tensors()
         for case in cases:
             if case not in self.futures:
                 self.futures[case] = self.pool.submit(self._build, *case)
