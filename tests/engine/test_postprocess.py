@@ -104,9 +104,11 @@ def test_an_accepted_run_stops_at_a_stop_token_and_at_max_tokens(rng) -> None:
     spec[j] = stop_id
     eng.add_request("s", [7] * 9, SamplingParams(max_tokens=50, stop_token_ids=[stop_id]))
     eng.add_request("m", [8] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
-    eng.step()
-    if eng.requests["s"].output_token_ids[-1] == stop_id:
-        return  # the first sampled token was already the stop id (an allowed draw)
+    first = {o.request_id: o for o in eng.step()}["s"]
+    if first.new_token_ids == [stop_id]:
+        # the first sampled token was already the stop id (an allowed draw): it ended there
+        assert first.finish_reason == "stop" and "s" not in eng.requests
+        return
     (out,) = _verify_step(eng, "s", spec, spec + [rng.randrange(VOCAB)])
     assert out.new_token_ids == spec[: j + 1] and out.finish_reason == "stop"
     filler = [rng.randrange(VOCAB) for _ in range(4)]
