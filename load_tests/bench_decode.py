@@ -56,6 +56,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    add_layers_argument,
     attention_layers,
     cell,
     checkpoint_matches,
@@ -70,6 +71,7 @@ from load_tests.common import (  # noqa: E402
     quantized_checkpoint,
     resolve_device,
     resolve_dtype,
+    sequence_read_bytes,
     state_bytes_per_sequence,
     synchronize,
     weight_bytes,
@@ -395,12 +397,7 @@ def agree_prefix(a: list[int], b: list[int]) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="fewer layers than the preset's, same widths (a checkpoint written with them)",
-    )
+    add_layers_argument(p)
     p.add_argument(
         "--model-dir",
         help="reuse (or write once into) this checkpoint folder; a quantized folder or a GGUF "
@@ -510,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     # recurrent state (read and written once a step) added to the weights: what a long prompt
     # or a hybrid model reads besides the weights.
     mean_context = args.prompt_len + args.output_len / 2
-    seq_bytes = mean_context * kv_tok + 2 * state_seq
+    seq_bytes = sequence_read_bytes(mean_context, kv_tok, state_seq)
     ctx_s = (wbytes["read_per_token_bytes"] + seq_bytes) / bw_Bps
     result["floor"].update(
         mean_context=mean_context,
@@ -580,7 +577,7 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes, sta
     def floor_at(batch: int, mean_context: float) -> float:
         """ms to read the weights, `batch` sequences' KV at that mean context and their
         recurrent state (read and written)."""
-        seq = mean_context * kv_tok + 2 * state_seq
+        seq = sequence_read_bytes(mean_context, kv_tok, state_seq)
         return (wbytes["read_per_token_bytes"] + batch * seq) / bw_Bps * 1e3
 
     batched = []

@@ -69,6 +69,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    add_layers_argument,
     cell,
     checkpoint_matches,
     checkpoint_read_bytes,
@@ -78,6 +79,7 @@ from load_tests.common import (  # noqa: E402
     make_hf_config,
     measure_copy_bandwidth,
     resolve_device,
+    sequence_read_bytes,
     state_bytes_per_sequence,
     synchronize,
     weight_bytes,
@@ -380,7 +382,7 @@ def add_floors(
     run["kv_bytes_per_token"] = kv_tok
     run["state_bytes_per_sequence"] = state_seq
     for p in run.get("points", []):
-        read = w_bytes + p["mean_context"] * kv_tok + 2 * state_seq
+        read = w_bytes + sequence_read_bytes(p["mean_context"], kv_tok, state_seq)
         p["floor_read_bytes"] = read
         p["floor_ms"] = read / bw_Bps * 1e3
         p["floor_tok_s"] = 1e3 / p["floor_ms"]
@@ -650,9 +652,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     p.add_argument("--rope", choices=("llama3", "yarn", "native"), default="llama3")
-    p.add_argument(
-        "--layers", type=int, default=None, help="fewer layers than the preset's, same widths"
-    )
+    add_layers_argument(p)
     p.add_argument(
         "--max-positions",
         type=int,

@@ -89,6 +89,7 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    add_layers_argument,
     checkpoint_matches,
     dtype_name,
     env_info,
@@ -432,9 +433,7 @@ def parse_args(argv):
         help="reuse (or write once into) this checkpoint folder; a quantized folder (AWQ, "
         "make_awq_checkpoint.py) is served as it is",
     )
-    p.add_argument(
-        "--layers", type=int, default=None, help="fewer layers than the preset's, same widths"
-    )
+    add_layers_argument(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-len", type=int, default=512)

@@ -766,6 +766,19 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def add_layers_argument(p: argparse.ArgumentParser) -> None:
+    """--layers N: a preset's widths with fewer layers (see layer_overrides)."""
+    p.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the preset's, same widths"
+    )
+
+
+def sequence_read_bytes(mean_context: float, kv_tok: int, state_seq: int) -> float:
+    """What one sequence adds to a decode step's reads: its KV at that mean context and a hybrid
+    model's recurrent state, read and written once."""
+    return mean_context * kv_tok + 2 * state_seq
+
+
 def layer_overrides(layers: int | None) -> dict[str, Any]:
     """The config overrides of a `--layers N` option (none without one)."""
     if layers is None:
@@ -784,9 +797,7 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--device", default="auto")
     mk.add_argument("--dtype", default="float16")
     mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument(
-        "--layers", type=int, default=None, help="fewer layers than the preset's (same widths)"
-    )
+    add_layers_argument(mk)
     bw = sub.add_parser("bandwidth", help="print the device copy bandwidth")
     bw.add_argument("--device", default="auto")
     args = p.parse_args(argv)

@@ -26,6 +26,7 @@ import argparse
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,17 +69,23 @@ def quantize(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     }
 
 
-def convert(
-    src: Path, out: Path, group: int = 128, device: str = "cpu", skip: tuple[str, ...] = ()
+def rewrite_linears(
+    src: Path,
+    out: Path,
+    want: dict,
+    marker_name: str,
+    quantize_linear: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None],
+    quantization_config: Callable[[dict], dict],
 ) -> dict:
-    """Write the AWQ g`group` checkpoint of the float folder `src` into `out` (reused when its
-    marker says it already holds exactly that); returns the marker with the write time."""
-    want = {"src": str(src), "group": group}
-    if skip:
-        want["skip"] = list(skip)
-    marker = out / "voltserve_awq.json"
+    """Write a quantized copy of the float folder `src` into `out`, shard by shard (host memory
+    holds one shard): every `<module>.weight` of LINEARS goes through quantize_linear(module,
+    weight), whose tensors (named `<module>.<key>`) replace it, or which returns None to keep it
+    float; the other tensors and files are copied; config.json gets quantization_config(its
+    dict). Reused when the marker `marker_name` says `out` already holds `want`; returns that
+    marker with the write time."""
+    marker = out / marker_name
     if marker.is_file() and json.loads(marker.read_text()) == want:
-        print(f"{out}: already holds the AWQ g{group} checkpoint of {src}")
+        print(f"{out}: already holds {want}")
         return {**want, "reused": True}
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -87,11 +94,6 @@ def convert(
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
             shutil.copy(f, out / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    # An MoE router (mlp.gate) is not among LINEARS and stays float; AutoAWQ lists it in
-    # modules_to_not_convert. Modules it names stay float, by the loader's own rule, so the
-    # file holds float weights exactly where the loader will look for them.
-    not_convert = (["mlp.gate"] if "moe" in cfg.get("model_type", "") else []) + list(skip)
     weight_map: dict[str, str] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors: dict[str, torch.Tensor] = {}
@@ -99,16 +101,14 @@ def convert(
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 t = st.get_tensor(name)
                 parts = name.rsplit(".", 2)
-                if (
-                    len(parts) == 3
-                    and parts[1] in LINEARS
-                    and parts[2] == "weight"
-                    and not module_listed(f"{parts[0]}.{parts[1]}", not_convert)
-                ):
-                    for k, v in quantize(t.to(device), group).items():
-                        tensors[f"{parts[0]}.{parts[1]}.{k}"] = v
-                else:
+                packed = None
+                if len(parts) == 3 and parts[1] in LINEARS and parts[2] == "weight":
+                    packed = quantize_linear(f"{parts[0]}.{parts[1]}", t)
+                if packed is None:
                     tensors[name] = t
+                else:
+                    for k, v in packed.items():
+                        tensors[f"{parts[0]}.{parts[1]}.{k}"] = v.contiguous()
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, f.name))
         print(f"{f.name}: {len(tensors)} tensors")
@@ -116,14 +116,8 @@ def convert(
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
         )
-    cfg["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": not_convert or None,
-    }
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(cfg)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     for stale in out.glob("voltserve_*.json"):  # the float folder's markers (preset, bench)
         stale.unlink()
@@ -131,6 +125,36 @@ def convert(
     write_s = time.perf_counter() - t0
     print(f"wrote {out} in {write_s:.1f} s")
     return {**want, "reused": False, "write_s": write_s}
+
+
+def convert(
+    src: Path, out: Path, group: int = 128, device: str = "cpu", skip: tuple[str, ...] = ()
+) -> dict:
+    """Write the AWQ g`group` checkpoint of the float folder `src` into `out` (reused when its
+    marker says it already holds exactly that); returns the marker with the write time."""
+    want = {"src": str(src), "group": group}
+    if skip:
+        want["skip"] = list(skip)
+    model_type = json.loads((src / "config.json").read_text()).get("model_type", "")
+    # An MoE router (mlp.gate) is not among LINEARS and stays float; AutoAWQ lists it in
+    # modules_to_not_convert. Modules it names stay float, by the loader's own rule, so the
+    # file holds float weights exactly where the loader will look for them.
+    not_convert = (["mlp.gate"] if "moe" in model_type else []) + list(skip)
+
+    def linear(module: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        return None if module_listed(module, not_convert) else quantize(w.to(device), group)
+
+    def config(cfg: dict) -> dict:
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": not_convert or None,
+        }
+
+    return rewrite_linears(src, out, want, "voltserve_awq.json", linear, config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
-from load_tests.make_awq_checkpoint import LINEARS  # noqa: E402
+from load_tests.make_awq_checkpoint import rewrite_linears  # noqa: E402
 
 PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
 
@@ -41,7 +37,7 @@ def scheme_of(fmt: str):
 
 def quantize(w: torch.Tensor, scheme, fmt: str) -> dict[str, torch.Tensor]:
     """The compressed tensors of one linear's weight [N, K] (weight_packed, weight_scale and,
-    NVFP4, weight_global_scale), by the library's rules, on the CPU."""
+    NVFP4, weight_global_scale), by the library's rules, moved to the CPU."""
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -61,7 +57,9 @@ def quantize(w: torch.Tensor, scheme, fmt: str) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in comp_cls.compress(state, scheme).items()}
 
 
-def quantization_config(scheme, fmt: str) -> dict:
+def quantization_config(scheme, fmt: str, ignore: list[str] | None = None) -> dict:
+    """compressed-tensors' quantization_config of a weights-only FP4 folder; `ignore`: modules
+    besides the lm_head left float."""
     wire = f"{fmt}-pack-quantized"
     group = json.loads(scheme.model_dump_json())
     group.update(format=wire)
@@ -70,58 +68,22 @@ def quantization_config(scheme, fmt: str) -> dict:
         "format": wire,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *(ignore or [])],
     }
 
 
 def convert(src: Path, out: Path, fmt: str = "nvfp4", device: str = "cpu") -> dict:
     """Write the `fmt` checkpoint of the float folder `src` into `out` (reused when its marker
     says it already holds exactly that); returns the marker with the write time."""
-    want = {"src": str(src), "format": fmt}
-    marker = out / "voltserve_fp4.json"
-    if marker.is_file() and json.loads(marker.read_text()) == want:
-        print(f"{out}: already holds the {fmt} checkpoint of {src}")
-        return {**want, "reused": True}
     scheme = scheme_of(fmt)
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    # A conversion that stops half way must not leave a marker saying the folder is complete.
-    marker.unlink(missing_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
-            shutil.copy(f, out / f.name)
-    weight_map: dict[str, str] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors: dict[str, torch.Tensor] = {}
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                t = st.get_tensor(name)
-                parts = name.rsplit(".", 2)
-                if len(parts) == 3 and parts[1] in LINEARS and parts[2] == "weight":
-                    for k, v in quantize(t.to(device), scheme, fmt).items():
-                        tensors[f"{parts[0]}.{parts[1]}.{k}"] = v
-                else:
-                    tensors[name] = t
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / f.name),
-            metadata={"format": "pt"},
-        )
-        weight_map.update(dict.fromkeys(tensors, f.name))
-        print(f"{f.name}: {len(tensors)} tensors")
-    if (src / "model.safetensors.index.json").is_file():
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
-        )
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = quantization_config(scheme, fmt)
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    for stale in out.glob("voltserve_*.json"):  # the float folder's markers (preset, bench)
-        stale.unlink()
-    marker.write_text(json.dumps(want))
-    write_s = time.perf_counter() - t0
-    print(f"wrote {out} in {write_s:.1f} s")
-    return {**want, "reused": False, "write_s": write_s}
+    return rewrite_linears(
+        src,
+        out,
+        {"src": str(src), "format": fmt},
+        "voltserve_fp4.json",
+        lambda module, w: quantize(w.to(device), scheme, fmt),
+        lambda cfg: quantization_config(scheme, fmt),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

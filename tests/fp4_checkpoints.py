@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from load_tests import make_fp4_checkpoint as make_fp4
 from tests.quant_checkpoints import (
     _copy_meta,
     _ct_keeps,
@@ -33,34 +34,26 @@ from tests.quant_checkpoints import (
 )
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-CT_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
 CT_PRESETS_W4A4 = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 
 
 def _ct_fp4_quantize(w: torch.Tensor, scheme, fmt: str):
-    """(compressed tensors, fp32 reference weight) of one linear, with the library's rules."""
+    """(compressed tensors, fp32 reference weight) of one linear, with the library's rules
+    (load_tests/make_fp4_checkpoint.py)."""
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
     comp_cls = NVFP4PackedCompressor if fmt == "nvfp4" else MXFP4PackedCompressor
-    args = scheme.weights
     N, K = w.shape
-    wg = w.view(N, K // args.group_size, args.group_size)
-    gs = generate_gparam(w.min(), w.max()) if fmt == "nvfp4" else None
-    scale, _ = calculate_qparams(wg.amin(-1), wg.amax(-1), args, global_scale=gs)
-    state = {"weight": w, "weight_scale": scale}
-    if gs is not None:
-        state["weight_global_scale"] = gs
-    comp = comp_cls.compress(state, scheme)
+    comp = make_fp4.quantize(w, scheme, fmt)
     codes = unpack_fp4_from_uint8(comp["weight_packed"], N, K, dtype=torch.float32)
     s = comp_cls._decompress_scale(comp["weight_scale"], torch.float32)
     ref = dequantize(
         x_q=codes,
         scale=s,
-        args=args,
+        args=scheme.weights,
         global_scale=comp.get("weight_global_scale"),
         dtype=torch.float32,
     )
@@ -81,8 +74,6 @@ def ct_fp4_checkpoint(
     activations, NVFP4 with an input_global_scale per linear), as llm-compressor writes it.
     src: a float folder to quantize instead of the tiny `arch` model; ignore: the config's
     `ignore` list beside lm_head (the modules it names stay float)."""
-    from compressed_tensors.quantization import preset_name_to_scheme
-
     given = src
     src, root, prefix = _source(arch, src)
     tag = f"{prefix}-ct-{fmt}" + ("-ignore" if ignore else "")
@@ -96,7 +87,7 @@ def ct_fp4_checkpoint(
     dst, ref = root / tag, root / (tag + "-ref")
     if (dst / "model.safetensors").is_file():
         return dst, ref
-    scheme = preset_name_to_scheme(CT_PRESETS[fmt], ["Linear"])
+    scheme = make_fp4.scheme_of(fmt)
     sd = _load_float(src)
     out, refsd = dict(sd), dict(sd)
     for name in _linear_names(sd, _ct_keeps(ignore or [])):
@@ -107,23 +98,10 @@ def ct_fp4_checkpoint(
             out[f"{name}.{k}"] = v
         refsd[name + ".weight"] = deq
     _copy_meta(src, dst)
-    _write(dst, out, _ct_config(scheme, fmt, ignore))
+    _write(dst, out, make_fp4.quantization_config(scheme, fmt, ignore))
     _copy_meta(src, ref)
     _write(ref, refsd, None)
     return dst, ref
-
-
-def _ct_config(scheme, fmt: str, ignore: list[str] | None = None) -> dict:
-    wire = f"{fmt}-pack-quantized"
-    group = json.loads(scheme.model_dump_json())
-    group.update(format=wire)
-    return {
-        "quant_method": "compressed-tensors",
-        "format": wire,
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": group},
-        "ignore": ["lm_head", *(ignore or [])],
-    }
 
 
 def _with_fp4_activations(a16: Path, dst: Path, fmt: str, ignore: list[str] | None) -> None:
@@ -135,7 +113,7 @@ def _with_fp4_activations(a16: Path, dst: Path, fmt: str, ignore: list[str] | No
         for name in [n[: -len(".weight_packed")] for n in sd if n.endswith(".weight_packed")]:
             sd[f"{name}.input_global_scale"] = torch.tensor([448.0 * 6.0 / 3.0])
     scheme = preset_name_to_scheme(CT_PRESETS_W4A4[fmt], ["Linear"])
-    _write(dst, sd, _ct_config(scheme, fmt, ignore))
+    _write(dst, sd, make_fp4.quantization_config(scheme, fmt, ignore))
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:

@@ -709,7 +709,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         shfl_xor=shfl_xor,
     )
     core = " online" if cfg.online else ""
-    core += " spread" if dynamic_partitions(cfg, mode) and mode == "split" else ""
+    core += " spread" if cfg.spread and mode == "split" else ""
     kv = "" if cfg.kv == kv_widen.FP16 else f" {cfg.kv}"
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}{kv}>"
     exec(compile(src, name, "exec"), namespace)

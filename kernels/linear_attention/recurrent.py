@@ -30,7 +30,9 @@ L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
 COLS = 32  # state columns a block owns (one per lane)
 WARPS = 4
 THREADS = WARPS * 32
-MAX_DK = 128  # == THREADS: each thread stages one q and k element  # key dims: rows a thread keeps = MAX_DK / WARPS
+# key dims: rows a thread keeps = MAX_DK / WARPS; == THREADS, so each thread stages one q and
+# one k element
+MAX_DK = 128
 ROWS = MAX_DK // WARPS
 
 
