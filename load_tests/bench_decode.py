@@ -54,6 +54,8 @@ import torch
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
+from voltserve.shared.config import KV_CACHE_DTYPES  # noqa: E402
+
 from load_tests.common import (  # noqa: E402
     PRESETS,
     add_layers_argument,
@@ -64,6 +66,7 @@ from load_tests.common import (  # noqa: E402
     dtype_name,
     env_info,
     gguf_checkpoint_files,
+    kv_bytes_per_element,
     kv_bytes_per_token,
     layer_overrides,
     make_hf_config,
@@ -73,6 +76,7 @@ from load_tests.common import (  # noqa: E402
     resolve_dtype,
     sequence_read_bytes,
     state_bytes_per_sequence,
+    step_weight_bytes,
     synchronize,
     weight_bytes,
     write_json,
@@ -188,6 +192,7 @@ def make_engine(model_dir: Path, device: str, dtype: torch.dtype, args):
         max_num_batched_tokens=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_graph_batch_size=max(max_batch, 1),
         # Only the sizes measured (and 1): the steps timed are pure decode steps of exactly
         # these batch sizes, so the other sizes' captures (~3 s each at 8B) would only cost time.
@@ -433,6 +438,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV cache's storage (voltserve serve's flag); the floors count its bytes",
+    )
+    p.add_argument(
         "-tp",
         "--tensor-parallel-size",
         type=int,
@@ -471,7 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     wbytes = (
         checkpoint_read_bytes(Path(args.model_dir)) if quantized else weight_bytes(config, dtype)
     )
-    kv_tok = kv_bytes_per_token(config, dtype)
+    # K and V elements a token (one byte each as uint8) times the cache's bytes an element
+    kv_tok = kv_bytes_per_token(config, torch.uint8) * kv_bytes_per_element(
+        args.kv_cache_dtype, dtype
+    )
     state_seq = state_bytes_per_sequence(config, dtype)
     result: dict[str, Any] = {
         "benchmark": "decode",
@@ -578,7 +592,7 @@ def _run_all(args, result, model_dir, device, dtype, bw_Bps, kv_tok, wbytes, sta
         """ms to read the weights, `batch` sequences' KV at that mean context and their
         recurrent state (read and written)."""
         seq = sequence_read_bytes(mean_context, kv_tok, state_seq)
-        return (wbytes["read_per_token_bytes"] + batch * seq) / bw_Bps * 1e3
+        return (step_weight_bytes(wbytes, batch) + batch * seq) / bw_Bps * 1e3
 
     batched = []
     for b in args.batch_sizes:

@@ -67,6 +67,8 @@ import torch
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
+from voltserve.shared.config import KV_CACHE_DTYPES  # noqa: E402
+
 from load_tests.common import (  # noqa: E402
     PRESETS,
     add_layers_argument,
@@ -74,6 +76,7 @@ from load_tests.common import (  # noqa: E402
     checkpoint_matches,
     checkpoint_read_bytes,
     env_info,
+    kv_bytes_per_element,
     kv_bytes_per_token,
     layer_overrides,
     make_hf_config,
@@ -89,8 +92,6 @@ from load_tests.common import (  # noqa: E402
 
 logger = logging.getLogger("bench_long_context")
 
-KV_DTYPES = ("auto", "fp16", "fp8", "fp8_e5m2", "fp8_e4m3")
-ONE_BYTE = ("fp8", "fp8_e5m2", "fp8_e4m3")
 WEIGHTS = ("fp16", "awq")
 # Llama 3.1's pretraining context, which both rope settings scale from.
 ORIGINAL_POSITIONS = 8192
@@ -132,14 +133,6 @@ def checkpoint_overrides(args) -> dict[str, Any]:
     """The checkpoint's config overrides: the rope's (rope_overrides) and --layers'."""
     rope = rope_overrides(args.preset, args.rope, args.max_positions)
     return rope | layer_overrides(args.layers)
-
-
-def kv_bytes_per_element(kv: str, run_dtype: torch.dtype) -> int:
-    """Bytes of one cached K or V element: one for the fp8 formats, two for fp16, the run
-    dtype's for auto."""
-    if kv in ONE_BYTE:
-        return 1
-    return 2 if kv == "fp16" else torch.empty((), dtype=run_dtype).element_size()
 
 
 def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -405,7 +398,7 @@ def kv_ratios(runs: list[dict[str, Any]], context: int) -> list[dict[str, Any]]:
     by = {(r["weights"], r["kv"]): r for r in runs}
     for (weights, kv), r in by.items():
         base = by.get((weights, "auto")) or by.get((weights, "fp16"))
-        if kv not in ONE_BYTE or base is None:
+        if not kv.startswith("fp8") or base is None:
             continue
         p = next((x for x in r.get("points", []) if x["context"] == context), None)
         q = next((x for x in base.get("points", []) if x["context"] == context), None)
@@ -459,7 +452,7 @@ def main_bench(args, device: str, result: dict[str, Any], t_start: float) -> Non
     dirs = ensure_checkpoints(args, device, result)
     release_cached_memory(device)
     config = make_hf_config(args.preset, args.torch_dtype, **checkpoint_overrides(args))
-    kv_elem_tok = kv_bytes_per_token(config, torch.float16) // 2  # K and V elements a token
+    kv_elem_tok = kv_bytes_per_token(config, torch.uint8)  # K and V elements a token
     state_seq = state_bytes_per_sequence(config, args.torch_dtype)
     bw = result["copy_bandwidth"]["bandwidth_GBps"] * 1e9
     bound = min(args.max_positions, max(args.contexts) + args.output_len)
@@ -663,7 +656,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--awq-dir", help="its AWQ copy (default: MODEL_DIR-awq-gGROUP)")
     p.add_argument("--awq-group", type=int, default=128, help="AWQ quantization group")
     p.add_argument("--weights", type=_names(WEIGHTS), default=list(WEIGHTS))
-    p.add_argument("--kv", type=_names(KV_DTYPES), default=["auto", "fp8_e5m2", "fp8_e4m3"])
+    p.add_argument("--kv", type=_names(KV_CACHE_DTYPES), default=["auto", "fp8_e5m2", "fp8_e4m3"])
     p.add_argument("--contexts", type=_ints, default=[4096, 32768, 131072, LONGEST])
     p.add_argument(
         "--ttft-context",
@@ -699,7 +692,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="e.g. 16GiB,32GiB: the longest context under each --max-gpu-memory budget",
     )
     p.add_argument("--fit-weights", choices=WEIGHTS, default="awq")
-    p.add_argument("--fit-kv", choices=KV_DTYPES, default="fp8_e5m2")
+    p.add_argument("--fit-kv", choices=KV_CACHE_DTYPES, default="fp8_e5m2")
     p.add_argument("--fit-output-len", type=int, default=16)
     p.add_argument("--fit-serve-args", default="", help="more `voltserve serve` flags for --fit")
     p.add_argument("--launch-timeout", type=float, default=600.0)

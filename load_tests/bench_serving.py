@@ -6,7 +6,7 @@ Targets:
   --launch MODEL_DIR        start `voltserve serve` on a free port, wait for /health, stop it after
                             (a Hugging Face folder, or a GGUF file or the folder holding it)
   --preset NAME             write a random-weight checkpoint of that shape (--model-dir or a temp
-                            folder), then launch it as above
+                            folder; --layers N: fewer layers, same widths), then launch it as above
 Extra `voltserve serve` flags go in --serve-args "..." or after a bare `--`.
 
 Structured outputs: --response-format json_schema sends every request with a JSON-schema
@@ -57,8 +57,10 @@ if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
 from load_tests.common import (  # noqa: E402
     PRESETS,
+    add_layers_argument,
     checkpoint_matches,
     env_info,
+    layer_overrides,
     write_json,
 )
 from load_tests.sse import InStreamError, sse_json  # noqa: E402
@@ -811,6 +813,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     tgt.add_argument("--base-url", default=None, help="a running server (default: launch one)")
     tgt.add_argument("--launch", metavar="MODEL_DIR", help="start `voltserve serve` on this model")
     tgt.add_argument("--preset", choices=sorted(PRESETS), help="random-weight checkpoint to launch")
+    add_layers_argument(tgt)  # of the --preset checkpoint
     tgt.add_argument(
         "--model-dir",
         help="checkpoint folder (or GGUF file): for --preset (written if absent), "
@@ -870,6 +873,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--engine-only and --compare-engine exclude each other")
     if sum(x is not None for x in (args.base_url, args.launch, args.preset)) > 1:
         p.error("give one of --base-url, --launch, --preset")
+    if args.layers is not None and not args.preset:
+        p.error("--layers sets the layers of a --preset checkpoint")
     needs_http = not args.engine_only
     if needs_http and not (args.base_url or args.launch or args.preset):
         args.base_url = "http://127.0.0.1:8000"
@@ -895,13 +900,19 @@ def main(argv: list[str] | None = None) -> int:
         if model_dir is None:
             tmp = tempfile.mkdtemp(prefix=f"voltserve-{args.preset}-")
             model_dir = Path(tmp)
-        if not checkpoint_matches(model_dir, args.preset):
+        overrides = layer_overrides(args.layers)
+        if not checkpoint_matches(model_dir, args.preset, overrides):
             from load_tests.common import resolve_dtype, write_random_checkpoint
 
             logger.info("writing a random %s checkpoint to %s", args.preset, model_dir)
             t = time.perf_counter()
             write_random_checkpoint(
-                model_dir, args.preset, device, resolve_dtype("float16", device), seed=args.seed
+                model_dir,
+                args.preset,
+                device,
+                resolve_dtype("float16", device),
+                seed=args.seed,
+                overrides=overrides,
             )
             result["checkpoint_write_s"] = time.perf_counter() - t
     if args.text_tokenizer:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -145,6 +146,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=248044,
         eos_token_id=248046,
     ),
+    # Qwen3.5-35B-A3B's shape: the text_config of the published config.json
+    # (huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json), read from copies of it:
+    # transformers' Qwen3_5MoeTextConfig, whose defaults are documented as that checkpoint's,
+    # gives every width; third-party transcriptions of the file (snapshot ec2d4ece) agree and
+    # add what the defaults lack: rope theta 1e7, max_position_embeddings 262,144 (the class
+    # says 32,768), mtp_num_hidden_layers 1; the model card's table agrees (40 layers as
+    # 10 x (3 Gated DeltaNet + 1 gated attention), 256 experts of 512, 8 routed + 1 shared).
+    # So: 16 key / 32 value heads of 128; 16 query heads over 2 KV heads of 256, partial rotary
+    # 0.25 (the published mrope_section matters for images only); every layer sparse, a shared
+    # expert of 512 behind a sigmoid gate; a 248,320-token vocabulary, untied lm_head. bos / eos
+    # as for qwen3.5-27b; the MTP layer is write_random_mtp's, where a benchmark asks for it.
+    # 34.7B parameters, 69 GB in fp16: benchmarks write fewer layers (--layers 8 keeps the 3:1
+    # pattern: 6 GDN, 2 full attention) and say so. Its checkpoints hold the experts one by one
+    # (mlp.experts.E.gate_proj / up_proj / down_proj), as transformers saves them and as the
+    # published int4 checkpoints quantize them.
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe_text",
+        architectures=["Qwen3_5MoeForCausalLM"],
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25
+        ),
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=248044,
+        eos_token_id=248046,
+    ),
     # A hybrid of the Qwen3.5 kind at CPU-test size (the benchmarks' hybrid paths end to end).
     "tiny-hybrid": dict(
         model_type="qwen3_5_text",
@@ -161,6 +204,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # The Qwen3.5-MoE hybrid at CPU-test size: tiny-hybrid's widths with every layer sparse
+    # (8 experts of 32, 2 a token, a shared expert of 32; each width one AWQ group of 32).
+    "tiny-hybrid-moe": dict(
+        model_type="qwen3_5_moe_text",
+        architectures=["Qwen3_5MoeForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
@@ -285,23 +354,66 @@ def measure_copy_bandwidth(
 # Weight and KV byte counts (the roofline floors)
 
 
+# A routed expert's tensor in a checkpoint (model.layers.N.mlp.experts.E.up_proj.weight, or its
+# qweight / scales / qzeros; the MTP layers' experts too), or a fused stack of them.
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+\.|gate_up_proj$|down_proj$)")
+
+
 def weight_bytes(config, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of the weights one decode step reads: every layer, the final norm and the lm_head.
     The input embedding is a gather of a few rows, so it is left out unless it is tied to the
-    lm_head (then the lm_head reads it in full)."""
+    lm_head (then the lm_head reads it in full). An MoE model's step at batch 1 reads k of the
+    E routed experts of a layer (moe_read_bytes)."""
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     size = torch.tensor([], dtype=dtype).element_size()
-    total = embed = 0
-    for name, p in model.named_parameters():  # tied parameters appear once
-        total += p.numel() * size
+    total = embed = experts = 0
+    for name, shape in checkpoint_tensors(model):  # tied parameters appear once
+        nbytes = shape.numel() * size
+        total += nbytes
         if name.endswith("embed_tokens.weight"):
-            embed = p.numel() * size
+            embed = nbytes
+        elif ROUTED_EXPERT.search(name):
+            experts += nbytes
     tied = bool(getattr(config, "tie_word_embeddings", False))
     read = total if tied else total - embed
-    return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+    out = {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+    return out | moe_read_bytes(read, experts, config.to_dict())
+
+
+def moe_read_bytes(read: int, expert_bytes: int, cfg: dict[str, Any]) -> dict[str, int]:
+    """The batch-1 figures of weight_bytes and checkpoint_read_bytes for an MoE model: `read`
+    counts every tensor a step reads, `expert_bytes` of routed experts among them, but a token
+    is routed to k of each layer's E experts, so a step at batch 1 reads k/E of those. `cfg`:
+    the config dict (a vision-language layout's text_config is looked into). A model without
+    routed experts keeps `read`; an MoE model's dict also holds routed_expert_bytes, num_experts
+    and experts_per_token, from which step_weight_bytes counts a batch's step."""
+    cfg = cfg.get("text_config") or cfg
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    k = cfg.get("num_experts_per_tok") or 0
+    if not expert_bytes or not E:
+        return {"read_per_token_bytes": read}
+    return {
+        "read_per_token_bytes": read - expert_bytes * (E - k) // E,
+        "routed_expert_bytes": expert_bytes,
+        "num_experts": E,
+        "experts_per_token": k,
+    }
+
+
+def step_weight_bytes(wbytes: dict[str, int], batch: int) -> float:
+    """The weight bytes one decode step of `batch` sequences reads, from weight_bytes' (or
+    checkpoint_read_bytes') dict: read_per_token_bytes, and for an MoE model the routed experts
+    that `batch` tokens touch beyond batch 1's k a layer, E * (1 - (1 - k/E)^B) distinct ones
+    under uniform routing."""
+    E = wbytes.get("num_experts")
+    if not E:
+        return wbytes["read_per_token_bytes"]
+    k = wbytes["experts_per_token"]
+    distinct = E * (1.0 - (1.0 - k / E) ** batch)
+    return wbytes["read_per_token_bytes"] + wbytes["routed_expert_bytes"] * (distinct - k) / E
 
 
 def attention_layers(config) -> int:
@@ -310,6 +422,18 @@ def attention_layers(config) -> int:
     if not types:
         return config.num_hidden_layers
     return sum(t == "full_attention" for t in types)
+
+
+def kv_bytes_per_element(kv: str, run_dtype: torch.dtype) -> int:
+    """Bytes of one cached K or V element under --kv-cache-dtype `kv`: one for the fp8 formats,
+    two for fp16, the run dtype's for auto."""
+    from voltserve.shared.config import KV_CACHE_DTYPES
+
+    if kv not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype {kv!r}: not one of {KV_CACHE_DTYPES}")
+    if kv.startswith("fp8"):
+        return 1
+    return 2 if kv == "fp16" else torch.empty((), dtype=run_dtype).element_size()
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -452,6 +576,30 @@ def with_text_tokenizer(model_dir: Path) -> Path:
     return out
 
 
+def checkpoint_tensors(model) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of every tensor a checkpoint of the transformers `model` holds, in the
+    published layout: transformers keeps an MoE layer's routed experts stacked
+    (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) and saves them one by
+    one (mlp.experts.E.gate_proj.weight [I, H], up_proj [I, H], down_proj [H, I]), the layout
+    the loader stacks again and make_awq_checkpoint.py quantizes. Tied parameters appear once."""
+    out: list[tuple[str, torch.Size]] = []
+    for name, p in model.named_parameters():
+        stem, _, leaf = name.rpartition(".")
+        if not (stem.endswith(".experts") and p.dim() == 3 and leaf.endswith("_proj")):
+            out.append((name, p.shape))
+            continue
+        E, n, k = p.shape
+        if leaf == "gate_up_proj" and n % 2 == 0:
+            parts = [("gate_proj", n // 2), ("up_proj", n // 2)]
+        elif leaf == "down_proj":
+            parts = [("down_proj", n)]
+        else:
+            raise ValueError(f"{name} {tuple(p.shape)}: not a stacked expert layout this knows")
+        for e in range(E):
+            out += [(f"{stem}.{e}.{part}.weight", torch.Size((rows, k))) for part, rows in parts]
+    return out
+
+
 def write_random_checkpoint(
     out: str | Path,
     preset: str,
@@ -485,14 +633,16 @@ def write_random_checkpoint(
             return t.uniform_(0.9, 1.1, generator=gen).cpu()
         return t.normal_(0.0, 0.02, generator=gen).cpu()
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[dict[str, torch.Size]] = [{}]
     size = 0
-    for name, p in model.named_parameters():  # tied lm_head is not saved (as in real checkpoints)
-        nbytes = p.numel() * p.element_size()
+    element = torch.tensor([], dtype=dtype).element_size()
+    # tied lm_head is not saved (as in real checkpoints); MoE experts one by one
+    for name, shape in checkpoint_tensors(model):
+        nbytes = shape.numel() * element
         if size and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = p  # meta placeholder; drawn when its shard is written
+        shards[-1][name] = shape  # drawn when its shard is written
         size += nbytes
     weight_map: dict[str, str] = {}
     total = 0
@@ -502,7 +652,7 @@ def write_random_checkpoint(
             if len(shards) == 1
             else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        tensors = {name: draw(name, p.shape).contiguous() for name, p in shard.items()}
+        tensors = {name: draw(name, shape).contiguous() for name, shape in shard.items()}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname
@@ -534,9 +684,10 @@ def write_random_mtp(
     """Add `layers` random multi-token-prediction layers to a hybrid checkpoint folder, in the
     published Qwen3.5 / Qwen3-Next layout (services/executor/spec/mtp_head.py): mtp.fc over
     [normed embedding; normed hidden], its norms, mtp.layers.i.* (a gated full-attention decoder
-    layer of the target's widths) and mtp.norm, in a shard of their own (listed in the index of
-    a sharded folder), float also in a quantized folder (the published AWQ checkpoints keep
-    them so: modules_to_not_convert names "mtp"), and mtp_num_hidden_layers in config.json.
+    layer of the target's widths, an MoE target's experts one by one) and mtp.norm, in a shard
+    of their own (listed in the index of a sharded folder), float also in a quantized folder
+    (the published AWQ checkpoints keep them so: modules_to_not_convert names "mtp"), and
+    mtp_num_hidden_layers in config.json.
     `config`: the folder's transformers config. False when the folder already holds them."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -559,7 +710,7 @@ def write_random_mtp(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(small, dtype=dtype)
     stem = f"model.layers.{first}."
-    layer = {n[len(stem) :]: p.shape for n, p in model.named_parameters() if n.startswith(stem)}
+    layer = {n[len(stem) :]: shape for n, shape in checkpoint_tensors(model) if n.startswith(stem)}
     H = config.hidden_size
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -641,13 +792,16 @@ def gguf_read_bytes(path: Path) -> dict[str, int]:
 def checkpoint_read_bytes(path: Path) -> dict[str, int]:
     """weight_bytes' figures counted from a checkpoint folder's safetensors headers (so packed
     codes, scales and zero points count at their stored size): every tensor, less the input
-    embedding unless the config ties it to the lm_head. A GGUF checkpoint: gguf_read_bytes."""
+    embedding unless the config ties it to the lm_head, less the MTP layers (mtp.*, which a
+    decode step without speculation does not run; write_random_mtp adds them to a folder), and
+    for an MoE model only k of each layer's E routed experts (moe_read_bytes). A GGUF
+    checkpoint: gguf_read_bytes."""
     import struct
 
     if gguf_checkpoint_files(path) is not None:
         return gguf_read_bytes(path)
 
-    total = embed = 0
+    total = embed = experts = mtp = 0
     for f in sorted(path.glob("*.safetensors")):
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -657,11 +811,18 @@ def checkpoint_read_bytes(path: Path) -> dict[str, int]:
                 continue
             nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
             total += nbytes
-            if name.endswith("embed_tokens.weight"):
+            if name.startswith("mtp."):
+                mtp += nbytes
+            elif name.endswith("embed_tokens.weight"):
                 embed = nbytes
+            elif ROUTED_EXPERT.search(name):
+                experts += nbytes
     cfg = json.loads((path / "config.json").read_text())
-    read = total if cfg.get("tie_word_embeddings") else total - embed
-    return {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+    read = (total if cfg.get("tie_word_embeddings") else total - embed) - mtp
+    out = {"total_bytes": total, "embedding_bytes": embed, "read_per_token_bytes": read}
+    if mtp:
+        out["mtp_bytes"] = mtp
+    return out | moe_read_bytes(read, experts, cfg)
 
 
 def checkpoint_matches(path: Path, preset: str, overrides: dict[str, Any] | None = None) -> bool:

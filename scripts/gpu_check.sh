@@ -14,9 +14,11 @@
 # `tp` / `tp-serving`: tensor parallelism on a 2-GPU host (tests, TP=2 vs TP=1 decode; serving);
 # `fp4-b1`: Llama-3-8B as NVFP4 and MXFP4 (compressed-tensors) at batch 1 beside its AWQ copy;
 # `gdn`: the Gated DeltaNet kernels' GPU tests and bench_gdn; `hybrid-decode`: the Qwen3.5-27B
-# shape (HYBRID_LAYERS of its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64;
-# `hybrid-spec`: the same AWQ copy through bench_spec (cost curve k = 1..4, forced acceptance,
-# its MTP layer); `hybrid-long-context`: the same AWQ copy at 4K and 128K with fp16 / fp8 KV;
+# shape (or with HYBRID_PRESET=qwen3.5-35b-a3b the Qwen3.5-35B-A3B MoE shape; HYBRID_LAYERS of
+# its layers) and its AWQ copy through bench_decode at 4K / 32K / batch 64; `hybrid-serving`:
+# that AWQ copy through bench_serving, 1024 in / 256 out; `hybrid-spec`: the same AWQ copy
+# through bench_spec (cost curve k = 1..4, forced acceptance, its MTP layer);
+# `hybrid-long-context`: the same AWQ copy at 4K and 128K with fp16 / fp8 KV;
 # `moe` (or `moe-tests`, `moe-bench`): the MoE kernels' GPU tests and the Qwen3-30B-A3B-shaped
 # MoE decode benchmark; `structured`: structured outputs' GPU tests and the serving benchmark with and without
 # a json_schema constraint; `gemm`: cuBLAS on the linear shapes; `quant` (or `quant-tests`, `quant-bench`): the
@@ -119,6 +121,25 @@ decode_variants() {  # decode_variants TAG ARGS...: Llama-3-8B bench_decode per 
     envs=$([ "$variant" = "$name" ] || echo "${variant#*:}" | tr ',' ' ')
     run "decode_${tag}_$name" env $envs $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers "$@" --out "$OUT/decode_llama3-8b_${tag}_$name.json"
   done
+}
+
+hybrid_shape() {  # HP HT HL HD: the hybrid preset, its log tag, its layer count, its fp16 folder
+  # HYBRID_PRESET picks the shape of the hybrid-* stages: qwen3.5-27b (default; HYBRID_LAYERS
+  # default 16 of its 64) or qwen3.5-35b-a3b (the MoE hybrid: 256 experts of 512, 8 a token;
+  # default 8 of its 40 layers: 6 GDN, 2 full attention).
+  HP=${HYBRID_PRESET:-qwen3.5-27b}
+  case $HP in
+    qwen3.5-27b) HT=qwen35; HL=${HYBRID_LAYERS:-16} ;;
+    qwen3.5-35b-a3b) HT=qwen35moe; HL=${HYBRID_LAYERS:-8} ;;
+    *) echo "HYBRID_PRESET=$HP: not qwen3.5-27b or qwen3.5-35b-a3b" | tee -a "$OUT/summary.txt"; return 1 ;;
+  esac
+  HD=/tmp/voltserve-$HP-l$HL
+}
+
+hybrid_folders() {  # hybrid_shape, then its fp16 folder and AWQ int4 g128 copy (each written once)
+  hybrid_shape || return 1
+  run "make_$HT" $PY load_tests/common.py make-checkpoint --preset "$HP" --layers "$HL" --out "$HD" --device cuda
+  run "make_${HT}_awq" $PY load_tests/make_awq_checkpoint.py --src "$HD" --out "$HD-awq" --group 128
 }
 
 for stage in $STAGES; do
@@ -439,49 +460,58 @@ PYEOF
       done
       ;;
     hybrid-decode)
-      # The Qwen3.5-27B shape (a hybrid: Gated DeltaNet and gated full attention, 3:1) at
-      # HYBRID_LAYERS layers (default 16 of its 64: the same pattern and widths; 17 GB in fp16,
-      # written once into /tmp) and its AWQ int4 g128 copy (every linear, the GDN projections
-      # too): batch-1 decode of the AWQ copy at 4K and 32K tokens of context, each against its
-      # floor with the KV of the full-attention layers and the recurrent state
-      # (roofline_fraction_with_context), under a 65,536-token bound; the fp16 folder at 4K with
-      # transformers (its torch fallback for the GDN layers) as the anchor in the same call;
-      # batch 64 at 1K of the AWQ copy. Not yet timed; estimated ~1 min of writes and ~1.5 min
-      # an engine.
-      HL=${HYBRID_LAYERS:-16}
-      HD=/tmp/voltserve-qwen3.5-27b-l$HL
-      run make_qwen35 $PY load_tests/common.py make-checkpoint --preset qwen3.5-27b --layers "$HL" --out "$HD" --device cuda
-      run make_qwen35_awq $PY load_tests/make_awq_checkpoint.py --src "$HD" --out "$HD-awq" --group 128
+      # A hybrid shape (Gated DeltaNet and gated full attention, 3:1; HYBRID_PRESET, see
+      # hybrid_shape) at HYBRID_LAYERS of its layers (the same pattern and widths, written once
+      # into /tmp) and its AWQ int4 g128 copy (every linear: the GDN projections and, of the MoE
+      # shape, every routed expert and the shared expert; the router stays fp16): batch-1 decode
+      # of the AWQ copy at 4K and 32K tokens of context, each against its floor with the KV of
+      # the full-attention layers and the recurrent state (roofline_fraction_with_context; of
+      # the MoE shape the weights a token reads are the 8 routed experts of 256 a layer, not
+      # all of them), under a 65,536-token bound; the fp16 folder at 4K with transformers (its
+      # torch fallback for the GDN layers) as the anchor in the same call; batch 64 at 1K of the
+      # AWQ copy (bench_decode's batched floor counts batch 1's experts: at batch 64 some 222
+      # distinct experts a layer are read, the JSON's model.routed_expert_bytes gives the
+      # difference, common.step_weight_bytes the step's bytes). Not yet timed; estimated on an
+      # H100, for either shape: ~2 min of writes (27B at 16 layers: 17 GB of fp16; 35B-A3B at 8
+      # layers: 15 GB) and ~1.5 min an engine, four of them: ~8 min.
+      hybrid_folders || continue
       for ctx in 4096 32768; do
-        run "decode_qwen35_awq_$ctx" $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len "$ctx" --output-len 128 --runs 3 --warmup 1 --max-model-len 65536 --out "$OUT/decode_qwen3.5-27b-l${HL}_awq_b1_$ctx.json"
+        run "decode_${HT}_awq_$ctx" $PY load_tests/bench_decode.py --preset "$HP" --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len "$ctx" --output-len 128 --runs 3 --warmup 1 --max-model-len 65536 --out "$OUT/decode_$HP-l${HL}_awq_b1_$ctx.json"
       done
-      run decode_qwen35_fp16_4096 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD" --prompt-len 4096 --output-len 128 --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 0 --max-model-len 65536 --out "$OUT/decode_qwen3.5-27b-l${HL}_fp16_b1_4096.json"
-      run decode_qwen35_awq_b64 $PY load_tests/bench_decode.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len 512 --output-len 32 --runs 1 --warmup 0 --batch-sizes 64 --context 1024 --out "$OUT/decode_qwen3.5-27b-l${HL}_awq_b64.json"
+      run "decode_${HT}_fp16_4096" $PY load_tests/bench_decode.py --preset "$HP" --layers "$HL" --model-dir "$HD" --prompt-len 4096 --output-len 128 --runs 3 --warmup 1 --hf-runs 1 --hf-warmup 0 --max-model-len 65536 --out "$OUT/decode_$HP-l${HL}_fp16_b1_4096.json"
+      run "decode_${HT}_awq_b64" $PY load_tests/bench_decode.py --preset "$HP" --layers "$HL" --model-dir "$HD-awq" --skip-transformers --prompt-len 512 --output-len 32 --runs 1 --warmup 0 --batch-sizes 64 --context 1024 --out "$OUT/decode_$HP-l${HL}_awq_b64.json"
+      ;;
+    hybrid-serving)
+      # bench_serving on the AWQ copy of HYBRID_PRESET's shape (hybrid-decode's folders, written
+      # here when absent) served at the default flags (prefix caching is off for hybrids):
+      # HYBRID_SERVING_PROMPTS (default 256) requests of 1024 tokens in and 256 out, all at
+      # once, the server logging each executor step (SERVING_LOG, default debug). Not yet timed;
+      # estimated on an H100: ~2 min of writes when hybrid-decode has not run, ~1.5 min of
+      # server start with a cold kernel cache, ~1.5 min the burst (256 x 1K of prefill, 256
+      # steps of decode): ~5 min.
+      hybrid_folders || continue
+      run "serving_${HT}_awq" $PY load_tests/bench_serving.py --launch "$HD-awq" --num-prompts "${HYBRID_SERVING_PROMPTS:-256}" --input-len 1024 --output-len 256 --out "$OUT/serving_$HP-l${HL}_awq.json" -- --log-level "${SERVING_LOG:-debug}"
       ;;
     hybrid-spec)
-      # Speculative decoding on the Qwen3.5-27B shape's AWQ copy (hybrid-decode's folders, written
-      # here when absent), batch 1 at each of HYBRID_SPEC_CONTEXTS (default 4096; 32768 in a call
-      # of its own): the verify-step cost curve for k = 1..4 and forced acceptance (the oracle,
-      # p = 0.1 / 0.3 at k = 2 and 4) against the ideal, with the state rollback of the GDN
-      # layers; the model's own MTP layer (random, added to the folder once) at k =
+      # Speculative decoding on the AWQ copy of HYBRID_PRESET's shape (hybrid-decode's folders,
+      # written here when absent), batch 1 at each of HYBRID_SPEC_CONTEXTS (default 4096; 32768
+      # in a call of its own): the verify-step cost curve for k = 1..4 and forced acceptance (the
+      # oracle, p = 0.1 / 0.3 at k = 2 and 4) against the ideal, with the state rollback of the
+      # GDN layers; the model's own MTP layer (random, added to the folder once) at k =
       # HYBRID_MTP_K; speculation off in the same run. Not yet timed.
-      HL=${HYBRID_LAYERS:-16}
-      HD=/tmp/voltserve-qwen3.5-27b-l$HL
-      run make_qwen35 $PY load_tests/common.py make-checkpoint --preset qwen3.5-27b --layers "$HL" --out "$HD" --device cuda
-      run make_qwen35_awq $PY load_tests/make_awq_checkpoint.py --src "$HD" --out "$HD-awq" --group 128
+      hybrid_folders || continue
       for ctx in ${HYBRID_SPEC_CONTEXTS:-4096}; do
-        run "spec_qwen35_awq_$ctx" $PY load_tests/bench_spec.py --preset qwen3.5-27b --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 --cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3 --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_qwen3.5-27b-l${HL}_awq_$ctx.json"
+        run "spec_${HT}_awq_$ctx" $PY load_tests/bench_spec.py --preset "$HP" --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 --cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3 --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_$HP-l${HL}_awq_$ctx.json"
       done
       ;;
     hybrid-long-context)
-      # The Qwen3.5-27B shape's AWQ copy (hybrid-decode's folders) at batch 1, 4K and 128K
+      # The AWQ copy of HYBRID_PRESET's shape (hybrid-decode's folders) at batch 1, 4K and 128K
       # (HYBRID_LONGCTX_CONTEXTS) with fp16 and fp8_e5m2 KV (HYBRID_LONGCTX_KV): each against
       # its floor (weights + the full-attention layers' KV + the GDN state) and the 128K / 4K
       # speed ratio (longest_over_shortest; the reference system's 0.75). Prefix caching is off
       # for hybrids, so each context is prefilled from nothing. Not yet timed.
-      HL=${HYBRID_LAYERS:-16}
-      HD=/tmp/voltserve-qwen3.5-27b-l$HL
-      run hybrid_long_context $PY load_tests/bench_long_context.py --preset qwen3.5-27b --layers "$HL" --rope native --model-dir "$HD" --awq-dir "$HD-awq" --weights awq --kv "${HYBRID_LONGCTX_KV:-auto,fp8_e5m2}" --contexts "${HYBRID_LONGCTX_CONTEXTS:-4096,131072}" --time-budget "${LONGCTX_SECONDS:-480}" --work-dir "$OUT/hybrid_long_context" --out "$OUT/hybrid_long_context.json"
+      hybrid_shape || continue
+      run "long_context_$HT" $PY load_tests/bench_long_context.py --preset "$HP" --layers "$HL" --rope native --model-dir "$HD" --awq-dir "$HD-awq" --weights awq --kv "${HYBRID_LONGCTX_KV:-auto,fp8_e5m2}" --contexts "${HYBRID_LONGCTX_CONTEXTS:-4096,131072}" --time-budget "${LONGCTX_SECONDS:-480}" --work-dir "$OUT/hybrid_long_context_$HP" --out "$OUT/hybrid_long_context_$HP-l$HL.json"
       ;;
     startup)
       # `voltserve serve` to a healthy /health with a cold kernel cache, a warm one, and the

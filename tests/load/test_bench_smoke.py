@@ -89,6 +89,44 @@ def test_hybrid_floor_bytes_of_the_qwen3_5_27b_shape():
     assert common.state_bytes_per_sequence(dense, f16) == 0
 
 
+def test_hybrid_moe_floor_bytes_of_the_qwen3_5_35b_a3b_shape():
+    """Qwen3.5-35B-A3B, counted by hand from its published widths: hidden 2048, a 248,320 x 2048
+    embedding and lm_head; 30 Gated DeltaNet layers (16 key / 32 value heads of 128, conv 4) and
+    10 gated full-attention ones (16 query heads of 256 with their gate, 2 KV heads); every layer
+    a router over 256 experts of 512, the experts, a shared expert of 512 and its gate, two
+    norms. 34,660,610,688 parameters; a token reads 8 of the 256 experts of a layer. At 8 layers
+    (--layers): 6 GDN layers with their state, 2 with KV."""
+    f16 = common.torch.float16
+    H, V, E, k, inter = 2048, 248320, 256, 8, 512
+    qkv = 2 * 16 * 128 + 32 * 128  # the GDN q, k and v channels
+    gdn = qkv * H + 32 * 128 * H + 2 * 32 * H + qkv * 4 + 2 * 32 + 128 + H * 32 * 128
+    attn = 2 * 16 * 256 * H + 2 * 2 * 256 * H + H * 16 * 256 + 2 * 256
+    expert = 3 * inter * H
+    moe = E * H + E * expert + 3 * 512 * H + H
+    params = 2 * V * H + H + 30 * gdn + 10 * attn + 40 * (moe + 2 * H)
+    assert params == 34_660_610_688
+    full = common.make_hf_config("qwen3.5-35b-a3b")
+    wb = common.weight_bytes(full, f16)
+    assert wb["total_bytes"] == 2 * params
+    assert wb["routed_expert_bytes"] == 2 * 40 * E * expert
+    assert wb["read_per_token_bytes"] == 2 * (params - V * H - 40 * (E - k) * expert)
+    assert (wb["num_experts"], wb["experts_per_token"]) == (E, k)
+    cfg = common.make_hf_config("qwen3.5-35b-a3b", **common.layer_overrides(8))
+    assert common.attention_layers(cfg) == 2
+    assert common.kv_bytes_per_token(cfg, f16) == 2 * 2 * 2 * 256 * 2
+    state = 32 * 128 * 128 * 4 + qkv * 3 * 2
+    assert common.state_bytes_per_sequence(cfg, f16) == 6 * state
+    # a batch's step reads the distinct experts its tokens were routed to
+    w8 = common.weight_bytes(cfg, f16)
+    assert common.step_weight_bytes(w8, 1) == w8["read_per_token_bytes"]
+    distinct = E * (1 - (1 - k / E) ** 64)  # 222.4 of 256
+    extra = 2 * 8 * (distinct - k) * expert
+    assert abs(common.step_weight_bytes(w8, 64) - w8["read_per_token_bytes"] - extra) < 1
+    dense = common.weight_bytes(common.make_hf_config("qwen3.5-27b", num_hidden_layers=4), f16)
+    assert "num_experts" not in dense
+    assert common.step_weight_bytes(dense, 64) == dense["read_per_token_bytes"]
+
+
 def test_datasets_stay_in_vocab_and_share_prefix(seed):
     vocab = int(np.random.default_rng(seed).integers(100, 5000))
     args = bench_serving.parse_args(
@@ -233,6 +271,23 @@ def test_bench_serving_engine_only_prefix_cpu_smoke(tmp_path):
     assert e["engine"]["stats"]["prefix_cache_hits"] > 0
     assert "http" not in d
     assert Path(d["plots"][0]).exists()
+
+
+def test_bench_serving_writes_a_preset_at_fewer_layers(tmp_path):
+    """--preset NAME --layers N writes the preset's widths with N layers (the overrides recorded
+    in the folder's marker, as bench_decode's) and serves it; --layers names a --preset's
+    layers, so it is refused without one."""
+    model, out = tmp_path / "model", tmp_path / "serving.json"
+    args = ["load_tests/bench_serving.py", "--engine-only", "--preset", "tiny", "--layers", "1"]
+    args += ["--model-dir", str(model), "--num-prompts", "2", "--input-len", "8"]
+    args += ["--output-len", "3", "--num-warmup", "0", "--no-plots"]
+    _run([*args, "--out", str(out), "--serve-args=--device cpu"])
+    d = json.loads(out.read_text())
+    assert d["errors"] == {} and d["engine"]["completed"] == 2
+    assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 1
+    assert common.checkpoint_matches(model, "tiny", common.layer_overrides(1))
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--launch", str(model), "--layers", "1"])
 
 
 @pytest.mark.slow  # a benchmark end to end: scheduled first
@@ -455,12 +510,15 @@ def test_bench_spec_smoke(tmp_path, monkeypatch):
         assert fig["verify_in_graphs"] is False and fig["graphs"]["verify_graph"] == 0
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-hybrid-moe"])
 def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path, preset):
     """An AWQ folder given as --model-dir is served, not overwritten by a random fp16
     checkpoint, and its floor counts the bytes it stores (codes, scales, zeros, fp16 lm_head).
-    The hybrid: its Gated DeltaNet projections quantized too, its floor with the recurrent
-    state of its 3 GDN layers and the KV of its one full-attention layer."""
+    The hybrids: their Gated DeltaNet projections quantized too, their floor with the recurrent
+    state of their 3 GDN layers and the KV of their one full-attention layer. The MoE hybrid
+    (Qwen3.5-35B-A3B's kind): its routed experts written one by one and quantized, the router
+    float, a token's floor with 2 of each layer's 8 experts; MTP layers added to the folder
+    (write_random_mtp, experts one by one too) leave the decode floor as it was."""
     src, awq, out = tmp_path / "fp16", tmp_path / "awq", tmp_path / "decode.json"
     _run(["load_tests/common.py", "make-checkpoint", "--preset", preset, "--out", str(src)])
     _run(
@@ -481,16 +539,38 @@ def test_bench_decode_serves_a_quantized_folder_as_it_is(tmp_path, preset):
     # int4 g32 layers (~0.3 of fp16's bytes) beside the fp16 lm_head: well under fp16.
     assert 0 < d["model"]["read_per_token_bytes"] < 0.8 * fp16
     assert d["engine"]["decode_tok_s"] > 0
-    if preset == "tiny-hybrid":
-        from safetensors import safe_open
+    if preset == "tiny":
+        return
+    from safetensors import safe_open
 
-        with safe_open(str(awq / "model.safetensors"), "pt") as st:
-            assert "model.layers.0.linear_attn.in_proj_qkv.qweight" in set(st.keys())
-        assert d["model"]["kv_layers"] == 1 and d["model"]["layers"] == 4
-        # the conv state in the run dtype: fp32 on the CPU
-        state = 3 * (8 * 16 * 16 * 4 + (2 * 4 * 16 + 8 * 16) * 3 * 4)
-        assert d["model"]["state_bytes_per_sequence"] == state
-        assert d["floor"]["state_read_write_bytes"] == 2 * state
+    with safe_open(str(awq / "model.safetensors"), "pt") as st:
+        stored = {name: st.get_tensor(name) for name in st.keys()}  # noqa: SIM118
+    assert "model.layers.0.linear_attn.in_proj_qkv.qweight" in stored
+    nbytes = {name: t.numel() * t.element_size() for name, t in stored.items()}
+    assert d["model"]["kv_layers"] == 1 and d["model"]["layers"] == 4
+    # the conv state in the run dtype: fp32 on the CPU
+    state = 3 * (8 * 16 * 16 * 4 + (2 * 4 * 16 + 8 * 16) * 3 * 4)
+    assert d["model"]["state_bytes_per_sequence"] == state
+    assert d["floor"]["state_read_write_bytes"] == 2 * state
+    if preset == "tiny-hybrid":
+        return
+    with safe_open(str(src / "model.safetensors"), "pt") as st:
+        assert st.get_slice("model.layers.3.mlp.experts.7.down_proj.weight").get_shape() == [64, 32]
+        assert "model.layers.3.mlp.experts.down_proj" not in set(st.keys())  # not stacked
+    assert "model.layers.3.mlp.experts.7.up_proj.qweight" in stored
+    assert "model.layers.3.mlp.gate.weight" in stored  # the router stays float
+    experts = sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
+    embed = nbytes["model.embed_tokens.weight"]
+    m = d["model"]
+    assert (m["num_experts"], m["experts_per_token"], m["routed_expert_bytes"]) == (8, 2, experts)
+    assert m["read_per_token_bytes"] == sum(nbytes.values()) - embed - experts * 6 // 8
+    cfg = common.make_hf_config(preset)
+    assert common.write_random_mtp(awq, cfg, "cpu", common.torch.float16)
+    with safe_open(str(awq / "mtp.safetensors"), "pt") as st:
+        assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in set(st.keys())
+    with_mtp = common.checkpoint_read_bytes(awq)
+    assert with_mtp["mtp_bytes"] > 0
+    assert with_mtp["read_per_token_bytes"] == m["read_per_token_bytes"]
 
 
 def test_profile_kernels_prefill_cpu_smoke(tmp_path):
