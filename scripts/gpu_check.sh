@@ -36,7 +36,9 @@
 # greedy against fp32 transformers; `serving-gguf`: bench_serving on the Llama-3-8B Q4_K_M GGUF
 # served at the default flags, then on its AWQ folder; `long-context`: batch-1 decode at 4K..128K
 # (256K by LONGCTX_CONTEXTS) with fp16 and fp8 KV, AWQ and fp16 weights, 128K TTFT, the fp8 KV
-# GPU tests; `long-context-fit`: the longest context under 16GiB / 32GiB budgets, served)
+# GPU tests; `long-context-fit`: the longest context under 16GiB / 32GiB budgets, served;
+# `kv-fp8-batched` / `kv-fp8-serving`: batch 64 x 4K and serving 256 x 1024 / 256 with the KV
+# cache in fp16 and in fp8, same call)
 # Results (logs, JSON, PNG) land in OUT_DIR. On a host without a package index, packages that
 # are missing are installed from a local folder of wheels (WHEELS, default ./.whl) into a
 # private target folder; nothing outside /tmp is touched.
@@ -317,6 +319,26 @@ PYEOF
       # ~2 more where the checkpoints are not in /tmp yet (then run it in a call of its own).
       LONGCTX_DIR=${LONGCTX_DIR:-/tmp/voltserve-llama3.1-8b-262k}
       run long_context_fit $PY load_tests/bench_long_context.py --model-dir "$LONGCTX_DIR" --weights awq --fit "${LONGCTX_FIT:-16GiB,32GiB}" --fit-kv "${LONGCTX_FIT_KV:-fp8_e5m2}" --work-dir "$OUT/long_context_fit" --out "$OUT/long_context_fit.json"
+      ;;
+    kv-fp8-batched)
+      # The Llama-3-8B shape (fp16 weights, written once) at batch 64 x 4K of context with the KV
+      # cache in fp16 and in each of KVFP8_KV (default fp8_e5m2), one engine each, in the same
+      # call: each step against its floor (weights + 64 sequences' KV at the cache's bytes).
+      # Not yet timed; estimated ~1 min of writes and ~1.5 min an engine.
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      for kv in auto ${KVFP8_KV:-fp8_e5m2}; do
+        run "decode_b64_4k_$kv" $PY load_tests/bench_decode.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --skip-transformers --prompt-len 512 --output-len 32 --runs 1 --warmup 0 --batch-sizes 64 --context 4096 --kv-cache-dtype "$kv" --out "$OUT/decode_llama3-8b_b64_4k_kv_$kv.json"
+      done
+      ;;
+    kv-fp8-serving)
+      # bench_serving on the Llama-3-8B shape, 256 x 1024 in / 256 out at once, served at the
+      # default flags and then with --kv-cache-dtype KVFP8_SERVING_KV (default fp8_e5m2), in the
+      # same call. Not yet timed; estimated ~5 min a run with a cold kernel cache (one call each:
+      # KVFP8_SERVING_RUNS="auto" or "fp8_e5m2").
+      run make_llama8b $PY load_tests/common.py make-checkpoint --preset llama3-8b --out /tmp/voltserve-llama3-8b --device cuda
+      for kv in ${KVFP8_SERVING_RUNS:-auto ${KVFP8_SERVING_KV:-fp8_e5m2}}; do
+        run "serving_kv_$kv" $PY load_tests/bench_serving.py --preset llama3-8b --model-dir /tmp/voltserve-llama3-8b --num-prompts 256 --input-len 1024 --output-len 256 --serve-args "--kv-cache-dtype $kv" --out "$OUT/serving_llama3-8b_kv_$kv.json"
+      done
       ;;
     decode-small)
       run decode_qwen05b $PY load_tests/bench_decode.py --preset qwen2.5-0.5b --out "$OUT/decode_qwen2.5-0.5b.json"
