@@ -2,7 +2,12 @@
 (F.linear), the fp16 GEMV kernel (ops.gemv, rows <= 8) and the int4 / int8 paths of
 kernels/linear/quant_linear.py (auto = the path quant_linear picks; gemv / tc / dequant each
 forced), with the HBM copy bandwidth measured in the same run and each GEMV's fraction of its
-weight-read floor (packed codes + scales + offsets over the copy bandwidth).
+weight-read floor (packed codes + scales + offsets over the copy bandwidth). The FP4 formats
+(nvfp4: E4M3 scales per 16 and an fp32 global scale per row; mxfp4: E8M0 scales per 32) time
+kernels/linear/fp4_linear.py's paths on the same shapes and rows against the same copy floor
+(codes + scale bytes + global scales): auto (fp4_linear: the GEMV up to 8 rows, dequantize +
+cuBLAS above) and, for gate_up at decode rows, the GEMV with SiLU fused; the summary puts the
+batch-1 step of each format beside int4's, per byte (fraction of floor).
 
 Shapes: Llama-3-8B (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and
 Qwen2.5-7B (3584->4608, 3584->3584, 3584->37888, 18944->3584). gate_up is also timed fused with
@@ -27,6 +32,11 @@ call streams from HBM), timed with events, median of 7.
         [--factored]   (the same as --forms factored)
         [--tc-configs]   (also quant_gemm_tc.CANDIDATES forced at rows above 8: impl
                         *_tc_<TileConfig.name>)
+        [--formats int4_g128,int8_g32,nvfp4,mxfp4]   (the default; FP4 with --tiles: the
+                        same tile sweep of fp4_kernels.tiling at 1 and 2 rows, impl
+                        {fmt}_gemv_R{R}U{U}[KS{KS}] and {fmt}_gate_up_R{R}U{U}[KS{KS}])
+        [--fp4-v1]   (also the one-row-a-warp FP4 GEMV, fp4_kernels.fp4_gemv_v1_kernel, at
+                        rows <= 8: impl {fmt}_v1_gemv and {fmt}_v1_gate_up)
     python load_tests/bench_quant_linear.py --kquant --out F.json [--rows 1,8]
                         (GGUF Q4_K / Q6_K blocks read natively vs the widened path vs fp16:
                         load_tests/bench_kquant.py)
@@ -46,6 +56,8 @@ import torch.nn.functional as F
 
 if not __package__:
     import _as_script  # noqa: F401  (load_tests.* importable; see _as_script.py)
+
+from voltserve.kernels.linear.fp4_pack import E4M3, E8M0  # noqa: E402
 
 from load_tests.bench_attention import time_graph  # noqa: E402
 from load_tests.common import env_info, measure_copy_bandwidth, write_json  # noqa: E402
@@ -67,6 +79,7 @@ MODELS = {
 LLAMA_LAYERS, LLAMA_VOCAB = 32, 128256
 L2_BYTES = 64 << 20
 FORMATS = {"int4_g128": (4, 128), "int8_g32": (8, 32)}
+FP4_FORMATS = {"nvfp4": (16, E4M3), "mxfp4": (32, E8M0)}  # (block, scale kind)
 # --tiles at 1 and 2 rows (quant_gemv.tiling): (R, U) at KS = 1, then split-K, KS warps of a block on
 # the same rows, each a 1/KS share of K (the int4 one-row default is (4, 1, 2): SPLIT_K_M1).
 TILES = ((1, 2), (1, 4), (1, 8), (2, 4)) + tuple(
@@ -89,6 +102,19 @@ def make_weight(K, N, bits, g, gen):
     return pack_group_quant(codes, s, -s * 2 ** (bits - 1), bits, g, torch.float16)
 
 
+def make_fp4(K, N, fmt, gen):
+    """A random FP4 weight of the format: block scales around 0.005 (weights ~ +-0.03), E4M3
+    bytes 0x18..0x27 times a global 2**-6, or E8M0 2**-9 .. 2**-7."""
+    from voltserve.kernels.linear.fp4_pack import make_fp4_weight
+
+    group, kind = FP4_FORMATS[fmt]
+    packed = torch.randint(0, 256, (N, K // 2), generator=gen, device="cuda", dtype=torch.uint8)
+    lo, hi = (0x18, 0x28) if kind == E4M3 else (118, 121)
+    scales = torch.randint(lo, hi, (N, K // group), generator=gen, device="cuda", dtype=torch.uint8)
+    gscale = torch.full((N,), 2.0**-6 if kind == E4M3 else 1.0, device="cuda")
+    return make_fp4_weight(packed, scales, gscale, group, kind)
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, min(8, -(-2 * L2_BYTES // nbytes)))
 
@@ -109,7 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,2048,8192")
     ap.add_argument("--models", default="llama,qwen")
-    ap.add_argument("--formats", default="int4_g128,int8_g32")
+    ap.add_argument("--formats", default="int4_g128,int8_g32,nvfp4,mxfp4")
+    ap.add_argument(
+        "--fp4-v1",
+        action="store_true",
+        help="also time the one-row-a-warp FP4 GEMV (fp4_kernels.fp4_gemv_v1_kernel) at rows <= 8",
+    )
     ap.add_argument(
         "--tiles",
         action="store_true",
@@ -140,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [f for f in forms if f not in ("half2", "factored", "weight")]
     if bad:
         raise SystemExit(f"unknown --forms {bad}: half2, factored, weight")
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in FORMATS and f not in FP4_FORMATS]
+    if bad:
+        raise SystemExit(f"unknown --formats {bad}: {', '.join([*FORMATS, *FP4_FORMATS])}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear.py needs a CUDA device")
     from voltserve.kernels.dispatch import KernelDispatch
@@ -186,7 +221,13 @@ def main(argv: list[str] | None = None) -> None:
                         make_weight(K, N, *FORMATS[name], gen)
                         for _ in range(copies_for(N * K * FORMATS[name][0] // 8))
                     ]
-                    for name in args.formats.split(",")
+                    for name in formats
+                    if name in FORMATS
+                }
+                fws = {
+                    name: [make_fp4(K, N, name, gen) for _ in range(copies_for(N * K // 2))]
+                    for name in formats
+                    if name in FP4_FORMATS
                 }
                 for rows in rows_list:
                     x = torch.randn(rows, K, generator=gen, device="cuda", dtype=torch.float16)
@@ -321,7 +362,9 @@ def main(argv: list[str] | None = None) -> None:
                             record(
                                 **base, impl=f"{name}_gate_up_silu", time_us=t * 1e6, of_floor=None
                             )
-                del w16, qws
+                    for name, ws in fws.items():
+                        time_fp4(record, base, name, ws, x, ops, bw, args.tiles, args.fp4_v1)
+                del w16, qws, fws
                 torch.cuda.empty_cache()
 
     except Exception as e:  # a kernel fault poisons the CUDA context: keep what was measured
@@ -341,6 +384,40 @@ def main(argv: list[str] | None = None) -> None:
     )
     if error:
         raise SystemExit(1)
+
+
+def time_fp4(record, base: dict, name: str, ws: list, x, ops, bw: float, tiles: bool, v1: bool):
+    """One FP4 format at one (op, rows) point: fp4_linear's path (auto: the GEMV up to 8 rows,
+    dequantize + cuBLAS above), gate_up with SiLU at decode rows, and with `tiles` the tile
+    sweep at 1 and 2 rows (TILES, GATE_UP_TILES), with `v1` the one-row-a-warp GEMV."""
+    from voltserve.kernels.linear.fp4_kernels import V1
+    from voltserve.kernels.linear.fp4_linear import fp4_gate_up_silu, fp4_gemv_cuda, fp4_linear
+
+    rows, op = base["rows"], base["op"]
+    floor = ws[0].nbytes() / bw
+    auto = "gemv" if rows <= 8 else "dequant"
+
+    def point(impl: str, fn) -> None:
+        t = timed(fn, ws)
+        record(**base, impl=impl, time_us=t * 1e6, of_floor=floor / t, floor_us=floor * 1e6)
+
+    point(f"{name}_auto[{auto}]", lambda w: fp4_linear(x, w, None, ops))
+    if rows > 8:
+        return
+    if op == "gate_up":
+        point(f"{name}_gemv_gate_up", lambda w: fp4_gate_up_silu(x, w, None, ops))
+    if v1:
+        point(f"{name}_v1_gemv", lambda w: fp4_gemv_cuda(x, w, tile=V1))
+        if op == "gate_up":
+            point(f"{name}_v1_gate_up", lambda w: fp4_gemv_cuda(x, w, gate_up=True, tile=V1))
+    if tiles and rows <= 2:
+        for tile in TILES:
+            point(f"{name}_gemv_{tile_name(tile)}", lambda w: fp4_gemv_cuda(x, w, tile=tile))
+        for tile in GATE_UP_TILES if op == "gate_up" else ():
+            point(
+                f"{name}_gate_up_{tile_name(tile)}",
+                lambda w: fp4_gemv_cuda(x, w, gate_up=True, tile=tile),
+            )
 
 
 def best(results, model, op, rows, prefix) -> float | None:
@@ -417,8 +494,66 @@ def summarise(results, rows_list, bw, gen, ops, forms=()) -> dict:
                 f_step = LLAMA_LAYERS * sum(ts) + out["lm_head_us"][1]
                 out[f"batch1_{form}_linears_us"] = f_step
                 out[f"batch1_{form}_of_floor"] = floor / f_step
+    for fmt in FP4_FORMATS:
+        step = fp4_batch1(results, fmt, out, bw)
+        if step:
+            out[f"batch1_{fmt}"] = step
     print("summary:", out, flush=True)
     return out
+
+
+# The batch-1 step's linears by path: (op, impl prefix) of the default path and of the
+# one-row-a-warp kernel; gate_up fused with SiLU in both, as the model runs it.
+FP4_STEP = {
+    "default": (("qkv", "auto"), ("o", "auto"), ("gate_up", "gemv_gate_up"), ("down", "auto")),
+    "v1": (("qkv", "v1_gemv"), ("o", "v1_gemv"), ("gate_up", "v1_gate_up"), ("down", "v1_gemv")),
+}
+
+
+def batch1_floor_us(results, op: str, fmt: str) -> float | None:
+    """The floor of one Llama-3-8B linear at one row in format fmt (its auto record's)."""
+    return next(
+        (
+            r["floor_us"]
+            for r in results
+            if r["model"] == "llama"
+            and r["op"] == op
+            and r["rows"] == 1
+            and r["impl"].startswith(f"{fmt}_auto")
+        ),
+        None,
+    )
+
+
+def fp4_batch1(results, fmt: str, summary: dict, bw: float) -> dict:
+    """An FP4 format's Llama-3-8B batch-1 step (32 layers of its linears + the fp16 lm_head)
+    against its floor (the FP4 bytes read + the lm_head's), per path (FP4_STEP), with each
+    linear's fraction of its floor beside int4 g128's (per byte: both against their own
+    bytes); {} when the format was not timed at one row."""
+    floors = {op: batch1_floor_us(results, op, fmt) for op, _ in FP4_STEP["default"]}
+    head = summary["lm_head_us"].get(1)
+    if None in floors.values() or head is None:
+        return {}
+    floor = LLAMA_LAYERS * sum(floors.values()) + LLAMA_VOCAB * 4096 * 2 / bw * 1e6
+    step: dict = {"floor_us": floor}
+    for path, impls in FP4_STEP.items():
+        ts = [best(results, "llama", op, 1, f"{fmt}_{impl}") for op, impl in impls]
+        if all(t is not None for t in ts):
+            us = LLAMA_LAYERS * sum(ts) + head
+            step[path] = dict(linears_us=us, of_floor=floor / us)
+    if "default" in step and summary.get("batch1_int4_of_floor"):
+        step["per_byte_vs_int4"] = step["default"]["of_floor"] / summary["batch1_int4_of_floor"]
+    step["per_linear"] = {}
+    for op, impl in FP4_STEP["default"]:
+        t = best(results, "llama", op, 1, f"{fmt}_{impl}")
+        int4 = "int4_g128_gemv_gate_up" if op == "gate_up" else "int4_g128_auto"
+        q, q_floor = best(results, "llama", op, 1, int4), batch1_floor_us(results, op, "int4_g128")
+        step["per_linear"][op] = dict(
+            time_us=t,
+            of_floor=floors[op] / t if t else None,
+            int4_of_floor=q_floor / q if q and q_floor else None,
+        )
+    return step
 
 
 if __name__ == "__main__":

@@ -187,18 +187,25 @@ KERNELS += (
 )
 
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
-# GEMV (fp4_gemv_kernel(M); M = 1 and 8 listed): x [M, K], codes as int32 words [N, K / 8], scale
-# bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without has_bias), out
-# [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias, group_shift, e8m0; the
-# gate_up variant at M = 1. The dequantize kernel: code words, scale bytes, global
-# scales, out [N, K], group_shift, e8m0. fp16 only (what decode and prefill run).
+# tiled GEMV (fp4_gemv_kernel(M, gate_up, group, e8m0, tile)); representative instances: NVFP4
+# at 1 (split-K over two warps, both dtypes), 2 (two chunks a lane) and 8 rows (two rows a
+# warp), MXFP4 at one row, gate_up at one row. Arguments: x [M, K], codes as int32 words
+# [N, K / 8], scale bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without
+# has_bias), out [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias. The
+# dequantize kernel: code words, scale bytes, global scales, out [N, K], group_shift, e8m0
+# (fp16 only: what prefill runs).
 _FP4_GEMV_SIG = (
-    "void(float16[:, :], int32[:, ::1], uint8[:, ::1], float32[::1], float16[::1],"
-    " float16[:, :], boolean, int64, boolean)"
+    "void({t}[:, :], int32[:, ::1], uint8[:, ::1], float32[::1], {t}[::1], {t}[:, :], boolean)"
 )
+KERNELS += (KernelSpec("linear.fp4_kernels", "fp4_gemv_kernel_m1", both(_FP4_GEMV_SIG)),)
 KERNELS += tuple(
-    KernelSpec("linear.fp4_kernels", name, (_FP4_GEMV_SIG,))
-    for name in ("fp4_gemv_kernel_m1", "fp4_gemv_kernel_m8", "fp4_gemv_gate_up_kernel_m1")
+    KernelSpec("linear.fp4_kernels", name, (_FP4_GEMV_SIG.format(t="float16"),))
+    for name in (
+        "fp4_gemv_kernel_m2",
+        "fp4_gemv_kernel_m8",
+        "fp4_gemv_mxfp4_kernel_m1",
+        "fp4_gemv_gate_up_kernel_m1",
+    )
 )
 KERNELS += (
     KernelSpec(

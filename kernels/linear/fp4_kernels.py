@@ -5,11 +5,22 @@ storage, fp32 arithmetic): the codes and scale bytes are decoded in software.
   first 16 threads before a barrier. The kernels read the code bytes as int32 words (the
   launchers pass an int32 view of fp4_pack's uint8 [N, K / 2]: little-endian, so input k + e
   of a word's 8 sits at bits 4e .. 4e + 3 with the low nibble first), a shift and a mask per
-  table index.
-- Scale bytes (`scale_f32`): E4M3 by building the fp32 bit pattern (exponent + 120, mantissa
-  moved up 20 bits; the subnormal exponent 0 as (1 + m / 8) * 2**-6 - 2**-6, exact), E8M0 as the
-  exponent field itself (byte 0: 2**-127, the fp32 subnormal 0x00400000). NaN bytes never reach
-  a kernel (the loader refuses them, fp4_pack.check_scale_bytes).
+  table index. Why a table and not a register decode: the fp32 pattern
+  ((c & 7) << 22) | ((c & 8) << 28) is the code's value times 2**-126, exact, subnormals
+  included, but it costs two shifts and two logic ops a code (magnitude and sign move by
+  different distances) and an x scaled by a power of two so that the products stay normal;
+  the table costs a shift, an AND and one LDS. Its 16 words sit in 16 banks, so a warp's
+  lookup is one shared-memory wavefront whatever the codes (32 codes a clock an SM, at or
+  above the code rate the copy bandwidth delivers on an H100 or H200), and it keeps the
+  integer pipe, which Hopper runs at half the FP32 rate, at two ops a code.
+- Scale bytes (`scale_f32`): E4M3 by moving its bits into fp32's (exponent and mantissa 20
+  bits up, sign to bit 31): the fp32 pattern is the value times 2**-120 for every byte, the
+  subnormal exponent 0 included (fp32's exponent 0 is subnormal too, with the same linear
+  mantissa), and one multiply by 2**120 is exact (a power of two, the result normal); E8M0 as
+  the exponent field itself (byte 0: 2**-127, the fp32 subnormal 0x00400000, which max() picks
+  since every other byte gives a larger pattern). NaN bytes never reach a kernel (the loader
+  refuses them, fp4_pack.check_scale_bytes). No flush to zero: the kernels are built without
+  fastmath.
 
 Kernels:
 
@@ -18,26 +29,60 @@ Kernels:
   16 or 32 wide), one 16-byte store (vec_io.st8); grid (K / 8 / THREADS blocks, rows folded over y and
   z as quant_dequant does). Each value is e2m1 * (scale * gscale[row]) in fp32, rounded once:
   fp4_pack.dequantize_fp4's rule exactly.
-- `fp4_gemv_kernel(M)`: y[M, N] = x[M, K] @ w^T (+ bias) for 1..8 rows, built per row variant
-  (1, 2, 4, 8) with M a compile-time constant. One warp per output row, blocks of 4 warps as
-  quant_gemv's; a lane takes 16 inputs (two code words, one block) per step, 32 lanes 512 inputs,
-  reads each x row in two 16-byte loads (vec_io.ld8) and sums the 16 products of each row in
-  fp32 before one multiply by the block's scale (the factored form of quant_gemv: the products
-  are exact, only the fp32 sums are regrouped against the reference). Lane sums are reduced
-  with warp shuffles (gemv._warp_sum) and lane 0 writes the row, bias added in fp32, one
-  rounding. A block's rows past N compute row N - 1 and write nothing (every lane of the block
-  reaches the same shuffles, which the simulator's stand-in needs).
+- `fp4_gemv_kernel(M, gate_up, group, e8m0, tile)`: y[M, N] = x[M, K] @ w^T (+ bias) for 1..8
+  rows, generated per configuration (`_source`) with the memory-level parallelism of the int4
+  GEMV (quant_gemv.py):
 
-  The decode step (`decode_chunk`: a lane's 16 codes and its block's scale; `dot_chunk`: their
-  products with 16 inputs of an x row) is shared with the fused FP4 MoE experts
-  (moe/fp4_decode.py).
+  - one warp owns R weight rows (plain: R output rows; gate_up: R / 2 columns, each its gate row
+    j and up row N + j) for the M inputs; a lane reads 16-byte chunks of a row's code words (4
+    words: 32 inputs, two NVFP4 blocks or one MXFP4 block), U chunks per step, and issues the
+    step's R * U code loads and R * U * (32 / group) scale-byte loads before the first decode;
+  - per block and (row, input) the 16 or 32 products of E2M1 values (table) and x (fp32, read
+    next to its use in 16-byte loads and shared by the R rows) are summed in fp32, then
+    multiplied once by the block's scale times the row's global scale (rounded as
+    dequantize_fp4 rounds it) and added to the accumulator: the factored form, whose products
+    are exact for fp16 x (2 significant bits times 11) and whose sums are regrouped against the
+    reference in fp32 only;
+  - split-K (the tile's KS, quant_gemv's scheme): the KS consecutive warps of a block share one
+    group of rows, warp p walking the p-th share of K, cut at whole warp chunks (128 words, every
+    lane one 16-byte chunk); after the loop warps 1..KS-1 put their lane sums in shared memory
+    and leave after a barrier, and warp 0 adds them in warp order (the same sum every run);
+  - lane partial sums are reduced with warp shuffles (gemv._warp_sum); lane m * R + r writes
+    output (m, row0 + r), bias added in fp32, one rounding. gate_up writes silu_and_mul's h with
+    quant_gemv's epilogue (each sum rounded as the linear stores it, then
+    activation._silu_mul).
 
-- `fp4_gemv_kernel(M, gate_up=True)`: the merged gate_up weight [2I, K], a warp on gate row j
-  and up row I + j, writing silu_and_mul's h[m, j] with quant_gemv's epilogue (each sum
-  rounded as the linear stores it, then activation._silu_mul).
+  Tiles (`tiling`): int4's choices, whose chunks are the same 16 bytes of 32 codes: (R, U, KS)
+  = (4, 1, 2) at one row (SPLIT_K_M1: the short linears are latency-bound, and two warps on
+  each group halve the serial walk along K), (4, 2, 1) at 2 rows (gate_up: (4, 1, 1)),
+  (4, 1, 1) at 3-4 rows, (2, 2, 1) at 5-8 rows (the 8-input accumulators). Not yet measured for
+  FP4: `tile` overrides them for benchmarks and tests.
 
-Not here: quant_gemv's qkv + rotary epilogue and its half2 and split-K forms (an FP4 qkv
-projection runs the GEMV, then rotary_and_cache).
+  Guards: K a multiple of 32 (fp4_linear.gemv_supports; whole 16-byte chunks, and rows of code
+  words that stay 16-byte aligned). A chunk past the end of K (or of the warp's share) loads
+  zero codes, its block index is clamped to the row's last block and its x is read at the
+  weight's last chunk (in bounds, no per-value zero fill), so it adds 0 * x: one guarded body
+  serves full and partial steps. (An x with an inf or NaN anywhere makes every output of the
+  reference inf or NaN already.) Rows past N (a partial last group) read row N - 1 and write
+  nothing; every warp walks its K and reaches the same shuffles (which the simulator's
+  stand-in needs).
+
+  M, R, U, KS, the block size and the scale kind are compile-time constants of a generated
+  kernel (built on first use), so accumulators and in-flight words stay in registers and only
+  the weight's scale decode is compiled. SASS of the NVFP4 kernel at one row ((4, 1, 2); its
+  cc 7.0 PTX assembled for sm_90, as an H100 compiles it at load): 731 instructions a step of
+  128 weights, 5.7 a weight: 128 LDS and 128 FFMA, ~250 shifts and ANDs making table indices,
+  32 x conversions, the rest scale decode, addresses and guards; 96 registers there, no
+  spills (check-kernels lists each instance's registers for sm_70).
+
+- `fp4_gemv_v1_kernel(M)`: one warp a row, a lane two code words (16 inputs, one block) a step,
+  8 bytes in flight; kept so that bench_quant_linear can time it beside the tiled kernel (tile
+  `V1` of fp4_linear.fp4_gemv_cuda). Its decode step (`decode_chunk`: a lane's 16 codes and
+  its block's scale; `dot_chunk`: their products with 16 inputs of an x row) is shared with the
+  fused FP4 MoE experts (moe/fp4_decode.py).
+
+Not here: quant_gemv's qkv + rotary epilogue and its half2 form (an FP4 qkv projection runs the
+GEMV, then rotary_and_cache).
 """
 
 from __future__ import annotations
@@ -45,16 +90,25 @@ from __future__ import annotations
 from numba import cuda, uint32
 from voltserve.kernels.elementwise.activation import _silu_mul
 from voltserve.kernels.linear.gemv import _warp_sum
-from voltserve.kernels.linear.quant_common import bits_f32
-from voltserve.kernels.runtime.numba_common import float32, named_kernel, round_like
+from voltserve.kernels.linear.quant_common import ZERO_W4, bits_f32, ld_w4
+from voltserve.kernels.runtime.compile_cache import cached_factory
+from voltserve.kernels.runtime.numba_common import float32, named_kernel, nvvm_inlined, round_like
 from voltserve.kernels.runtime.vec_io import ld8, st8
 
 WARPS = 4
 THREADS = 32 * WARPS
-CHUNK = 16  # inputs a lane reads per step (two code words)
+CHUNK = 16  # inputs a lane reads per step in decode_chunk (two code words)
 VARIANTS = (1, 2, 4, 8)
 MAX_M = VARIANTS[-1]
-SUBNORMAL_E4M3 = 0.015625  # 2**-6: the E4M3 subnormal's offset in scale_f32
+E4M3_UNIT = 2.0**120  # scale_f32: an E4M3 byte's bits in fp32's are its value times 2**-120
+E8M0_MIN_BITS = 0x00400000  # 2**-127, E8M0 byte 0, as an fp32 (subnormal) pattern
+WORDS = 4  # code words a lane reads per chunk of the tiled GEMV: one 16-byte load, 32 inputs
+WARP_WORDS = 32 * WORDS  # code words of a warp chunk (every lane one chunk): 1024 inputs
+KS_CHOICES = (1, 2, 4)  # split-K: warps of a block on one group of rows
+# The default at one row (plain and gate_up): quant_gemv.SPLIT_K_M1, the int4 choice.
+SPLIT_K_M1 = (4, 1, 2)
+V1 = "v1"  # fp4_linear.fp4_gemv_cuda's tile for fp4_gemv_v1_kernel
+Tile = tuple[int, int] | tuple[int, int, int] | None  # (R, U) or (R, U, KS); None: the default
 
 
 @cuda.jit(device=True, inline="always")
@@ -73,17 +127,11 @@ def e2m1_value(c):
 @cuda.jit(device=True, inline="always")
 def scale_f32(b, e8m0):
     """A scale byte as fp32: E8M0 (2**(b - 127)) or E4M3 (sign, exponent bias 7, 3 mantissa
-    bits, exponent 0 subnormal)."""
+    bits, exponent 0 subnormal); see the module doc."""
     u = uint32(b)
     if e8m0:
-        return bits_f32(u << 23) if u != 0 else bits_f32(0x00400000)
-    e = (u >> 3) & 15
-    m = (u & 7) << 20
-    if e == 0:
-        v = bits_f32((121 << 23) | m) - float32(SUBNORMAL_E4M3)
-    else:
-        v = bits_f32(((e + 120) << 23) | m)
-    return -v if u & 0x80 else v
+        return bits_f32(max(u << 23, uint32(E8M0_MIN_BITS)))
+    return bits_f32(((u & 0x7F) << 20) | ((u & 0x80) << 24)) * float32(E4M3_UNIT)
 
 
 @cuda.jit(device=True, inline="always")
@@ -164,7 +212,9 @@ def dot_chunk(w, x, m, k):
     return d
 
 
-def _make_gemv(M: int, gate_up: bool):
+def _make_gemv_v1(M: int, gate_up: bool):
+    """fp4_gemv_v1_kernel's kernel: one output row (gate_up: column) per warp, a lane one
+    decode_chunk per step; arguments as the tiled kernel's, then group_shift and e8m0."""
     RW = 2 if gate_up else 1  # weight rows per warp: (gate j, up N / 2 + j) or one row
 
     def kernel(x, packed, scales, gscale, bias, out, has_bias, gshift, e8m0):
@@ -205,11 +255,28 @@ def _make_gemv(M: int, gate_up: bool):
                 else:
                     out[m, c] = v
 
-    name = f"fp4_gemv_{'gate_up_' if gate_up else ''}kernel_m{M}"
+    name = f"fp4_gemv_v1_{'gate_up_' if gate_up else ''}kernel_m{M}"
     return cuda.jit(named_kernel(kernel, __name__, name))
 
 
-_GEMV: dict[tuple[int, bool], object] = {}
+_GEMV_V1: dict[tuple[int, bool], object] = {}
+
+
+def fp4_gemv_v1_kernel(m: int, gate_up: bool = False):
+    """The one-row-a-warp kernel for m input rows (its variant's), built once per variant."""
+    key = (variant_for(m), gate_up)
+    k = _GEMV_V1.get(key)
+    if k is None:
+        k = _GEMV_V1[key] = _make_gemv_v1(*key)
+    return k
+
+
+def v1_grid(n: int) -> int:
+    return -(-n // WARPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiled GEMV: source written out per configuration (see the module doc)
 
 
 def variant_for(m: int) -> int:
@@ -218,32 +285,287 @@ def variant_for(m: int) -> int:
     return next(v for v in VARIANTS if v >= m)
 
 
-def fp4_gemv_kernel(m: int, gate_up: bool = False):
-    """The kernel serving m input rows (its variant's), built once per variant and kind."""
-    key = (variant_for(m), gate_up)
+def tile_for(m: int, gate_up: bool = False) -> tuple[int, int]:
+    """(R weight rows per warp, U chunks per lane per step) of the M = m variant at KS = 1:
+    quant_gemv.tile_for's int4 choices (same 16-byte chunks of 32 codes). R = 4 shares each x
+    element a lane widens among four rows; M = 8 takes R = 2 for its 8 x R accumulators and
+    partial sums; U = 2 keeps 128 bytes a lane in flight where R * M leaves registers for it."""
+    if m == 8:
+        return (2, 2)
+    return (4, 1) if gate_up or m == 4 else (4, 2)
+
+
+def tiling(m: int, gate_up: bool = False, tile: Tile = None) -> tuple[int, int, int]:
+    """(R, U, KS) of a launch for m rows: tile (R, U) or (R, U, KS) when given, else
+    SPLIT_K_M1 at one row and tile_for's (R, U) with KS = 1 above."""
+    v = variant_for(m)
+    if tile is None:
+        return SPLIT_K_M1 if v == 1 else (*tile_for(v, gate_up), 1)
+    R, U, KS = (*tile, 1) if len(tile) == 2 else tile
+    if KS not in KS_CHOICES:
+        raise ValueError(f"split-K over {KS} warps: KS must be one of {KS_CHOICES}")
+    if R < 1 or U < 1 or (gate_up and R % 2):
+        raise ValueError(f"tile {tile}: R, U >= 1 (gate_up pairs rows: R even)")
+    if v * (R // 2 if gate_up else R) > 32:
+        raise ValueError(f"tile {tile}: {v} rows x R outputs must fit the 32 lanes")
+    return R, U, KS
+
+
+def grid_for(m: int, cols: int, gate_up: bool = False, tile: Tile = None) -> int:
+    """Blocks for `cols` output columns: WARPS / KS groups of R rows (gate_up: R / 2 columns)."""
+    R, _, KS = tiling(m, gate_up, tile)
+    per_block = WARPS // KS * (R // 2 if gate_up else R)
+    return -(-cols // per_block)
+
+
+def scheme_name(group: int, e8m0: bool) -> str:
+    """nvfp4 (E4M3 per 16), mxfp4 (E8M0 per 32), else the block size and the scale kind."""
+    if (group, e8m0) == (16, False):
+        return "nvfp4"
+    if (group, e8m0) == (32, True):
+        return "mxfp4"
+    return f"g{group}_{'e8m0' if e8m0 else 'e4m3'}"
+
+
+def _rows(R: int, gate_up: bool) -> list[str]:
+    """The warp's weight rows rw0..rw{R-1}, clamped to the last row (rows past N compute that
+    row and write nothing), and their global scales."""
+    if gate_up:
+        L = ["    N = qw.shape[0] >> 1", f"    row0 = grp * {R // 2}"]
+        for q in range(R // 2):
+            L += [f"    rw{2 * q} = min(row0 + {q}, N - 1)", f"    rw{2 * q + 1} = rw{2 * q} + N"]
+    else:
+        L = ["    N = qw.shape[0]", f"    row0 = grp * {R}"]
+        L += [f"    rw{r} = min(row0 + {r}, N - 1)" for r in range(R)]
+    return L + [f"    gs{r} = gscale[rw{r}]" for r in range(R)]
+
+
+def _k_range(ks: int) -> list[str]:
+    """w0 and W, the warp's range of code words. ks > 1: warp `part` of its group takes the
+    part-th share, ceil(warp chunks / ks) whole warp chunks (the last share shorter or empty),
+    so the step's guards (c < W) cut each share's end as they cut the weight's."""
+    if ks == 1:
+        return ["    w0 = 0", "    W = qw.shape[1]"]
+    return [
+        f"    part = (cuda.threadIdx.x >> 5) & {ks - 1}",
+        "    Wt = qw.shape[1]",
+        f"    span = ((Wt + {WARP_WORDS * ks - 1}) // {WARP_WORDS * ks}) * {WARP_WORDS}",
+        "    w0 = part * span",
+        "    W = min(w0 + span, Wt)",
+    ]
+
+
+def _step(ind: str, M: int, R: int, U: int, blocks: int, e8m0: bool) -> list[str]:
+    """One warp step: lane chunks c{j} = w0 + 4 * lane + 128 * j of rows rw{r}, every code and
+    scale-byte load first (codes past W zero), then per chunk, 8 inputs (one word) at a time:
+    the R x 8 E2M1 values from the table, each x row's 8 inputs (one 16-byte load) against
+    them into the block's partial sums p, and at a block's end p times the block's scale into
+    a{m}_{r}.
+    blocks: scale blocks per chunk (2 for blocks of 16, 1 for 32). Every temporary has a name
+    of its own, the partial sums too (numba rebuilds SSA form per name assigned twice)."""
+    L = [f"{ind}c{j} = w0 + lw + {j * WARP_WORDS}" for j in range(U)]
+    shift = 1 if blocks == 2 else 2  # chunk c covers inputs 8c .. 8c + 31: block 8c / group
+    for j in range(U):
+        for h in range(blocks):
+            # clamped: a guarded chunk reads the row's last block and adds zero times it
+            block = f"(c{j} >> {shift}) + {h}" if h else f"c{j} >> {shift}"
+            L.append(f"{ind}i{j}_{h} = min({block}, G - 1)")
+    for r in range(R):
+        for j in range(U):
+            L.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j})) if c{j} < W else ZERO_W4")
+    for r in range(R):
+        for j in range(U):
+            L += [f"{ind}b{r}_{j}_{h} = scales[rw{r}, i{j}_{h}]" for h in range(blocks)]
+    for r in range(R):
+        for j in range(U):
+            for h in range(blocks):
+                s = f"scale_f32(b{r}_{j}_{h}, {e8m0})"
+                L.append(f"{ind}S{r}_{j}_{h} = {s} * gs{r}")
+    xrows = ["0"] + [f"xm{m}" for m in range(1, M)]
+    for j in range(U):
+        # x of a chunk past the end is read at the last chunk's columns (in bounds) against
+        # zero codes: no guard, no zero-fill per x value
+        L.append(f"{ind}xc{j} = min(c{j}, Wl) * 8")
+        for t in range(WORDS):
+            h = t * blocks // WORDS
+            for r in range(R):
+                for e in range(8):
+                    L.append(f"{ind}e{j}_{t}_{r}_{e} = tab[{_code(f'q{r}_{j}[{t}]', e)}]")
+            first = t * blocks % WORDS == 0  # the block's first word
+            for m in range(M):
+                xv = f"xv{j}_{t}_{m}"
+                L.append(f"{ind}{xv} = ld8(x, ({xrows[m]}, xc{j} + {8 * t}))")
+                for r in range(R):
+                    # the block's sum so far, then 8 products (a chain of FMAs)
+                    terms = [] if first else [f"p{j}_{t - 1}_{m}_{r}"]
+                    terms += [f"{xv}[{e}] * e{j}_{t}_{r}_{e}" for e in range(8)]
+                    L.append(f"{ind}p{j}_{t}_{m}_{r} = {' + '.join(terms)}")
+            if (t + 1) * blocks % WORDS == 0:  # the block's last word
+                for m in range(M):
+                    for r in range(R):
+                        L.append(f"{ind}a{m}_{r} += p{j}_{t}_{m}_{r} * S{r}_{j}_{h}")
+    return L
+
+
+def _code(word: str, e: int) -> str:
+    """Source of code e (bits 4e .. 4e + 3) of a uint32 code word, a table index."""
+    if e == 0:
+        return f"{word} & 15"
+    if e == 7:
+        return f"{word} >> 28"
+    return f"({word} >> {4 * e}) & 15"
+
+
+def _split_k_sum(ks: int, acc: list[str]) -> list[str]:
+    """ks > 1, after the K loop: warps 1..ks-1 of a group store their lane sums in shared memory
+    and leave after the block's barrier; warp 0 adds them in warp order (the same sum in every
+    run) and goes on to the epilogue."""
+    L = [
+        f"    red = cuda.shared.array(({WARPS}, {len(acc)}, 32), float32)",
+        "    wb = cuda.threadIdx.x >> 5",
+        "    if part != 0:",
+    ]
+    L += [f"        red[wb, {i}, lane] = {a}" for i, a in enumerate(acc)]
+    L += ["    cuda.syncthreads()", "    if part != 0:", "        return"]
+    for p in range(1, ks):
+        L += [f"    {a} += red[wb + {p}, {i}, lane]" for i, a in enumerate(acc)]
+    return L
+
+
+def _epilogue(M: int, R: int, gate_up: bool) -> list[str]:
+    """Warp sums; lane m * R + r (gate_up: m * R / 2 + q, its gate and up sums) writes output
+    (m, row0 + r) if that row is below N and input m exists: bias in fp32, one rounding."""
+    if gate_up:
+        Q = R // 2
+        L = ["    a = float32(0.0)", "    b = float32(0.0)"]
+        for m in range(M):
+            for q in range(Q):
+                i = m * Q + q
+                L += [
+                    f"    ta{i} = _warp_sum(a{m}_{2 * q})",
+                    f"    tb{i} = _warp_sum(a{m}_{2 * q + 1})",
+                    f"    if lane == {i}:",
+                    f"        a = ta{i}",
+                    f"        b = tb{i}",
+                ]
+        return L + [
+            f"    if lane < {M * Q}:",
+            f"        col = row0 + lane % {Q}",
+            f"        if col < N and lane // {Q} < Mx:",
+            "            if has_bias:",
+            "                a += float32(bias[col])",
+            "                b += float32(bias[col + N])",
+            "            # as the linear stores gate and up, then as silu_and_mul rounds h",
+            f"            out[lane // {Q}, col] = "
+            "_silu_mul(round_like(a, out), round_like(b, out), out)",
+        ]
+    L = ["    mine = float32(0.0)"]
+    for m in range(M):
+        for r in range(R):
+            i = m * R + r
+            L += [f"    t{i} = _warp_sum(a{m}_{r})", f"    if lane == {i}:", f"        mine = t{i}"]
+    return L + [
+        f"    if lane < {M * R}:",
+        f"        row = row0 + lane % {R}",
+        f"        if row < N and lane // {R} < Mx:",
+        "            if has_bias:",
+        "                mine += float32(bias[row])",
+        f"            out[lane // {R}, row] = mine",
+    ]
+
+
+def _source(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: bool) -> str:
+    """The kernel's source (see the module doc): x [Mx <= M, K], qw int32 [rows, K / 8], scales
+    uint8 [rows, K / group], gscale fp32 [rows], bias, out [Mx, N], has_bias."""
+    acc = [f"a{m}_{r}" for m in range(M) for r in range(R)]
+    L = [
+        "def kernel(x, qw, scales, gscale, bias, out, has_bias):",
+        "    tab = cuda.shared.array(16, float32)",
+        "    fill_table(tab)",
+        "    lane = cuda.threadIdx.x & 31",
+        # the group of rows: ks consecutive warps share one
+        "    grp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> "
+        f"{5 + ks.bit_length() - 1}",
+    ]
+    L += _rows(R, gate_up)
+    L += ["    Mx = x.shape[0]"] + [f"    xm{m} = min({m}, Mx - 1)" for m in range(1, M)]
+    L += [f"    {a} = float32(0.0)" for a in acc]
+    L += ["    lw = lane * 4", "    G = scales.shape[1]", f"    Wl = qw.shape[1] - {WORDS}"]
+    L += _k_range(ks)
+    L.append("    while w0 < W:")
+    L += _step("        ", M, R, U, 32 // group, e8m0)
+    L.append(f"        w0 += {U * WARP_WORDS}")
+    if ks > 1:
+        L += _split_k_sum(ks, acc)
+    L += _epilogue(M, R, gate_up)
+    return "\n".join(L) + "\n"
+
+
+@cached_factory
+def _build(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: bool):
+    # fill_table and scale_f32 inlined by NVVM, not numba: the same PTX instruction counts and
+    # registers (scripts/ptx_diff.py), half the compile time of the 8-row kernel (31 -> 16 s)
+    scope = {
+        "cuda": cuda,
+        "float32": float32,
+        "ld8": ld8,
+        "ld_w4": ld_w4,
+        "ZERO_W4": ZERO_W4,
+        "fill_table": nvvm_inlined(fill_table),
+        "scale_f32": nvvm_inlined(scale_f32),
+        "_warp_sum": _warp_sum,
+        "_silu_mul": _silu_mul,
+        "round_like": round_like,
+    }
+    kind = "gate_up_" if gate_up else ""
+    name = f"fp4_gemv_{kind}{scheme_name(group, e8m0)}_m{M}_r{R}u{U}ks{ks}"
+    src = _source(M, R, U, ks, gate_up, group, e8m0)
+    exec(compile(src, f"<{name}>", "exec"), scope)  # noqa: S102 - our own generated source
+    return cuda.jit(named_kernel(scope["kernel"], __name__, name))
+
+
+_GEMV: dict[tuple, object] = {}
+
+
+def fp4_gemv_kernel(
+    m: int, gate_up: bool = False, group: int = 16, e8m0: bool = False, tile: Tile = None
+):
+    """The tiled kernel serving m input rows (its variant's) of a weight with blocks of `group`
+    inputs and E8M0 (else E4M3) scales, built once per configuration. tile: (R, U) or
+    (R, U, KS) instead of `tiling`'s default (benchmarks and tests)."""
+    if group not in (16, 32):
+        raise ValueError(f"FP4 blocks of 16 or 32 inputs, got {group}")
+    key = (variant_for(m), *tiling(m, gate_up, tile), gate_up, group, bool(e8m0))
     k = _GEMV.get(key)
     if k is None:
-        k = _GEMV[key] = _make_gemv(*key)
+        k = _GEMV[key] = _build(*key)
     return k
 
 
-def gemv_grid(n: int) -> int:
-    return -(-n // WARPS)
-
-
-# Representative instances for `voltserve check-kernels` (kernels/registry.py).
+# Representative instances for `voltserve check-kernels` (kernels/linear/__init__.py): the
+# default tiles of NVFP4 at 1 (split-K), 2 (U = 2) and 8 rows (R = 2), MXFP4 at one row, and
+# gate_up at one row.
 fp4_gemv_kernel_m1 = fp4_gemv_kernel(1)
+fp4_gemv_kernel_m2 = fp4_gemv_kernel(2)
 fp4_gemv_kernel_m8 = fp4_gemv_kernel(8)
+fp4_gemv_mxfp4_kernel_m1 = fp4_gemv_kernel(1, group=32, e8m0=True)
 fp4_gemv_gate_up_kernel_m1 = fp4_gemv_kernel(1, gate_up=True)
 
 __all__ = [
+    "V1",
+    "Tile",
     "decode_chunk",
     "dot_chunk",
+    "e2m1_value",
     "fill_table",
     "fp4_dequant_kernel",
     "fp4_gemv_kernel",
-    "gemv_grid",
+    "fp4_gemv_v1_kernel",
+    "grid_for",
     "scale_f32",
-    "e2m1_value",
+    "scheme_name",
+    "tile_for",
+    "tiling",
+    "v1_grid",
     "variant_for",
 ]

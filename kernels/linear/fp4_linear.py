@@ -2,11 +2,14 @@
 quantization method's linear calls (through kernels/dispatch.fp4_linear).
 
 Reference (CPU, VOLTSERVE_FORCE_REF=1, VOLTSERVE_QUANT_KERNELS=0): F.linear with the weight
-dequantized in the run dtype. On CUDA (fp4_kernels.py): up to 8 rows the GEMV, which reads each
-code byte once (the gate_up projection with silu_and_mul in its epilogue); more rows dequantize the layer into the reused scratch buffer of the integer
-formats (quant_linear.QuantScratch, reserved at load for the largest quantized linear) and
-hand it to cuBLAS. Both launch on torch's current stream without host syncs (graph-capturable).
-Shapes or alignments the kernels do not take run the reference.
+dequantized in the run dtype. On CUDA (fp4_kernels.py): up to 8 rows the tiled GEMV, which
+reads each code byte once (the gate_up projection with silu_and_mul in its epilogue), for K a
+multiple of 32 (`gemv_supports`: its 16-byte chunks); more rows, or K a multiple of 16 only,
+dequantize the layer into the reused scratch buffer of the integer formats
+(quant_linear.QuantScratch, reserved at load for the largest quantized linear) and hand it to
+cuBLAS. Both launch on torch's current stream without host syncs (graph-capturable). Shapes or
+alignments the kernels do not take run the reference (`fp4_gemv_cuda` called directly with
+such a shape: the reference too).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def code_words(w: Fp4Weight) -> torch.Tensor:
 
 
 def gemv_supports(x: torch.Tensor, w: Fp4Weight) -> bool:
+    """The GEMV takes x and w: 1..8 rows, and K a multiple of 32 so that a lane's 16-byte chunk
+    of code words is whole and every row of words starts 16-byte aligned."""
     from voltserve.kernels.linear.fp4_kernels import MAX_M
 
     return (
@@ -45,7 +50,9 @@ def gemv_supports(x: torch.Tensor, w: Fp4Weight) -> bool:
         and x.shape[1] == w.in_features
         and x.stride(-1) == 1
         and _aligned(x)
-        and w.in_features % 16 == 0
+        and w.in_features % 32 == 0
+        and w.packed.is_contiguous()
+        and w.packed.data_ptr() % 16 == 0
     )
 
 
@@ -91,26 +98,34 @@ def fp4_gate_up_ref(x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = N
 
 
 def fp4_gemv_cuda(
-    x: torch.Tensor, w: Fp4Weight, bias: torch.Tensor | None = None, gate_up: bool = False
+    x: torch.Tensor,
+    w: Fp4Weight,
+    bias: torch.Tensor | None = None,
+    gate_up: bool = False,
+    tile: tuple[int, ...] | str | None = None,
 ):
     """x of 1..8 rows: one GEMV launch (the reference where gemv_supports says no); gate_up:
-    silu_and_mul of the merged gate_up product, [M, N / 2]."""
+    silu_and_mul of the merged gate_up product, [M, N / 2]. tile: None for the default
+    (fp4_kernels.tiling), (R, U) or (R, U, KS) to force one (benchmarks and tests), or
+    fp4_kernels.V1 for the one-row-a-warp kernel (bench_quant_linear's comparison)."""
     if not gemv_supports(x, w) or (gate_up and w.out_features % 2):
         return (fp4_gate_up_ref if gate_up else fp4_linear_ref)(x, w, bias)
-    from voltserve.kernels.linear.fp4_kernels import THREADS, fp4_gemv_kernel, gemv_grid
+    from voltserve.kernels.linear import fp4_kernels as fk
     from voltserve.kernels.runtime.numba_common import current_stream, launch
 
+    M = x.shape[0]
     cols = w.out_features // 2 if gate_up else w.out_features
-    out = torch.empty((x.shape[0], cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, cols), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else out[0]  # any 1-D array of the dtype; unread
-    launch(
-        fp4_gemv_kernel(x.shape[0], gate_up),
-        gemv_grid(cols),
-        THREADS,
-        (x, code_words(w), w.scales, w.gscale, b, out, has_bias, w.group_shift, w.e8m0),
-        current_stream(),
-    )
+    args = (x, code_words(w), w.scales, w.gscale, b, out, has_bias)
+    if tile == fk.V1:
+        kernel, grid = fk.fp4_gemv_v1_kernel(M, gate_up), fk.v1_grid(cols)
+        args += (w.group_shift, w.e8m0)
+    else:
+        kernel = fk.fp4_gemv_kernel(M, gate_up, w.group_size, w.e8m0, tile)
+        grid = fk.grid_for(M, cols, gate_up, tile)
+    launch(kernel, grid, fk.THREADS, args, current_stream())
     return out
 
 

@@ -73,3 +73,52 @@ def test_fp4_gate_up_and_graph_replay(T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+# The tiled GEMV's tiles beside the defaults ((R, U, KS): one or two chunks a lane, two rows a
+# warp, split-K over 1, 2 and 4 warps) and the one-row-a-warp kernel, on the longest K (down)
+# at 1, 2 and 5 rows.
+TILES = [(4, 1, 1), (4, 2, 1), (4, 2, 2), (2, 2, 4), (4, 1, 4), "v1"]
+
+
+@pytest.mark.parametrize("kind", [E4M3, E8M0])
+@pytest.mark.parametrize("tile", TILES)
+def test_fp4_gemv_tiles_match_reference(tile, kind):
+    from voltserve.kernels.linear.fp4_linear import fp4_gemv_cuda
+
+    K, N = 14336, 4096
+    w = weight(K, N, kind)
+    wd = dequantize_fp4(w)
+    for T in (1, 2, 5):
+        x = torch.randn(T, K, device=DEV).half()
+        got = fp4_gemv_cuda(x, w, None, tile=tile)
+        ref = F.linear(x.float(), wd)
+        scale = x.float().abs() @ wd.abs().T
+        assert ((got.float() - ref).abs() <= 2e-3 * scale + 1e-3).all(), (tile, kind, T)
+
+
+@pytest.mark.parametrize("tile", [None, (4, 1, 1), (2, 2, 4), "v1"])
+def test_fp4_gemv_gate_up_tiles(tile):
+    from voltserve.kernels.linear.fp4_linear import fp4_gate_up_ref, fp4_gemv_cuda
+
+    K, N = 4096, 28672
+    w = weight(K, N, E8M0)
+    for T in (1, 3):
+        x = torch.randn(T, K, device=DEV).half()
+        got = fp4_gemv_cuda(x, w, None, gate_up=True, tile=tile)
+        ref = fp4_gate_up_ref(x.float(), w)
+        torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_fp4_linear_k_not_a_multiple_of_32():
+    """K a multiple of 16 only: no GEMV (gemv_supports), dequantize + cuBLAS at decode rows."""
+    from voltserve.kernels.linear.fp4_linear import fp4_linear, gemv_supports
+
+    K, N = 4096 + 16, 1024
+    w = weight(K, N, E4M3)
+    wd = dequantize_fp4(w)
+    x = torch.randn(1, K, device=DEV).half()
+    assert not gemv_supports(x, w)
+    got = fp4_linear(x, w, None, Ops())
+    scale = x.float().abs() @ wd.abs().T
+    assert ((got.float() - F.linear(x.float(), wd)).abs() <= 2e-3 * scale + 1e-3).all()
