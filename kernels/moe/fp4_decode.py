@@ -6,9 +6,10 @@ and scale bytes are read and decoded in registers, in two launches and no host s
 The experts are quant/fp4_experts.py's stacked packed tensors seen as one flat Fp4Weight per
 projection (kernels/linear/fp4_pack.py): w13 rows e * 2I + j (expert e's gate rows, then its up
 rows), w2 rows e * H + n. Each launch is the decode step of the dense FP4 GEMV's
-one-row-a-warp form (fp4_kernels.fp4_gemv_v1_kernel; fp4_kernels.decode_chunk / dot_chunk: a lane takes 16 inputs, one block, per step, the E2M1
-values from a 16-entry shared table, the 16 products summed in fp32 and multiplied once by the
-block's scale) pointed at the routed expert's rows, in quant_decode.py's two launches:
+one-row-a-warp form (fp4_kernels.fp4_gemv_v1_kernel; fp4_kernels.decode_chunk / dot_chunk: a
+lane takes 16 inputs, one block, per step, the E2M1 values from a 16-entry shared table, the 16
+products summed in fp32 and multiplied once by the block's scale) pointed at the routed
+expert's rows, in quant_decode.py's two launches:
 
 1. gate_up: h[p, j] = silu(x[t] . w13[e, j]) * (x[t] . w13[e, I + j]) for every pair
    p = t * k + slot, e = topk_ids[t, slot]; one warp owns column j of one pair (its gate and up
