@@ -91,6 +91,7 @@ from numba import cuda, uint32
 from voltserve.kernels.elementwise.activation import _silu_mul
 from voltserve.kernels.linear.gemv import _warp_sum
 from voltserve.kernels.linear.quant_common import ZERO_W4, bits_f32, ld_w4
+from voltserve.kernels.linear.quant_gemv import split_k_sum
 from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.numba_common import float32, named_kernel, nvvm_inlined, round_like
 from voltserve.kernels.runtime.vec_io import ld8, st8
@@ -416,22 +417,6 @@ def _code(word: str, e: int) -> str:
     return f"({word} >> {4 * e}) & 15"
 
 
-def _split_k_sum(ks: int, acc: list[str]) -> list[str]:
-    """ks > 1, after the K loop: warps 1..ks-1 of a group store their lane sums in shared memory
-    and leave after the block's barrier; warp 0 adds them in warp order (the same sum in every
-    run) and goes on to the epilogue."""
-    L = [
-        f"    red = cuda.shared.array(({WARPS}, {len(acc)}, 32), float32)",
-        "    wb = cuda.threadIdx.x >> 5",
-        "    if part != 0:",
-    ]
-    L += [f"        red[wb, {i}, lane] = {a}" for i, a in enumerate(acc)]
-    L += ["    cuda.syncthreads()", "    if part != 0:", "        return"]
-    for p in range(1, ks):
-        L += [f"    {a} += red[wb + {p}, {i}, lane]" for i, a in enumerate(acc)]
-    return L
-
-
 def _epilogue(M: int, R: int, gate_up: bool) -> list[str]:
     """Warp sums; lane m * R + r (gate_up: m * R / 2 + q, its gate and up sums) writes output
     (m, row0 + r) if that row is below N and input m exists: bias in fp32, one rounding."""
@@ -496,7 +481,7 @@ def _source(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: bo
     L += _step("        ", M, R, U, 32 // group, e8m0)
     L.append(f"        w0 += {U * WARP_WORDS}")
     if ks > 1:
-        L += _split_k_sum(ks, acc)
+        L += split_k_sum(ks, acc, dead_leave=False)
     L += _epilogue(M, R, gate_up)
     return "\n".join(L) + "\n"
 

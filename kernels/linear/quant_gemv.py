@@ -21,7 +21,7 @@ the p-th 1/KS share of the code words, cut at whole warp chunks (128 words, ever
 and the share's end takes the guards of the weight's end (`_split_k_range`). After the loop
 warps 1..KS-1 store their lane sums in shared memory and leave after the block's barrier;
 warp 0 adds them in warp order (deterministic: the same sum every run) and runs the epilogue
-as a KS = 1 warp does (`_split_k_sum`; the generated KS = 1 kernel has none of this). A block
+as a KS = 1 warp does (`split_k_sum`; the generated KS = 1 kernel has none of this). A block
 then covers 4 / KS groups: R rows, R / 2 gate_up columns or one rotary pair each (`grid_for`).
 The aim: the short linears are latency-bound (down at R = 4 is 1024 warps, ~8 an SM on 132
 SMs, each walking 14 warp chunks of its rows one after another), and KS warps cut that walk
@@ -511,7 +511,7 @@ def _source(
     L += dot_step("        ", M, R, U, bits, split, xrows, form=form)
     L.append(f"        w0 += {step}")
     if ks > 1:
-        L += _split_k_sum(ks, acc)
+        L += split_k_sum(ks, acc)
     if form == HALF2:
         L += [f"    {a} *= float32({2.0**H2_SHIFT!r})" for a in acc]
     if gate_up:
@@ -589,17 +589,20 @@ def _split_k_range(ks: int, bits: int) -> list[str]:
     ]
 
 
-def _split_k_sum(ks: int, acc: list[str]) -> list[str]:
+def split_k_sum(ks: int, acc: list[str], dead_leave: bool = True) -> list[str]:
     """Split-K (ks > 1), after the K loop: warps 1..ks-1 of a group store their lane sums in
     shared memory and leave after the block's barrier; warp 0 adds them in warp order (the
-    same sum in every run) and goes on to the epilogue, as the one warp of ks = 1 does."""
+    same sum in every run) and goes on to the epilogue, as the one warp of ks = 1 does.
+    dead_leave: warp 0 of a group past the last row (`live` false) leaves too (a kernel whose
+    epilogue guards its writes instead keeps it: fp4_kernels)."""
+    leave = "part != 0 or not live" if dead_leave else "part != 0"
     L = [
         f"    red = cuda.shared.array(({WARPS}, {len(acc)}, 32), float32)",
         "    wb = cuda.threadIdx.x >> 5",
         "    if part != 0:",
     ]
     L += [f"        red[wb, {i}, lane] = {a}" for i, a in enumerate(acc)]
-    L += ["    cuda.syncthreads()", "    if part != 0 or not live:", "        return"]
+    L += ["    cuda.syncthreads()", f"    if {leave}:", "        return"]
     for p in range(1, ks):
         L += [f"    {a} += red[wb + {p}, {i}, lane]" for i, a in enumerate(acc)]
     return L
