@@ -54,6 +54,7 @@ from voltserve.kernels.linear.quant_gemv import (
     H2_MASK_LO,
     H2_X,
 )
+from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8, prmt
 from voltserve.kernels.runtime.launch_geometry import on_gpu, sm_count
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, named_kernel
@@ -306,22 +307,27 @@ def kquant_kernel(kind: str, m: int, R: int = DEFAULT_R, KS: int = 1):
     key = (kind, variant_for(m), R, KS)
     k = _KERNELS.get(key)
     if k is None:
-        scope = {
-            "cuda": cuda,
-            "float32": float32,
-            "ld_w4": ld_w4,
-            "ldh8": ldh8,
-            "h2fma": h2fma,
-            "h2mul": h2mul,
-            "h2f": h2f,
-            "prmt": prmt,
-            "_warp_sum": _warp_sum,
-        }
-        label = f"<kquant gemv {kind} M={key[1]} R={R} KS={KS}>"
-        exec(compile(_source(kind, key[1], R, KS), label, "exec"), scope)  # noqa: S102
-        name = f"kquant_gemv_{kind.lower()}_m{key[1]}_r{R}_ks{KS}"
-        k = _KERNELS[key] = cuda.jit(named_kernel(scope["kernel"], __name__, name))
+        k = _KERNELS[key] = _build(*key)
     return k
+
+
+@cached_factory
+def _build(kind: str, M: int, R: int, KS: int):
+    scope = {
+        "cuda": cuda,
+        "float32": float32,
+        "ld_w4": ld_w4,
+        "ldh8": ldh8,
+        "h2fma": h2fma,
+        "h2mul": h2mul,
+        "h2f": h2f,
+        "prmt": prmt,
+        "_warp_sum": _warp_sum,
+    }
+    label = f"<kquant gemv {kind} M={M} R={R} KS={KS}>"
+    exec(compile(_source(kind, M, R, KS), label, "exec"), scope)  # noqa: S102
+    name = f"kquant_gemv_{kind.lower()}_m{M}_r{R}_ks{KS}"
+    return cuda.jit(named_kernel(scope["kernel"], __name__, name))
 
 
 def split_for(groups: int, steps: int, sms: int) -> int:

@@ -47,6 +47,7 @@ from numba.core.types import float16
 from voltserve.kernels.attention.common import ld_u32x4, st_u32x4
 from voltserve.kernels.linear.quant_common import bits_f32, fold, ld_w4, st_h8
 from voltserve.kernels.linear.quant_pack import GroupQuantWeight
+from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.launch_geometry import on_gpu, recording_active, sm_count
 from voltserve.kernels.runtime.numba_common import SIM, current_stream, launch
 from voltserve.kernels.runtime.wmma_inline import ZERO_C, load_b_col, mma, store_c
@@ -151,6 +152,7 @@ def config_for(rows: int) -> TileConfig:
     return CONFIGS[128]
 
 
+@cached_factory
 @functools.cache
 def qgemm_kernel(cfg: TileConfig, bits: int):
     """The kernel for one tile shape and code width. Arguments: x flat [T * K] fp16, qweight

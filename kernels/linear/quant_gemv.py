@@ -120,6 +120,7 @@ from voltserve.kernels.linear.quant_common import (
     x_scale,
 )
 from voltserve.kernels.linear.quant_pack import GroupQuantWeight
+from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
 from voltserve.kernels.runtime.launch_geometry import on_gpu
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, round_like
@@ -632,6 +633,7 @@ def source_scope() -> dict:
     }
 
 
+@cached_factory
 def _build(M: int, R: int, U: int, bits: int, split: bool, kind: str, form: str, ks: int = 1):
     scope = source_scope()
     name = f"<quant gemv {kind} M={M} R={R} U={U} KS={ks} bits={bits} split={split} form={form}>"
