@@ -188,8 +188,8 @@ KERNELS += (
 
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
 # tiled GEMV (fp4_gemv_kernel(M, gate_up, group, e8m0, tile)); representative instances: NVFP4
-# at 1 (split-K over two warps, both dtypes), 2 (two chunks a lane) and 8 rows (two rows a
-# warp), MXFP4 at one row, gate_up at one row. Arguments: x [M, K], codes as int32 words
+# at 1 (split-K over two warps, both dtypes) and 8 rows (two rows a warp, two chunks a lane),
+# MXFP4 at one row, gate_up at one row. Arguments: x [M, K], codes as int32 words
 # [N, K / 8], scale bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without
 # has_bias), out [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias. The
 # dequantize kernel: code words, scale bytes, global scales, out [N, K], group_shift, e8m0
@@ -201,7 +201,6 @@ KERNELS += (KernelSpec("linear.fp4_kernels", "fp4_gemv_kernel_m1", both(_FP4_GEM
 KERNELS += tuple(
     KernelSpec("linear.fp4_kernels", name, (_FP4_GEMV_SIG.format(t="float16"),))
     for name in (
-        "fp4_gemv_kernel_m2",
         "fp4_gemv_kernel_m8",
         "fp4_gemv_mxfp4_kernel_m1",
         "fp4_gemv_gate_up_kernel_m1",

@@ -528,10 +528,9 @@ def fp4_gemv_kernel(
 
 
 # Representative instances for `voltserve check-kernels` (kernels/linear/__init__.py): the
-# default tiles of NVFP4 at 1 (split-K), 2 (U = 2) and 8 rows (R = 2), MXFP4 at one row, and
+# default tiles of NVFP4 at 1 (split-K) and 8 rows (R = 2, U = 2), MXFP4 at one row, and
 # gate_up at one row.
 fp4_gemv_kernel_m1 = fp4_gemv_kernel(1)
-fp4_gemv_kernel_m2 = fp4_gemv_kernel(2)
 fp4_gemv_kernel_m8 = fp4_gemv_kernel(8)
 fp4_gemv_mxfp4_kernel_m1 = fp4_gemv_kernel(1, group=32, e8m0=True)
 fp4_gemv_gate_up_kernel_m1 = fp4_gemv_kernel(1, gate_up=True)
