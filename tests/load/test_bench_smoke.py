@@ -127,6 +127,20 @@ def test_hybrid_moe_floor_bytes_of_the_qwen3_5_35b_a3b_shape():
     assert common.step_weight_bytes(dense, 64) == dense["read_per_token_bytes"]
 
 
+def test_kv_bytes_per_element_follows_the_cache_dtype():
+    """The floors' KV bytes under --kv-cache-dtype: one byte for every fp8 name, two for fp16
+    whatever the run dtype, the run dtype's for auto; a name the server refuses is refused."""
+    import torch
+
+    for kv in ("fp8", "fp8_e5m2", "fp8_e4m3"):
+        assert common.kv_bytes_per_element(kv, torch.float32) == 1
+    assert common.kv_bytes_per_element("fp16", torch.float32) == 2
+    assert common.kv_bytes_per_element("auto", torch.float32) == 4
+    assert common.kv_bytes_per_element("auto", torch.float16) == 2
+    with pytest.raises(ValueError, match="int8"):
+        common.kv_bytes_per_element("int8", torch.float16)
+
+
 def test_datasets_stay_in_vocab_and_share_prefix(seed):
     vocab = int(np.random.default_rng(seed).integers(100, 5000))
     args = bench_serving.parse_args(
