@@ -91,7 +91,7 @@ from numba import cuda, uint32
 from voltserve.kernels.elementwise.activation import _silu_mul
 from voltserve.kernels.linear.gemv import _warp_sum
 from voltserve.kernels.linear.quant_common import ZERO_W4, bits_f32, ld_w4
-from voltserve.kernels.linear.quant_gemv import split_k_sum
+from voltserve.kernels.linear.quant_gemv import gate_up_epilogue, split_k_sum
 from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.numba_common import float32, named_kernel, nvvm_inlined, round_like
 from voltserve.kernels.runtime.vec_io import ld8, st8
@@ -421,29 +421,7 @@ def _epilogue(M: int, R: int, gate_up: bool) -> list[str]:
     """Warp sums; lane m * R + r (gate_up: m * R / 2 + q, its gate and up sums) writes output
     (m, row0 + r) if that row is below N and input m exists: bias in fp32, one rounding."""
     if gate_up:
-        Q = R // 2
-        L = ["    a = float32(0.0)", "    b = float32(0.0)"]
-        for m in range(M):
-            for q in range(Q):
-                i = m * Q + q
-                L += [
-                    f"    ta{i} = _warp_sum(a{m}_{2 * q})",
-                    f"    tb{i} = _warp_sum(a{m}_{2 * q + 1})",
-                    f"    if lane == {i}:",
-                    f"        a = ta{i}",
-                    f"        b = tb{i}",
-                ]
-        return L + [
-            f"    if lane < {M * Q}:",
-            f"        col = row0 + lane % {Q}",
-            f"        if col < N and lane // {Q} < Mx:",
-            "            if has_bias:",
-            "                a += float32(bias[col])",
-            "                b += float32(bias[col + N])",
-            "            # as the linear stores gate and up, then as silu_and_mul rounds h",
-            f"            out[lane // {Q}, col] = "
-            "_silu_mul(round_like(a, out), round_like(b, out), out)",
-        ]
+        return gate_up_epilogue(M, R // 2)
     L = ["    mine = float32(0.0)"]
     for m in range(M):
         for r in range(R):

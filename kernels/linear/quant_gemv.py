@@ -516,27 +516,7 @@ def _source(
     if form == HALF2:
         L += [f"    {a} *= float32({2.0**H2_SHIFT!r})" for a in acc]
     if gate_up:
-        # Lane m * Q + q keeps input m's (gate, up) sums of column row0 + q.
-        L += ["    a = float32(0.0)", "    b = float32(0.0)"]
-        for m in range(M):
-            for q in range(Q):
-                L += [
-                    f"    ta = _warp_sum(a{m}_{2 * q})",
-                    f"    tb = _warp_sum(a{m}_{2 * q + 1})",
-                    f"    if lane == {m * Q + q}:",
-                    "        a = ta",
-                    "        b = tb",
-                ]
-        L += [
-            f"    if lane < {M * Q}:",
-            f"        col = row0 + lane % {Q}",
-            f"        if col < N and lane // {Q} < Mx:",
-            "            if has_bias:",
-            "                a += float32(bias[col])",
-            "                b += float32(bias[col + N])",
-            "            # As the linear stores gate and up, then as silu_and_mul rounds h.",
-            f"            out[lane // {Q}, col] = _silu_mul(round_like(a, out), round_like(b, out), out)",
-        ]
+        L += gate_up_epilogue(M, Q)
         return "\n".join(L) + "\n"
     if rope:
         # Lane m keeps input m's pair, rounded as the linear stores q/k/v, then rotated as
@@ -587,6 +567,35 @@ def _split_k_range(ks: int, bits: int) -> list[str]:
         "    w0 = part * span",
         "    W = min(w0 + span, Wt) if live else w0",
         f"    K = W * {P}",
+    ]
+
+
+def gate_up_epilogue(M: int, Q: int) -> list[str]:
+    """The gate_up kinds' epilogue (a warp's accumulators a{m}_{2q} / a{m}_{2q+1}: input m's gate
+    and up sums of column row0 + q): lane m * Q + q takes that pair's warp sums and writes
+    silu_and_mul's h[m, row0 + q] where the column is below N and input m exists, bias added
+    in fp32, each sum rounded as the linear stores it, then as silu_and_mul rounds h. Each
+    temporary has a name of its own (see dot_step)."""
+    L = ["    a = float32(0.0)", "    b = float32(0.0)"]
+    for m in range(M):
+        for q in range(Q):
+            i = m * Q + q
+            L += [
+                f"    ta{i} = _warp_sum(a{m}_{2 * q})",
+                f"    tb{i} = _warp_sum(a{m}_{2 * q + 1})",
+                f"    if lane == {i}:",
+                f"        a = ta{i}",
+                f"        b = tb{i}",
+            ]
+    return L + [
+        f"    if lane < {M * Q}:",
+        f"        col = row0 + lane % {Q}",
+        f"        if col < N and lane // {Q} < Mx:",
+        "            if has_bias:",
+        "                a += float32(bias[col])",
+        "                b += float32(bias[col + N])",
+        f"            out[lane // {Q}, col] = "
+        "_silu_mul(round_like(a, out), round_like(b, out), out)",
     ]
 
 
