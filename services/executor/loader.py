@@ -228,6 +228,13 @@ def _parse_hybrid(hf: dict[str, Any], name: str, fused: bool) -> dict[str, Any]:
             f"config.json: layer_types must list {n} entries of {FULL!r} / {LINEAR!r}"
             + (f" (got {bad})" if bad else f" (got {len(types)})")
         )
+    if FULL not in types:
+        # The engine's sequences live in the paged KV cache (blocks, slots, preemption): a
+        # model with no layer that keeps one has nothing for them to live in.
+        raise ModelLoadError(
+            f"config.json: layer_types has no full-attention layer ({n} layers, all "
+            f"{LINEAR!r}); voltserve serves hybrid models with at least one {FULL!r} layer"
+        )
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
     return dict(

@@ -6,12 +6,15 @@ one at a time; the vision-language layout's text part; the state cache's sizing 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.kv_sizing import kv_bytes_per_block
+from voltserve.services.executor.loader import ModelLoadError
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -85,6 +88,17 @@ def test_state_cache_is_sized_with_the_kv_cache() -> None:
     assert cache.nbytes == 2 * 4 * (128 * 3 + 4 * 16 * 16) * 4
     assert len(r.kv_caches) == 2  # layers 2 and 3
     assert r.num_kv_blocks == (budget - cache.nbytes) // kv_bytes_per_block(r)
+
+
+def test_a_model_without_a_full_attention_layer_is_refused_by_name(tmp_path) -> None:
+    """Every layer linear attention: no layer keeps a KV cache, which the engine needs."""
+    d = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen3_5"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["layer_types"] = ["linear_attention"] * cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="no full-attention layer.*4 layers"):
+        ModelRunner(engine_config(model=str(d)))
 
 
 def test_unsupported_options_are_refused_by_name() -> None:
