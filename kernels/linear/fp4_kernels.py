@@ -91,7 +91,7 @@ from numba import cuda, uint32
 from voltserve.kernels.elementwise.activation import _silu_mul
 from voltserve.kernels.linear.gemv import _warp_sum
 from voltserve.kernels.linear.quant_common import ZERO_W4, bits_f32, ld_w4
-from voltserve.kernels.linear.quant_gemv import gate_up_epilogue, split_k_sum
+from voltserve.kernels.linear.quant_gemv import gate_up_epilogue, plain_epilogue, split_k_sum
 from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.numba_common import float32, named_kernel, nvvm_inlined, round_like
 from voltserve.kernels.runtime.vec_io import ld8, st8
@@ -417,26 +417,6 @@ def _code(word: str, e: int) -> str:
     return f"({word} >> {4 * e}) & 15"
 
 
-def _epilogue(M: int, R: int, gate_up: bool) -> list[str]:
-    """Warp sums; lane m * R + r (gate_up: m * R / 2 + q, its gate and up sums) writes output
-    (m, row0 + r) if that row is below N and input m exists: bias in fp32, one rounding."""
-    if gate_up:
-        return gate_up_epilogue(M, R // 2)
-    L = ["    mine = float32(0.0)"]
-    for m in range(M):
-        for r in range(R):
-            i = m * R + r
-            L += [f"    t{i} = _warp_sum(a{m}_{r})", f"    if lane == {i}:", f"        mine = t{i}"]
-    return L + [
-        f"    if lane < {M * R}:",
-        f"        row = row0 + lane % {R}",
-        f"        if row < N and lane // {R} < Mx:",
-        "            if has_bias:",
-        "                mine += float32(bias[row])",
-        f"            out[lane // {R}, row] = mine",
-    ]
-
-
 def _source(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: bool) -> str:
     """The kernel's source (see the module doc): x [Mx <= M, K], qw int32 [rows, K / 8], scales
     uint8 [rows, K / group], gscale fp32 [rows], bias, out [Mx, N], has_bias."""
@@ -460,7 +440,8 @@ def _source(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: bo
     L.append(f"        w0 += {U * WARP_WORDS}")
     if ks > 1:
         L += split_k_sum(ks, acc, dead_leave=False)
-    L += _epilogue(M, R, gate_up)
+    # lane m * R + r (gate_up: m * R / 2 + q) writes input m's output of its row (column)
+    L += gate_up_epilogue(M, R // 2) if gate_up else plain_epilogue(M, R)
     return "\n".join(L) + "\n"
 
 

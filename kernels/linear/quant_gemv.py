@@ -538,17 +538,7 @@ def _source(
         ]
         L += QKV_ROPE_STORE
         return "\n".join(L) + "\n"
-    L.append("    mine = float32(0.0)")
-    for i, a in enumerate(acc):
-        L += [f"    t = _warp_sum({a})", f"    if lane == {i}:", "        mine = t"]
-    L += [
-        f"    if lane < {M * R}:",
-        f"        row = row0 + lane % {R}",
-        f"        if row < N and lane // {R} < Mx:",
-        "            if has_bias:",
-        "                mine += float32(bias[row])",
-        f"            out[lane // {R}, row] = mine",
-    ]
+    L += plain_epilogue(M, R)
     return "\n".join(L) + "\n"
 
 
@@ -567,6 +557,25 @@ def _split_k_range(ks: int, bits: int) -> list[str]:
         "    w0 = part * span",
         "    W = min(w0 + span, Wt) if live else w0",
         f"    K = W * {P}",
+    ]
+
+
+def plain_epilogue(M: int, R: int) -> list[str]:
+    """The plain kind's epilogue (a warp's accumulators a{m}_{r}: input m's sum of row row0 + r):
+    lane m * R + r takes that warp sum and writes out[m, row0 + r] where the row is below N and
+    input m exists, bias added in fp32, one rounding."""
+    L = ["    mine = float32(0.0)"]
+    for m in range(M):
+        for r in range(R):
+            i = m * R + r
+            L += [f"    t{i} = _warp_sum(a{m}_{r})", f"    if lane == {i}:", f"        mine = t{i}"]
+    return L + [
+        f"    if lane < {M * R}:",
+        f"        row = row0 + lane % {R}",
+        f"        if row < N and lane // {R} < Mx:",
+        "            if has_bias:",
+        "                mine += float32(bias[row])",
+        f"            out[lane // {R}, row] = mine",
     ]
 
 

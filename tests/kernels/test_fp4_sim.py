@@ -64,42 +64,32 @@ def make(gen, N, K, group, kind, every=False):
     return make_fp4_weight(packed, scales, gscale, group, kind)
 
 
+def gemv_args(w, x: torch.Tensor, b, out: torch.Tensor) -> tuple:
+    """Both GEMVs' leading arguments; b None: without bias (any 1-D array of the dtype)."""
+    bias = out[0] if b is None else b
+    codes = w.packed.view(torch.int32)
+    arrays = (x, codes, w.scales, w.gscale, bias, out)
+    return (*(a.numpy() for a in arrays), b is not None)
+
+
 def launch_gemv(w, x: torch.Tensor, b, out: torch.Tensor, gate_up: bool = False, tile=None):
     """The tiled GEMV for x's row count (tile None: the default) on the production grid over
-    out's columns; b None: without bias."""
+    out's columns."""
     launch(
         fp4_kernels.fp4_gemv_kernel(x.shape[0], gate_up, w.group_size, w.e8m0, tile),
         fp4_kernels.grid_for(x.shape[0], out.shape[1], gate_up, tile),
         fp4_kernels.THREADS,
-        (
-            x.numpy(),
-            w.packed.view(torch.int32).numpy(),
-            w.scales.numpy(),
-            w.gscale.numpy(),
-            (out[0] if b is None else b).numpy(),
-            out.numpy(),
-            b is not None,
-        ),
+        gemv_args(w, x, b, out),
     )
 
 
 def launch_gemv_v1(w, x: torch.Tensor, b, out: torch.Tensor, gate_up: bool = False) -> None:
-    """fp4_gemv_v1_kernel, as launch_gemv."""
+    """fp4_gemv_v1_kernel, as launch_gemv (it takes the block shift and scale kind too)."""
     launch(
         fp4_kernels.fp4_gemv_v1_kernel(x.shape[0], gate_up),
         fp4_kernels.v1_grid(out.shape[1]),
         fp4_kernels.THREADS,
-        (
-            x.numpy(),
-            w.packed.view(torch.int32).numpy(),
-            w.scales.numpy(),
-            w.gscale.numpy(),
-            (out[0] if b is None else b).numpy(),
-            out.numpy(),
-            b is not None,
-            w.group_shift,
-            w.e8m0,
-        ),
+        (*gemv_args(w, x, b, out), w.group_shift, w.e8m0),
     )
 
 
