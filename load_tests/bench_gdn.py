@@ -23,7 +23,8 @@ GEMM), and the bytes (inputs, output, states, and the fp32 scratch the two kerne
 through global memory) over the copy bandwidth; roofline = the larger of the two times. The
 fp16 tensor-core GEMM rate is measured too, as the ceiling a WMMA version would aim at. The
 anchor is transformers' torch_chunk_gated_delta_rule (fp32 torch ops) on the same inputs, the
-same run. Timing: CUDA events around each eager call, median of --iters.
+same run. Timing: CUDA events around each eager call, median of --iters; each of the two
+kernels (state-independent prep, sequential scan) is also timed alone.
 """
 
 from __future__ import annotations
@@ -155,7 +156,12 @@ def prefill_bytes(lens: list[int]) -> tuple[int, int]:
 
 def bench_prefill(lens: list[int], copy_gbps: float, fp32_tflops: float, iters: int) -> dict:
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-    from voltserve.kernels.linear_attention.chunk import gated_delta_rule_prefill_cuda
+    from voltserve.kernels.linear_attention.chunk import (
+        gated_delta_rule_prefill_cuda,
+        prefill_launches,
+        prefill_scratch,
+    )
+    from voltserve.kernels.runtime.numba_common import current_stream, launch
 
     gen = torch.Generator(device="cuda").manual_seed(len(lens))
     T, N = sum(lens), len(lens)
@@ -170,6 +176,21 @@ def bench_prefill(lens: list[int], copy_gbps: float, fp32_tflops: float, iters: 
         ),
         iters,
     )
+    # Each of the two kernels alone (the same launches as the call, scratch allocated once):
+    # where the time goes before either is rewritten.
+    out = torch.empty_like(v)
+    launches = prefill_launches(
+        q, k, v, a, b, A_log, dt_bias, pool, cu, slots, has_initial, out, prefill_scratch(q, v)
+    )
+    kernel_ms = {}
+    for name, (kernel, grid, block, kargs) in zip(("prep", "scan"), launches, strict=True):
+        kernel_ms[name] = event_time_ms(
+            lambda kernel=kernel, grid=grid, block=block, kargs=kargs: launch(
+                kernel, grid, block, kargs, current_stream()
+            ),
+            iters,
+        )
+        kernel_ms[f"{name}_grid"] = list(grid)
     flops = prefill_flops(lens)
     essential, scratch = prefill_bytes(lens)
     compute_ms = flops / fp32_tflops / 1e9
@@ -203,6 +224,9 @@ def bench_prefill(lens: list[int], copy_gbps: float, fp32_tflops: float, iters: 
         "sequences": N,
         "tokens": T,
         "ms": ms,
+        "prep_kernel_ms": kernel_ms["prep"],
+        "scan_kernel_ms": kernel_ms["scan"],
+        "grids": {"prep": kernel_ms["prep_grid"], "scan": kernel_ms["scan_grid"]},
         "tokens_per_s": T / ms * 1e3,
         "flops": flops,
         "tflop_per_s": flops / ms / 1e9,
@@ -269,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
             f"prefill {r['sequences']}x{r['tokens'] // r['sequences']:<5} {r['ms']:8.2f} ms "
             f"{r['tflop_per_s']:6.2f} TFLOP/s  roofline {r['roofline_ms']:.2f} ms "
             f"({100 * r['fraction_of_roofline']:5.1f}%)  transformers "
-            f"{r['transformers_torch_ms']:8.2f} ms"
+            f"{r['transformers_torch_ms']:8.2f} ms  (prep {r['prep_kernel_ms']:.2f} ms, scan "
+            f"{r['scan_kernel_ms']:.2f} ms alone)"
         )
 
 

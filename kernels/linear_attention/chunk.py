@@ -408,19 +408,25 @@ def gated_delta_rule_prefill_cuda(
     if not on_gpu(q):
         raise ValueError("gated_delta_rule_prefill_cuda needs CUDA tensors")
     check_shapes(q, v, state_pool)
-    Dk = q.shape[2]
-    T, Hv = v.shape[:2]
-    f32 = dict(dtype=torch.float32, device=q.device)
-    scratch = tuple(torch.empty(T, Hv, n, **f32) for n in (Dk, v.shape[2], Dk, Dk, CHUNK)) + (
-        torch.empty(T, Hv, **f32),
-    )
     out = torch.empty_like(v)
     stream = current_stream()
     for kernel, grid, block, args in prefill_launches(
-        q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, has_initial, out, scratch
-    ):
+        q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, has_initial, out,
+        prefill_scratch(q, v),
+    ):  # fmt: skip
         launch(kernel, grid, block, args, stream)
     return out
+
+
+def prefill_scratch(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fp32 buffers the prep kernel writes and the scan kernel reads: (W, U, Q', K',
+    scores, c), [T, Hv, n] each (c: [T, Hv])."""
+    Dk = q.shape[2]
+    T, Hv, Dv = v.shape
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return tuple(torch.empty(T, Hv, n, **f32) for n in (Dk, Dv, Dk, Dk, CHUNK)) + (
+        torch.empty(T, Hv, **f32),
+    )
 
 
 def prefill_launches(

@@ -197,8 +197,7 @@ def test_chunked_prefill(rng):
     )
     out = torch.full_like(v, NAN)
     got_pool = pool.clone()
-    scratch = tuple(torch.full((T, Hv, n), NAN) for n in (Dk, Dv, Dk, Dk, chunk.CHUNK))
-    scratch += (torch.full((T, Hv), NAN),)
+    scratch = tuple(t.fill_(NAN) for t in chunk.prefill_scratch(q, v))
     launches = chunk.prefill_launches(
         q, k, v, a, b, A_log, dt_bias, got_pool, cu, slots, has_initial, out, scratch
     )
