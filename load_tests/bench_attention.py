@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -167,6 +168,8 @@ class Variant:
     regs: int | None = -1  # -1 the default, None no cap, else a cap
     online: bool | None = None  # None: the launcher's choice
     bound: int = 1
+    # The online core software-pipelined (DecodeConfig.prefetch), where the online core runs.
+    prefetch: bool = False
 
 
 WHOLE = -1
@@ -183,7 +186,8 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     every short partition with the online and the block core (and 64 threads for partition 64:
     it lost 6 us at 1K context on an H200 with the block core; 256 threads, online, for 128;
     and the bound cut into MERGE_MAX_PARTITIONS online partitions at 1x and 32x: the in-kernel
-    merge at bounds whose 1024-token partitions it cannot hold);
+    merge at bounds whose 1024-token partitions it cannot hold; each of these last two and the
+    default launch at 1x and 32x also with the online core's prefetch);
     at larger ones (a full grid with
     one block per sequence and KV head) the whole context as one partition with the default
     registers, capped at 128 (4 blocks per SM instead of 3) and with 256 threads at 128, and,
@@ -196,12 +200,16 @@ def sweep_variants(batch: int, partitions: tuple[int, ...] = ()) -> list[Variant
     if batch <= SWEEP_SMALL_BATCH:
         for online in (True, False):
             out += [Variant(partition=p, online=online) for p in SWEEP_PARTITIONS]
-        # 8 warps: one KV block each in a 128-token partition (ONLINE_THREADS' form)
-        return out + [
-            Variant(partition=64, threads=64, online=True),
+        online = [
+            # 8 warps: one KV block each in a 128-token partition (ONLINE_THREADS' form)
             Variant(partition=128, threads=256, online=True),
             *(Variant(partition=MERGE_SPAN, threads=256, online=True, bound=b) for b in (1, 32)),
         ]
+        out += [Variant(partition=64, threads=64, online=True), *online]
+        # The same with the online core's prefetch, and the default launch (prefetched where
+        # the launcher picks the online core).
+        twins = [*online, *(Variant(bound=b) for b in (1, 32))]
+        return out + [dataclasses.replace(v, prefetch=True) for v in twins]
     return out + [
         Variant(partition=WHOLE, regs=128, online=False),
         Variant(partition=WHOLE, threads=256, regs=128, online=False),
@@ -252,7 +260,7 @@ def sweep_job(
     wide = torch.zeros((batch, v.bound * tables.shape[1]), dtype=tables.dtype, device="cuda")
     wide[:, : tables.shape[1]] = tables
     bound = v.bound * context
-    kw: dict = dict(max_seq_len=bound)
+    kw: dict = dict(max_seq_len=bound, prefetch=v.prefetch)
     mode = "dflt"
     if v.partition:
         part = v.partition
@@ -274,12 +282,13 @@ def sweep_job(
             mode = "direct"
     mode += f"{v.bound}x"
     threads = v.threads
-    if not v.partition:  # the default launch: the launcher's thread count
+    prefetch = v.prefetch and v.online is True
+    if not v.partition:  # the default launch: the launcher's thread count and core
         sms = device_sms(torch.cuda.current_device())
         cfg, _ = launch_with_threads(
-            kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None, kv
+            kvh * group, kvh, head_dim, batch, bound, sms, None, None, None, None, kv, v.prefetch
         )
-        threads = cfg.num_threads
+        threads, prefetch = cfg.num_threads, cfg.prefetch
 
     def call():
         if kv == "fp16":
@@ -303,6 +312,7 @@ def sweep_job(
         mode=mode,
         max_registers={-1: "default", None: "none"}.get(v.regs, str(v.regs)),
         core={None: "auto", True: "online", False: "block"}[v.online],
+        prefetch=prefetch,
         time_us=t * 1e6,
         max_abs_diff=(out.float() - want.float()).abs().max().item(),
     )
@@ -355,8 +365,9 @@ def sweep_decode(
 def sweep_line(r: dict) -> str:
     return (
         f"sweep {r['kv']} b{r['batch']} ctx {r['context']}: {r['time_us']:6.1f} us  partition "
-        f"{r['partition']:>4} threads {r['threads']:>3} {r['mode']:>8} {r['core']:>6} regs "
-        f"{r['max_registers']:>7}  max diff {r['max_abs_diff']:.1e}"
+        f"{r['partition']:>4} threads {r['threads']:>3} {r['mode']:>8} {r['core']:>6} "
+        f"{'prefetch' if r['prefetch'] else '':>8} regs {r['max_registers']:>7}  max diff "
+        f"{r['max_abs_diff']:.1e}"
     )
 
 

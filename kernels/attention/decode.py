@@ -48,7 +48,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 from voltserve.kernels.attention import kv_widen
 from voltserve.kernels.attention.common import (
     check_paged_cache,
@@ -83,6 +83,13 @@ class DecodeConfig:
     # Split mode only: spread each sequence's own KV blocks over the grid's partitions at run
     # time (dynamic_partitions), for grids that one partition per sequence leaves mostly idle.
     spread: bool = False
+    # Online core only: software-pipelined, each warp's next KV block's loads issued before the
+    # current block's math (see _emit_online_core). Off until timed on a GPU.
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefetch and not self.online:
+            raise ValueError("prefetch is an option of the online core (online=True)")
 
 
 def decode_config(
@@ -94,9 +101,11 @@ def decode_config(
     online: bool = False,
     max_group: int = MAX_HEADS_PER_BLOCK,
     kv: str = kv_widen.FP16,
+    prefetch: bool = False,
 ) -> DecodeConfig:
     """max_group: at most this many query heads per thread block (the rest of a KV head's
-    heads go to further blocks: `split`); kv: the cache's storage (max_heads_per_block)."""
+    heads go to further blocks: `split`); kv: the cache's storage (max_heads_per_block);
+    prefetch: the online core's software pipelining (DecodeConfig.prefetch)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     vec = kv_widen.values_per_load(kv)
@@ -110,7 +119,9 @@ def decode_config(
     partition = partition_size or DEFAULT_PARTITION
     if partition % BLOCK_SIZE:
         raise ValueError(f"partition_size {partition} must be a multiple of {BLOCK_SIZE}")
-    return DecodeConfig(head_dim, group, ratio // group, partition, num_threads, online, kv)
+    return DecodeConfig(
+        head_dim, group, ratio // group, partition, num_threads, online, kv, prefetch=prefetch
+    )
 
 
 def max_heads_per_block(kv: str) -> int:
@@ -473,7 +484,16 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], widen) -> No
     into acc_s / m_s / l_s. Against the block-wide phases (scores to shared memory, a barrier,
     a softmax pass, a barrier, PV, shared atomics, a barrier) this shortens a block's critical
     path, which is what a batch-1 decode step waits on (one wave of blocks, ~1-2 KV blocks per
-    warp). Costs more registers (K and V in flight together): used for small grids only."""
+    warp). Costs more registers (K and V in flight together): used for small grids only.
+
+    cfg.prefetch: software-pipelined. Otherwise each iteration uses its loads at once, so a warp
+    has one KV block in flight and waits a whole memory round trip per block (one-byte storage,
+    whose lanes bring 16 values a load, has half of fp16's bytes in flight per block). With it,
+    the warp's first block is loaded before the loop, and each iteration issues the next block's
+    table entry and K/V loads (into nr* / nv*) before its own block's math, which then overlaps
+    them: two blocks in flight, at twice the load registers. ptxas may still place them later
+    where registers run short: for sm_90, e5m2 at 128 dims and 4 heads, after the scores, into
+    K's freed registers (255 registers either way, against 225 without prefetch)."""
     D, G, NT = cfg.head_dim, cfg.group, cfg.num_threads
     TPT, TPP, NPASS, V = lay["tpt"], lay["tpp"], lay["npass"], lay["vec"]
     NW = NT // 32
@@ -481,23 +501,56 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], widen) -> No
     ROW = BLOCK_SIZE * D
     tok_masks = [TPT >> (k + 1) for k in range(TPT.bit_length() - 1)]  # lanes of one token
     sub_masks = [TPT << k for k in range(TPP.bit_length() - 1)]  # the tokens of one pass
+
+    def words(reg: str, ps: int) -> str:
+        return ", ".join(f"{reg}{ps}_{w}" for w in range(4))
+
+    def kv_loads(indent: int, k_reg: str, v_reg: str, base: str) -> None:
+        """The lane's K and V words of the KV block whose row starts at `base`."""
+        for reg, cache in ((k_reg, "k_cache"), (v_reg, "v_cache")):
+            for ps in range(NPASS):
+                emit(indent, f"{words(reg, ps)} = ld_u32x4({cache}, {base} + {ps * TPP * D})")
+
+    def kv_copy(indent: int, dst: tuple[str, str], src: tuple[str, str]) -> None:
+        for d, s in zip(dst, src, strict=True):
+            for ps in range(NPASS):
+                emit(indent, f"{words(d, ps)} = {words(s, ps)}")
+
+    if cfg.prefetch:
+        # The warp's first KV block, its entry as below (spec_ent where the guess was right).
+        emit(1, "if warp < n_blk:")
+        emit(2, "ent = spec_ent")
+        emit(2, "if blk0 != spec_blk0:")
+        emit(3, "ent = block_tables[b, blk0 + warp]")
+        emit(2, f"base = (int64(ent) * num_kv_heads + kvh) * {ROW} + lane_off")
+        kv_loads(2, "r", "v", "base")
+        emit(1, "else:")  # no KV block: the loop does not run, but numba types r* / v* here too
+        for reg in ("r", "v"):
+            for ps in range(NPASS):
+                emit(2, f"{words(reg, ps)} = {', '.join(['uint32(0)'] * 4)}")
     for g in range(G):
         emit(1, f"m{g} = float32(-math.inf)")
         emit(1, f"l{g} = float32(0.0)")
         for j in range(V):
             emit(1, f"a{g}_{j} = float32(0.0)")
     emit(1, f"for i in range(warp, n_blk, {NW}):")
-    # The warp's first KV block's entry was loaded before seq_len (_emit_first_entry); it is
-    # the right one when the partition starts where that load guessed.
-    emit(2, "ent = spec_ent")
-    emit(2, "if i != warp or blk0 != spec_blk0:")
-    emit(3, "ent = block_tables[b, blk0 + i]")
-    emit(2, f"base = (int64(ent) * num_kv_heads + kvh) * {ROW} + lane_off")
-    emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
-    for reg, cache in (("r", "k_cache"), ("v", "v_cache")):
-        for ps in range(NPASS):
-            r = f"{reg}{ps}"
-            emit(2, f"{r}_0, {r}_1, {r}_2, {r}_3 = ld_u32x4({cache}, base + {ps * TPP * D})")
+    if cfg.prefetch:
+        emit(2, f"if i + {NW} < n_blk:")
+        emit(3, f"nent = block_tables[b, blk0 + i + {NW}]")
+        emit(3, f"nbase = (int64(nent) * num_kv_heads + kvh) * {ROW} + lane_off")
+        kv_loads(3, "nr", "nv", "nbase")
+        emit(2, "else:")  # the last block: nothing to load; the names need a value
+        kv_copy(3, ("nr", "nv"), ("r", "v"))
+        emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+    else:
+        # The warp's first KV block's entry was loaded before seq_len (_emit_first_entry); it
+        # is the right one when the partition starts where that load guessed.
+        emit(2, "ent = spec_ent")
+        emit(2, "if i != warp or blk0 != spec_blk0:")
+        emit(3, "ent = block_tables[b, blk0 + i]")
+        emit(2, f"base = (int64(ent) * num_kv_heads + kvh) * {ROW} + lane_off")
+        emit(2, f"t0 = i * {BLOCK_SIZE} + sub")
+        kv_loads(2, "r", "v", "base")
     for ps in range(NPASS):
         widen(2, f"r{ps}", "k")
         for g in range(G):
@@ -534,6 +587,8 @@ def _emit_online_core(emit, cfg: DecodeConfig, lay: dict[str, int], widen) -> No
         # Rows past the context hold stale data (maybe NaN): skipped, never multiplied by 0.
         emit(2, f"if ok{ps}:")
         _emit_pv(emit, 3, G, V, widen, f"v{ps}", "w", [f"p{ps}_{g}" for g in range(G)])
+    if cfg.prefetch:
+        kv_copy(2, ("r", "v"), ("nr", "nv"))
     # Sums over the tokens of a pass (lanes with the same chunk c), then the warps' partials.
     for g in range(G):
         for m in sub_masks:
@@ -703,12 +758,14 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         float32=float32,
         int32=int32,
         int64=int64,
+        uint32=uint32,
         ld_u32x4=ld_u32x4,
         half_lo=half_lo,
         half_hi=half_hi,
         shfl_xor=shfl_xor,
     )
     core = " online" if cfg.online else ""
+    core += " prefetch" if cfg.prefetch else ""
     core += " spread" if cfg.spread and mode == "split" else ""
     kv = "" if cfg.kv == kv_widen.FP16 else f" {cfg.kv}"
     name = f"<decode_attention d{cfg.head_dim} g{cfg.group} p{cfg.partition} {mode}{core}{kv}>"
@@ -923,10 +980,12 @@ def launch_config(
     partition_size: int | None = None,
     online: bool | None = None,
     kv: str = kv_widen.FP16,
+    prefetch: bool = False,
 ) -> tuple[DecodeConfig, int]:
     """(config, partitions) of a launch: the partition from default_partition unless given,
     the online core for latency-bound grids unless `online` says (see _narrow_online for head
-    groups too wide for it). Depends only on bounds fixed at capture.
+    groups too wide for it), software-pipelined where `prefetch` asks and the online core runs
+    (DecodeConfig.prefetch). Depends only on bounds fixed at capture.
 
     Under a long bound (a server's max_model_len: 8K for Llama-3) the uncapped choice is many
     short partitions: at batch 1 the Llama-3-8B shape took 128 partitions of 64 tokens, too many
@@ -957,24 +1016,27 @@ def launch_config(
                 partition_size, cfg, n_part, kv,
             )  # fmt: skip
     if auto and (not online or n_part > MERGE_MAX_PARTITIONS):
-        capped = _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads, kv)
+        capped = _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads, kv, prefetch)
         if capped is not None:
             return capped
-    return dataclasses.replace(cfg, online=online), n_part
+    return dataclasses.replace(cfg, online=online, prefetch=prefetch and online), n_part
 
 
-def _capped_online(H, kvh, D, B, max_seq_len, num_sms, num_threads, kv=kv_widen.FP16):
+def _capped_online(
+    H, kvh, D, B, max_seq_len, num_sms, num_threads, kv=kv_widen.FP16, prefetch=False
+):
     """The online core's launch for a grid that, uncapped, is too large for it: the partitions
     capped at MERGE_MAX_PARTITIONS (the in-kernel merge), and further to at most one block per
     SM; None where even that is not an online grid of more than one partition."""
     capped = launch_config(
-        H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, None, kv
-    )
+        H, kvh, D, B, max_seq_len, num_sms, MERGE_MAX_PARTITIONS, num_threads, None, None, kv,
+        prefetch,
+    )  # fmt: skip
     per_part = B * kvh * capped[0].split
     if capped[0].online and per_part * capped[1] > num_sms:
         capped = launch_config(
             H, kvh, D, B, max_seq_len, num_sms, max(2, num_sms // per_part), num_threads, None,
-            None, kv,
+            None, kv, prefetch,
         )  # fmt: skip
     return capped if capped[0].online and capped[1] > 1 else None
 
@@ -1001,7 +1063,18 @@ def online_threads(cfg: DecodeConfig) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def launch_with_threads(
-    H, kvh, D, B, max_seq_len, num_sms, cap, num_threads, partition_size, online, kv=kv_widen.FP16
+    H,
+    kvh,
+    D,
+    B,
+    max_seq_len,
+    num_sms,
+    cap,
+    num_threads,
+    partition_size,
+    online,
+    kv=kv_widen.FP16,
+    prefetch=False,
 ) -> tuple[DecodeConfig, int]:
     """launch_config at num_threads, or, when None, at 128 unless the online core's launch at
     ONLINE_THREADS (online_threads) stays online and one wave (one block per SM at ~250
@@ -1009,12 +1082,13 @@ def launch_with_threads(
     decode step asks again for the same shapes and bounds."""
     nt = num_threads or 128
     cfg, n_part = launch_config(
-        H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online, kv
+        H, kvh, D, B, max_seq_len, num_sms, cap, nt, partition_size, online, kv, prefetch
     )
     if num_threads is None and online_threads(cfg) != nt:
         wide = launch_config(
-            H, kvh, D, B, max_seq_len, num_sms, cap, ONLINE_THREADS, partition_size, online, kv
-        )
+            H, kvh, D, B, max_seq_len, num_sms, cap, ONLINE_THREADS, partition_size, online, kv,
+            prefetch,
+        )  # fmt: skip
         if wide[0].online and B * kvh * wide[0].split * wide[1] <= num_sms:
             return wide
     return cfg, n_part
@@ -1101,6 +1175,7 @@ def paged_decode_attention_cuda(
     num_threads: int | None = None,
     max_registers: int | None = -1,
     online: bool | None = None,
+    prefetch: bool = False,
 ):
     """Decode attention on torch's current stream; returns out [B, H, D].
 
@@ -1116,11 +1191,13 @@ def paged_decode_attention_cuda(
     long partitions (`online_threads`).
     max_registers: see decode_kernel (a benchmarking knob; the default is what decode runs).
     online: the per-warp online-softmax core (see _emit_online_core); default: for grids of at
-    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts)."""
+    most ONLINE_MAX_BLOCKS_PER_SM blocks per SM (latency-bound: small batches and contexts).
+    prefetch: software-pipeline the online core (DecodeConfig.prefetch) where it runs; the
+    block core ignores it (a benchmarking knob until timed)."""
     check_paged_cache(q, k_cache, v_cache, BLOCK_SIZE, block_tables=block_tables, seq_lens=seq_lens)
     return launch_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len, partition_size,
-        workspace, num_threads, max_registers, online,
+        workspace, num_threads, max_registers, online, prefetch=prefetch,
     )  # fmt: skip
 
 
@@ -1140,6 +1217,7 @@ def launch_decode(
     online: bool | None,
     kv: str = kv_widen.FP16,
     v_scale: float = 1.0,
+    prefetch: bool = False,
 ):
     """The launches of paged_decode_attention_cuda (its arguments, checked by its caller) for a
     cache stored as `kv`: `scale` multiplies q (for one-byte storage the launcher folds K's
@@ -1153,7 +1231,7 @@ def launch_decode(
     cap = None if workspace is None else workspace[2].shape[2]
     sms = sm_count(q.device)
     cfg, n_part = launch_with_threads(
-        H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online, kv
+        H, kvh, D, B, max_seq_len, sms, cap, num_threads, partition_size, online, kv, prefetch
     )
     mode = _mode(n_part, workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS)
     if mode == "split" and spreads(B, kvh * cfg.split, sms):

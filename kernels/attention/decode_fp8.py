@@ -92,6 +92,7 @@ def paged_decode_attention_fp8_cuda(
     num_threads: int | None = None,
     max_registers: int | None = -1,
     online: bool | None = None,
+    prefetch: bool = False,
 ):
     """Decode attention on torch's current stream over a one-byte cache of format `fmt`
     (attention/fp8.py: "fp8_e5m2" or "fp8_e4m3"; k_scale / v_scale: e4m3's per-layer scales);
@@ -111,6 +112,7 @@ def paged_decode_attention_fp8_cuda(
     return launch_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale * factor, out, max_seq_len,
         partition_size, workspace, num_threads, max_registers, online, fmt, v_scale * factor,
+        prefetch,
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 if not torch.cuda.is_available():  # the root conftest does this too; keep the file standalone
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+from voltserve.kernels.attention import decode  # noqa: E402
 from voltserve.kernels.attention.decode import (  # noqa: E402
     BLOCK_SIZE,
     MERGE_MAX_PARTITIONS,
@@ -32,6 +34,8 @@ from voltserve.kernels.attention.decode import (  # noqa: E402
 )
 from voltserve.kernels.attention.prefill import prefill_config, prefill_kernel  # noqa: E402
 from voltserve.kernels.attention.ref import paged_attention_ref  # noqa: E402
+from voltserve.kernels.runtime.launch_geometry import kernel_name  # noqa: E402
+from voltserve.kernels.runtime.numba_common import SIM  # noqa: E402
 
 THREADS = 32
 PARTITION = 32
@@ -73,14 +77,21 @@ def run_decode(
     workspace=None,
     max_group=8,
     spread=False,
+    prefetch=False,
+    threads=THREADS,
+    partition=PARTITION,
 ):
     """merge=True: the in-kernel merge (partials padded to MERGE_MAX_PARTITIONS, arrival
     counters that must be zero before and are zero again after the launch). online: the
     per-warp online-softmax core instead of the block-wide phases. max_group: query heads per
     block (a KV head's heads split over blocks below its group). spread: split mode spreads each
-    context over the grid's partitions (DecodeConfig.spread)."""
+    context over the grid's partitions (DecodeConfig.spread). prefetch: the online core
+    software-pipelined (DecodeConfig.prefetch). threads: more than one warp needs
+    `warp_shuffles` in the simulator."""
     B, H, D = q.shape
-    cfg = decode_config(H, k.shape[1], D, PARTITION, THREADS, online=online, max_group=max_group)
+    cfg = decode_config(
+        H, k.shape[1], D, partition, threads, online=online, max_group=max_group, prefetch=prefetch
+    )
     cfg = dataclasses.replace(cfg, spread=spread)
     n_part = num_partitions(max_seq_len, cfg.partition)
     mode = "direct" if n_part == 1 else ("merge" if merge else "split")
@@ -96,7 +107,7 @@ def run_decode(
     grid = (n_part, n_y, B)
     if counters is None:
         counters = np.zeros(n_y * B, np.int32)
-    decode_kernel(cfg, mode)[grid, THREADS](
+    decode_kernel(cfg, mode)[grid, threads](
         out,
         q,
         k.reshape(-1),
@@ -281,6 +292,72 @@ def test_decode_split_spreads_the_context_over_the_grid(seed, core):
     assert want == [5, 5, 1, 0]
     written = [int((~np.isnan(ws["max_logits"][b, 0])).sum()) for b in range(len(seq_lens))]
     assert written == want
+
+
+_warp_lock = threading.Lock()
+
+
+def warp_shfl_xor(value, lane_mask):
+    """The simulator's warp shuffle (attention/common.py) met at a barrier of the caller's warp
+    instead of the block's syncthreads, as on a GPU: the warps of a block may shuffle different
+    numbers of times (a warp of the online core with fewer KV blocks than another)."""
+    thread = threading.current_thread()
+    tid = thread.thread_id
+    with _warp_lock:
+        slots, barriers = thread._manager.__dict__.setdefault("_warp_shfl", ({}, {}))
+        barrier = barriers.get(tid // 32)
+        if barrier is None:  # a failing warp breaks the others' wait instead of hanging them
+            barrier = barriers[tid // 32] = threading.Barrier(32, timeout=120)
+    slots[tid] = value
+    barrier.wait()
+    other = slots[tid ^ lane_mask]
+    barrier.wait()
+    return other
+
+
+@pytest.fixture
+def warp_shuffles(monkeypatch):
+    """decode.py's kernels built under this fixture shuffle per warp (`warp_shfl_xor`), so their
+    blocks may hold several warps in the simulator. Only the multi-warp tests build such
+    kernels (decode_kernel caches each config's kernel; per-warp shuffles are right for one warp
+    too). On a GPU the shuffles are per warp already."""
+    if SIM:
+        monkeypatch.setattr(decode, "shfl_xor", warp_shfl_xor)
+
+
+def test_decode_online_prefetch_matches_reference(seed, warp_shuffles):
+    """The online core's prefetch (DecodeConfig.prefetch) in blocks of 2 warps, static partitions
+    of 5 KV blocks merged by the merge kernel: 87 tokens -> 5 blocks, warp 0 taking 3 (the loop's
+    prologue, steady state and last block), then a 7-token block for warp 0 alone (warp 1 has
+    none). The in-kernel merge's spread partitions, a partial block at the end of a warp's
+    loop of several: test_decode_fp8_sim.py (the core is the same for each storage)."""
+    rng = np.random.default_rng(seed)
+    seq_lens, H, kvh, D = [87], 1, 1, 32
+    k, v, tables = make_cache(rng, seq_lens, kvh, D)
+    q = rng.standard_normal((len(seq_lens), H, D)).astype(np.float16)
+    out = run_decode(
+        q, k, v, tables, seq_lens, 0.3, 160, online=True, prefetch=True, threads=64, partition=80
+    )
+    ref = reference(q, k, v, tables, seq_lens, list(range(len(seq_lens) + 1)), 0.3)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_prefetch_is_an_online_option_with_its_own_kernel():
+    """Prefetch (off by default) is asked of the launcher and kept where the online core runs,
+    dropped where the block core does; its kernel is another config (cache key) and name."""
+    sms = 132
+    cfg, _ = decode.launch_with_threads(32, 8, 128, 1, 1056, sms, None, None, None, None)
+    assert cfg.online and not cfg.prefetch
+    args = (32, 8, 128, 1, 1056, sms, None, None, None, None, "fp16", True)
+    pf, _ = decode.launch_with_threads(*args)
+    assert pf == dataclasses.replace(cfg, prefetch=True)
+    block, _ = decode.launch_with_threads(*args[:9], False, "fp16", True)
+    assert not block.online and not block.prefetch
+    names = [kernel_name(decode_kernel(c, "merge")) for c in (cfg, pf)]
+    assert "online_prefetch" not in names[0] and "online_prefetch" in names[1], names
+    with pytest.raises(ValueError, match="online core"):
+        decode_config(32, 8, 128, 64, prefetch=True)
 
 
 def run_prefill(q, k, v, tables, seq_lens, qsl, scale):

@@ -26,7 +26,7 @@ from voltserve.kernels.attention import decode, decode_fp8  # noqa: E402
 from voltserve.kernels.attention.ref import paged_decode_attention_ref  # noqa: E402
 from voltserve.kernels.runtime import launch_geometry, numba_common  # noqa: E402
 
-from tests.kernels.test_attention_sim import make_cache  # noqa: E402
+from tests.kernels.test_attention_sim import make_cache, warp_shfl_xor  # noqa: E402
 from tests.kv_rounding import codes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -125,6 +125,27 @@ def test_fp8_decode_matches_dequantized_reference(
         q, kc, vc, tables, sl, D**-0.5, fmt, k_scale, v_scale
     )
     torch.testing.assert_close(mine.float(), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_fp8_decode_online_prefetch_matches_dequantized_reference(seed, sim_launcher, monkeypatch):
+    """The online core's prefetch (DecodeConfig.prefetch) over e5m2 pages, in blocks of 2 warps
+    (per-warp shuffles: warp_shfl_xor), the in-kernel merge spreading the context over 2
+    partitions of up to 8 KV blocks: 130 tokens -> 5 + 4 blocks, warp 0 taking 3 of the first
+    (the loop's prologue, steady state and last block), the second's first-entry guess (part x
+    2) wrong and its last block, warp 1's, of 2 tokens. Warps with one KV block or none:
+    test_attention_sim.py (the core is the same for each storage)."""
+    monkeypatch.setattr(decode, "shfl_xor", warp_shfl_xor)
+    fmt, seq_lens, D = "fp8_e5m2", [130], 64
+    rng = np.random.default_rng(seed)
+    q, kc, vc, tables, sl, ref = fp8_case(rng, seq_lens, 1, 1, D, fmt, 1.0, 1.0)
+    out = torch.full_like(q, float("nan"))
+    decode_fp8.paged_decode_attention_fp8_cuda(
+        q, kc, vc, tables.int(), sl, D**-0.5, out, fmt=fmt, max_seq_len=256, partition_size=128,
+        num_threads=64, online=True, prefetch=True,
+    )  # fmt: skip
+    assert sim_launcher == [sim_launcher[0]] and "merge_online_prefetch" in sim_launcher[0]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
 def test_widening_covers_every_code() -> None:
