@@ -90,10 +90,12 @@ class KVQuant:
         scale: float,
     ) -> torch.Tensor:
         """Attention of the step's query rows over the one-byte cache (written already). A
-        decode-only step (one query row per sequence: what the decode graphs run) on CUDA: the
-        decode kernel reads the one-byte pages itself, converting per tile
+        decode-only step (one query row per sequence: what the decode graphs run), or one whose
+        rows are attended as decode rows (layers.ROW_DECODE_MAX_QUERY), on CUDA: the decode
+        kernel reads the one-byte pages itself, converting per tile
         (kernels/attention/decode_fp8.py); every other step, and the reference path (CPU),
         widens only the pages the step reads (`expanded`)."""
+        meta = meta.decode_rows() or meta
         if not meta.is_decode or ops.impl["paged_decode_attention_fp8"] != "cuda":
             return self.expanded(ops, q, k_cache, v_cache, meta, scale)
         return ops.paged_decode_attention_fp8(

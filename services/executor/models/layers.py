@@ -8,7 +8,7 @@ names: the plain float weight (UnquantizedMethod), AWQ/GPTQ/compressed-tensors/G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +66,16 @@ def gate_up_silu(x: torch.Tensor, gate_up: Linear, ops: KernelDispatch) -> torch
     return gate_up.method.apply_gate_up_silu(gate_up, x, ops)
 
 
+# A step whose every sequence has at most this many query rows (speculative verify groups, a
+# proposer's catch-up, short prompts) attends each row as a decode row of its own: the query at
+# position p over keys 0..p of its sequence (the step's KV is written before attention), which is
+# the prefill kernel's causal mask. The prefill kernel walks a sequence's whole context in one
+# block per (query tile, head), so a few rows over a long context run on a few SMs, one KV block
+# after another; the decode kernel splits the context over the grid and rereads it once per row,
+# which short queries keep cheap. The speculative verify graphs attend their rows this way too.
+ROW_DECODE_MAX_QUERY = 16
+
+
 @dataclass
 class AttentionMetadata:
     """How the T query rows of one step map onto sequences and the paged KV cache."""
@@ -84,6 +94,48 @@ class AttentionMetadata:
     # An eager verify step of a model with linear-attention state: its verify groups and
     # their per-row state snapshots (state_rollback.py). None: no proposals in the step.
     verify_states: VerifyStates | None = None
+    _decode_rows: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+
+    def decode_rows(self) -> AttentionMetadata | None:
+        """The step's query rows each as a decode row (ROW_DECODE_MAX_QUERY says when): per
+        row its sequence's block-table row and seq_len = its position + 1, built once per step
+        on the device without a host sync. None for a decode step, or where the longest query
+        is unknown or longer."""
+        if (
+            self.is_decode
+            or self.max_query_len is None
+            or self.max_query_len > ROW_DECODE_MAX_QUERY
+        ):
+            return None
+        if self._decode_rows is None:
+            T = self.slot_mapping.shape[0]
+            dev = self.seq_lens.device
+            qsl = self.query_start_loc.long()
+            row_of = torch.repeat_interleave(
+                torch.arange(qsl.shape[0] - 1, device=dev), qsl[1:] - qsl[:-1], output_size=T
+            )
+            # row i of a sequence whose rows end before row `end` sits at seq_len - (end - i)
+            ends = qsl[1:].index_select(0, row_of)
+            pos = self.seq_lens.long().index_select(0, row_of) - ends + torch.arange(T, device=dev)
+            self._decode_rows = attention_rows(
+                self.slot_mapping, self.block_tables.index_select(0, row_of), pos + 1
+            )
+        return self._decode_rows
+
+
+def attention_rows(
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> AttentionMetadata:
+    """Decode metadata of T rows, each a sequence of its own (block_tables [T, W])."""
+    T = slot_mapping.shape[0]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens.to(torch.int32),
+        query_start_loc=torch.arange(T + 1, dtype=torch.int32, device=seq_lens.device),
+        is_decode=True,
+        max_query_len=1,
+    )
 
 
 def paged_attend(
@@ -95,8 +147,10 @@ def paged_attend(
     scale: float,
 ) -> torch.Tensor:
     """Attention of a step's query rows over the paged KV cache (written already): the decode
-    kernel when every sequence has one query row, else the prefill kernel, which takes the
-    longest query from the host so that it never syncs."""
+    kernel when every sequence has one query row or each row is attended as one
+    (ROW_DECODE_MAX_QUERY), else the prefill kernel, which takes the longest query from the host
+    so that it never syncs."""
+    meta = meta.decode_rows() or meta
     if meta.is_decode:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
