@@ -84,16 +84,20 @@ def _trace_decode_graphs(runner: ModelRunner, graph_batch: int) -> None:
 def _trace_spec_graphs(runner: ModelRunner, graph_batch: int) -> None:
     """The forwards of speculation's graphs (spec/graphs.py), on their own static buffers and
     one-block caches, as for the decode graphs."""
-    if not graph_setup.spec_graph_sizes(runner, graph_batch):
+    if not graph_setup.spec_graphs_on(runner, graph_batch):
         return
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
     sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
-    verify = graph_setup.build_verify_graphs(
-        runner, sizes, kv_sizing.alloc_kv_caches(runner, 1), capture=False
-    )
+    verify = None
+    if graph_setup.spec_graph_sizes(runner, graph_batch):
+        verify = graph_setup.build_verify_graphs(
+            runner, sizes, kv_sizing.alloc_kv_caches(runner, 1), capture=False
+        )
     # The proposer's own graphs (a draft model's or EAGLE head's steps and catch-up).
-    own = runner.proposer.make_graphs(runner, sizes, verify.sizes, capture=False)
+    own = runner.proposer.make_graphs(
+        runner, sizes, verify.sizes if verify is not None else [], capture=False
+    )
     for g in (verify, *own.values()):
         for bs in g.sizes if g is not None else ():
             g._forward(bs)

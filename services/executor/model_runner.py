@@ -32,7 +32,11 @@ from voltserve.services.executor.prompt_logprobs import compute_prompt_logprobs
 from voltserve.services.executor.quant.group import reserve_quant_scratch
 from voltserve.services.executor.request import RunnerOutput, StepPlan
 from voltserve.services.executor.sampler import Sampler
-from voltserve.services.executor.spec.graph_setup import build_verify_graphs, spec_graph_sizes
+from voltserve.services.executor.spec.graph_setup import (
+    build_verify_graphs,
+    spec_graph_sizes,
+    spec_graphs_on,
+)
 from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
 from voltserve.services.executor.state_cache import StateCache
@@ -236,13 +240,16 @@ class ModelRunner:
                     len(self.compiled_in_capture),
                     self.compiled_in_capture,
                 )
-            if spec is not None and spec_graph_sizes(self, graph_batch):
+            if spec_graphs_on(self, graph_batch):
                 with startup.phase("capturing speculative CUDA graphs", self.startup_times) as ph:
-                    self.verify_graphs = build_verify_graphs(
-                        self, self.graphs.sizes, self.kv_caches
-                    )
-                    self.proposer.capture_graphs(self, self.graphs.sizes, self.verify_graphs.sizes)
-                    ph.detail = f"verify sizes {self.verify_graphs.sizes}"
+                    verify_sizes = []
+                    if spec_graph_sizes(self, graph_batch):
+                        self.verify_graphs = build_verify_graphs(
+                            self, self.graphs.sizes, self.kv_caches
+                        )
+                        verify_sizes = self.verify_graphs.sizes
+                    self.proposer.capture_graphs(self, self.graphs.sizes, verify_sizes)
+                    ph.detail = f"verify sizes {verify_sizes}"
             if self.tp_session is not None:
                 self.graphs.before_replay = (
                     self.tp_session.send_graph_step if tp_rank == 0 else None

@@ -57,6 +57,19 @@ def check_spec_supported(architecture: str, method: str, tp: object | None) -> N
 
 
 @dataclass
+class VerifyIndex:
+    """VerifyStates' row selections on the device."""
+
+    others: torch.Tensor | None  # the step's sequences that are not verify groups (None: all are)
+    other_rows: torch.Tensor  # their rows
+    other_lens: torch.Tensor  # their query lengths
+    other_cu: torch.Tensor  # their query starts among other_rows
+    # per verify row i: (the step's rows, the groups (index into VerifyStates' lists), their
+    # state slots) of the groups that have a row i
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
 class VerifyStates:
     """One eager verify step's groups (in the step's sequence order) and their snapshots."""
 
@@ -66,9 +79,47 @@ class VerifyStates:
     requests: list[Request]
     slots: list[int]  # each request's state slot when staged
     starts: list[int]  # position of each group's first row (the last known token)
+    query_start_loc: list[int]  # the step's, on the host
     # Per linear-attention layer: conv [max_rows, G, conv_dim, kernel - 1] and recurrent
     # [max_rows, G, Hv, Dk, Dv] snapshots after each row; the layer fills them.
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _index: VerifyIndex | None = field(default=None, repr=False)
+
+    def index(self, device: torch.device) -> VerifyIndex:
+        """The step's row selections as device tensors, built once for every layer (each
+        built from host lists is a copy to the device, and a layer reading the query starts
+        back would wait for the GPU to drain)."""
+        if self._index is None:
+            qsl = self.query_start_loc
+            grouped = set(self.seqs)
+            others = [s for s in range(len(qsl) - 1) if s not in grouped]
+            lens = [qsl[s + 1] - qsl[s] for s in others]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            rows = [r for s in others for r in range(qsl[s], qsl[s + 1])]
+            per_row = []
+            for i in range(max(self.num_rows)):
+                sel = [g for g, n in enumerate(self.num_rows) if n > i]
+                per_row.append(
+                    (
+                        [self.first_rows[g] + i for g in sel],
+                        sel,
+                        [self.slots[g] for g in sel],
+                    )
+                )
+
+            def dev(x: list[int]) -> torch.Tensor:
+                return torch.tensor(x, dtype=torch.int64, device=device)
+
+            self._index = VerifyIndex(
+                others=dev(others) if others else None,
+                other_rows=dev(rows),
+                other_lens=dev(lens),
+                other_cu=dev(cu),
+                rows=[tuple(dev(x) for x in r) for r in per_row],
+            )
+        return self._index
 
     @classmethod
     def build(
@@ -98,6 +149,7 @@ class VerifyStates:
             [requests[b] for b in g],
             [requests[b].state_slot for b in g],
             [starts[b] for b in g],
+            list(query_start_loc),
         )
         n, G = max(rows), len(g)
         for conv, rec in cache.layers:

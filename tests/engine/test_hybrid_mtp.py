@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
+from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.model_runner import ModelRunner
+from voltserve.services.executor.spec import graph_setup
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
@@ -28,8 +30,10 @@ from voltserve.shared.startup import StartupError
 
 from tests import quant_checkpoints as qc
 from tests.checkpoints import _root, checkpoint, hf_model_class, tokenizer
+from tests.engine.test_graph_padding import _emulated_graph_runner
 from tests.engine.test_hybrid_models import hf_model
 from tests.engine.test_hybrid_quant import AWQ_NOT_CONVERT, GROUP
+from tests.engine.test_spec_graphs import _emulate
 from tests.engine.token_match import assert_streams_match
 from tests.greedy_reference import check_greedy_outputs
 from tests.mtp_checkpoints import mtp_checkpoint
@@ -179,6 +183,37 @@ def test_mtp_on_an_awq_target(rng, tmp_path: Path) -> None:
     )
     with pytest.raises(StartupError, match="MTP layers are quantized"):
         engine(quantized, MTP)
+
+
+def test_mtp_step_graphs_on_a_hybrid_target(rng) -> None:
+    """A hybrid target has no verify graphs (its verify steps run eagerly: state_rollback.py),
+    but its MTP head's single-token steps replay the head's step graphs (emulated on the CPU,
+    as tests/engine/test_spec_graphs.py does): greedy equals transformers', the steps ran as
+    graphs, and no verify step did."""
+    arch = "qwen3_5"
+    cfg = engine_config(
+        model=str(mtp_checkpoint(arch)),
+        device="cpu",
+        dtype="float32",
+        speculative_config=MTP,
+        max_num_seqs=3,
+        num_kv_blocks=64,
+    )
+    runner = _emulated_graph_runner(cfg, 4)
+    assert graph_setup.spec_graph_sizes(runner, 4) == []
+    p = runner.proposer
+    p.kv = alloc_kv_caches(runner, cfg.num_kv_blocks, scratch=True, arch=p.draft.arch)
+    step = p.make_graphs(runner, runner.graphs.sizes, [], p.kv, capture=False)["step"]
+    replayed: list[int] = []
+    _emulate(step, replayed)
+    p.step_graphs = step
+    eng = LLMEngine(cfg, runner)
+    ps = prompts(rng, 3)
+    check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
+    counts = eng.runner.spec_graph_counts
+    assert counts["draft_graph"] > 0 and counts["draft_eager"] == 0, counts
+    assert counts.get("verify_graph", 0) == 0 and counts["verify_eager"] > 0, counts
+    assert replayed and eng.check_all_free()
 
 
 def test_mtp_config_spellings() -> None:

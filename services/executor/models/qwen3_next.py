@@ -466,38 +466,24 @@ class GatedDeltaNet(nn.Module):
         """_mix for an eager verify step: the verify groups one position at a time with the
         decode ops, their state after each row snapshotted (state_rollback.py); the other
         sequences (prefill chunks, plain decodes) through the varlen ops."""
-        vs = meta.verify_states
+        ix = meta.verify_states.index(mixed.device)
         conv_pool, state_pool = state
         snap_conv, snap_rec = snap
-        dev = mixed.device
         o = mixed.new_zeros((mixed.shape[0], self.hv, self.dv))
-        qsl = meta.query_start_loc.tolist()
-        grouped = set(vs.seqs)
-        others = [s for s in range(len(qsl) - 1) if s not in grouped]
-        if others:
-            rows = torch.cat([torch.arange(qsl[s], qsl[s + 1], device=dev) for s in others])
-            lens = torch.tensor([qsl[s + 1] - qsl[s] for s in others], device=dev)
-            cu = torch.zeros(len(others) + 1, dtype=torch.int64, device=dev)
-            torch.cumsum(lens, 0, out=cu[1:])
-            idx = torch.tensor(others, device=dev)
-            has_initial = meta.seq_lens[idx].long() > lens
+        if ix.others is not None:
+            rows, idx = ix.other_rows, ix.others
             o[rows] = self._mix_varlen(
                 ops,
                 mixed[rows].contiguous(),
                 b[rows].contiguous(),
                 a[rows].contiguous(),
                 state,
-                cu,
+                ix.other_cu,
                 meta.state_slots[idx],
-                has_initial,
+                meta.seq_lens[idx].long() > ix.other_lens,
             )
         w = self.conv1d.weight.view(self.conv_dim, -1)
-        all_slots = torch.tensor(vs.slots, dtype=torch.int64, device=dev)
-        for i in range(max(vs.num_rows)):
-            sel = [g for g, n in enumerate(vs.num_rows) if n > i]
-            rows = torch.tensor([vs.first_rows[g] + i for g in sel], device=dev)
-            sel_t = torch.tensor(sel, device=dev)
-            slots = all_slots[sel_t]
+        for i, (rows, sel_t, slots) in enumerate(ix.rows):
             m = ops.causal_conv1d_decode(mixed[rows].contiguous(), w, conv_pool, slots)
             q, k, v = self._qkv(m)
             o[rows] = ops.gated_delta_rule_decode(

@@ -17,6 +17,14 @@ if TYPE_CHECKING:
     from voltserve.services.executor.model_runner import ModelRunner
 
 
+def spec_graphs_on(runner: ModelRunner, graph_batch: int) -> bool:
+    """Whether speculation's steps may run as graphs at all: speculation on, decode graphs
+    captured, VOLTSERVE_SPEC_GRAPHS not 0. A proposer's own graphs (its single-token steps)
+    need nothing more; the verify graphs also need spec_graph_sizes."""
+    spec = runner.config.speculative_config
+    return spec is not None and spec_graphs_enabled() and graph_batch >= 1
+
+
 def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     """The verify graphs' batch sizes: the decode graphs' (graph_batch and
     --cuda-graph-sizes) whose size * (k + 1) rows are at most the largest decode graph's
@@ -30,12 +38,10 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     and at large ones the step is compute-bound, where a graph saves little. [] when
     speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0, or a target with
     linear-attention state: its verify rows' per-position state snapshots, state_rollback.py,
-    are taken by eager code)."""
+    are taken by eager code; its proposer's own step graphs are captured all the same)."""
+    if not spec_graphs_on(runner, graph_batch) or runner.state_cache is not None:
+        return []
     spec = runner.config.speculative_config
-    if spec is None or not spec_graphs_enabled() or graph_batch < 1:
-        return []
-    if runner.state_cache is not None:
-        return []
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
 
     q = spec.num_speculative_tokens + 1
