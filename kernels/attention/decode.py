@@ -241,10 +241,7 @@ def _kernel_source(cfg: DecodeConfig, mode: str) -> str:
     if dynamic_partitions(cfg, mode):
         # The sequence's own KV blocks spread over the grid's partitions at run time (see
         # dynamic_partitions): pb blocks each, at least one per warp, at most PART / 16.
-        emit(1, f"n_kvb = (seq_len + {BLOCK_SIZE - 1}) // {BLOCK_SIZE}")
-        emit(1, "n_grid = cuda.gridDim.x")
-        emit(1, f"pb = max((n_kvb + n_grid - 1) // n_grid, {spread_min_blocks(cfg)})")
-        emit(1, "n_done = (n_kvb + pb - 1) // pb")
+        emit(1, f"pb, n_done = spread_split(seq_len, cuda.gridDim.x, {spread_min_blocks(cfg)})")
         emit(1, f"start = part * pb * {BLOCK_SIZE}")
         span = f"pb * {BLOCK_SIZE}"
     else:
@@ -729,11 +726,27 @@ def spread_min_blocks(cfg: DecodeConfig) -> int:
     return min(cfg.num_threads // 32, cfg.partition // BLOCK_SIZE)
 
 
+def spread_split(seq_len, grid_partitions, min_blocks):
+    """(KV blocks a partition takes, partitions that run) of a spread sequence of seq_len
+    tokens: its blocks over the grid's partitions, at least min_blocks each. The one rule of
+    the partition kernel, the merge and the host (spread_partitions)."""
+    n_kvb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    pb = max((n_kvb + grid_partitions - 1) // grid_partitions, min_blocks)
+    return pb, (n_kvb + pb - 1) // pb
+
+
+_spread_split = cuda.jit(device=True, inline="always")(spread_split)
+
+
+@functools.lru_cache(maxsize=256)
+def _spread_config(cfg: DecodeConfig) -> DecodeConfig:
+    """cfg with spread on, one object per config (an eager launch asks on every call)."""
+    return dataclasses.replace(cfg, spread=True)
+
+
 def spread_partitions(seq_len: int, grid_partitions: int, min_blocks: int) -> int:
     """Partitions a spread sequence of seq_len tokens runs (the kernel's n_done)."""
-    n_kvb = -(-seq_len // BLOCK_SIZE)
-    pb = max(-(-n_kvb // grid_partitions), min_blocks)
-    return -(-n_kvb // pb)
+    return spread_split(seq_len, grid_partitions, min_blocks)[1]
 
 
 # direct: one partition covers the context: normalise and write `out`.
@@ -763,6 +776,7 @@ def decode_kernel(cfg: DecodeConfig, mode: str, max_registers: int | None = -1):
         half_lo=half_lo,
         half_hi=half_hi,
         shfl_xor=shfl_xor,
+        spread_split=_spread_split,
     )
     core = " online" if cfg.online else ""
     core += " prefetch" if cfg.prefetch else ""
@@ -801,9 +815,7 @@ def decode_reduce_kernel(
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     if min_blocks > 0:
-        n_kvb = (seq_lens[b] + BLOCK_SIZE - 1) // BLOCK_SIZE
-        pb = max((n_kvb + grid_partitions - 1) // grid_partitions, min_blocks)
-        n_part = (n_kvb + pb - 1) // pb
+        n_part = _spread_split(seq_lens[b], grid_partitions, min_blocks)[1]
     else:
         n_part = (seq_lens[b] + partition - 1) // partition
     red = cuda.shared.array(REDUCE_THREADS, float32)
@@ -1235,7 +1247,7 @@ def launch_decode(
     )
     mode = _mode(n_part, workspace is None or workspace[2].shape[2] == MERGE_MAX_PARTITIONS)
     if mode == "split" and spreads(B, kvh * cfg.split, sms):
-        cfg = dataclasses.replace(cfg, spread=True)
+        cfg = _spread_config(cfg)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     if out is None:
