@@ -507,6 +507,11 @@ class LLMEngine:
             decoding = []
         else:
             decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        # A model with linear-attention state snapshots the state of at most this many
+        # verified requests a step (state_rollback.py); the others decode without proposals.
+        cap = getattr(self.runner, "max_verify_seqs", None)
+        if cap is not None:
+            decoding = decoding[:cap]
         for r in running:
             r.spec_token_ids = []
         # Called with no request too: a proposer that collects the target's hidden states

@@ -40,7 +40,11 @@ from voltserve.services.executor.spec.graph_setup import (
 from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_row_counts
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
 from voltserve.services.executor.state_cache import StateCache
-from voltserve.services.executor.state_rollback import VerifyStates, check_spec_supported
+from voltserve.services.executor.state_rollback import (
+    VerifyStates,
+    check_spec_supported,
+    max_verify_seqs,
+)
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.worker import TPSession
 from voltserve.shared import startup
@@ -145,6 +149,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # Linear-attention state (state_cache.py): a slot per running request, allocated
         # before the KV sizing so that its bytes come off the KV cache's budget.
+        # Requests a verify step may verify (a speculating model with such state: its snapshots
+        # are sized for them, state_rollback.py); None: any number.
+        self.max_verify_seqs: int | None = None
         self.state_cache = self._alloc_state_cache()
         # An eager verify step's snapshots, committed at the next step (state_rollback.py).
         self._verify_states: VerifyStates | None = None
@@ -302,12 +309,18 @@ class ModelRunner:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else []
         if not specs:
             return None
-        cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device)
+        spec = self.config.speculative_config
+        snapshots = (0, 0)
+        if spec is not None:
+            self.max_verify_seqs = max_verify_seqs(self.config.max_num_seqs)
+            snapshots = (spec.num_speculative_tokens + 1, self.max_verify_seqs)
+        cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device, snapshots)
         self.model.state_cache = cache
         logger.info(
-            "linear-attention state: %d layers x %d slots (%.2f MiB)",
+            "linear-attention state: %d layers x %d slots, + %d x %d verify snapshots (%.2f MiB)",
             len(specs),
             cache.num_slots,
+            *snapshots,
             cache.nbytes / 2**20,
         )
         return cache

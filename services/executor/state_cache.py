@@ -18,6 +18,9 @@ blocks are freed (finish, abort, preemption).
 - Prefix caching is off for models with such state: a cached KV prefix would skip the tokens
   that build the state (the engine turns it off).
 - Sizing: the pools' bytes (slots x per-slot bytes) are taken off the KV cache's budget.
+- Speculation: the pools also hold a snapshot area past the request slots (state_rollback.py:
+  the state after each verified position of up to max_verify_seqs requests), allocated and
+  counted with them.
 """
 
 from __future__ import annotations
@@ -58,27 +61,47 @@ class StateCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        snapshot_shape: tuple[int, int] = (0, 0),
     ) -> None:
+        """snapshot_shape: (positions, requests) of the speculative verify snapshots (none by
+        default)."""
         if num_slots < 1:
             raise ValueError(f"the state cache needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
+        self.snapshot_shape = snapshot_shape
         self.specs = list(specs)
         self.dtype = dtype
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+        rows = num_slots + snapshot_shape[0] * snapshot_shape[1]
+        self._pools = [
             (
-                torch.zeros((num_slots, *s.conv_shape), dtype=dtype, device=device),
-                torch.zeros((num_slots, *s.recurrent_shape), dtype=torch.float32, device=device),
+                torch.zeros((rows, *s.conv_shape), dtype=dtype, device=device),
+                torch.zeros((rows, *s.recurrent_shape), dtype=torch.float32, device=device),
             )
             for s in self.specs
         ]
+        # The request slots' pools (what the kernels index by state slot).
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (conv[:num_slots], rec[:num_slots]) for conv, rec in self._pools
+        ]
+        # Per layer, the snapshot area as [positions, requests, ...] views.
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = [
+            tuple(t[num_slots:].view(*snapshot_shape, *t.shape[1:]) for t in pools)
+            for pools in self._pools
+        ]
 
     @staticmethod
-    def bytes_for(specs: list[LayerStateSpec], num_slots: int, dtype: torch.dtype) -> int:
-        return num_slots * sum(s.bytes_per_slot(dtype) for s in specs)
+    def bytes_for(
+        specs: list[LayerStateSpec],
+        num_slots: int,
+        dtype: torch.dtype,
+        snapshot_shape: tuple[int, int] = (0, 0),
+    ) -> int:
+        rows = num_slots + snapshot_shape[0] * snapshot_shape[1]
+        return rows * sum(s.bytes_per_slot(dtype) for s in specs)
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_for(self.specs, self.num_slots, self.dtype)
+        return self.bytes_for(self.specs, self.num_slots, self.dtype, self.snapshot_shape)
 
 
 class StateSlots:

@@ -9,9 +9,12 @@ advanced over a rejected proposal would be wrong for every later token. So:
 - Snapshots (the chosen way, not recompute): during the verify step each linear-attention
   layer runs a verify group's rows one position at a time with the decode ops (every group's
   row i together) and copies the slot's conv window [conv_dim, kernel - 1] and recurrent state
-  [Hv, Dk, Dv] after each row into scratch [m + 1, groups, ...] (`VerifyStates`). Cost: memory
-  of (k + 1) x groups x one slot's state per layer, allocated per verify step; time: k + 1 small
-  decode-op calls and copies per layer instead of one varlen prefill call. Recompute instead
+  [Hv, Dk, Dv] after each row into the state cache's snapshot area [k + 1, requests, ...]
+  (`VerifyStates`). Cost: memory of (k + 1) x max_verify_seqs x one request's state (the
+  Qwen3.5-27B shape: 151 MB a request and position), allocated with the state cache at start-up
+  and counted in the KV sizing; a step verifies at most max_verify_seqs requests (the engine
+  gives the others no proposals that step). Time: k + 1 small decode-op calls and copies per
+  layer instead of one varlen prefill call. Recompute instead
   would need a second forward of the whole model over the kept rows (every layer's input
   depends on the layers below), which costs more than the copies.
 - Commit: the engine keeps j accepted proposals and emits j + 1 tokens (the last one, the
@@ -33,6 +36,16 @@ from dataclasses import dataclass, field
 import torch
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.state_cache import StateCache
+
+# Requests a verify step of a model with linear-attention state verifies at most (each has k + 1
+# snapshots of its state: state_cache.py's snapshot area). Speculation pays at small batches,
+# where a step is bound by the weight read; a larger batch would hold GBs of snapshots.
+MAX_VERIFY_SEQS = 4
+
+
+def max_verify_seqs(max_num_seqs: int) -> int:
+    return min(max_num_seqs, MAX_VERIFY_SEQS)
+
 
 # Proposers whose verify steps the rollback serves (mtp reads the target's hidden states
 # per row, which the eager forward hands out; EAGLE heads are for the Llama family).
@@ -152,13 +165,13 @@ class VerifyStates:
             list(query_start_loc),
         )
         n, G = max(rows), len(g)
-        for conv, rec in cache.layers:
-            v.snapshots.append(
-                (
-                    conv.new_empty((n, G, *conv.shape[1:])),
-                    rec.new_empty((n, G, *rec.shape[1:])),
-                )
+        positions, seqs = cache.snapshot_shape
+        if n > positions or G > seqs:
+            raise RuntimeError(
+                f"a verify step of {G} requests with up to {n} rows each; the state cache "
+                f"snapshots {seqs} requests of {positions} rows"
             )
+        v.snapshots = [(conv[:n, :G], rec[:n, :G]) for conv, rec in cache.snapshots]
         return v
 
     def commit(self, cache: StateCache) -> None:

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from voltserve.services.executor import state_rollback
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.spec import graph_setup
 from voltserve.services.executor.spec.config import SpeculativeConfig
+from voltserve.services.executor.state_cache import StateCache
 from voltserve.shared.config import EngineConfig
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
@@ -162,6 +164,32 @@ def test_mtp_many_requests_with_preemption(rng) -> None:
     check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
     assert eng.batcher.num_preemptions > 0
     assert eng.stats().spec_decode_num_drafts > 0
+    assert eng.check_all_free()
+
+
+def test_mtp_verifies_at_most_max_verify_seqs_requests_a_step(rng) -> None:
+    """The state cache holds k + 1 snapshots of max_verify_seqs requests (allocated with it and
+    counted in its bytes); with more requests decoding, a step gives proposals to that many and
+    the others decode plainly: greedy equals transformers all the same."""
+    arch = "qwen3_5"
+    eng = engine(
+        mtp_checkpoint(arch), MTP, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=128
+    )
+    cap = eng.runner.max_verify_seqs
+    assert cap == state_rollback.MAX_VERIFY_SEQS < 8
+    cache = eng.runner.state_cache
+    assert cache.snapshot_shape == (K + 1, cap)
+    assert cache.nbytes == StateCache.bytes_for(cache.specs, 8 + (K + 1) * cap, cache.dtype)
+    propose, proposing = eng._propose, []
+
+    def counted() -> None:
+        propose()
+        proposing.append(sum(1 for r in eng.batcher.running if r.spec_token_ids))
+
+    eng._propose = counted
+    ps = prompts(rng, 8, 8, 8)
+    check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
+    assert max(proposing) == cap
     assert eng.check_all_free()
 
 
