@@ -46,14 +46,16 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": K}
 
 
-def engine(path: Path, spec=None, **kw) -> LLMEngine:
+def config(path: Path, spec=None, **kw) -> EngineConfig:
     # An 8-token budget chunks every prompt; 3 state slots: slots are reused.
     args = dict(max_num_batched_tokens=8, max_num_seqs=3) | kw
-    return LLMEngine(
-        engine_config(
-            model=str(path), device="cpu", dtype="float32", speculative_config=spec, **args
-        )
+    return engine_config(
+        model=str(path), device="cpu", dtype="float32", speculative_config=spec, **args
     )
+
+
+def engine(path: Path, spec=None, **kw) -> LLMEngine:
+    return LLMEngine(config(path, spec, **kw))
 
 
 def prompts(rng: random.Random, n: int, lo: int = 4, hi: int = 20) -> list[list[int]]:
@@ -219,14 +221,7 @@ def test_mtp_step_graphs_on_a_hybrid_target(rng) -> None:
     as tests/engine/test_spec_graphs.py does): greedy equals transformers', the steps ran as
     graphs, and no verify step did."""
     arch = "qwen3_5"
-    cfg = engine_config(
-        model=str(mtp_checkpoint(arch)),
-        device="cpu",
-        dtype="float32",
-        speculative_config=MTP,
-        max_num_seqs=3,
-        num_kv_blocks=64,
-    )
+    cfg = config(mtp_checkpoint(arch), MTP, num_kv_blocks=64)
     runner = _emulated_graph_runner(cfg, 4)
     assert graph_setup.spec_graph_sizes(runner, 4) == []
     p = runner.proposer
