@@ -1,7 +1,8 @@
-"""Short queries attended as decode rows (models/layers.ROW_DECODE_MAX_QUERY): a step whose every
-sequence has a few query rows over a paged context (speculative verify groups, a proposer's
-catch-up, short prompts) equals causal attention over each sequence's dense K and V, computed
-here in float64 from the tensors the test scattered into the pages."""
+"""Short queries attended as decode rows (models/layers.ROW_DECODE_MAX_QUERY, on CUDA): a step whose
+every sequence has a few query rows over a paged context (speculative verify groups, a
+proposer's catch-up, short prompts), each row through the decode op with its own block-table
+row and length, equals causal attention over each sequence's dense K and V, computed here in
+float64 from the tensors the test scattered into the pages; so does paged_attend's own path."""
 
 from __future__ import annotations
 
@@ -72,5 +73,10 @@ def test_short_queries_as_decode_rows_equal_causal_attention():
             positions = [L - n + j for L, n in zip(contexts, query_lens) for j in range(n)]
             assert rows.seq_lens.tolist() == [p + 1 for p in positions]
             assert rows.is_decode and rows.block_tables.shape == (len(positions), tables.shape[1])
+            # the rows through the decode op, as paged_attend runs them on CUDA
+            got = ops.paged_decode_attention(
+                q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale
+            )
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         got = paged_attend(ops, q, k_cache, v_cache, meta, scale)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

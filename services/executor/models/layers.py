@@ -73,6 +73,8 @@ def gate_up_silu(x: torch.Tensor, gate_up: Linear, ops: KernelDispatch) -> torch
 # block per (query tile, head), so a few rows over a long context run on a few SMs, one KV block
 # after another; the decode kernel splits the context over the grid and rereads it once per row,
 # which short queries keep cheap. The speculative verify graphs attend their rows this way too.
+# On CUDA only: the reference ops (CPU) loop over a batch's sequences in Python, so there the
+# prefill form, a few sequences, is the cheap one.
 ROW_DECODE_MAX_QUERY = 16
 
 
@@ -150,7 +152,8 @@ def paged_attend(
     kernel when every sequence has one query row or each row is attended as one
     (ROW_DECODE_MAX_QUERY), else the prefill kernel, which takes the longest query from the host
     so that it never syncs."""
-    meta = meta.decode_rows() or meta
+    if ops.impl["paged_decode_attention"] == "cuda":
+        meta = meta.decode_rows() or meta
     if meta.is_decode:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
