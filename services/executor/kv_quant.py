@@ -95,10 +95,10 @@ class KVQuant:
         kernel reads the one-byte pages itself, converting per tile
         (kernels/attention/decode_fp8.py); every other step, and the reference path (CPU),
         widens only the pages the step reads (`expanded`)."""
-        if ops.impl["paged_decode_attention_fp8"] != "cuda":
-            return self.expanded(ops, q, k_cache, v_cache, meta, scale)
-        meta = meta.decode_rows() or meta
-        if not meta.is_decode:
+        direct = ops.impl["paged_decode_attention_fp8"] == "cuda"
+        if direct:
+            meta = meta.decode_rows() or meta
+        if not (direct and meta.is_decode):
             return self.expanded(ops, q, k_cache, v_cache, meta, scale)
         return ops.paged_decode_attention_fp8(
             q,

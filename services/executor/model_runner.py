@@ -41,9 +41,9 @@ from voltserve.services.executor.spec.graphs import VerifyGraphRunner, verify_ro
 from voltserve.services.executor.spec.proposer import Proposer, make_proposer
 from voltserve.services.executor.state_cache import StateCache
 from voltserve.services.executor.state_rollback import (
+    MAX_VERIFY_SEQS,
     VerifyStates,
     check_spec_supported,
-    max_verify_seqs,
 )
 from voltserve.services.executor.tp.group import TPGroup
 from voltserve.services.executor.tp.worker import TPSession
@@ -149,9 +149,6 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # Linear-attention state (state_cache.py): a slot per running request, allocated
         # before the KV sizing so that its bytes come off the KV cache's budget.
-        # Requests a verify step may verify (a speculating model with such state: its snapshots
-        # are sized for them, state_rollback.py); None: any number.
-        self.max_verify_seqs: int | None = None
         self.state_cache = self._alloc_state_cache()
         # An eager verify step's snapshots, committed at the next step (state_rollback.py).
         self._verify_states: VerifyStates | None = None
@@ -305,6 +302,14 @@ class ModelRunner:
             n = sw
         return n
 
+    @property
+    def max_verify_seqs(self) -> int | None:
+        """Requests a verify step may verify: a speculating model with linear-attention state
+        snapshots that many (state_rollback.py); None: any number."""
+        if self.state_cache is None or self.config.speculative_config is None:
+            return None
+        return self.state_cache.snapshot_shape[1]
+
     def _alloc_state_cache(self) -> StateCache | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else []
         if not specs:
@@ -312,8 +317,10 @@ class ModelRunner:
         spec = self.config.speculative_config
         snapshots = (0, 0)
         if spec is not None:
-            self.max_verify_seqs = max_verify_seqs(self.config.max_num_seqs)
-            snapshots = (spec.num_speculative_tokens + 1, self.max_verify_seqs)
+            snapshots = (
+                spec.num_speculative_tokens + 1,
+                min(self.config.max_num_seqs, MAX_VERIFY_SEQS),
+            )
         cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device, snapshots)
         self.model.state_cache = cache
         logger.info(

@@ -32,6 +32,7 @@ advanced over a rejected proposal would be wrong for every later token. So:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from voltserve.services.executor.request import Request
@@ -41,10 +42,6 @@ from voltserve.services.executor.state_cache import StateCache
 # snapshots of its state: state_cache.py's snapshot area). Speculation pays at small batches,
 # where a step is bound by the weight read; a larger batch would hold GBs of snapshots.
 MAX_VERIFY_SEQS = 4
-
-
-def max_verify_seqs(max_num_seqs: int) -> int:
-    return min(max_num_seqs, MAX_VERIFY_SEQS)
 
 
 # Proposers whose verify steps the rollback serves (mtp reads the target's hidden states
@@ -107,9 +104,7 @@ class VerifyStates:
             grouped = set(self.seqs)
             others = [s for s in range(len(qsl) - 1) if s not in grouped]
             lens = [qsl[s + 1] - qsl[s] for s in others]
-            cu = [0]
-            for n in lens:
-                cu.append(cu[-1] + n)
+            cu = list(accumulate(lens, initial=0))
             rows = [r for s in others for r in range(qsl[s], qsl[s + 1])]
             per_row = []
             for i in range(max(self.num_rows)):
