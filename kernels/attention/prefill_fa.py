@@ -1,9 +1,9 @@
 """Flash-attention paged prefill for Volta (SM70) and newer: the whole key-tile loop of a thread
 block in one linked CUDA C++ function (attention/prefill_fa.cu), so the output accumulators stay
 in registers from the first key to the last. The numba kernel here only hands it pointers. The
-engine's prefill attention wherever it covers the shape (`paged_attention_cuda`: head dims 64
-and 128, up to 64 query heads per KV head); the CUDA-core kernel of attention/prefill.py serves
-the rest.
+engine's prefill attention wherever it covers the shape (`paged_attention_cuda`: head dims 64,
+128 and 256, up to 64 query heads per KV head); the CUDA-core kernel of attention/prefill.py
+serves the rest.
 
 Meaning: `paged_attention_ref` in attention/ref.py (flat batch of query tokens from several
 sequences, paged KV cache [num_blocks, num_kv_heads, 16, head_dim], causal with query i of a
@@ -16,41 +16,65 @@ leaves the output accumulator a per-thread array in local memory (read and writt
 the warp's query fragments and the softmax state never leave registers. Figures against SDPA:
 BENCHMARKS.md §5.
 
-Layout (per thread block: 4 warps, one sequence, one KV head, 64 rows, a row being a (query
-token, query head of that KV head) pair, so each K/V tile is read once for the group):
-  * each warp owns 16 rows; its Q rows are loaded once as D/16 wmma A fragments (registers);
-  * keys go in tiles of 32 (two cache blocks); K and V tiles are double-buffered in shared
-    memory and filled through registers: each thread loads its 16-byte chunks of tile t + 1's K
-    before tile t's scores and stores them after, then the same for V around the softmax and
-    P V (Volta has no cp.async). The block-table entries are read a tile earlier still. One
-    block barrier per tile, at its end;
-  * per warp and tile: S[16, 32] = Q K^T (2 accumulators) stored to the warp's own f32 scratch;
-    two lanes per row read 16 scores each, mask (only on the diagonal tile), take the row max
-    (one shuffle), and write P as f16 over the scores; O[16, D] += P V (D/16 accumulators);
+Layout (per thread block: one sequence, one KV head, 64 rows in 4 row tiles of 16, a row being a
+(query token, query head of that KV head) pair, so each K/V tile is read once for the group):
+  * head dims 64 and 128: 4 warps, one a row tile; its Q rows are loaded once as D/16 wmma A
+    fragments (registers), and it accumulates O[16, D];
+  * head dim 256: 8 warps, two a row tile, each owning half of the head dim: its 8 Q fragments
+    and 8 O accumulators (the register budget of 128). Each computes a partial S over its half
+    of the dims (Q[:, half] K[:, half]^T) into its own scratch; the pair meets at a named
+    barrier (`bar.sync 1 + tile, 64`), and both warps add the two partials in the same order,
+    so both hold bitwise the same S and run the same softmax (the same m, l, P and the same
+    rescale and skip decisions, so the pair reaches its barriers together); each then
+    accumulates O over its half of V's columns. Why this split: one warp with all 256 columns
+    needs 128 + 128 registers of Q and O before any score (ptxas's limit is 255); re-reading Q
+    from shared memory each tile needs its 33 KB there beside the K/V tiles (over 48 KB);
+    splitting a tile's keys between two warps still leaves each 128 accumulator registers.
+    Splitting the dims halves both, at the price of a 1 KB partial through shared memory, a
+    pair barrier a tile and a softmax done twice (8 scores a lane);
+  * keys go in tiles of N = 32 (two cache blocks; 16 at head dim 256, to fit shared memory).
+    K and V tiles are double-buffered in shared memory and filled through registers: each
+    thread loads its 16-byte chunks of tile t + 1's K before tile t's scores and stores them
+    after, then the same for V around the softmax and P V (Volta has no cp.async). The
+    block-table entries are read a tile earlier still. One block barrier per tile, at its end;
+  * per warp and tile: S[16, N] = Q K^T (N/16 accumulators) stored to the warp's own f32
+    scratch; two lanes per row read N/2 scores each, mask (only on the diagonal tile), take the
+    row max (one shuffle), and write P as f16 (over the scores, or at 256 beside them: the
+    partner may still be reading them); O[16, D/SPLIT] += P V;
   * lazy rescaling: a row's reference max m moves only when the tile's max exceeds it by more
     than 8 (log2 units). O and l share m, so this is exact, and p = 2^(s - m) <= 256 stays well
     inside f16 and f32. Rescaling needs each accumulator register's row, which wmma keeps opaque
     (and which differs between sm_70 and sm_80+): the per-row factor is written as a 16 x 16 f32
     tile (element (r, c) = alpha[r]) and read back with wmma.load.c, the accumulator layout. A
-    warp rescales only when one of its rows moved (a vote), so after the first tile almost never;
-  * warps skip tiles wholly past their rows' positions (causal), and grid rows run in reverse so
-    the query tiles with the longest context start first;
+    warp rescales only when one of its rows moved (a vote), so after the first tile almost never
+    (at 256 the alpha tile overwrites the warp's S partial, after a second pair barrier that only
+    a rescale takes);
+  * row tiles skip key tiles wholly past their rows' positions (causal; a function of the row
+    tile, so both warps of a pair skip together), and grid rows run in reverse so the query
+    tiles with the longest context start first;
   * epilogue: O / l (the same row-tile trick), staged through the warp's scratch as f32, written
     as 16-byte f16 stores.
 
-Shared memory (static, under Volta's 48 KB): 4 K/V tiles of 32 x (D + 8) f16 (D = 128: 34,816
-bytes; 64: 18,432) + 4 warps x 16 x 36 f32 scratch (9,216): 44,032 bytes at head dim 128,
-27,648 at 64. Q is staged through the second K/V buffer pair before the loop. Rows are padded
-(D + 8 f16, 36 f32) so wmma loads and the row reads fall in distinct banks.
+Shared memory (static, under Volta's 48 KB): 4 K/V tiles of N x (D + 8) f16 + a scratch of
+16 x LDS f32 per warp. D = 128: 4 x 32 x 136 x 2 = 34,816 + 4 x 16 x 36 x 4 = 9,216, 44,032
+bytes; 64: 18,432 + 9,216 = 27,648; 256: 4 x 16 x 264 x 2 = 33,792 + 8 x 16 x 28 x 4 = 14,336,
+48,128 bytes (1 KB under the limit; a scratch row holds S in 64 bytes, P in 32 and 16 of padding,
+and the alpha tile overlays S). Q is staged through the second K/V buffer pair before the loop
+(at 256 through all four, 64 x 264 f16 = 33,792 bytes, with tile 0 held in registers until
+every warp has its Q fragments). Rows are padded (D + 8 f16; 36 or 28 f32) so wmma loads and the
+row reads fall in distinct banks.
 
-Registers (ptxas, sm_70, the function inlined into a kernel with launch bounds (128, 2) as
-numba's link-time optimisation does; tests/kernels/test_prefill_fa_compile.py): 239 at head dim
-128 (qf 64 + O 64 + S, P, K/V staging), no spills, 2 blocks per SM; 157 at head dim 64,
-3 blocks per SM. numba-cuda links with LTO whenever nvJitLink is present, and the kernel here
-asks for it (lto=True). `voltserve check-kernels` links the PTX without LTO, where the C
+Registers (ptxas, sm_70, the function inlined into a kernel with its launch bounds as numba's
+link-time optimisation does; tests/kernels/test_prefill_fa_compile.py): 242 at head dim 128
+(qf 64 + O 64 + S, P, K/V staging), 2 blocks of 128 threads per SM; 161 at 64, 3 blocks; 226 at
+256 (qf 64 + O 64 as at 128, with half the S, scores and staging), 1 block of 256 threads per SM
+(two would need 128 registers a thread; shared memory would allow two), so 8 warps an SM as at
+128. No spills. numba-cuda links with LTO whenever nvJitLink is present, and the kernel here
+asks for it (lto=True). `voltserve check-kernels` links the PTX without LTO, where each C
 function is a real ABI call: its callee-saved registers are saved to the stack on entry (once
-per block) and show there as ~480 bytes of "spill"; that build is what the check compiles, not
-what runs.
+per block) and show there as "spill" (156, 492 and 416 bytes for the 64, 128 and 256 entry
+points, summed over the module in its report); that build is what the check compiles, not what
+runs.
 
 The CUDA simulator cannot run linked C++: under NUMBA_ENABLE_CUDASIM this module imports but its
 launcher raises.
@@ -71,19 +95,28 @@ FA_CU = str(Path(__file__).with_name("prefill_fa.cu"))
 CUDA_SOURCES: tuple[str, ...] = (FA_CU,)
 
 BLOCK_SIZE = 16  # tokens per KV cache block
-WARPS = 4
-NUM_THREADS = 32 * WARPS
-ROWS = 16 * WARPS  # (token, head) rows per thread block: ROWS in the .cu
-KV_TILE = 32  # keys per tile: N in the .cu
-HEAD_DIMS = (64, 128)
+ROWS = 64  # (token, head) rows per thread block, in row tiles of 16: ROWS in the .cu
+HEAD_DIMS = (64, 128, 256)
+# Warps sharing a row tile, each owning head_dim / SPLIT of its columns: SPLIT in the .cu.
+SPLIT = {64: 1, 128: 1, 256: 2}
+KV_TILE = {64: 32, 128: 32, 256: 16}  # keys per tile: N in the .cu
 # Blocks per SM the launch bounds ask ptxas to leave room for (registers; shared memory allows
-# 2 at head dim 128 and 3 at 64 on Volta's 96 KB).
-MIN_BLOCKS = {64: 3, 128: 2}
+# 2 at head dim 128 and 256 and 3 at 64 on Volta's 96 KB, but at 256 two blocks of 256 threads
+# would need 128 registers a thread).
+MIN_BLOCKS = {64: 3, 128: 2, 256: 1}
+
+
+def num_threads(head_dim: int) -> int:
+    """Threads per block: 4 row tiles of SPLIT warps (vsfa::Shape<D>::THREADS)."""
+    return 32 * 4 * SPLIT[head_dim]
 
 
 def smem_bytes(head_dim: int) -> int:
-    """vsfa::Shape<D>::SMEM_BYTES: 4 K/V tiles of 32 x (D + 8) f16 + 4 warps x 16 x 36 f32."""
-    return 4 * KV_TILE * (head_dim + 8) * 2 + WARPS * 16 * (KV_TILE + 4) * 4
+    """vsfa::Shape<D>::SMEM_BYTES: 4 K/V tiles of N x (D + 8) f16 + each warp's scratch of
+    16 x LDS f32 (LDS = N + 4 at one warp a row tile, 28 at two)."""
+    n = KV_TILE[head_dim]
+    lds = n + 4 if SPLIT[head_dim] == 1 else 28
+    return 4 * n * (head_dim + 8) * 2 + 4 * SPLIT[head_dim] * 16 * lds * 4
 
 
 def fa_group(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -157,7 +190,7 @@ def prefill_fa_kernel(head_dim: int):
     return cuda.jit(
         fastmath=False,
         lto=True,
-        launch_bounds=(NUM_THREADS, MIN_BLOCKS[head_dim]),
+        launch_bounds=(num_threads(head_dim), MIN_BLOCKS[head_dim]),
     )(kernel)
 
 
@@ -219,7 +252,7 @@ def paged_attention_fa_cuda(
         kvh,
         group,
     )
-    launch(prefill_fa_kernel(D), grid, NUM_THREADS, args, current_stream())
+    launch(prefill_fa_kernel(D), grid, num_threads(D), args, current_stream())
     return out
 
 
@@ -236,8 +269,9 @@ def paged_attention_cuda(
     max_query_len: int | None = None,
 ):
     """The dispatch entry for prefill attention (kernels/dispatch.py): this kernel where it
-    covers the shape (head dims 64 and 128, up to ROWS query heads per KV head), the CUDA-core
-    kernel of attention/prefill.py otherwise. Arguments: those of paged_attention_fa_cuda."""
+    covers the shape (head dims 64, 128 and 256, up to ROWS query heads per KV head), the
+    CUDA-core kernel of attention/prefill.py otherwise. Arguments: those of
+    paged_attention_fa_cuda."""
     if q.shape[2] in HEAD_DIMS and q.shape[1] // k_cache.shape[1] <= ROWS:
         fn = paged_attention_fa_cuda  # (a head count that is no multiple of the KV heads' raises)
     else:
@@ -259,3 +293,4 @@ def paged_attention_cuda(
 if not SIM:
     prefill_fa_kernel_d128 = prefill_fa_kernel(128)
     prefill_fa_kernel_d64 = prefill_fa_kernel(64)
+    prefill_fa_kernel_d256 = prefill_fa_kernel(256)

@@ -505,6 +505,10 @@ def test_fp8_decode_attention_at_262144_tokens(fmt: str) -> None:
             assert launches[1].grid == (H, B, 1)
 
 
+# Prefill adds Qwen3.5-27B's and Qwen3-Next's full-attention layers (head dim 256, groups 6 and 8).
+PREFILL_HEADS = (*HEADS, (24, 4, 256), (16, 2, 256))  # (H, KV heads, D)
+
+
 @pytest.mark.parametrize("seqs", [1, 32, 256])
 def test_prefill_attention_over_chunks_and_prompts(seqs: int) -> None:
     from voltserve.kernels.attention import prefill as prefill_attention
@@ -512,7 +516,7 @@ def test_prefill_attention_over_chunks_and_prompts(seqs: int) -> None:
 
     T = CHUNK
     q_len = T // seqs
-    for H, kvh, D in HEADS:
+    for H, kvh, D in PREFILL_HEADS:
         blocks = seqs * (q_len // 16 + 1) + 1
         args = (
             t(blocks, kvh, 16, D),
@@ -534,6 +538,9 @@ def test_prefill_attention_over_chunks_and_prompts(seqs: int) -> None:
         expect = "prefill_fa_kernel" if flash else "prefill_kernel"
         launches = recorded(expect, dispatch, q, *args, max_query_len=q_len)
         assert launches[0].grid[1:] == (kvh, seqs)
+        if flash:  # 64 (token, head) rows a block: the grid's x covers the queries
+            assert launches[0].grid[0] * (64 // (H // kvh)) >= q_len
+            assert launches[0].block[0] == (256 if D == 256 else 128)  # 8 warps at head dim 256
 
 
 # ---------------------------------------------------------------------------------------------

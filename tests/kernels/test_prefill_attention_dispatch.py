@@ -1,8 +1,8 @@
 """Which prefill attention kernel the engine runs (no GPU: resolving and routing launch nothing).
 
 KernelDispatch on CUDA with fp16 resolves `paged_attention` to prefill_attention_fa's entry,
-which sends head dims 64 and 128 with up to 64 query heads per KV head to the flash kernel and
-every other shape to the CUDA-core kernel of attention/prefill.py, passing `out` and
+which sends head dims 64, 128 and 256 with up to 64 query heads per KV head to the flash kernel
+and every other shape to the CUDA-core kernel of attention/prefill.py, passing `out` and
 `max_query_len` through. The kernels themselves are stand-ins here; their results are checked
 on a GPU (tests/gpu/test_prefill_fa_gpu.py, tests/gpu/test_attention_gpu.py).
 """
@@ -36,8 +36,13 @@ def test_dispatch_keeps_the_reference_off_fp16():
         (64, 1, 128, "flash"),  # group 64 = ROWS
         (8, 8, 64, "flash"),
         (65, 1, 128, "cuda_core"),  # group past ROWS
+        (8, 2, 256, "flash"),
+        (24, 4, 256, "flash"),  # Qwen3.5-27B's full-attention layers: group 6
+        (16, 2, 256, "flash"),  # Qwen3-Next: group 8
+        (64, 1, 256, "flash"),  # group 64 = ROWS
+        (65, 1, 256, "cuda_core"),
         (8, 2, 96, "cuda_core"),
-        (8, 2, 256, "cuda_core"),
+        (8, 2, 512, "cuda_core"),
         (8, 8, 32, "cuda_core"),
     ],
 )

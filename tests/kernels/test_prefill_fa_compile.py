@@ -2,16 +2,20 @@
 Volta without a GPU.
 
 1. The .cu alone: NVRTC (CUDA 12 from pip) to PTX for compute_70, Volta's wmma instructions in
-   their shared-memory forms, nothing Volta lacks, both entry points defined. Under a second.
+   their shared-memory forms, nothing Volta lacks, the three entry points defined. Under a
+   second.
 2. What runs: numba-cuda links kernels with LTO when nvJitLink is present, and the flash kernel
    asks for it, so the C function is inlined into the numba kernel. Here the numba kernel (LTO
    IR, compiled in a fresh process: the test session may be in the CUDA simulator) and the .cu
    (NVRTC -dlto) go through nvJitLink -lto for sm_70 with the kernel's launch bounds. Stated on
    sm_70 with the CUDA 12.9 pip toolchain: 242 registers at head dim 128 (2 blocks of 128
-   threads per SM), 161 at 64 (3 blocks per SM), no spills, no stack frame (so no ABI call
-   left), 44,032 and 27,648 bytes of static shared memory. A few seconds.
-3. The registered instances as `voltserve check-kernels --cc 7.0` linked them (the shared
-   session-wide check, without LTO): the extern prototypes numba emits match the C++ ones.
+   threads per SM), 161 at 64 (3 blocks per SM), 226 at 256 (1 block of 256 threads per SM),
+   no spills, no stack frame (so no ABI call left), 44,032, 27,648 and 48,128 bytes of static
+   shared memory; row-tile (named) barriers only at 256. A few seconds.
+3. Each head dim's kernel linked as `voltserve check-kernels --cc 7.0` links it (without LTO,
+   PTX to cubin through nvJitLink): the extern prototypes numba emits match the C++ ones. Both
+   the instances the check compiled (the shared session-wide run) and, in the subprocess of 2,
+   every head dim through the check's own compile_one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ import textwrap
 
 import pytest
 import torch
-from voltserve.kernels.attention.prefill_fa import FA_CU, MIN_BLOCKS, smem_bytes
+from voltserve.kernels.attention.prefill_fa import (
+    FA_CU,
+    HEAD_DIMS,
+    MIN_BLOCKS,
+    SPLIT,
+    num_threads,
+    smem_bytes,
+)
 from voltserve.kernels.runtime.check import check_ptx, compile_cu_ptx
 
 # As the other cc 7.0 compile checks: GPU hosts here run a CUDA 13 toolkit, which dropped Volta.
@@ -33,8 +44,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Upper bounds on the LTO-linked kernel's registers: 2 (head dim 128) and 3 (64) blocks of 128
-# threads per SM, under ptxas's own limit; measured 242 and 161 (module docstring).
-MAX_REGISTERS = {128: 248, 64: 168}
+# threads per SM, 1 block of 256 (256), under ptxas's own limit; measured 242, 161 and 226
+# (module docstring).
+MAX_REGISTERS = {128: 248, 64: 168, 256: 232}
 
 
 def test_fa_cu_compiles_for_volta():
@@ -51,7 +63,7 @@ def test_fa_cu_compiles_for_volta():
         "ex2.approx.ftz.f32",
     ):
         assert op in ptx, op
-    for d in (64, 128):
+    for d in HEAD_DIMS:
         assert f".visible .func  (.param .b32 func_retval0) vs_fa_prefill_d{d}(" in ptx, d
     assert ".global" not in ptx.split(".visible", 1)[0], "no global variables from the .cu"
 
@@ -59,8 +71,8 @@ def test_fa_cu_compiles_for_volta():
 _LTO_SCRIPT = textwrap.dedent(
     """
     import json, re
-    from voltserve.kernels.runtime.check import _patch_device_cc
-    _patch_device_cc((7, 0))
+    from voltserve.kernels.runtime.check import Task, _init_worker, compile_one
+    _init_worker((7, 0))
     from cuda.bindings import nvjitlink, nvrtc
     from numba import cuda
     from voltserve.kernels.attention import prefill_fa as fa
@@ -94,7 +106,7 @@ _LTO_SCRIPT = textwrap.dedent(
 
     cu = cu_ltoir(fa.FA_CU)
     out = {}
-    for d in (128, 64):
+    for d in fa.HEAD_DIMS:
         kernel = fa.prefill_fa_kernel(d)
         assert kernel.targetoptions["lto"] is True
         ir, _ = cuda.compile(
@@ -110,7 +122,12 @@ _LTO_SCRIPT = textwrap.dedent(
             "smem": max(int(x) for x in re.findall(r"(\\d+) bytes smem", log)),
             "calls": ptx.count("call"),
             "hmma": ptx.count("wmma.mma.sync"),
+            "named_barriers": len(re.findall(r"bar\\.sync\\s+%r", ptx)),
+            "threads": kernel.targetoptions["launch_bounds"][0],
         }
+        name = f"prefill_fa_kernel_d{d}"  # as check-kernels compiles it (no LTO)
+        r = compile_one(Task("attention.prefill_fa", name, name, _PREFILL_FA_SIG, (7, 0), True))
+        out[d]["abi"] = {"error": r.error, "registers": r.registers, "smem": r.shared_bytes}
     print("RESULT " + json.dumps(out))
     """
 )
@@ -133,16 +150,31 @@ def lto_link() -> dict:
     return {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_fa_kernel_lto_link_fits_volta(lto_link, head_dim):
     r = lto_link[head_dim]
     print(f"d={head_dim}: {r}")
     assert r["spill"] == 0 and r["stack"] == 0, r
     assert 0 < r["registers"] <= MAX_REGISTERS[head_dim], r
-    assert r["registers"] * 128 * MIN_BLOCKS[head_dim] <= 65536, r  # the blocks per SM hold
+    assert r["threads"] == num_threads(head_dim) == 128 * SPLIT[head_dim], r
+    # The blocks per SM hold (registers; shared memory on Volta's 96 KB).
+    assert r["registers"] * r["threads"] * MIN_BLOCKS[head_dim] <= 65536, r
     assert r["smem"] == smem_bytes(head_dim) <= 48 * 1024, r
+    assert r["smem"] * MIN_BLOCKS[head_dim] <= 96 * 1024, r
     assert r["calls"] == 0, r  # the C function is inlined: no ABI call, no callee-saved spills
     assert r["hmma"] > 0, r
+    # Row-tile barriers (bar.sync 1 + tile, 64) only where two warps share a row tile: the
+    # head dims 64 and 128 keep their one-warp-a-tile code.
+    assert (r["named_barriers"] > 0) == (SPLIT[head_dim] > 1), r
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fa_kernel_abi_link_for_volta(lto_link, head_dim):
+    """Every head dim's kernel as check-kernels compiles it (its compile_one: numba's PTX and the
+    .cu's, linked for sm_70 without LTO), registered there or not."""
+    r = lto_link[head_dim]["abi"]
+    assert r["error"] is None, r
+    assert r["registers"] > 0 and r["smem"] == smem_bytes(head_dim), r
 
 
 @pytest.mark.xdist_group("cc70")
@@ -151,10 +183,14 @@ def test_fa_kernel_lto_link_fits_volta(lto_link, head_dim):
 def test_fa_kernels_link_for_volta(cc70_check):
     """The registered instances, as check-kernels linked them (PTX, no LTO: the C function is an
     ABI call there, so its callee-saved registers count as spill; what runs is the LTO build)."""
+    from voltserve.kernels import registry
     from voltserve.kernels.attention import _PREFILL_FA_SIG
 
-    for d in (128, 64):
+    registered = {spec.name for spec in registry.kernels()}
+    for d in HEAD_DIMS:
         name = f"attention.prefill_fa.prefill_fa_kernel_d{d}"
+        if name not in registered:  # (test_fa_kernel_abi_link_for_volta compiles it the same way)
+            continue
         ptx = cc70_check.ptx(name, _PREFILL_FA_SIG)
         assert f".extern .func  (.param .b32 func_retval0) vs_fa_prefill_d{d}" in ptx
         r = cc70_check.result(name, _PREFILL_FA_SIG)
