@@ -1,20 +1,24 @@
 """Prefill attention speed: the flash kernel (kernels/attention/prefill_fa.py, wmma with the whole
-key loop in linked C++, `flash`: what the engine runs for head dims 64 and 128) vs the CUDA-core
-numba kernel (kernels/attention/prefill.py, `numba_cuda_core`: the engine's fallback for other
-head dims) vs torch's scaled_dot_product_attention on contiguous tensors (`sdpa`: whatever
-backend torch picks, flash or memory-efficient on SM80+, math or efficient on SM70).
+key loop in linked C++, `flash`: what the engine runs for head dims 64, 128 and 256) vs the
+CUDA-core numba kernel (kernels/attention/prefill.py, `numba_cuda_core`: the engine's fallback
+for other head dims) vs torch's scaled_dot_product_attention on contiguous tensors (`sdpa`:
+whatever backend torch picks, flash or memory-efficient on SM80+, math or efficient on SM70).
 
     python load_tests/bench_prefill_attention.py --out results/bench_prefill_attention.json
     python load_tests/bench_prefill_attention.py --prompts 1024,4096,16384,32768 --seqs 1,8 \
         --kernels flash,sdpa --out bench_prefill_attention.json
+    python load_tests/bench_prefill_attention.py --heads 24 --kv-heads 4 --head-dim 256 \
+        --prompts 4096,32768 --kernels flash,sdpa --out bench_prefill_attention_qwen35.json
 
-Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), `seqs` sequences of P
-prompt tokens each (default 1024 and 4096), fp16, causal. Timing: CUDA events around each call,
-warmup first, median of the repeats. TFLOP/s counts the causal work only: 2 matmuls x 2 flops x
-H x D x P (P + 1) / 2 per sequence. Each kernel's output (a fresh NaN-filled buffer, so an
-unwritten element shows) is compared with SDPA's: max abs difference and relative norm, `ok`
-when within MAX_ABS_DIFF / MAX_REL_NORM and free of NaN; the exit status is 1 when any is not.
-`flash_speedup_over_cuda_core` in a run is numba_cuda_core's time over flash's.
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128) unless --heads,
+--kv-heads and --head-dim say otherwise (Qwen3.5-27B's full-attention layers: 24, 4 and 256),
+`seqs` sequences of P prompt tokens each (default 1024 and 4096), fp16, causal. Timing: CUDA
+events around each call, warmup first, median of the repeats. TFLOP/s counts the causal work
+only: 2 matmuls x 2 flops x H x D x P (P + 1) / 2 per sequence. Each kernel's output (a fresh
+NaN-filled buffer, so an unwritten element shows) is compared with SDPA's: max abs difference
+and relative norm, `ok` when within MAX_ABS_DIFF / MAX_REL_NORM and free of NaN; the exit status
+is 1 when any is not. `flash_speedup_over_cuda_core` in a run is numba_cuda_core's time over
+flash's.
 """
 
 from __future__ import annotations

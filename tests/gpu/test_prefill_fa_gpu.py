@@ -1,5 +1,5 @@
 """The flash prefill (kernels/attention/prefill_fa.py + attention/prefill_fa.cu, the engine's
-prefill attention for head dims 64 and 128) on a real GPU, against the fp32 reference
+prefill attention for head dims 64, 128 and 256) on a real GPU, against the fp32 reference
 (attention_ref.paged_attention_ref) on the same fp16 inputs.
 
 Error bound, elementwise: |out - ref| <= 2e-3 + 5e-3 |ref|, and overall ||out - ref|| / ||ref||
@@ -9,14 +9,16 @@ relative): a correct kernel sits near 5e-4 relative; a wrong mask, row map or re
 O(1). Inputs are N(0, 1); cache slots past each context hold NaN and outputs are NaN before the
 launch, so a stale read or an unwritten element fails.
 
-Cases: head dims 64 and 128; 1, 4, 7 (rows not a multiple of 16), 8 and 64 query heads per KV
-head; prompts around every tile edge (1, 15-17, 31-33, 63-65, 100, 1000, 4096) in one launch;
-chunked prefill (q_len < seq_len, as after a prefix-cache hit) mixed with whole prompts; a
-serving step's 8 x 1024; single prompts of 16K (+ an odd tail) and 32K against torch's SDPA in
-fp32 (the reference's [H, L, S] score matrix would not fit), with few heads to keep the
-reference cheap; lazy rescaling forced through rows whose scores grow along the keys; the
-engine's entry (dispatch: paged_attention_cuda), flash where it covers the shape and the
-CUDA-core kernel for other head dims.
+Cases: head dims 64, 128 and 256 (two warps a row tile, each half the head dim, 16-key tiles);
+1, 4, 6 (Qwen3.5-27B: 24 query heads over 4 KV heads; 60 of 64 rows in use), 7 (rows not a
+multiple of 16), 8 (Qwen3-Next: 16 over 2) and 64 query heads per KV head; prompts around every
+tile edge (1, 15-17, 31-33, 63-65, 100, 1000, 4096) in one launch; chunked prefill (q_len <
+seq_len, as after a prefix-cache hit) mixed with whole prompts; a serving step's 8 x 1024 at
+the Llama-3-8B and Qwen3.5-27B head shapes; single prompts of 16K (+ an odd tail) and 32K
+against torch's SDPA in fp32 (the reference's [H, L, S] score matrix would not fit), with few
+heads to keep the reference cheap; lazy rescaling forced through rows whose scores grow along
+the keys; the engine's entry (dispatch: paged_attention_cuda), flash where it covers the shape
+and the CUDA-core kernel for other head dims.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ def run_fa(q, k, v, tables, sl, qsl, scale, max_q=None):
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 6, 7, 8])
 def test_fa_whole_prompts(head_dim, group):
     gen = _gen()
     q, k, v, tables, sl, qsl = make_batch(EDGES, EDGES, 2, group, head_dim, gen)
@@ -111,8 +113,8 @@ def test_fa_whole_prompts(head_dim, group):
         check(out, ref, EDGES, qsl.tolist(), f"fa d={head_dim} g={group} max_q={max_q}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 6, 8])
 def test_fa_chunked(head_dim, group):
     gen = _gen()
     seq_lens = [s for s, _ in CHUNKED] + [4097, 65]
@@ -124,7 +126,7 @@ def test_fa_chunked(head_dim, group):
     check(out, ref, seq_lens, qsl.tolist(), f"fa chunked d={head_dim} g={group}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fa_large_group(head_dim):
     """64 query heads per KV head: one token a block, every row of the block one head."""
     gen = _gen()
@@ -135,30 +137,38 @@ def test_fa_large_group(head_dim):
     check(out, ref, lens, qsl.tolist(), f"fa g=64 d={head_dim}")
 
 
-def test_fa_serving_step_llama8b():
-    """A serving prefill step: 8 x 1024 tokens, 32 query heads over 8 KV heads, head dim 128."""
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,model",
+    [(32, 8, 128, "llama-3-8b"), (24, 4, 256, "qwen3.5-27b")],
+)
+def test_fa_serving_step(heads, kv_heads, head_dim, model):
+    """A serving prefill step: 8 x 1024 tokens at a model's attention heads."""
     gen = _gen()
     lens = [1024] * 8
-    q, k, v, tables, sl, qsl = make_batch(lens, lens, 8, 4, 128, gen)
-    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, 128**-0.5)
-    out = run_fa(q, k, v, tables, sl, qsl, 128**-0.5, 1024)
-    check(out, ref, lens, qsl.tolist(), "fa 8x1024 llama-3-8b heads")
+    q, k, v, tables, sl, qsl = make_batch(lens, lens, kv_heads, heads // kv_heads, head_dim, gen)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
+    out = run_fa(q, k, v, tables, sl, qsl, scale, 1024)
+    check(out, ref, lens, qsl.tolist(), f"fa 8x1024 {model} heads")
 
 
-def test_fa_lazy_rescale_growing_scores():
+@pytest.mark.parametrize("d,group", [(128, 4), (256, 6)])
+def test_fa_lazy_rescale_growing_scores(d, group):
     """Scores that grow along the keys (q and k aligned, k scaled up with position), so a row's
     max moves past the lazy threshold many times, mixed with a large attention sink at key 0
-    for another sequence: the rescale path and the stale-max path both run."""
+    for another sequence: the rescale path and the stale-max path both run (at head dim 256
+    the rescale's second row-tile barrier)."""
     gen = _gen()
-    d, group, kvh = 128, 4, 2
+    kvh = 2
     lens = [3000, 700]
     q, k, v, tables, sl, qsl = make_batch(lens, lens, kvh, group, d, gen)
     direction = torch.randn(d, generator=gen, device="cuda")
     direction /= direction.norm()
     q[:] = (q.float() * 0.2 + 3.0 * direction).half()
     # Sequence 0: the key at position p gets p / 20 along the direction, so scores grow by
-    # ~57 log2 units over the prompt (several lazy rescales); sequence 1: key 0 is a sink
-    # (~23 log2 units above the rest for every query: the reference max stays put).
+    # ~57 log2 units over the prompt at head dim 128, ~40 at 256 (several lazy rescales);
+    # sequence 1: key 0 is a sink (~23 / ~16 log2 units above the rest for every query: the
+    # reference max stays put).
     for b, n in enumerate(lens):
         for p in range(n if b == 0 else 1):
             blk, slot = int(tables[b, p // 16]), p % 16
@@ -167,11 +177,18 @@ def test_fa_lazy_rescale_growing_scores():
     scale = d**-0.5
     ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, sl, qsl, scale)
     out = run_fa(q, k, v, tables, sl, qsl, scale)
-    check(out, ref, lens, qsl.tolist(), "fa growing scores / sink")
+    check(out, ref, lens, qsl.tolist(), f"fa growing scores / sink d={d} g={group}")
 
 
 @pytest.mark.parametrize(
-    "prompt,head_dim,group", [(16384 + 37, 128, 4), (32768, 128, 4), (16384, 64, 8)]
+    "prompt,head_dim,group",
+    [
+        (16384 + 37, 128, 4),
+        (32768, 128, 4),
+        (16384, 64, 8),
+        (16384 + 37, 256, 6),  # Qwen3.5-27B's group
+        (16384, 256, 8),  # Qwen3-Next's
+    ],
 )
 def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
     """One long prompt against SDPA in fp32 on the gathered K/V (causal from the top left,
@@ -195,10 +212,10 @@ def test_fa_long_prompt_vs_sdpa(prompt, head_dim, group):
     check(out, ref, [prompt], qsl.tolist(), f"fa P={prompt} d={head_dim} g={group}")
 
 
-@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7), (96, 4), (256, 2)])
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 7), (96, 4), (256, 2), (256, 6)])
 def test_engine_entry_flash_or_cuda_core(monkeypatch, head_dim, group):
     """What the engine runs (KernelDispatch's paged_attention on CUDA, fp16): the flash kernel
-    for head dims 64 and 128, the CUDA-core kernel for 96 and 256; both match the reference."""
+    for head dims 64, 128 and 256, the CUDA-core kernel for 96; both match the reference."""
     from voltserve.kernels.attention import prefill_fa as fa
     from voltserve.kernels.dispatch import KernelDispatch
 
