@@ -189,7 +189,8 @@ def test_mtp_verifies_at_most_max_verify_seqs_requests_a_step(rng) -> None:
         proposing.append(sum(1 for r in eng.batcher.running if r.spec_token_ids))
 
     eng._propose = counted
-    ps = prompts(rng, 8, 8, 8)
+    # One request more than the cap, all decoding at once (8 tokens each: one prefill step).
+    ps = prompts(rng, cap + 1, 8, 8)
     check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
     assert max(proposing) == cap
     assert eng.check_all_free()
