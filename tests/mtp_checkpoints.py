@@ -59,3 +59,42 @@ def _mtp_checkpoint(arch: str, repeat_head: bool, layers: int) -> Path:
     mtp.update({f"mtp.{n}.weight": w for n, w in norms.items()})
     save_file({k: v.contiguous() for k, v in mtp.items()}, str(dest / "mtp.safetensors"))
     return dest
+
+
+# The forced chain of chain_checkpoint: C -> B -> A -> A -> ...
+A, B, C = 100, 101, 102
+
+
+@functools.cache
+def chain_checkpoint() -> Path:
+    """mtp_checkpoint("qwen3_5", repeat_head=True) with a target that maps C to B, B to A and A
+    to A whatever the context, and leaves every other token to its layers as before.
+
+    Three hidden dimensions are reserved, one per token: only that token's embedding has it
+    (and nothing else: a large multiple of the unit vector), and no layer writes to it (those
+    rows of o_proj, out_proj and down_proj are zero). So the residual stream carries it exactly
+    at the token's positions, where it dominates the final norm, and nowhere else. The lm_head
+    rows of A and B read only those dimensions: A's reads A's and B's, B's reads C's."""
+    src = mtp_checkpoint("qwen3_5", repeat_head=True)
+    dest = _root() / "qwen3_5-mtp-chain"
+    shutil.copytree(src, dest)
+    w = load_file(str(src / "model.safetensors"))
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    H = emb.shape[1]
+    dims = {A: H - 1, B: H - 2, C: H - 3}
+    alpha = 100 * emb.norm(dim=1).mean()
+    for name, t in w.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[list(dims.values())] = 0
+    emb[:, list(dims.values())] = 0
+    head[:, list(dims.values())] = 0
+    gamma = 10 * head.norm(dim=1).mean()
+    for tok, d in dims.items():
+        emb[tok] = 0
+        emb[tok, d] = alpha
+    head[A] = 0
+    head[B] = 0
+    head[A, dims[A]] = head[A, dims[B]] = gamma
+    head[B, dims[C]] = gamma
+    save_file(w, str(dest / "model.safetensors"))
+    return dest

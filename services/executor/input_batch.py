@@ -361,4 +361,5 @@ class InputBatch:
             starts,
             self.tables.table[rows_idx],
             blocks,
+            [r.state_slot for r in reqs] if vg.state_cache is not None else None,
         )

@@ -450,6 +450,11 @@ class ModelRunner:
         self.input_batch.stage_verify(vg, reqs, specs, starts)
         self.input_batch.prompt_rows = []
         logits, h = vg.replay_staged()
+        if self.state_cache is not None:
+            # Its rows' states wait in the snapshot area until the next step's commit.
+            self._verify_states = VerifyStates.for_graph(
+                self.state_cache, reqs, counts, starts, vg.q
+            )
         if any(specs):
             self.spec_graph_counts["verify_graph"] += 1
         if self.keep_hidden_states:

@@ -72,13 +72,21 @@ class StateCache:
         self.specs = list(specs)
         self.dtype = dtype
         rows = num_slots + snapshot_shape[0] * snapshot_shape[1]
-        self._pools = [
-            (
-                torch.zeros((rows, *s.conv_shape), dtype=dtype, device=device),
-                torch.zeros((rows, *s.recurrent_shape), dtype=torch.float32, device=device),
+        # Layers of one spec share one tensor per kind, [layers, rows, ...]: restoring the
+        # snapshot rows into request slots (`restore`) is then one copy per kind for all of
+        # them, not one per layer (a verify step of a 64-layer model would launch hundreds).
+        self._stacks: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for spec in dict.fromkeys(self.specs):
+            idx = [i for i, s in enumerate(self.specs) if s == spec]
+            conv = torch.zeros((len(idx), rows, *spec.conv_shape), dtype=dtype, device=device)
+            rec = torch.zeros(
+                (len(idx), rows, *spec.recurrent_shape), dtype=torch.float32, device=device
             )
-            for s in self.specs
-        ]
+            self._stacks.append((idx, conv, rec))
+            for n, i in enumerate(idx):
+                views[i] = (conv[n], rec[n])
+        self._pools = [views[i] for i in range(len(self.specs))]
         # The request slots' pools (what the kernels index by state slot).
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (conv[:num_slots], rec[:num_slots]) for conv, rec in self._pools
@@ -88,6 +96,22 @@ class StateCache:
             tuple(t[num_slots:].view(*snapshot_shape, *t.shape[1:]) for t in pools)
             for pools in self._pools
         ]
+
+    def snapshot_row(self, position: int, request: int) -> int:
+        """The pool row of snapshot (position, request) (rows past the request slots)."""
+        return self.num_slots + position * self.snapshot_shape[1] + request
+
+    def restore(self, slots: list[int], rows: list[int]) -> None:
+        """Every layer's state in pool rows `rows` (snapshots) copied into request slots
+        `slots` (queued on the current stream)."""
+        if not slots:
+            return
+        dev = self._stacks[0][1].device
+        dst = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+        src = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        for _, conv, rec in self._stacks:
+            for t in (conv, rec):
+                t.index_copy_(1, dst, t.index_select(1, src))
 
     @staticmethod
     def bytes_for(

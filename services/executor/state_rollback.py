@@ -13,16 +13,21 @@ advanced over a rejected proposal would be wrong for every later token. So:
   (`VerifyStates`). Cost: memory of (k + 1) x max_verify_seqs x one request's state (the
   Qwen3.5-27B shape: 151 MB a request and position), allocated with the state cache at start-up
   and counted in the KV sizing; a step verifies at most max_verify_seqs requests (the engine
-  gives the others no proposals that step). Time: k + 1 small decode-op calls and copies per
-  layer instead of one varlen prefill call. Recompute instead
+  gives the others no proposals that step). Time: k + 1 small decode-op calls and k copies
+  per layer instead of one varlen prefill call. A verify graph (spec/graphs.py, up to
+  max_verify_seqs sequences of q = k + 1 rows) does the same with a fixed layout
+  (`VerifyLayout`): position j of every sequence together, rows past a sequence's 1 + m and
+  padding sequences at state slot -1 (skipped by the decode ops), sequence b's state after
+  position j into snapshot (j, b). Recompute instead
   would need a second forward of the whole model over the kept rows (every layer's input
   depends on the layers below), which costs more than the copies.
 - Commit: the engine keeps j accepted proposals and emits j + 1 tokens (the last one, the
   target's own, is computed by the next step), advancing num_computed_tokens by j + 1 (fewer
   when a stop token ends the run). The state the next step needs includes exactly the tokens
   whose KV is kept: rows 0 .. kept - 1, i.e. the snapshot after row kept - 1, kept =
-  num_computed_tokens - start. The runner commits it before its next forward (`commit`):
-  after the last row (all accepted) the pool holds it already; a request that finished or was
+  num_computed_tokens - start. The runner commits it before its next forward (`commit`: one
+  copy per state kind for every request and layer, StateCache.restore): after the last row
+  (all accepted) the pool holds it already; a request that finished or was
   preempted (its slot given back: state_slot no longer the one staged) is skipped, since a
   slot's next owner starts at position 0 and never reads the old contents.
 - Rows of the step that are not verify groups (prefill chunks, plain decodes) run the usual
@@ -50,9 +55,7 @@ ROLLBACK_METHODS = ("ngram", "draft_model", "mtp")
 
 
 def check_spec_supported(architecture: str, method: str, tp: object | None) -> None:
-    """Refuse by name what speculation on a model with linear-attention state does not do.
-    On CUDA its verify steps run eagerly (spec/graph_setup.spec_graph_sizes: no verify graphs
-    for such a target), since the per-row snapshots are taken outside any graph."""
+    """Refuse by name what speculation on a model with linear-attention state does not do."""
     why = None
     if method not in ROLLBACK_METHODS:
         why = f"method {method!r}"
@@ -81,7 +84,8 @@ class VerifyIndex:
 
 @dataclass
 class VerifyStates:
-    """One eager verify step's groups (in the step's sequence order) and their snapshots."""
+    """One verify step's groups (in the step's sequence order) and their snapshots: an eager
+    step's (`build`) or a verify graph's (`for_graph`)."""
 
     seqs: list[int]  # the step's sequence index of each verify group
     first_rows: list[int]  # the group's first row in the step
@@ -169,14 +173,55 @@ class VerifyStates:
         v.snapshots = [(conv[:n, :G], rec[:n, :G]) for conv, rec in cache.snapshots]
         return v
 
+    @classmethod
+    def for_graph(
+        cls,
+        cache: StateCache,
+        requests: list[Request],
+        num_rows: list[int],
+        starts: list[int],
+        q: int,
+    ) -> VerifyStates:
+        """A verify graph's step (spec/graphs.py): sequence b is group b, its rows from b * q;
+        the graph wrote its snapshots into the state cache's area, group b at request b."""
+        B = len(requests)
+        return cls(
+            list(range(B)),
+            [b * q for b in range(B)],
+            list(num_rows),
+            list(requests),
+            [r.state_slot for r in requests],
+            list(starts),
+            [b * q for b in range(B + 1)],
+            list(cache.snapshots),
+        )
+
     def commit(self, cache: StateCache) -> None:
-        """Put each live group's state after its last kept row into its slot (module doc)."""
+        """Put each live group's state after its last kept row into its slot (module doc):
+        one copy per state kind for every group and layer."""
+        slots, rows = [], []
         for i, (r, slot, start, n) in enumerate(
             zip(self.requests, self.slots, self.starts, self.num_rows)
         ):
             kept = r.num_computed_tokens - start
             if r.state_slot != slot or kept < 1 or kept >= n:
                 continue  # gone (slot given back), or every row kept: the pool holds it
-            for (conv, rec), (sc, sr) in zip(cache.layers, self.snapshots):
-                conv[slot].copy_(sc[kept - 1, i])
-                rec[slot].copy_(sr[kept - 1, i])
+            slots.append(slot)
+            rows.append(cache.snapshot_row(kept - 1, i))
+        cache.restore(slots, rows)
+
+
+@dataclass
+class VerifyLayout:
+    """A verify graph's rows as a linear-attention layer walks them (spec/graphs.py): B
+    sequences of q rows, row b * q + j at the sequence's position start + j."""
+
+    q: int
+    # [q, B] int64: row (b, j)'s state slot; -1 (the decode ops skip it) past the sequence's
+    # 1 + m rows and for padding sequences, so those rows never advance a request's state
+    row_slots: torch.Tensor
+    # [B] int64: each sequence's slot, whose state after position j becomes snapshot (j, b);
+    # a padding sequence names slot 0 (its snapshots are never committed)
+    seq_slots: torch.Tensor
+    # per linear-attention layer, the state cache's snapshot area [positions, requests, ...]
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]]

@@ -9,7 +9,6 @@ construction; and what is not supported is refused by name."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import shutil
@@ -17,13 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from voltserve.services.executor import state_rollback
 from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
-from voltserve.services.executor.kv_sizing import alloc_kv_caches
 from voltserve.services.executor.model_runner import ModelRunner
-from voltserve.services.executor.spec import graph_setup
 from voltserve.services.executor.spec.config import SpeculativeConfig
 from voltserve.services.executor.state_cache import StateCache
 from voltserve.shared.config import EngineConfig
@@ -31,14 +27,12 @@ from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
 from tests import quant_checkpoints as qc
-from tests.checkpoints import _root, checkpoint, hf_model_class, tokenizer
-from tests.engine.test_graph_padding import _emulated_graph_runner
+from tests.checkpoints import checkpoint, hf_model_class, tokenizer
 from tests.engine.test_hybrid_models import hf_model
 from tests.engine.test_hybrid_quant import AWQ_NOT_CONVERT, GROUP
-from tests.engine.test_spec_graphs import _emulate
 from tests.engine.token_match import assert_streams_match
 from tests.greedy_reference import check_greedy_outputs
-from tests.mtp_checkpoints import mtp_checkpoint
+from tests.mtp_checkpoints import A, B, C, chain_checkpoint, mtp_checkpoint
 
 MAX_NEW = 12
 K = 3
@@ -96,45 +90,6 @@ def test_mtp_seeded_sampling_equals_spec_off(rng) -> None:
     assert_streams_match(dict(zip(ids, got)), dict(zip(ids, want)), reqs, checkpoint(arch))
     assert eng.stats().spec_decode_num_drafts > 0
     assert eng.check_all_free()
-
-
-# The forced chain of chain_checkpoint: C -> B -> A -> A -> ...
-A, B, C = 100, 101, 102
-
-
-@functools.cache
-def chain_checkpoint() -> Path:
-    """mtp_checkpoint("qwen3_5", repeat_head=True) with a target that maps C to B, B to A and A
-    to A whatever the context, and leaves every other token to its layers as before.
-
-    Three hidden dimensions are reserved, one per token: only that token's embedding has it
-    (and nothing else: a large multiple of the unit vector), and no layer writes to it (those
-    rows of o_proj, out_proj and down_proj are zero). So the residual stream carries it exactly
-    at the token's positions, where it dominates the final norm, and nowhere else. The lm_head
-    rows of A and B read only those dimensions: A's reads A's and B's, B's reads C's."""
-    src = mtp_checkpoint("qwen3_5", repeat_head=True)
-    dest = _root() / "qwen3_5-mtp-chain"
-    shutil.copytree(src, dest)
-    w = load_file(str(src / "model.safetensors"))
-    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
-    H = emb.shape[1]
-    dims = {A: H - 1, B: H - 2, C: H - 3}
-    alpha = 100 * emb.norm(dim=1).mean()
-    for name, t in w.items():
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t[list(dims.values())] = 0
-    emb[:, list(dims.values())] = 0
-    head[:, list(dims.values())] = 0
-    gamma = 10 * head.norm(dim=1).mean()
-    for tok, d in dims.items():
-        emb[tok] = 0
-        emb[tok, d] = alpha
-    head[A] = 0
-    head[B] = 0
-    head[A, dims[A]] = head[A, dims[B]] = gamma
-    head[B, dims[C]] = gamma
-    save_file(w, str(dest / "model.safetensors"))
-    return dest
 
 
 def test_mtp_proposals_accepted_and_rejected_by_construction(rng) -> None:
@@ -214,30 +169,6 @@ def test_mtp_on_an_awq_target(rng, tmp_path: Path) -> None:
     )
     with pytest.raises(StartupError, match="MTP layers are quantized"):
         engine(quantized, MTP)
-
-
-def test_mtp_step_graphs_on_a_hybrid_target(rng) -> None:
-    """A hybrid target has no verify graphs (its verify steps run eagerly: state_rollback.py),
-    but its MTP head's single-token steps replay the head's step graphs (emulated on the CPU,
-    as tests/engine/test_spec_graphs.py does): greedy equals transformers', the steps ran as
-    graphs, and no verify step did."""
-    arch = "qwen3_5"
-    cfg = config(mtp_checkpoint(arch), MTP, num_kv_blocks=64)
-    runner = _emulated_graph_runner(cfg, 4)
-    assert graph_setup.spec_graph_sizes(runner, 4) == []
-    p = runner.proposer
-    p.kv = alloc_kv_caches(runner, cfg.num_kv_blocks, scratch=True, arch=p.draft.arch)
-    step = p.make_graphs(runner, runner.graphs.sizes, [], p.kv, capture=False)["step"]
-    replayed: list[int] = []
-    _emulate(step, replayed)
-    p.step_graphs = step
-    eng = LLMEngine(cfg, runner)
-    ps = prompts(rng, 3)
-    check_greedy_outputs(hf_model(arch), ps, eng.generate(ps, PARAMS), MAX_NEW)
-    counts = eng.runner.spec_graph_counts
-    assert counts["draft_graph"] > 0 and counts["draft_eager"] == 0, counts
-    assert counts.get("verify_graph", 0) == 0 and counts["verify_eager"] > 0, counts
-    assert replayed and eng.check_all_free()
 
 
 def test_mtp_config_spellings() -> None:

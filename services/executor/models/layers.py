@@ -30,7 +30,7 @@ from voltserve.services.executor.tp.sharding import (
 
 if TYPE_CHECKING:
     from voltserve.services.executor.models.llama import ModelArch
-    from voltserve.services.executor.state_rollback import VerifyStates
+    from voltserve.services.executor.state_rollback import VerifyLayout, VerifyStates
     from voltserve.services.executor.tp.layout import TPLayout
 
 # Linears with at most this many input rows (decode steps of small batches, the sampled rows of
@@ -96,6 +96,9 @@ class AttentionMetadata:
     # An eager verify step of a model with linear-attention state: its verify groups and
     # their per-row state snapshots (state_rollback.py). None: no proposals in the step.
     verify_states: VerifyStates | None = None
+    # A verify graph's step (spec/graphs.py) of a model with linear-attention state: its fixed
+    # row layout, per-position state slots and snapshot area. None: not such a step.
+    verify_layout: VerifyLayout | None = None
     _decode_rows: AttentionMetadata | None = field(default=None, repr=False, compare=False)
 
     def decode_rows(self) -> AttentionMetadata | None:

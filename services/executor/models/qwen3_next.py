@@ -59,6 +59,7 @@ from voltserve.services.executor.tp.sharding import column_parallel, narrow, row
 
 if TYPE_CHECKING:
     from voltserve.services.executor.kv_quant import KVQuant
+    from voltserve.services.executor.state_rollback import VerifyLayout
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -389,11 +390,14 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         mixed, z, b, a = self._project(ops, x)
         mixed, b, a = mixed.contiguous(), b.contiguous(), a.contiguous()
-        if meta.verify_states is None:
-            o = self._mix(ops, mixed, b, a, state, meta)
-        else:
+        if meta.verify_layout is not None:
+            assert snap is not None
+            o = self._mix_layout(ops, mixed, b, a, state, meta.verify_layout, snap)
+        elif meta.verify_states is not None:
             assert snap is not None
             o = self._mix_verify(ops, mixed, b, a, state, meta, snap)
+        else:
+            o = self._mix(ops, mixed, b, a, state, meta)
         o = ops.gated_rms_norm(
             o.reshape(T * self.hv, self.dv),
             z.reshape(T * self.hv, self.dv),
@@ -500,6 +504,48 @@ class GatedDeltaNet(nn.Module):
             snap_conv[i, sel_t] = conv_pool[slots]
             snap_rec[i, sel_t] = state_pool[slots]
         return o
+
+    def _mix_layout(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        lay: VerifyLayout,
+        snap: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """_mix for a verify graph's step (fixed layout, no host reads): position j of every
+        sequence together through the decode ops, then each sequence's state after it into
+        snapshot (j, b). The last position's is never committed (a request keeps at most m of
+        its m + 1 rows' state before the next step computes its next token)."""
+        conv_pool, state_pool = state
+        snap_conv, snap_rec = snap
+        q, B = lay.row_slots.shape
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        x3, b3, a3 = (t.view(B, q, -1) for t in (mixed, b, a))
+        outs = []
+        for j in range(q):
+            slots = lay.row_slots[j]
+            m = ops.causal_conv1d_decode(x3[:, j].contiguous(), w, conv_pool, slots)
+            qj, kj, vj = self._qkv(m)
+            outs.append(
+                ops.gated_delta_rule_decode(
+                    qj,
+                    kj,
+                    vj,
+                    a3[:, j].contiguous(),
+                    b3[:, j].contiguous(),
+                    self.A_log,
+                    self.dt_bias,
+                    state_pool,
+                    slots,
+                )
+            )
+            if j < q - 1:
+                torch.index_select(conv_pool, 0, lay.seq_slots, out=snap_conv[j, :B])
+                torch.index_select(state_pool, 0, lay.seq_slots, out=snap_rec[j, :B])
+        return torch.stack(outs, dim=1).view(B * q, self.hv, self.dv)
 
 
 class _PlainWeight(nn.Module):
@@ -679,7 +725,7 @@ class Qwen3NextForCausalLM(nn.Module):
             )
         kv = iter(kv_caches)
         states = iter(self.state_cache.layers)
-        vs = meta.verify_states
+        vs = meta.verify_layout or meta.verify_states
         snaps = iter(vs.snapshots) if vs is not None else None
         x = self.model.embed_tokens(input_ids)
         residual = None

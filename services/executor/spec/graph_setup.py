@@ -35,11 +35,11 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     vocabulary and 256 sequences, GBs of activations past the KV sizing). Also within the
     step's token budget (a step never schedules more) and what the decode attention can
     take. A verify step of more sequences runs eagerly: speculation pays at small batches,
-    and at large ones the step is compute-bound, where a graph saves little. [] when
-    speculation's steps run eagerly (no speculation, VOLTSERVE_SPEC_GRAPHS=0, or a target with
-    linear-attention state: its verify rows' per-position state snapshots, state_rollback.py,
-    are taken by eager code; its proposer's own step graphs are captured all the same)."""
-    if not spec_graphs_on(runner, graph_batch) or runner.state_cache is not None:
+    and at large ones the step is compute-bound, where a graph saves little. A target with
+    linear-attention state also caps them at the requests its state cache snapshots
+    (runner.max_verify_seqs, state_rollback.py). [] when speculation's steps run eagerly (no
+    speculation, VOLTSERVE_SPEC_GRAPHS=0)."""
+    if not spec_graphs_on(runner, graph_batch):
         return []
     spec = runner.config.speculative_config
     from voltserve.services.executor.cuda_graphs import graph_batch_sizes
@@ -47,6 +47,9 @@ def spec_graph_sizes(runner: ModelRunner, graph_batch: int) -> list[int]:
     q = spec.num_speculative_tokens + 1
     sizes = graph_batch_sizes(graph_batch, runner.config.cuda_graph_sizes)
     limit = min(max(sizes[-1], 8 * q), runner.config.max_num_batched_tokens)
+    cap = runner.max_verify_seqs
+    if cap is not None:
+        sizes = [s for s in sizes if s <= cap]
     return verify_batch_sizes(
         sizes, q, lambda rows: rows <= limit and runner.fallback_gather_bytes(rows) <= 2 * 2**30
     )
@@ -77,6 +80,7 @@ def build_verify_graphs(
         with_hidden=runner.keep_hidden_states,
         capture=capture,
         pool=graph_pool(runner),
+        state_cache=runner.state_cache,
     )
 
 

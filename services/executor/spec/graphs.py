@@ -20,6 +20,11 @@ rows). So the graph runs the decode graphs' ops (DECODE_GRAPH_OPS) and no new ke
 graph, the row seq_lens are positions + 1 and the per-row block tables are the per-sequence ones
 repeated q times; the host stages one table row per sequence.
 
+A target with linear-attention state (Gated DeltaNet layers): its layers walk the layout one
+position at a time and keep each sequence's state after each position in the state cache's
+snapshot area, committed at the next step (state_rollback.py, VerifyLayout); the graphs then
+stop at the requests that area holds (max_verify_seqs).
+
 Outputs: one logits buffer and one hidden-state buffer of the largest size's rows, which every
 size's graph copies its outputs into (per-size outputs, as the decode graphs keep, would hold
 sum(sizes) * (k + 1) rows of logits, about 10 MB per 40 rows at Llama-3-8B's vocabulary; the copy
@@ -65,6 +70,8 @@ import torch
 from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.graph_set import GraphSet, Staging
 from voltserve.services.executor.input_batch import attention_metadata
+from voltserve.services.executor.state_cache import StateCache
+from voltserve.services.executor.state_rollback import VerifyLayout
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +128,12 @@ class VerifyGraphRunner(GraphSet):
         capture: bool = True,
         pool=None,
         what: str | None = None,
+        state_cache: StateCache | None = None,
     ) -> None:
         """what: the graphs' name in the log (the draft model's catch-up graphs use this
-        class on the draft's model and KV cache)."""
+        class on the draft's model and KV cache); state_cache: the target's linear-attention
+        state, whose rows the graph walks position by position into its snapshot area
+        (state_rollback.VerifyLayout; every size at most its snapshot requests)."""
         if what is not None:
             self.what = what
         self.model, self.kv_caches, self.device = model, kv_caches, device
@@ -131,16 +141,25 @@ class VerifyGraphRunner(GraphSet):
         self.with_hidden = with_hidden
         n = sizes[-1] if sizes else 1
         N = n * q
-        self.st = Staging(
-            [
-                ("ids", torch.int64, (N,)),
-                ("pos", torch.int64, (N,)),
-                ("slots", torch.int64, (N,)),
-                ("rows", torch.int64, (N,)),
-                ("tables", torch.int32, (n, width)),
-            ],
-            device,
-        )
+        self.state_cache = state_cache
+        if state_cache is not None and n > state_cache.snapshot_shape[1]:
+            raise ValueError(
+                f"verify graphs of up to {n} sequences; the state cache snapshots "
+                f"{state_cache.snapshot_shape[1]}"
+            )
+        fields = [
+            ("ids", torch.int64, (N,)),
+            ("pos", torch.int64, (N,)),
+            ("slots", torch.int64, (N,)),
+            ("rows", torch.int64, (N,)),
+        ]
+        if state_cache is not None:
+            fields += [("state", torch.int64, (N,)), ("seq_state", torch.int64, (n,))]
+        # The tables last: a step uploads the buffer up to its sequences' rows of them.
+        self.st = Staging([*fields, ("tables", torch.int32, (n, width))], device)
+        if state_cache is not None:
+            self.st.host["state"].fill(-1)
+            self.st.dev["state"].fill_(-1)
         h = self.st.host
         self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
         self.host_rows, self.host_tables = h["rows"], h["tables"]
@@ -162,6 +181,14 @@ class VerifyGraphRunner(GraphSet):
             self.query_start_loc[: R + 1],
             is_decode=True,
         )
+        if self.state_cache is not None:
+            meta.state_slots = d["state"][:R]
+            meta.verify_layout = VerifyLayout(
+                self.q,
+                d["state"][:R].view(bs, self.q).t().contiguous(),
+                d["seq_state"][:bs],
+                self.state_cache.snapshots,
+            )
         h = self.model.hidden_states(d["ids"][:R], pos, meta, self.kv_caches)
         logits = self.model.compute_logits(h, None, fp32_logits=False)
         if self._out is None:
@@ -179,12 +206,14 @@ class VerifyGraphRunner(GraphSet):
         starts: Sequence[int],
         tables: np.ndarray,
         counts: Sequence[int],
+        state_slots: Sequence[int] | None = None,
     ) -> tuple[int, int]:
         """Write a verify step into the host twin: sequence b computes first_ids[b] at position
         starts[b], then specs[b] after it; tables[b] is its block table row (counts[b] blocks
-        valid, at least the table's width wide or as wide as its blocks). Returns (padded size,
-        real rows). Blocks past the ones a sequence reads are zeroed, as the eager step
-        leaves them."""
+        valid, at least the table's width wide or as wide as its blocks); state_slots[b] its
+        linear-attention state slot (graphs with a state cache). Returns (padded size, real
+        rows). Blocks past the ones a sequence reads are zeroed, as the eager step leaves
+        them."""
         B, q, bsz = len(starts), self.q, self.block_size
         bs = self.padded_size(B)
         m = np.fromiter(map(len, specs), np.int64, B)
@@ -229,6 +258,14 @@ class VerifyGraphRunner(GraphSet):
         self.host_pos[row] = pos
         self.host_slots[row] = ht[b_of, pos // bsz].astype(np.int64) * bsz + pos % bsz
         self.host_rows[:R] = row
+        if self.state_cache is not None:
+            if state_slots is None or len(state_slots) != B:
+                raise ValueError("verify graphs over linear-attention state need the slots")
+            h = self.st.host
+            h["state"][:N] = -1
+            h["state"][row] = np.asarray(state_slots, dtype=np.int64)[b_of]
+            h["seq_state"][:bs] = 0
+            h["seq_state"][:B] = state_slots
         self._last = (B, bs, R)
         return bs, R
 
