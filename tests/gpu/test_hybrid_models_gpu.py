@@ -105,14 +105,15 @@ def test_fp16_default_flags_track_fp32(arch: str, eager: bool) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("repeat_head", [False, True], ids=["random-head", "repeat-head"])
-def test_fp32_mtp_equals_transformers(arch: str, repeat_head: bool) -> None:
-    """MTP speculation on CUDA (decode graphs captured, verify steps eager with the state
-    rollback): greedy equals transformers fp32, 6 requests at once, with a random MTP head
-    (mostly rejected) and one that proposes the last token k times (accepted where the target
-    repeats a token)."""
+@pytest.mark.parametrize("n", [3, 6], ids=["graphs", "eager"])
+def test_fp32_mtp_equals_transformers(arch: str, repeat_head: bool, n: int) -> None:
+    """MTP speculation on CUDA (decode graphs captured, verify steps with the state rollback):
+    greedy equals transformers fp32 with a random MTP head (mostly rejected) and one that
+    proposes the last token k times (accepted where the target repeats a token); 3 requests
+    at once verify in CUDA graphs (at most 4 sequences: state_rollback.py), 6 eagerly."""
     from tests.mtp_checkpoints import mtp_checkpoint
 
-    prompts = _prompts(11, 6, 4, 40)
+    prompts = _prompts(11, n, 4, 40)
     engine = LLMEngine(
         engine_config(
             model=str(mtp_checkpoint(arch, repeat_head=repeat_head)),
@@ -129,4 +130,8 @@ def test_fp32_mtp_equals_transformers(arch: str, repeat_head: bool) -> None:
     st = engine.stats()
     assert st.spec_decode_num_drafts > 0
     assert st.spec_decode_num_accepted_tokens <= st.spec_decode_num_draft_tokens
+    counts = engine.runner.spec_graph_counts
+    assert counts["verify_graph" if n == 3 else "verify_eager"] > 0, counts
+    if n == 3:
+        assert counts["verify_eager"] == 0, counts
     assert engine.check_all_free()
