@@ -11,6 +11,7 @@ process voltserve starts (pytest, `voltserve serve` and its services, a benchmar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,8 @@ import time
 import tomllib
 import urllib.request
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import util
 from pathlib import Path
 
@@ -191,12 +194,104 @@ def serve_and_chat(voltserve: list[str], model: Path, cwd: Path, env: dict, log:
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("demo") / "model"
-    from voltserve.cli import command as voltserve_command
+@dataclass
+class WheelInstall:
+    venv: Path
+    site: str  # the venv's own site-packages, where the wheel installed voltserve
 
-    subprocess.run([*voltserve_command(), "make-demo-model", str(path)], check=True, timeout=300)
+    @property
+    def voltserve(self) -> list[str]:
+        return [str(self.venv / "bin" / "voltserve")]
+
+
+@pytest.fixture(scope="module")
+def wheel_install(tmp_path_factory) -> WheelInstall:
+    """A wheel built from the tracked files (as a clean clone has them), every tracked file of a
+    package folder in it, installed without editable mapping into a fresh venv. The venv reads
+    the test environment's dependencies as a site directory of its own, after its own
+    site-packages, so voltserve comes from the wheel."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for rel in tracked_files():
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
+    dist = tmp / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(dist), str(src)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = dist.glob("voltserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    # Every tracked file inside a package folder is in the wheel: code and the data it reads.
+    package_dir = SETUPTOOLS["package-dir"]
+    for package, folder in package_dir.items():
+        for rel in tracked_files():
+            if not rel.startswith(folder + "/"):
+                continue
+            inner = rel[len(folder) + 1 :]
+            # A folder mapped elsewhere (voltserve.kernels from kernels/) is checked there.
+            installed = "/".join([*package.split("."), inner])
+            assert installed in names, f"{rel} is not in the wheel (as {installed})"
+
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    deps = sysconfig.get_paths()["purelib"]
+    Path(site, "voltserve-test-deps.pth").write_text(f"import site; site.addsitedir({deps!r})\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+        + ["--no-index", str(wheel)],
+        check=True,
+        timeout=300,
+    )
+    return WheelInstall(venv, site)
+
+
+def assert_from_the_wheel(records: list[dict], wheel: WheelInstall) -> None:
+    for record in records:
+        assert_no_checkout_on_path(record)
+        assert record["voltserve"].startswith(wheel.site + os.sep), record
+
+
+@contextlib.contextmanager
+def outside_the_checkout() -> Iterator[Path]:
+    """A fresh working directory under /tmp (never inside the checkout)."""
+    run_dir = Path("/tmp") / f"voltserve-wheel-{os.getpid()}-{time.monotonic_ns()}"
+    run_dir.mkdir()
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def demo_model(wheel_install, tmp_path_factory) -> Path:
+    """`voltserve make-demo-model`, run once by the wheel's command with /tmp as working
+    directory, that process checked by the probe as the wheel's services are; both serving
+    tests serve it."""
+    tmp = tmp_path_factory.mktemp("demo")
+    path = tmp / "model"
+    env, out = probe_env(tmp)
+    with outside_the_checkout() as run_dir:
+        subprocess.run(
+            [*wheel_install.voltserve, "make-demo-model", str(path)],
+            cwd=run_dir,
+            env=env,
+            check=True,
+            timeout=300,
+        )
+    records = probe_records(out)
+    assert len(records) == 1, [r["argv"] for r in records]
+    assert_from_the_wheel(records, wheel_install)
     return path
 
 
@@ -222,67 +317,14 @@ def tracked_files() -> list[str]:
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_serves_from_another_directory(demo_model, tmp_path):
-    """A wheel built from the tracked files (as a clean clone has them), installed without
-    editable mapping into a fresh venv, serves a chat completion with /tmp as working
-    directory. The venv reads the test environment's dependencies as a site directory of its
-    own, after its own site-packages, so voltserve comes from the wheel (the probe checks)."""
-    src = tmp_path / "src"
-    for rel in tracked_files():
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(dist), str(src)],
-        check=True,
-        timeout=300,
-    )
-    (wheel,) = dist.glob("voltserve-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    # Every tracked file inside a package folder is in the wheel: code and the data it reads.
-    package_dir = SETUPTOOLS["package-dir"]
-    for package, folder in package_dir.items():
-        for rel in tracked_files():
-            if not rel.startswith(folder + "/"):
-                continue
-            inner = rel[len(folder) + 1 :]
-            # A folder mapped elsewhere (voltserve.kernels from kernels/) is checked there.
-            installed = "/".join([*package.split("."), inner])
-            assert installed in names, f"{rel} is not in the wheel (as {installed})"
-
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    deps = sysconfig.get_paths()["purelib"]
-    Path(site, "voltserve-test-deps.pth").write_text(f"import site; site.addsitedir({deps!r})\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-        + ["--no-index", str(wheel)],
-        check=True,
-        timeout=300,
-    )
-    run_dir = Path("/tmp") / f"voltserve-wheel-{os.getpid()}-{time.monotonic_ns()}"
-    run_dir.mkdir()
-    try:
+def test_wheel_installs_and_serves_from_another_directory(wheel_install, demo_model, tmp_path):
+    """The installed wheel (`wheel_install`, whose `voltserve make-demo-model` made
+    demo_model) serves a chat completion with /tmp as working directory: the launcher and each
+    service it starts import voltserve from the wheel and `kernels` from outside the checkout."""
+    with outside_the_checkout() as run_dir:
         env, out = probe_env(tmp_path)
-        voltserve = [str(venv / "bin" / "voltserve")]
-        model = run_dir / "demo"
-        subprocess.run(
-            [*voltserve, "make-demo-model", str(model)], cwd=run_dir, env=env, check=True
-        )
-        serve_and_chat(voltserve, model, run_dir, env, tmp_path / "serve.log")
-        records = probe_records(out)
-        assert len(records) >= 6, [r["argv"] for r in records]
-        for record in records:
-            assert_no_checkout_on_path(record)
-            assert record["voltserve"].startswith(site + os.sep), record
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        serve_and_chat(wheel_install.voltserve, demo_model, run_dir, env, tmp_path / "serve.log")
+    records = probe_records(out)
+    # The launcher and the four services it starts (valkey is no Python process).
+    assert len(records) >= 5, [r["argv"] for r in records]
+    assert_from_the_wheel(records, wheel_install)
