@@ -3,7 +3,8 @@ quantization method's linear calls (through kernels/dispatch.fp4_linear).
 
 Reference (CPU, VOLTSERVE_FORCE_REF=1, VOLTSERVE_QUANT_KERNELS=0): F.linear with the weight
 dequantized in the run dtype. On CUDA (fp4_kernels.py): up to 8 rows the tiled GEMV, which
-reads each code byte once (the gate_up projection with silu_and_mul in its epilogue), for K a
+reads each code byte once (the gate_up projection with silu_and_mul in its epilogue; fp16 x in
+its half2 form, fp4_kernels.form_for), for K a
 multiple of 32 (`gemv_supports`: its 16-byte chunks); more rows, or K a multiple of 16 only,
 dequantize the layer into the reused scratch buffer of the integer formats
 (quant_linear.QuantScratch, reserved at load for the largest quantized linear) and hand it to
@@ -103,11 +104,14 @@ def fp4_gemv_cuda(
     bias: torch.Tensor | None = None,
     gate_up: bool = False,
     tile: tuple[int, ...] | str | None = None,
+    form: str | None = None,
 ):
     """x of 1..8 rows: one GEMV launch (the reference where gemv_supports says no); gate_up:
     silu_and_mul of the merged gate_up product, [M, N / 2]. tile: None for the default
     (fp4_kernels.tiling), (R, U) or (R, U, KS) to force one (benchmarks and tests), or
-    fp4_kernels.V1 for the one-row-a-warp kernel (bench_quant_linear's comparison)."""
+    fp4_kernels.V1 for the one-row-a-warp kernel (bench_quant_linear's comparison). form: None
+    for fp4_kernels.form_for's choice (half2 for fp16 x, table for fp32), or a form to force
+    (fp4_kernels.TABLE or HALF2; fp32 x stays TABLE); V1 has its own table decode."""
     if not gemv_supports(x, w) or (gate_up and w.out_features % 2):
         return (fp4_gate_up_ref if gate_up else fp4_linear_ref)(x, w, bias)
     from voltserve.kernels.linear import fp4_kernels as fk
@@ -123,7 +127,8 @@ def fp4_gemv_cuda(
         kernel, grid = fk.fp4_gemv_v1_kernel(M, gate_up), fk.v1_grid(cols)
         args += (w.group_shift, w.e8m0)
     else:
-        kernel = fk.fp4_gemv_kernel(M, gate_up, w.group_size, w.e8m0, tile)
+        form = fk.form_for(M, x.dtype, form)
+        kernel = fk.fp4_gemv_kernel(M, gate_up, w.group_size, w.e8m0, tile, form)
         grid = fk.grid_for(M, cols, gate_up, tile)
     launch(kernel, grid, fk.THREADS, args, current_stream())
     return out

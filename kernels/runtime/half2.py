@@ -7,6 +7,9 @@ inline (ir.InlineAsm, as wmma_inline.py does), on uint32 values that carry the t
     h2f(u)             (float32(low half), float32(high half)): cvt.f32.f16 of each
     prmt(a, sel)       prmt.b32 of a with itself: byte i of the result is byte (sel >> 4i) & 3
                        of a (a constant selector: one instruction regrouping packed codes)
+    prmt2(a, b, sel)   prmt.b32 of the pair: byte i of the result is byte (sel >> 4i) & 7 of
+                       the 8 bytes b:a (0-3 from a, 4-7 from b; a constant selector): halves
+                       of two words into one, or bytes next to zeros (b = 0)
     ldh8(arr, (r, c))  arr[r, c:c+8] of a 2-D float16 array as four uint32 (the half2 pairs
                        (x0, x1), (x2, x3), (x4, x5), (x6, x7)), one 16-byte global load; c a
                        multiple of 8, rows 16-byte aligned
@@ -76,6 +79,13 @@ if SIM:
         out = 0
         for i in range(4):
             out |= ((a >> (8 * ((int(sel) >> (4 * i)) & 3))) & 0xFF) << (8 * i)
+        return out
+
+    def prmt2(a, b, sel):
+        ab = (int(a) & 0xFFFFFFFF) | (int(b) & 0xFFFFFFFF) << 32
+        out = 0
+        for i in range(4):
+            out |= ((ab >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
         return out
 
     def ldh8(arr, idx):
@@ -164,6 +174,22 @@ else:
 
         return types.uint32(a, sel), codegen
 
+    _PRMT2_TY = ir.FunctionType(_I32, [_I32, _I32])
+
+    @intrinsic
+    def prmt2(typingctx, a, b, sel):
+        # Selector nibbles 0-7 only: bit 3 of a nibble (sign-replicate mode) is masked off.
+        if not _ints(a, b) or not isinstance(sel, types.IntegerLiteral):
+            return None
+        selector = int(sel.literal_value) & 0x7777
+
+        def codegen(context, builder, signature, args):
+            asm = f"prmt.b32 $0, $1, $2, {selector:#x};"
+            ops = [_u32(builder, v) for v in args[:2]]
+            return builder.asm(_PRMT2_TY, asm, "=r,r,r", ops, side_effect=False)
+
+        return types.uint32(a, b, sel), codegen
+
     @intrinsic
     def ldh8(typingctx, arr, idx):
         if not (
@@ -178,4 +204,4 @@ else:
         return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
 
-__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "prmt", "h2_bits", "h2_vals"]
+__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "prmt", "prmt2", "h2_bits", "h2_vals"]
