@@ -37,6 +37,10 @@ call streams from HBM), timed with events, median of 7.
                         {fmt}_gemv_R{R}U{U}[KS{KS}] and {fmt}_gate_up_R{R}U{U}[KS{KS}])
         [--fp4-v1]   (also the one-row-a-warp FP4 GEMV, fp4_kernels.fp4_gemv_v1_kernel, at
                         rows <= 8: impl {fmt}_v1_gemv and {fmt}_v1_gate_up)
+        [--fp4-forms half2,table]   (also each named FP4 GEMV dot-product form forced at rows
+                        <= 8, fp4_kernels.form_for: impl {fmt}_{form}_gemv and
+                        {fmt}_{form}_gate_up; the summary's batch-1 step per form, per byte
+                        against int4; half2 is the default for fp16 x)
     python load_tests/bench_quant_linear.py --kquant --out F.json [--rows 1,8]
                         (GGUF Q4_K / Q6_K blocks read natively vs the widened path vs fp16:
                         load_tests/bench_kquant.py)
@@ -142,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the one-row-a-warp FP4 GEMV (fp4_kernels.fp4_gemv_v1_kernel) at rows <= 8",
     )
     ap.add_argument(
+        "--fp4-forms",
+        default="",
+        help="comma-separated FP4 GEMV dot-product forms (half2, table) to also time forced at "
+        "rows <= 8 next to the default one",
+    )
+    ap.add_argument(
         "--tiles",
         action="store_true",
         help="sweep GEMV (R, U) and (R, U, KS) tiles at 1 and 2 rows",
@@ -171,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [f for f in forms if f not in ("half2", "factored", "weight")]
     if bad:
         raise SystemExit(f"unknown --forms {bad}: half2, factored, weight")
+    fp4_forms = [f for f in args.fp4_forms.split(",") if f]
+    bad = [f for f in fp4_forms if f not in FP4_FORMS]
+    if bad:
+        raise SystemExit(f"unknown --fp4-forms {bad}: {', '.join(FP4_FORMS)}")
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS and f not in FP4_FORMATS]
     if bad:
@@ -363,14 +377,16 @@ def main(argv: list[str] | None = None) -> None:
                                 **base, impl=f"{name}_gate_up_silu", time_us=t * 1e6, of_floor=None
                             )
                     for name, ws in fws.items():
-                        time_fp4(record, base, name, ws, x, ops, bw, args.tiles, args.fp4_v1)
+                        time_fp4(
+                            record, base, name, ws, x, ops, bw, args.tiles, args.fp4_v1, fp4_forms
+                        )
                 del w16, qws, fws
                 torch.cuda.empty_cache()
 
     except Exception as e:  # a kernel fault poisons the CUDA context: keep what was measured
         error = f"{type(e).__name__}: {e}"
         print("FAILED:", error, flush=True)
-    summary = {} if error else summarise(results, rows_list, bw, gen, ops, forms)
+    summary = {} if error else summarise(results, rows_list, bw, gen, ops, forms, fp4_forms)
     write_json(
         args.out,
         dict(
@@ -386,10 +402,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-def time_fp4(record, base: dict, name: str, ws: list, x, ops, bw: float, tiles: bool, v1: bool):
+def time_fp4(
+    record, base: dict, name: str, ws: list, x, ops, bw: float, tiles: bool, v1: bool, forms=()
+):
     """One FP4 format at one (op, rows) point: fp4_linear's path (auto: the GEMV up to 8 rows,
     dequantize + cuBLAS above), gate_up with SiLU at decode rows, and with `tiles` the tile
-    sweep at 1 and 2 rows (TILES, GATE_UP_TILES), with `v1` the one-row-a-warp GEMV."""
+    sweep at 1 and 2 rows (TILES, GATE_UP_TILES), with `v1` the one-row-a-warp GEMV, and each
+    GEMV dot-product form of `forms` forced (plain and gate_up)."""
     from voltserve.kernels.linear.fp4_kernels import V1
     from voltserve.kernels.linear.fp4_linear import fp4_gate_up_silu, fp4_gemv_cuda, fp4_linear
 
@@ -406,6 +425,10 @@ def time_fp4(record, base: dict, name: str, ws: list, x, ops, bw: float, tiles: 
         return
     if op == "gate_up":
         point(f"{name}_gemv_gate_up", lambda w: fp4_gate_up_silu(x, w, None, ops))
+    for form in forms:
+        point(f"{name}_{form}_gemv", lambda w: fp4_gemv_cuda(x, w, form=form))
+        if op == "gate_up":
+            point(f"{name}_{form}_gate_up", lambda w: fp4_gemv_cuda(x, w, gate_up=True, form=form))
     if v1:
         point(f"{name}_v1_gemv", lambda w: fp4_gemv_cuda(x, w, tile=V1))
         if op == "gate_up":
@@ -432,7 +455,7 @@ def best(results, model, op, rows, prefix) -> float | None:
     return min(ts) if ts else None
 
 
-def summarise(results, rows_list, bw, gen, ops, forms=()) -> dict:
+def summarise(results, rows_list, bw, gen, ops, forms=(), fp4_forms=()) -> dict:
     """Llama-3-8B: one decoder step's linears (32 layers + the fp16 lm_head of the step's rows,
     sampled rows only at decode: rows <= 256) per row count, fp16 (best of cuBLAS / GEMV) and
     int4 (quant_linear's choice), and the batch-1 tokens/s ratio of the linears alone."""
@@ -495,18 +518,28 @@ def summarise(results, rows_list, bw, gen, ops, forms=()) -> dict:
                 out[f"batch1_{form}_linears_us"] = f_step
                 out[f"batch1_{form}_of_floor"] = floor / f_step
     for fmt in FP4_FORMATS:
-        step = fp4_batch1(results, fmt, out, bw)
+        step = fp4_batch1(results, fmt, out, bw, fp4_forms)
         if step:
             out[f"batch1_{fmt}"] = step
     print("summary:", out, flush=True)
     return out
 
 
-# The batch-1 step's linears by path: (op, impl prefix) of the default path and of the
-# one-row-a-warp kernel; gate_up fused with SiLU in both, as the model runs it.
+FP4_FORMS = ("half2", "table")  # fp4_kernels.FORMS
+# The batch-1 step's linears by path: (op, impl prefix) of the default path, of the
+# one-row-a-warp kernel and of each forced GEMV form (--fp4-forms); gate_up fused with SiLU in
+# all, as the model runs it.
 FP4_STEP = {
     "default": (("qkv", "auto"), ("o", "auto"), ("gate_up", "gemv_gate_up"), ("down", "auto")),
     "v1": (("qkv", "v1_gemv"), ("o", "v1_gemv"), ("gate_up", "v1_gate_up"), ("down", "v1_gemv")),
+} | {
+    form: (
+        ("qkv", f"{form}_gemv"),
+        ("o", f"{form}_gemv"),
+        ("gate_up", f"{form}_gate_up"),
+        ("down", f"{form}_gemv"),
+    )
+    for form in FP4_FORMS
 }
 
 
@@ -525,26 +558,30 @@ def batch1_floor_us(results, op: str, fmt: str) -> float | None:
     )
 
 
-def fp4_batch1(results, fmt: str, summary: dict, bw: float) -> dict:
+def fp4_batch1(results, fmt: str, summary: dict, bw: float, forms=()) -> dict:
     """An FP4 format's Llama-3-8B batch-1 step (32 layers of its linears + the fp16 lm_head)
-    against its floor (the FP4 bytes read + the lm_head's), per path (FP4_STEP), with each
-    linear's fraction of its floor beside int4 g128's (per byte: both against their own
-    bytes); {} when the format was not timed at one row."""
+    against its floor (the FP4 bytes read + the lm_head's), per path (FP4_STEP: those timed),
+    each path's fraction of floor over int4 g128's (per_byte_vs_int4: both against their own
+    bytes), and each linear's fraction of its floor beside int4's, for the default path and
+    each of `forms`; {} when the format was not timed at one row."""
     floors = {op: batch1_floor_us(results, op, fmt) for op, _ in FP4_STEP["default"]}
     head = summary["lm_head_us"].get(1)
     if None in floors.values() or head is None:
         return {}
     floor = LLAMA_LAYERS * sum(floors.values()) + LLAMA_VOCAB * 4096 * 2 / bw * 1e6
     step: dict = {"floor_us": floor}
+    int4_of_floor = summary.get("batch1_int4_of_floor")
     for path, impls in FP4_STEP.items():
         ts = [best(results, "llama", op, 1, f"{fmt}_{impl}") for op, impl in impls]
         if all(t is not None for t in ts):
             us = LLAMA_LAYERS * sum(ts) + head
             step[path] = dict(linears_us=us, of_floor=floor / us)
-    if "default" in step and summary.get("batch1_int4_of_floor"):
-        step["per_byte_vs_int4"] = step["default"]["of_floor"] / summary["batch1_int4_of_floor"]
+            if int4_of_floor:
+                step[path]["per_byte_vs_int4"] = floor / us / int4_of_floor
+    if "default" in step and int4_of_floor:
+        step["per_byte_vs_int4"] = step["default"]["per_byte_vs_int4"]
     step["per_linear"] = {}
-    for op, impl in FP4_STEP["default"]:
+    for i, (op, impl) in enumerate(FP4_STEP["default"]):
         t = best(results, "llama", op, 1, f"{fmt}_{impl}")
         int4 = "int4_g128_gemv_gate_up" if op == "gate_up" else "int4_g128_auto"
         q, q_floor = best(results, "llama", op, 1, int4), batch1_floor_us(results, op, "int4_g128")
@@ -553,6 +590,9 @@ def fp4_batch1(results, fmt: str, summary: dict, bw: float) -> dict:
             of_floor=floors[op] / t if t else None,
             int4_of_floor=q_floor / q if q and q_floor else None,
         )
+        for form in forms:
+            tf = best(results, "llama", op, 1, f"{fmt}_{FP4_STEP[form][i][1]}")
+            step["per_linear"][op][f"{form}_of_floor"] = floors[op] / tf if tf else None
     return step
 
 
