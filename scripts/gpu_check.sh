@@ -520,10 +520,11 @@ PYEOF
       # in a call of its own): the verify-step cost curve for k = 1..4 and forced acceptance (the
       # oracle, p = 0.1 / 0.3 at k = 2 and 4) against the ideal, with the state rollback of the
       # GDN layers; the model's own MTP layer (random, added to the folder once) at k =
-      # HYBRID_MTP_K; speculation off in the same run. Not yet timed.
+      # HYBRID_MTP_K; speculation off in the same run. HYBRID_SPEC_ARGS replaces the cost-curve
+      # and oracle arguments (e.g. "--cost-ks 3 --oracle-ks 3 --corrupt 0.1": three engines).
       hybrid_folders || continue
       for ctx in ${HYBRID_SPEC_CONTEXTS:-4096}; do
-        run "spec_${HT}_awq_$ctx" $PY load_tests/bench_spec.py --preset "$HP" --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 --cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3 --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_$HP-l${HL}_awq_$ctx.json"
+        run "spec_${HT}_awq_$ctx" $PY load_tests/bench_spec.py --preset "$HP" --layers "$HL" --model-dir "$HD-awq" --prompt-len "$ctx" --output-len 128 ${HYBRID_SPEC_ARGS:---cost-ks 1,2,3,4 --oracle-ks 2,4 --corrupt 0.1,0.3} --batch-sizes 1 --ngram-k 0 --draft-preset none --eagle-k 0 --mtp-k "${HYBRID_MTP_K:-3}" --out "$OUT/spec_$HP-l${HL}_awq_$ctx.json"
       done
       ;;
     hybrid-long-context)
