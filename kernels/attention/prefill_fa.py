@@ -21,11 +21,11 @@ Layout (per thread block: one sequence, one KV head, 64 rows in 4 row tiles of 1
   * head dims 64 and 128: 4 warps, one a row tile; its Q rows are loaded once as D/16 wmma A
     fragments (registers), and it accumulates O[16, D];
   * head dim 256: 8 warps, two a row tile, each owning half of the head dim: its 8 Q fragments
-    and 8 O accumulators (the register budget of 128). Each computes a partial S over its half
-    of the dims (Q[:, half] K[:, half]^T) into its own scratch; the pair meets at a named
-    barrier (`bar.sync 1 + tile, 64`), and both warps add the two partials in the same order,
-    so both hold bitwise the same S and run the same softmax (the same m, l, P and the same
-    rescale and skip decisions, so the pair reaches its barriers together); each then
+    and 8 O accumulators (a head-dim-128 warp's 64 + 64 registers). Each computes a partial S
+    over its half of the dims (Q[:, half] K[:, half]^T) into its own scratch; the pair meets at
+    a named barrier (`bar.sync 1 + tile, 64`), and both warps add the two partials in the same
+    order, so both hold bitwise the same S and run the same softmax (the same m, l, P and the
+    same rescale and skip decisions, so the pair reaches its barriers together); each then
     accumulates O over its half of V's columns. Why this split: one warp with all 256 columns
     needs 128 + 128 registers of Q and O before any score (ptxas's limit is 255); re-reading Q
     from shared memory each tile needs its 33 KB there beside the K/V tiles (over 48 KB);
@@ -61,16 +61,18 @@ bytes; 64: 18,432 + 9,216 = 27,648; 256: 4 x 16 x 264 x 2 = 33,792 + 8 x 16 x 28
 48,128 bytes (1 KB under the limit; a scratch row holds S in 64 bytes, P in 32 and 16 of padding,
 and the alpha tile overlays S). Q is staged through the second K/V buffer pair before the loop
 (at 256 through all four, 64 x 264 f16 = 33,792 bytes, with tile 0 held in registers until
-every warp has its Q fragments). Rows are padded (D + 8 f16; 36 or 28 f32) so wmma loads and the
-row reads fall in distinct banks.
+every warp has its Q fragments). Rows are padded (D + 8 f16, 36 f32) so wmma loads and the row
+reads fall in distinct banks; at 256 the scratch rows are 28 f32, the most the 48 KB leaves
+(the score reads meet 2-way bank conflicts there).
 
 Registers (ptxas, sm_70, the function inlined into a kernel with its launch bounds as numba's
 link-time optimisation does; tests/kernels/test_prefill_fa_compile.py): 242 at head dim 128
 (qf 64 + O 64 + S, P, K/V staging), 2 blocks of 128 threads per SM; 161 at 64, 3 blocks; 226 at
 256 (qf 64 + O 64 as at 128, with half the S, scores and staging), 1 block of 256 threads per SM
 (two would need 128 registers a thread; shared memory would allow two), so 8 warps an SM as at
-128. No spills. numba-cuda links with LTO whenever nvJitLink is present, and the kernel here
-asks for it (lto=True). `voltserve check-kernels` links the PTX without LTO, where each C
+128. No spills. ptxas reports 16 barriers at 256 (a named barrier's id is a register there),
+moot at one block an SM. numba-cuda links with LTO whenever nvJitLink is present, and the kernel
+here asks for it (lto=True). `voltserve check-kernels` links the PTX without LTO, where each C
 function is a real ABI call: its callee-saved registers are saved to the stack on entry (once
 per block) and show there as "spill" (156, 492 and 416 bytes for the 64, 128 and 256 entry
 points, summed over the module in its report); that build is what the check compiles, not what
