@@ -35,8 +35,8 @@ OPS = (
         ("attention.qk_norm_rope",),
         env="VOLTSERVE_QK_NORM_ROPE",
     ),
-    # prefill_fa.paged_attention_cuda: the flash kernel where it covers the shape (head dims 64
-    # and 128), the CUDA-core kernel of prefill.py otherwise. The attention kernels are written
+    # prefill_fa.paged_attention_cuda: the flash kernel where it covers the shape (head dims 64,
+    # 128 and 256), the CUDA-core kernel of prefill.py otherwise. The attention kernels are written
     # for 16-token KV blocks.
     Op(
         "paged_attention",
@@ -202,9 +202,9 @@ KERNELS += tuple(
 )
 
 # prefill_fa.py: the flash prefill (the whole key loop in linked prefill_fa.cu, what the engine
-# runs for head dims 64 and 128), one kernel per head dim. Arguments: flat out, flat q, flat k/v
-# caches, block_tables, seq_lens, query_start_loc, scale, num_kv_heads, group (query heads per
-# KV head). check-kernels links without LTO, so the C function is an ABI call there (see the
+# runs for head dims 64, 128 and 256), one kernel per head dim. Arguments: flat out, flat q,
+# flat k/v caches, block_tables, seq_lens, query_start_loc, scale, num_kv_heads, group (query
+# heads per KV head). check-kernels links without LTO, so the C function is an ABI call there (see the
 # module).
 _PREFILL_FA_SIG = (
     "void(float16[::1], float16[::1], float16[::1], float16[::1], int32[:, ::1], int32[::1],"
@@ -212,5 +212,5 @@ _PREFILL_FA_SIG = (
 )
 KERNELS += tuple(
     KernelSpec("attention.prefill_fa", name, (_PREFILL_FA_SIG,))
-    for name in ("prefill_fa_kernel_d128", "prefill_fa_kernel_d64")
+    for name in ("prefill_fa_kernel_d128", "prefill_fa_kernel_d64", "prefill_fa_kernel_d256")
 )

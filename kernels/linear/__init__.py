@@ -187,9 +187,10 @@ KERNELS += (
 )
 
 # fp4_kernels.py: FP4 (E2M1) weights with E4M3 / E8M0 block scales, decoded in software. The
-# tiled GEMV (fp4_gemv_kernel(M, gate_up, group, e8m0, tile)); representative instances: NVFP4
-# at 1 (split-K over two warps, both dtypes) and 8 rows (two rows a warp, two chunks a lane),
-# MXFP4 at one row, gate_up at one row. Arguments: x [M, K], codes as int32 words
+# tiled GEMV (fp4_gemv_kernel(M, gate_up, group, e8m0, tile, form)); representative instances:
+# NVFP4 at 1 row in the table form (split-K over two warps, both dtypes), and in the half2 form
+# (fp16 x, the default there) NVFP4 at 8 rows (two rows a warp, two chunks a lane), MXFP4 at
+# one row, gate_up at one row. Arguments: x [M, K], codes as int32 words
 # [N, K / 8], scale bytes uint8 [N, K / g], global scales fp32 [N], bias [N] (unused without
 # has_bias), out [M, N] (gate_up: the merged weight [2I, K] and out [M, I]), has_bias. The
 # dequantize kernel: code words, scale bytes, global scales, out [N, K], group_shift, e8m0
