@@ -14,7 +14,7 @@ Why one C++ function runs the whole key loop: calling a small C function once pe
 leaves the output accumulator a per-thread array in local memory (read and written every tile:
 512 bytes a lane at head dim 128) and costs four block barriers a tile. Here the accumulators,
 the warp's query fragments and the softmax state never leave registers. Figures against SDPA:
-BENCHMARKS.md §5.
+BENCHMARKS.md §5 (head dims 64 and 128) and §19 (256).
 
 Layout (per thread block: one sequence, one KV head, 64 rows in 4 row tiles of 16, a row being a
 (query token, query head of that KV head) pair, so each K/V tile is read once for the group):
