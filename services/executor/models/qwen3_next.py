@@ -425,17 +425,29 @@ class GatedDeltaNet(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The conv and the gated delta rule over the step's rows: o [T, Hv, Dv]."""
-        conv_pool, state_pool = state
         slots = meta.state_slots
-        w = self.conv1d.weight.view(self.conv_dim, -1)
         if meta.is_decode:
-            mixed = ops.causal_conv1d_decode(mixed, w, conv_pool, slots)
-            q, k, v = self._qkv(mixed)
-            return ops.gated_delta_rule_decode(
-                q, k, v, a, b, self.A_log, self.dt_bias, state_pool, slots
-            )
+            return self._decode(ops, mixed, b, a, state, slots)
         cu, has_initial = _varlen(meta)
         return self._mix_varlen(ops, mixed, b, a, state, cu, slots, has_initial)
+
+    def _decode(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decode ops over rows of one position each (slot -1: skipped): o [R, Hv, Dv]."""
+        conv_pool, state_pool = state
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        mixed = ops.causal_conv1d_decode(mixed, w, conv_pool, slots)
+        q, k, v = self._qkv(mixed)
+        return ops.gated_delta_rule_decode(
+            q, k, v, a, b, self.A_log, self.dt_bias, state_pool, slots
+        )
 
     def _mix_varlen(
         self,
@@ -486,21 +498,9 @@ class GatedDeltaNet(nn.Module):
                 meta.state_slots[idx],
                 meta.seq_lens[idx].long() > ix.other_lens,
             )
-        w = self.conv1d.weight.view(self.conv_dim, -1)
         for i, (rows, sel_t, slots) in enumerate(ix.rows):
-            m = ops.causal_conv1d_decode(mixed[rows].contiguous(), w, conv_pool, slots)
-            q, k, v = self._qkv(m)
-            o[rows] = ops.gated_delta_rule_decode(
-                q,
-                k,
-                v,
-                a[rows].contiguous(),
-                b[rows].contiguous(),
-                self.A_log,
-                self.dt_bias,
-                state_pool,
-                slots,
-            )
+            x_i, b_i, a_i = (t[rows].contiguous() for t in (mixed, b, a))
+            o[rows] = self._decode(ops, x_i, b_i, a_i, state, slots)
             snap_conv[i, sel_t] = conv_pool[slots]
             snap_rec[i, sel_t] = state_pool[slots]
         return o
@@ -522,26 +522,11 @@ class GatedDeltaNet(nn.Module):
         conv_pool, state_pool = state
         snap_conv, snap_rec = snap
         q, B = lay.row_slots.shape
-        w = self.conv1d.weight.view(self.conv_dim, -1)
         x3, b3, a3 = (t.view(B, q, -1) for t in (mixed, b, a))
         outs = []
         for j in range(q):
-            slots = lay.row_slots[j]
-            m = ops.causal_conv1d_decode(x3[:, j].contiguous(), w, conv_pool, slots)
-            qj, kj, vj = self._qkv(m)
-            outs.append(
-                ops.gated_delta_rule_decode(
-                    qj,
-                    kj,
-                    vj,
-                    a3[:, j].contiguous(),
-                    b3[:, j].contiguous(),
-                    self.A_log,
-                    self.dt_bias,
-                    state_pool,
-                    slots,
-                )
-            )
+            x_j, b_j, a_j = (t[:, j].contiguous() for t in (x3, b3, a3))
+            outs.append(self._decode(ops, x_j, b_j, a_j, state, lay.row_slots[j]))
             if j < q - 1:
                 torch.index_select(conv_pool, 0, lay.seq_slots, out=snap_conv[j, :B])
                 torch.index_select(state_pool, 0, lay.seq_slots, out=snap_rec[j, :B])
