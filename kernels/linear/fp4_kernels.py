@@ -183,7 +183,6 @@ V1 = "v1"  # fp4_linear.fp4_gemv_cuda's tile for fp4_gemv_v1_kernel
 # fp32 FMAs, or fp16 pairs (fp16 x only).
 TABLE, HALF2 = "table", "half2"
 FORMS = (TABLE, HALF2)
-HALF2_MAX_M = MAX_M  # fp16 x takes the half2 form at every row count
 Tile = tuple[int, int] | tuple[int, int, int] | None  # (R, U) or (R, U, KS); None: the default
 
 
@@ -389,16 +388,15 @@ def tiling(m: int, gate_up: bool = False, tile: Tile = None) -> tuple[int, int, 
 
 def form_for(m: int, dtype: torch.dtype, force: str | None = None) -> str:
     """The dot-product form of the launch for m rows of x in `dtype` (the one place the choice
-    is made): TABLE for fp32 x (HALF2 reads x as fp16 pairs), HALF2 for fp16 x at m <=
-    HALF2_MAX_M. force: a form for benchmarks and tests (fp32 x stays TABLE)."""
-    v = variant_for(m)
+    is made): TABLE for fp32 x (HALF2 reads x as fp16 pairs), HALF2 for fp16 x at every m the
+    GEMV takes (1..MAX_M; others are refused). force: a form for benchmarks and tests (fp32 x
+    stays TABLE)."""
+    variant_for(m)
     if force is not None and force not in FORMS:
         raise ValueError(f"unknown FP4 dot-product form {force!r} (one of {FORMS})")
     if dtype != torch.float16:
         return TABLE
-    if force is not None:
-        return force
-    return HALF2 if v <= HALF2_MAX_M else TABLE
+    return force or HALF2
 
 
 def grid_for(m: int, cols: int, gate_up: bool = False, tile: Tile = None) -> int:

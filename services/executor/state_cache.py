@@ -75,7 +75,7 @@ class StateCache:
         # Layers of one spec share one tensor per kind, [layers, rows, ...]: restoring the
         # snapshot rows into request slots (`restore`) is then one copy per kind for all of
         # them, not one per layer (a verify step of a 64-layer model would launch hundreds).
-        self._stacks: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        self._stacks: list[tuple[torch.Tensor, torch.Tensor]] = []
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for spec in dict.fromkeys(self.specs):
             idx = [i for i, s in enumerate(self.specs) if s == spec]
@@ -83,7 +83,7 @@ class StateCache:
             rec = torch.zeros(
                 (len(idx), rows, *spec.recurrent_shape), dtype=torch.float32, device=device
             )
-            self._stacks.append((idx, conv, rec))
+            self._stacks.append((conv, rec))
             for n, i in enumerate(idx):
                 views[i] = (conv[n], rec[n])
         self._pools = [views[i] for i in range(len(self.specs))]
@@ -106,11 +106,9 @@ class StateCache:
         `slots` (queued on the current stream)."""
         if not slots:
             return
-        dev = self._stacks[0][1].device
-        dst = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
-        src = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        for _, conv, rec in self._stacks:
-            for t in (conv, rec):
+        dst, src = torch.tensor([slots, rows], dtype=torch.int64).to(self._stacks[0][0].device)
+        for stack in self._stacks:
+            for t in stack:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
     @staticmethod

@@ -183,7 +183,8 @@ class VerifyStates:
         q: int,
     ) -> VerifyStates:
         """A verify graph's step (spec/graphs.py): sequence b is group b, its rows from b * q;
-        the graph wrote its snapshots into the state cache's area, group b at request b."""
+        the graph wrote its snapshots into the state cache's area, group b at request b (what
+        `commit` reads: no views of it here, the graph's layers had theirs)."""
         B = len(requests)
         return cls(
             list(range(B)),
@@ -193,7 +194,6 @@ class VerifyStates:
             [r.state_slot for r in requests],
             list(starts),
             [b * q for b in range(B + 1)],
-            list(cache.snapshots),
         )
 
     def commit(self, cache: StateCache) -> None:
@@ -216,7 +216,6 @@ class VerifyLayout:
     """A verify graph's rows as a linear-attention layer walks them (spec/graphs.py): B
     sequences of q rows, row b * q + j at the sequence's position start + j."""
 
-    q: int
     # [q, B] int64: row (b, j)'s state slot; -1 (the decode ops skip it) past the sequence's
     # 1 + m rows and for padding sequences, so those rows never advance a request's state
     row_slots: torch.Tensor

@@ -184,7 +184,6 @@ class VerifyGraphRunner(GraphSet):
         if self.state_cache is not None:
             meta.state_slots = d["state"][:R]
             meta.verify_layout = VerifyLayout(
-                self.q,
                 d["state"][:R].view(bs, self.q).t().contiguous(),
                 d["seq_state"][:bs],
                 self.state_cache.snapshots,
