@@ -552,32 +552,16 @@ __device__ __forceinline__ void fa_prefill(f16_t* out, const f16_t* q, const f16
 
 // Entry points (one per head dim). smem: the numba kernel's shared array of
 // vsfa::Shape<D>::SMEM_BYTES bytes, 128-byte aligned (prefill_fa.smem_bytes).
-extern "C" __device__ int vs_fa_prefill_d64(f16_t* out, const f16_t* q, const f16_t* k_cache,
-                                             const f16_t* v_cache, const int* block_tables,
-                                             int bt_stride, const int* seq_lens, const int* qsl,
-                                             float scale, int num_kv_heads, int group,
-                                             float* smem) {
-  vsfa::fa_prefill<64>(out, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, qsl, scale,
-                       num_kv_heads, group, smem);
-  return 0;
-}
+#define VSFA_ENTRY(D)                                                                          \
+  extern "C" __device__ int vs_fa_prefill_d##D(                                                \
+      f16_t* out, const f16_t* q, const f16_t* k_cache, const f16_t* v_cache,                  \
+      const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, float scale, \
+      int num_kv_heads, int group, float* smem) {                                              \
+    vsfa::fa_prefill<D>(out, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, qsl,     \
+                        scale, num_kv_heads, group, smem);                                     \
+    return 0;                                                                                  \
+  }
 
-extern "C" __device__ int vs_fa_prefill_d128(f16_t* out, const f16_t* q, const f16_t* k_cache,
-                                              const f16_t* v_cache, const int* block_tables,
-                                              int bt_stride, const int* seq_lens, const int* qsl,
-                                              float scale, int num_kv_heads, int group,
-                                              float* smem) {
-  vsfa::fa_prefill<128>(out, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, qsl, scale,
-                        num_kv_heads, group, smem);
-  return 0;
-}
-
-extern "C" __device__ int vs_fa_prefill_d256(f16_t* out, const f16_t* q, const f16_t* k_cache,
-                                              const f16_t* v_cache, const int* block_tables,
-                                              int bt_stride, const int* seq_lens, const int* qsl,
-                                              float scale, int num_kv_heads, int group,
-                                              float* smem) {
-  vsfa::fa_prefill<256>(out, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, qsl, scale,
-                        num_kv_heads, group, smem);
-  return 0;
-}
+VSFA_ENTRY(64)
+VSFA_ENTRY(128)
+VSFA_ENTRY(256)
