@@ -17,10 +17,15 @@ def codes(x: torch.Tensor, fmt: str, scale: float = 1.0) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+def from_codes(c: torch.Tensor, fmt: str, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The values of uint8 codes c (codes' inverse), in dtype."""
+    if fmt == "fp8_e5m2":
+        return c.view(torch.float8_e5m2).to(dtype)
+    return (c.view(torch.float8_e4m3fn).float() * scale).to(dtype)
+
+
 def rounded(x: torch.Tensor, kv_dtype: str, scale: float = 1.0) -> torch.Tensor:
     """x as the cache gives it back, in x's dtype."""
     if kv_dtype == "fp16":
         return x.to(torch.float16).to(x.dtype)
-    if kv_dtype == "fp8_e5m2":
-        return codes(x, kv_dtype).view(torch.float8_e5m2).to(x.dtype)
-    return (codes(x, kv_dtype, scale).view(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    return from_codes(codes(x, kv_dtype, scale), kv_dtype, scale, x.dtype)
