@@ -358,7 +358,7 @@ def add_broker_flags(p: argparse.ArgumentParser, embedded: bool = False) -> None
         )
     p.add_argument(
         "--redis-outage-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_OUTAGE_TIMEOUT_S,
         help="seconds a service waits for an unreachable message broker before it exits "
         f"(default {DEFAULT_OUTAGE_TIMEOUT_S:.0f})",
@@ -370,7 +370,7 @@ def broker_argv(args: argparse.Namespace) -> list[str]:
     return ["--redis-outage-timeout", f"{args.redis_outage_timeout:g}"]
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         v = float(text)
     except ValueError:

@@ -4,7 +4,6 @@ missing or wrong."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +12,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from voltserve.services.executor.architectures import (
+    SUPPORTED_ARCHITECTURES,
+    ModelLoadError,
+    read_hf_config,
+    read_json,
+    supported_architecture,
+)
 from voltserve.services.executor.models.layers import Linear
 from voltserve.services.executor.models.llama import LlamaForCausalLM, ModelArch
 from voltserve.services.executor.models.qwen3_next import (
@@ -26,35 +32,6 @@ from voltserve.services.executor.quant.detect import quant_config
 from voltserve.shared.gguf_files import GGUFError, is_gguf
 
 logger = logging.getLogger(__name__)
-
-# Architectures (config.json "architectures") -> the flags that distinguish them.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    # Mixture of experts (models/moe.py): the Qwen3 / Qwen2 attention plus a sparse MoE block.
-    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "qwen"},
-    "Qwen2MoeForCausalLM": {"qkv_bias": True, "moe": "qwen"},
-    "MixtralForCausalLM": {"moe": "mixtral"},
-    # Hybrid linear attention (models/qwen3_next.py): Gated DeltaNet layers with a gated full
-    # attention every few layers. The vision-language classes (`vl`) keep the text model's
-    # config in text_config and its weights under model.language_model.; their text part is
-    # served (image inputs are refused by the gateway).
-    "Qwen3NextForCausalLM": {"qk_norm": True, "hybrid": "fused", "moe": "qwen"},
-    "Qwen3_5ForCausalLM": {"qk_norm": True, "hybrid": "split"},
-    "Qwen3_5ForConditionalGeneration": {"qk_norm": True, "hybrid": "split", "vl": True},
-    # Qwen3.5-MoE: every layer sparse, top-k always renormalised, a shared expert; no dense
-    # intermediate_size.
-    "Qwen3_5MoeForCausalLM": {"qk_norm": True, "hybrid": "split", "moe": "qwen", "all_moe": True},
-    "Qwen3_5MoeForConditionalGeneration": {
-        "qk_norm": True,
-        "hybrid": "split",
-        "moe": "qwen",
-        "all_moe": True,
-        "vl": True,
-    },
-}
 
 # Families whose MoE block has a shared expert behind a sigmoid gate (its size is required).
 _SHARED_EXPERT = (
@@ -76,33 +53,6 @@ _DTYPES = {
 }
 
 
-class ModelLoadError(ValueError):
-    """The model folder is unusable; the message says what is missing or wrong."""
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
-
-
-def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    d = Path(model_dir)
-    if d.is_file():
-        kind = "a GGUF file" if d.suffix.lower() == ".gguf" else "a file"
-        raise ModelLoadError(
-            f"{d} is {kind}, not a model folder: this loader reads a Hugging Face folder "
-            "(config.json, *.safetensors, tokenizer files)"
-        )
-    if not d.is_dir():
-        raise ModelLoadError(f"model folder {d} does not exist")
-    cfg = d / "config.json"
-    if not cfg.is_file():
-        raise ModelLoadError(f"model folder {d} has no config.json")
-    return read_json(cfg)
-
-
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config's text model config (its own keys over the top level's,
     architectures and tie_word_embeddings from the top level); a text model's config as is."""
@@ -120,13 +70,7 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_arch(hf: dict[str, Any]) -> ModelArch:
-    archs = hf.get("architectures") or []
-    name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if name is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs or '(config.json has no architectures)'}; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    name = supported_architecture(hf)
     if SUPPORTED_ARCHITECTURES[name].get("vl"):
         if not isinstance(hf.get("text_config"), dict):
             raise ModelLoadError(f"config.json lacks text_config (needed for {name})")

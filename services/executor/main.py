@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 
+from voltserve.services.executor.architectures import check_model_folder
 from voltserve.services.executor.engine_args import add_engine_flags, engine_config
 from voltserve.shared import broker, startup
 from voltserve.shared.logging import add_log_level_flag, setup_logging
@@ -70,13 +71,14 @@ def main(argv: list[str]) -> None:
     setup_logging(f"executor:{args.executor_id}", args.log_level, args.log_json)
     # `kill -USR1 <pid>` prints every thread's stack: the way to see what a stuck engine does.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # Imported here so `--help` does not pay for torch.
-    from voltserve.services.executor.engine import LLMEngine
-    from voltserve.services.executor.service import ExecutorService
-
     # A failure that a restart cannot fix (the model, a flag, the memory) exits with
     # startup.FATAL_EXIT_CODE and its reason, so the launcher stops instead of retrying.
     with startup.fatal_errors(f"executor {args.executor_id}"):
+        check_model_folder(args.model)
+        # Imported here so `--help` and a refused folder do not pay for torch.
+        from voltserve.services.executor.engine import LLMEngine
+        from voltserve.services.executor.service import ExecutorService
+
         engine = LLMEngine(engine_config(args))
     svc = ExecutorService(engine, service_config(args))
 

@@ -214,7 +214,9 @@ async def _background(app: web.Application) -> Any:
     tasks = [
         asyncio.create_task(gw.dispatcher.run(stop)),
         asyncio.create_task(_heartbeat(gw, stop)),
-        asyncio.create_task(LostRequestWatch(gw.redis, gw.dispatcher).run(stop)),
+        asyncio.create_task(
+            LostRequestWatch(gw.redis, gw.dispatcher, gw.lost_request_timeout_s).run(stop)
+        ),
     ]
     yield
     stop.set()

@@ -17,6 +17,7 @@ from voltserve.services.gateway.body_limits import (
     add_request_flags,
     default_max_request_bytes,
 )
+from voltserve.services.gateway.broker_outage import LOST_AFTER_S
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.gateway.reasoning_parsers import REASONING_PARSERS
@@ -48,6 +49,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_tool_flags(p)
     add_web_ui_flag(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument(
+        "--lost-request-timeout",
+        type=broker.positive_seconds,
+        default=LOST_AFTER_S,
+        help="seconds a request in flight across a broker restart may go without output and "
+        f"untracked by the scheduler before it ends with a 503 (default {LOST_AFTER_S:.0f})",
+    )
     add_log_level_flag(p)
     return p.parse_args(argv)
 
@@ -114,6 +122,7 @@ def build_state(args: argparse.Namespace) -> GatewayState:
         dispatcher=OutputDispatcher(redis, gateway_id),
         tooling=tooling,
         limits=PublishedLimits(redis),
+        lost_request_timeout_s=args.lost_request_timeout,
     )
 
 

@@ -7,6 +7,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from voltserve.services.gateway.broker_outage import LOST_AFTER_S
 from voltserve.services.gateway.dispatcher import OutputDispatcher
 from voltserve.services.gateway.metrics import GatewayMetrics
 from voltserve.services.renderer.render import Renderer
@@ -35,6 +36,8 @@ class GatewayState:
     # The executors' published limits (shared/model_limits.py), followed into renderer.limits
     # by refresh_limits. None: the renderer's limits are used as they are (tests set them).
     limits: PublishedLimits | None = None
+    # --lost-request-timeout (broker_outage.LostRequestWatch).
+    lost_request_timeout_s: float = LOST_AFTER_S
 
     def __post_init__(self) -> None:
         if self.appender is None:

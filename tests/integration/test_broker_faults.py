@@ -317,7 +317,8 @@ def test_external_broker_stopped_for_5_s(tiny_model, tmp_path, rng):
         s.add_scheduler()
         s.add_renderer()
         s.add_executor()
-        s.add_gateway()
+        # The request lost with the broker below ends after 4 s without output, not 10.
+        s.add_gateway("gateway-0", "--lost-request-timeout", "4")
         s.wait_ready()
         base = s.base_url()
         ps = prompts(rng, 8)
