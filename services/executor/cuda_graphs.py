@@ -11,14 +11,16 @@ B..padded-1 with token 0, position 0, slot -1 (no KV write; the torch fallback w
 block), seq_len 1, an all-zero block table row (a real, readable block) and, for a model with
 linear-attention state, state slot -1 (the conv and recurrent decode kernels leave no state for
 it), so padded rows compute finite garbage that nobody reads. Block tables are captured at the full width
-(max_model_len / block_size), so any sequence up to max_model_len replays correctly.
+(max_model_len / block_size), so any sequence up to max_model_len replays correctly; a step
+moves only the columns its rows read (and those an earlier step left nonzero, which it zeroes).
 
 The static buffers are typed views of ONE device byte buffer, laid out
 [input_ids i64 | positions i64 | slot_mapping i64 | state_slots i64 | seq_lens i32 |
 block_tables i32 row-major] (state_slots only for a model with linear-attention state),
 with a pinned host twin of the same layout. The runner's decode path (`stage` + `replay_staged`)
 writes a step straight into the host twin and moves it with one host-to-device copy of the bytes
-the padded batch reads: no per-field copies, no dtype conversions, no fills on the device.
+the padded batch reads before the tables and one 2-D copy of the table columns in use: no
+per-field copies, no dtype conversions, no fills on the device.
 The buffers, the capture and the padding are graph_set.py's, shared with speculation's graphs.
 
 Sampling stays outside the graph: the graph ends with the logits of every row (in the model's
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from voltserve.kernels.sampling.sampling import chunked_argmax
 from voltserve.services.executor.graph_set import GraphSet, Staging
@@ -110,6 +113,12 @@ class CudaGraphRunner(GraphSet):
         self.seq_lens, self.block_tables = d["seq_lens"], d["tables"]
         self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
         self.host_seq_lens, self.host_tables = h["seq_lens"], h["tables"]
+        # Per table row: the columns [0, c) that may hold nonzero blocks, on the host twin and
+        # (once uploaded) on the device alike; beyond them both are zero. A step writes and
+        # moves the columns its sequences read plus those an earlier step left, not the full
+        # width (max_model_len / block_size: 16 MB a step for 256 rows at 262,144 tokens).
+        self.table_cols = np.zeros(n, np.int64)
+        self._upload_cols = width
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.host_slots.fill(-1)
@@ -177,15 +186,28 @@ class CudaGraphRunner(GraphSet):
 
     # ---- the runner's decode path: fill the host twin, one copy, replay ----------------------
 
-    def stage(self, num_seqs: int, zero_rows: bool = True) -> int:
+    def stage(self, num_seqs: int, zero_rows: bool = True, cols: int | None = None) -> int:
         """Prepare the host twin for a batch of num_seqs rows; returns the padded size. The caller
         then writes rows [0, num_seqs) of host_ids, host_pos, host_slots, host_seq_lens,
-        host_state (a model with linear-attention state) and host_tables (whose rows [0, padded) are zero on return; with zero_rows=False only the
-        padding rows [num_seqs, padded) are, and the caller writes rows [0, num_seqs) of
-        host_tables over their full width), and calls replay_staged."""
+        host_state (a model with linear-attention state) and columns [0, cols) of host_tables
+        (default: the full width), and calls replay_staged. On return every other table entry
+        of rows [0, padded) is zero (with zero_rows, those columns too); the copy moves only
+        the columns that may differ from the device's (table_cols)."""
         bs = self.padded_size(num_seqs)
         self.st.wait()  # the previous step's copy has left the host buffer
-        self.host_tables[0 if zero_rows else num_seqs : bs] = 0
+        w = self.width if cols is None else cols
+        # Columns an earlier step may have left nonzero in these rows (on both sides).
+        c = max(w, int(self.table_cols[:bs].max()))
+        t = self.host_tables
+        if zero_rows:
+            t[:bs, :c] = 0
+        else:
+            t[num_seqs:bs, :c] = 0
+            if c > w:
+                t[:num_seqs, w:c] = 0
+        self.table_cols[:num_seqs] = w
+        self.table_cols[num_seqs:bs] = 0
+        self._upload_cols = c
         if bs > num_seqs:
             self.host_ids[num_seqs:bs] = 0
             self.host_pos[num_seqs:bs] = 0
@@ -211,7 +233,7 @@ class CudaGraphRunner(GraphSet):
         error and its step is dropped, but the embedding lookup must not index out of range)."""
         bs = self.padded_size(num_seqs)
         n = self.st.end_of("tables", bs)  # the bytes the bs graph reads
-        self.st.upload(n)
+        self.st.upload_columns("tables", bs, self._upload_cols)
         if ids_on_device is not None:
             torch.clamp(ids_on_device, min=0, out=self.input_ids[:num_seqs])
         if self.before_replay is not None:

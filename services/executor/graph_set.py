@@ -6,6 +6,7 @@ one memory pool), and the padding of a batch to the smallest captured size that 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -42,14 +43,18 @@ class Staging:
         self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=pin)
         self._dev = torch.zeros(off, dtype=torch.uint8, device=device) if pin else self._host
         self._copy_done = torch.cuda.Event() if pin else None
-        self.dev: dict[str, torch.Tensor] = {}
-        self.host: dict[str, np.ndarray] = {}
-        for name, dt, shape in fields:
-            n = int(np.prod(shape))
-            a = offs[name]
-            b = a + n * torch.empty((), dtype=dt).element_size()
-            self.dev[name] = self._dev[a:b].view(dt).view(shape)
-            self.host[name] = self._host[a:b].view(dt).view(shape).numpy()
+        self.fields = fields
+        self.dev = self.views(self._dev)
+        self.host = {k: v.numpy() for k, v in self.views(self._host).items()}
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each field as a typed view of byte buffer buf (this layout)."""
+        out = {}
+        for name, dt, shape in self.fields:
+            a = self.offsets[name]
+            b = a + int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+            out[name] = buf[a:b].view(dt).view(shape)
+        return out
 
     def end_of(self, name: str, rows: int) -> int:
         """The byte just past rows [0, rows) of field name."""
@@ -66,9 +71,53 @@ class Staging:
             self._dev[:nbytes].copy_(self._host[:nbytes], non_blocking=True)
             self._copy_done.record()
 
+    def upload_columns(self, name: str, rows: int, cols: int) -> None:
+        """upload() of the bytes before field `name` and of columns [0, cols) of its rows
+        [0, rows) (a 2-D field, the last one a step reads): one contiguous copy and one
+        strided copy (cuMemcpy2DAsync), so a step whose rows use a few of a wide field's
+        columns moves those, not the whole rows. Without the CUDA driver bindings: upload()
+        of everything up to the end of those rows."""
+        if self._dev is self._host:
+            return
+        field = self.dev[name]
+        memcpy_2d = _cuda_memcpy_2d()
+        if memcpy_2d is None or cols >= field.shape[1]:
+            self.upload(self.end_of(name, rows))
+            return
+        head = self.offsets[name]
+        self._dev[:head].copy_(self._host[:head], non_blocking=True)
+        pitch = field.stride(0) * field.element_size()
+        src = self._host.data_ptr() + head
+        memcpy_2d(field.data_ptr(), src, pitch, cols * field.element_size(), rows)
+        self._copy_done.record()
+
     def device_bytes(self, nbytes: int) -> torch.Tensor:
         """The first nbytes of the device buffer (a tensor-parallel step sends them)."""
         return self._dev[:nbytes]
+
+
+@functools.cache
+def _cuda_memcpy_2d():
+    """A host-to-device cuMemcpy2DAsync on torch's current stream (dst, src, pitch of both,
+    bytes a row, rows), from numba-cuda's CUDA driver bindings; None where they are absent.
+    The driver API copies in the thread's current context, torch's."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+
+    def copy(dst: int, src: int, pitch: int, width: int, rows: int) -> None:
+        p = cu.CUDA_MEMCPY2D()
+        p.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+        p.srcHost, p.srcPitch = src, pitch
+        p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.dstDevice, p.dstPitch = dst, pitch
+        p.WidthInBytes, p.Height = width, rows
+        (err,) = cu.cuMemcpy2DAsync(p, torch.cuda.current_stream().cuda_stream)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpy2DAsync of {rows} x {width} bytes failed: {err}")
+
+    return copy
 
 
 class GraphSet:

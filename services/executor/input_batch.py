@@ -324,12 +324,13 @@ class InputBatch:
         B = len(reqs)
         bs = self.block_size
         rows, counts = self.tables.sync(reqs)
-        g.stage(B, zero_rows=False)  # rows [0, B) are written in full below
-        g.host_pos[:B] = positions
-        pos = g.host_pos[:B]
+        pos = np.asarray(positions, dtype=np.int64)
         blk_idx = pos // bs
-        tables = g.host_tables[:B]
-        np.take(self.tables.table[:, : g.width], rows, axis=0, out=tables)
+        w = int(blk_idx.max()) + 1  # the table columns the step reads
+        g.stage(B, zero_rows=False, cols=w)  # rows [0, B) are written in columns [0, w) below
+        g.host_pos[:B] = pos
+        tables = g.host_tables[:B, :w]
+        tables[:] = self.tables.table[rows, :w]
         if counts != (blk_idx + 1).tolist():
             self._fix_table_rows(reqs, tables, pos, counts)
         if ids is not None:

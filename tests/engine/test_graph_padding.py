@@ -123,6 +123,43 @@ def _reference_staging(plan, bs: int, width: int, padded: int):
     return ids, pos, slots, lens, tables
 
 
+class _NoEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _separate_device_buffers(monkeypatch) -> list[tuple[int, int]]:
+    """Staging buffers built from now on get a device buffer of their own (a second CPU
+    buffer) instead of sharing the host twin, so each step's copies (the contiguous one and
+    the 2-D one of the table columns, by memmove row by row) decide what the emulated graphs
+    read, as on a GPU; returns the (rows, bytes a row) of each 2-D copy."""
+    import ctypes
+
+    from voltserve.services.executor import graph_set
+
+    copies: list[tuple[int, int]] = []
+
+    def memcpy_2d(dst: int, src: int, pitch: int, width: int, rows: int) -> None:
+        copies.append((rows, width))
+        for r in range(rows):
+            ctypes.memmove(dst + r * pitch, src + r * pitch, width)
+
+    init = graph_set.Staging.__init__
+
+    def separate(self, fields, device) -> None:
+        init(self, fields, device)
+        self._dev = self._host.clone()
+        self._copy_done = _NoEvent()
+        self.dev = self.views(self._dev)
+
+    monkeypatch.setattr(graph_set.Staging, "__init__", separate)
+    monkeypatch.setattr(graph_set, "_cuda_memcpy_2d", lambda: memcpy_2d)
+    return copies
+
+
 def _emulated_graph_runner(cfg: EngineConfig, max_batch: int) -> ModelRunner:
     runner = ModelRunner(cfg)
     runner.kv_caches = alloc_kv_caches(runner, cfg.num_kv_blocks, scratch=True)
@@ -149,12 +186,14 @@ def run_arrivals(engine, arrivals, min_steps: int) -> dict[str, list[int]]:
     return got
 
 
-def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
+def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng, monkeypatch) -> None:
     """The decode staging is written incrementally (block tables kept across steps in a mirror,
-    whole-batch numpy writes). Under churn (requests arriving and finishing, so rows change
+    whole-batch numpy writes, only the table columns a step reads or an earlier one left
+    nonzero written and copied). Under churn (requests arriving and finishing, so rows change
     hands; preemption, so block lists are replaced; prefix-cache hits; blocks appended at
-    boundaries; more requests than mirror rows) every staged buffer must equal the from-scratch
-    per-row rebuild, and the engine's tokens must equal the eager engine's."""
+    boundaries; more requests than mirror rows) every staged buffer, and the device's copy of
+    it, must equal the from-scratch per-row rebuild, and the engine's tokens must equal the
+    eager engine's."""
     from voltserve.services.executor.engine import LLMEngine
 
     blocks, seqs = 14, 5  # 224 tokens for 5 sequences of up to 128: preemption
@@ -165,10 +204,14 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
         max_num_seqs=seqs,
         max_num_batched_tokens=48,
     )
+    copies = _separate_device_buffers(monkeypatch)
     runner = _emulated_graph_runner(cfg, seqs)
     g = runner.graphs
+    assert g.st._dev is not g.st._host
     staged = 0
     inner = runner.input_batch.stage_decode
+    replay = g.replay_staged
+    want: list = []
 
     def checked(graphs, plan):
         nonlocal staged
@@ -180,10 +223,20 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
         assert g.host_slots[:n].tolist() == slots
         assert g.host_seq_lens[:n].tolist() == lens
         assert g.host_tables[:n].tolist() == tables
+        want[:] = [ids, pos, slots, lens, tables]
         staged += 1
         return out
 
+    def replay_checked(num_seqs, ids_on_device=None):
+        out = replay(num_seqs, ids_on_device)
+        n = g.padded_size(num_seqs)
+        # What the graph read: the device buffers after the step's copies.
+        got = [g.positions, g.slot_mapping, g.seq_lens, g.block_tables]
+        assert [t[:n].tolist() for t in got] == want[1:], (num_seqs, copies[-1:])
+        return out
+
     runner.input_batch.stage_decode = checked
+    g.replay_staged = replay_checked
     graph_engine, eager_engine = LLMEngine(cfg, runner), LLMEngine(cfg)
     V = len(tokenizer())
     shared = [rng.randrange(V) for _ in range(32)]
@@ -207,6 +260,8 @@ def test_engine_graph_staging_under_churn_equals_rebuild_and_eager(rng) -> None:
     results = [run_arrivals(e, arrivals, 21) for e in (graph_engine, eager_engine)]
     assert_streams_match(*results, requests_of(arrivals), cfg.model)
     assert g.num_replays == staged > 20
+    # Most steps read fewer table columns than the width and moved only those.
+    assert sum(w < g.width * 4 for _, w in copies) > staged // 2, (copies, staged)
     assert graph_engine.batcher.num_preemptions > 0
     # More requests than mirror rows went through: rows were reclaimed and reused.
     assert len(arrivals) > len(runner.input_batch.tables.table)

@@ -115,3 +115,27 @@ def test_plain_greedy_graph_path_equals_eager(arch: str, pipeline: str, monkeypa
         assert ra.output_token_ids == rb.output_token_ids
     if graph.pipeline is not None:
         assert graph.pipeline.used > 0
+
+
+def test_staging_upload_columns_moves_the_head_and_the_table_columns() -> None:
+    """Staging.upload_columns on the GPU (the driver's 2-D copy): the bytes before the table
+    and columns [0, cols) of its first rows arrive; every other device byte keeps what it
+    held (poisoned before the copy)."""
+    from voltserve.services.executor.graph_set import Staging, _cuda_memcpy_2d
+
+    assert _cuda_memcpy_2d() is not None  # the copy under test, not the full-upload fallback
+    rows, width = 48, 1000
+    st = Staging([("pos", torch.int64, (rows,)), ("tables", torch.int32, (rows, width))], "cuda")
+    rng = torch.Generator().manual_seed(0)
+    st.host["pos"][:] = torch.randint(0, 1 << 40, (rows,), generator=rng).numpy()
+    st.host["tables"][:] = torch.randint(1, 1 << 30, (rows, width), generator=rng).numpy()
+    for n, cols in ((48, 1), (5, 999), (30, 17), (1, 1000)):
+        st.dev["pos"].fill_(-7)
+        st.dev["tables"].fill_(-7)
+        st.upload_columns("tables", n, cols)
+        torch.cuda.synchronize()
+        assert st.dev["pos"].cpu().numpy().tolist() == st.host["pos"].tolist()
+        got = st.dev["tables"].cpu().numpy()
+        assert (got[:n, :cols] == st.host["tables"][:n, :cols]).all(), (n, cols)
+        if cols < width:
+            assert (got[:n, cols:] == -7).all() and (got[n:] == -7).all(), (n, cols)
