@@ -15,6 +15,13 @@ elements) and the 8 elements lie inside the array. `vec_ok` checks the tensor si
 launchers pass its answer to the kernel, which falls back to guarded scalar accesses
 (`ld8_guard_2d` / `st8_guard_2d` here, or the kernel's own loop) when it is false.
 
+And one element at a time, where a kernel indexes a large array many times per thread:
+
+- `ld1(arr, idx)` / `st1(arr, idx, val)`: arr[idx] without numba's negative-index wraparound
+  (a compare and a select per index, per access) or a bounds check: the address is the
+  strides' dot product alone, which the compiler folds across a thread's unrolled accesses.
+  The caller guarantees every index is in range.
+
 The pointers are cast to the global address space (kernel arguments are device allocations), so
 PTX has `ld.global.v4.u32` / `st.global.v4.u32` rather than generic accesses.
 
@@ -44,6 +51,12 @@ if SIM:
         c = idx[-1]
         for e in range(VEC):
             row[c + e] = vals[e]
+
+    def ld1(arr, idx):
+        return arr[idx]
+
+    def st1(arr, idx, val):
+        arr[idx] = val
 
 else:
     from llvmlite import ir
@@ -144,6 +157,44 @@ else:
                     for j in range(4):
                         fvec = builder.insert_element(fvec, xs[4 * k + j], ir.Constant(i32, j))
                     builder.store(fvec, vp, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _check1(arr, idx) -> bool:
+        return (
+            isinstance(arr, types.Array)
+            and isinstance(idx, types.BaseTuple)
+            and len(idx) == arr.ndim
+            and all(isinstance(t, types.Integer) for t in idx)
+        )
+
+    def _global(builder, ptr):
+        return builder.addrspacecast(ptr, ptr.type.pointee.as_pointer(_GLOBAL))
+
+    @intrinsic
+    def ld1(typingctx, arr, idx):
+        if not _check1(arr, idx):
+            return None
+        sig = arr.dtype(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty = signature.args
+            ptr = _pointer(context, builder, arr_ty, args[0], idx_ty, args[1])
+            return builder.load(_global(builder, ptr))
+
+        return sig, codegen
+
+    @intrinsic
+    def st1(typingctx, arr, idx, val):
+        if not _check1(arr, idx) or val != arr.dtype:
+            return None
+        sig = types.void(arr, idx, val)
+
+        def codegen(context, builder, signature, args):
+            arr_ty, idx_ty, _ = signature.args
+            ptr = _pointer(context, builder, arr_ty, args[0], idx_ty, args[1])
+            builder.store(args[2], _global(builder, ptr))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -304,7 +355,9 @@ def vec_ok(*tensors: Any) -> bool:
 
 __all__ = [
     "VEC",
+    "ld1",
     "ld8",
+    "st1",
     "st8",
     "load_row8",
     "load_vec8",

@@ -150,7 +150,9 @@ def gdn_inputs(gen, T, Hk, Hv, Dk, Dv, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recurrent_decode(rng, dtype):
     gen = generator(rng)
-    Hk, Hv, Dk, Dv = 1, 2, 16, 40  # 2 value heads a key head; a partial second column tile
+    # 2 value heads a key head; a partial second column tile; Dk 80 gives the kernel's warps
+    # (32 state rows each) every case: all rows (the unguarded path), some, none
+    Hk, Hv, Dk, Dv = 1, 2, 80, 40
     slots = torch.tensor([3, -1, 0], dtype=torch.int64)
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(gen, 3, Hk, Hv, Dk, Dv, dtype)
     pool = 0.3 * torch.randn(4, Hv, Dk, Dv, generator=gen)
