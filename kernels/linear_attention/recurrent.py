@@ -29,11 +29,11 @@ import math
 
 import numpy as np
 import torch
-from numba import cuda, uint64
+from numba import cuda
 from voltserve.kernels.linear_attention.gating import gates, gates_ref
 from voltserve.kernels.runtime.compile_cache import cached
 from voltserve.kernels.runtime.launch_geometry import on_gpu
-from voltserve.kernels.runtime.numba_common import block_sum, current_stream, float32, launch
+from voltserve.kernels.runtime.numba_common import block_sum, current_stream, float32, launch, uidx
 from voltserve.kernels.runtime.vec_io import ld1, st1
 
 L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
@@ -103,7 +103,7 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     ok = j < Dv
     jc = min(j, Dv - 1)
     row0 = warp * ROWS
-    u0 = uint64(row0)  # unsigned shared-memory indices: no negative-index wraparound code
+    u0 = uidx(row0)  # unsigned shared-memory indices: no negative-index wraparound code
     nrows = max(min(Dk - row0, ROWS), 0)  # this warp's rows inside the head
     s = cuda.local.array(ROWS, float32)
     if nrows == ROWS:  # every row (the model shapes): straight-line loads, no guard
@@ -136,7 +136,7 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     for r in range(ROWS):
         x = s[r] * decay
         s[r] = x
-        acc += x * ks[u0 + uint64(r)]
+        acc += x * ks[u0 + uidx(r)]
     part[warp, lane] = acc
     cuda.syncthreads()
     kvm = part[0, lane]
@@ -148,9 +148,9 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     cuda.syncthreads()  # every warp has read part before it is reused
     acc = float32(0.0)
     for r in range(ROWS):
-        sv = s[r] + ks[u0 + uint64(r)] * delta
+        sv = s[r] + ks[u0 + uidx(r)] * delta
         s[r] = sv
-        acc += sv * qs[u0 + uint64(r)]
+        acc += sv * qs[u0 + uidx(r)]
     if ok and nrows == ROWS:
         for r in range(ROWS):
             st1(state_pool, (slot, h, row0 + r, j), s[r])

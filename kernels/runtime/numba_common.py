@@ -17,11 +17,16 @@ from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, int64
+from numba import uint64 as numba_uint64
 from numba.core.types import float16
 from numba.cuda.core import config
 from voltserve.kernels.runtime.launch_geometry import check, record, recording_active
 
 SIM: bool = bool(config.ENABLE_CUDASIM)
+# An array index as an unsigned integer: numba emits no negative-index wraparound (a compare
+# and a select per index and access) for it, so a kernel's inner loops keep immediate offsets.
+# In the simulator a plain int (numpy's unsigned scalars would make its Python loops slower).
+uidx: Any = int if SIM else numba_uint64
 # Latency-bound kernels (batch-1 decode: one wave of a few dozen blocks) launch small grids on
 # purpose; numba's low-occupancy warning fired for them on every numba launch, filling the logs.
 config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
@@ -275,6 +280,7 @@ def block_for(n: int, per_thread: int, lo: int = 32, hi: int = 1024) -> int:
 
 __all__ = [
     "SIM",
+    "uidx",
     "nvvm_inlined",
     "block_argmax",
     "block_max",
