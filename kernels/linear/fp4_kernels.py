@@ -164,7 +164,7 @@ from voltserve.kernels.linear.quant_gemv import gate_up_epilogue, plain_epilogue
 from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8, prmt, prmt2
 from voltserve.kernels.runtime.numba_common import float32, named_kernel, nvvm_inlined, round_like
-from voltserve.kernels.runtime.vec_io import ld8, st8
+from voltserve.kernels.runtime.vec_io import ld1, ld8, st8
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -459,7 +459,7 @@ def _step_loads(ind: str, R: int, U: int, blocks: int, e8m0: bool) -> list[str]:
             L.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j})) if c{j} < W else ZERO_W4")
     for r in range(R):
         for j in range(U):
-            L += [f"{ind}b{r}_{j}_{h} = scales[rw{r}, i{j}_{h}]" for h in range(blocks)]
+            L += [f"{ind}b{r}_{j}_{h} = ld1(scales, (rw{r}, i{j}_{h}))" for h in range(blocks)]
     for r in range(R):
         for j in range(U):
             for h in range(blocks):
@@ -673,6 +673,7 @@ def _build(M: int, R: int, U: int, ks: int, gate_up: bool, group: int, e8m0: boo
     scope = {
         "cuda": cuda,
         "float32": float32,
+        "ld1": ld1,
         "ld8": ld8,
         "ld_w4": ld_w4,
         "ZERO_W4": ZERO_W4,

@@ -58,6 +58,7 @@ from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8, prmt
 from voltserve.kernels.runtime.launch_geometry import on_gpu, sm_count
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, named_kernel
+from voltserve.kernels.runtime.vec_io import ld1
 
 MAX_M = 8
 VARIANTS = (1, 2, 4, 8)
@@ -221,8 +222,8 @@ def _q6k_body(M: int, R: int) -> list[str]:
             f"{ind}l2_{r} = ld_w4(qw, (rw{r}, w1 + 8))",
             f"{ind}qh{r} = ld_w4(qw, (rw{r}, wh))",
         ]
-        L += [f"{ind}sc{r}_{j} = scales[rw{r}, sb + {2 * j}]" for j in range(4)]
-        L.append(f"{ind}dq{r} = float32(dd[rw{r}, b]) * float32(1024.0)")
+        L += [f"{ind}sc{r}_{j} = ld1(scales, (rw{r}, sb + {2 * j}))" for j in range(4)]
+        L.append(f"{ind}dq{r} = float32(ld1(dd, (rw{r}, b))) * float32(1024.0)")
     L.append(f"{ind}xk = b * {QK_K} + hn * 128 + hl * 16")
     for r in range(R):
         L += [f"{ind}F{r}_{j} = dq{r} * float32(sc{r}_{j})" for j in range(4)]
@@ -316,6 +317,7 @@ def _build(kind: str, M: int, R: int, KS: int):
     scope = {
         "cuda": cuda,
         "float32": float32,
+        "ld1": ld1,
         "ld_w4": ld_w4,
         "ldh8": ldh8,
         "h2fma": h2fma,

@@ -124,7 +124,7 @@ from voltserve.kernels.runtime.compile_cache import cached_factory
 from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
 from voltserve.kernels.runtime.launch_geometry import on_gpu
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, round_like
-from voltserve.kernels.runtime.vec_io import ZERO8, ld8
+from voltserve.kernels.runtime.vec_io import ZERO8, ld1, ld8
 
 MAX_M = 8
 WARPS = 4
@@ -248,11 +248,11 @@ def dot_step(
                 out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
     for r in range(R):
         for j in range(U):
-            out.append(f"{ind}s{r}_{j} = scales[rw{r}, g{j}]")
-            out.append(f"{ind}o{r}_{j} = offsets[rw{r}, g{j}]")
+            out.append(f"{ind}s{r}_{j} = ld1(scales, (rw{r}, g{j}))")
+            out.append(f"{ind}o{r}_{j} = ld1(offsets, (rw{r}, g{j}))")
             if split:
-                out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
-                out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
+                out.append(f"{ind}t{r}_{j} = ld1(scales, (rw{r}, h{j}))")
+                out.append(f"{ind}p{r}_{j} = ld1(offsets, (rw{r}, h{j}))")
     # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
     # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
     # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
@@ -633,6 +633,7 @@ def source_scope() -> dict:
         "cuda": cuda,
         "float32": float32,
         "uint32": uint32,
+        "ld1": ld1,
         "ld8": ld8,
         "ld_w4": ld_w4,
         "ZERO_W4": ZERO_W4,
