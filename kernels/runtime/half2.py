@@ -10,6 +10,9 @@ inline (ir.InlineAsm, as wmma_inline.py does), on uint32 values that carry the t
     prmt2(a, b, sel)   prmt.b32 of the pair: byte i of the result is byte (sel >> 4i) & 7 of
                        the 8 bytes b:a (0-3 from a, 4-7 from b; a constant selector): halves
                        of two words into one, or bytes next to zeros (b = 0)
+    and_or(a, b, c)    (a & b) | c in one lop3.b32 with b and c as register operands: where
+                       both are constants (a code mask and the 0x6400 magic), the compiler's
+                       own form is two LOP3s, each taking one of them as its immediate
     ldh8(arr, (r, c))  arr[r, c:c+8] of a 2-D float16 array as four uint32 (the half2 pairs
                        (x0, x1), (x2, x3), (x4, x5), (x6, x7)), one 16-byte global load; c a
                        multiple of 8, rows 16-byte aligned
@@ -87,6 +90,9 @@ if SIM:
         for i in range(4):
             out |= ((ab >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
         return out
+
+    def and_or(a, b, c):
+        return ((int(a) & int(b)) | int(c)) & 0xFFFFFFFF
 
     def ldh8(arr, idx):
         r, c = idx
@@ -190,6 +196,21 @@ else:
 
         return types.uint32(a, b, sel), codegen
 
+    _LOP3_TY = ir.FunctionType(_I32, [_I32, _I32, _I32])
+
+    @intrinsic
+    def and_or(typingctx, a, b, c):
+        if not _ints(a, b, c):
+            return None
+
+        def codegen(context, builder, signature, args):
+            # LUT of (a & b) | c over the operand tables 0xF0, 0xCC, 0xAA.
+            asm = "lop3.b32 $0, $1, $2, $3, 0xEA;"
+            ops = [_u32(builder, v) for v in args]
+            return builder.asm(_LOP3_TY, asm, "=r,r,r,r", ops, side_effect=False)
+
+        return types.uint32(a, b, c), codegen
+
     @intrinsic
     def ldh8(typingctx, arr, idx):
         if not (
@@ -204,4 +225,4 @@ else:
         return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
 
-__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "prmt", "prmt2", "h2_bits", "h2_vals"]
+__all__ = ["and_or", "h2fma", "h2mul", "h2f", "ldh8", "prmt", "prmt2", "h2_bits", "h2_vals"]
