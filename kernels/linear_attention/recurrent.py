@@ -7,8 +7,9 @@ bound by the state's bytes; tensor cores have nothing to do). A block owns one (
 head, 32-column tile of the state): 128 threads in 4 warps, lane = state column (a warp reads a
 128-byte row segment, coalesced), warp w = rows 32 w .. 32 w + 31 (held in registers between
 the read and the write). Per block: the state tile's loads are issued first, all of them (their
-round trip overlaps the rest of the prologue); q and k of the key head are loaded and
-L2-normalised (block reductions), g and beta computed from a and b (gating.gates); the tile is
+round trip overlaps the rest of the prologue), then every other input (q, k, v, a, b and the
+head's constants: no global load waits behind a barrier); q and k are L2-normalised (one block
+reduction of both sums), g and beta computed from a and b (gating.gates); the tile is
 decayed, S^T k reduced over rows (per-warp partials through shared memory), the rank-one update
 applied, S^T q reduced the same way, and the tile written back. Grid: (Dv / 32, Hv, batch) =
 192 blocks at batch 1 for Qwen3.5-27B (48 heads, Dv 128).
@@ -33,7 +34,13 @@ from numba import cuda
 from voltserve.kernels.linear_attention.gating import gates, gates_ref
 from voltserve.kernels.runtime.compile_cache import cached
 from voltserve.kernels.runtime.launch_geometry import on_gpu
-from voltserve.kernels.runtime.numba_common import block_sum, current_stream, float32, launch, uidx
+from voltserve.kernels.runtime.numba_common import (
+    block_sum2,
+    current_stream,
+    float32,
+    launch,
+    uidx,
+)
 from voltserve.kernels.runtime.vec_io import ld1, st1
 
 L2_EPS = 1e-6  # transformers' l2norm (as in flash-linear-attention)
@@ -115,20 +122,25 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
             if r < nrows:
                 x = ld1(state_pool, (slot, h, row0 + r, jc))
             s[r] = x
-    qs = cuda.shared.array(MAX_DK, float32)
-    ks = cuda.shared.array(MAX_DK, float32)
-    part = cuda.shared.array((WARPS, COLS), float32)
-    scratch = cuda.shared.array(32, float32)
+    # Every other input next, before the first barrier (a load after one is a round trip of
+    # its own on the critical path).
     qv = float32(0.0)
     kv = float32(0.0)
     if tid < Dk:
         qv = float32(q[req, hk, tid])
         kv = float32(k[req, hk, tid])
-    qinv = float32(1.0) / math.sqrt(block_sum(qv * qv, scratch) + float32(L2_EPS))
-    kinv = float32(1.0) / math.sqrt(block_sum(kv * kv, scratch) + float32(L2_EPS))
+    vj = float32(v[req, h, jc])
+    a_, b_, alog, dtb = a[req, h], b[req, h], a_log[h], dt_bias[h]
+    qs = cuda.shared.array(MAX_DK, float32)
+    ks = cuda.shared.array(MAX_DK, float32)
+    part = cuda.shared.array((WARPS, COLS), float32)
+    scratch2 = cuda.shared.array((2, 32), float32)
+    qq, kk = block_sum2(qv * qv, kv * kv, scratch2)
+    qinv = float32(1.0) / math.sqrt(qq + float32(L2_EPS))
+    kinv = float32(1.0) / math.sqrt(kk + float32(L2_EPS))
     qs[tid] = qv * qinv * scale  # 0 past Dk: THREADS == MAX_DK
     ks[tid] = kv * kinv
-    g, beta = gates(a[req, h], b[req, h], a_log[h], dt_bias[h], b)
+    g, beta = gates(a_, b_, alog, dtb, b)
     decay = float32(math.exp(g)) if ok else float32(0.0)
     cuda.syncthreads()
 
@@ -144,7 +156,7 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
         kvm += part[w, lane]
     delta = float32(0.0)
     if ok:
-        delta = (float32(v[req, h, j]) - kvm) * beta
+        delta = (vj - kvm) * beta
     cuda.syncthreads()  # every warp has read part before it is reused
     acc = float32(0.0)
     for r in range(ROWS):

@@ -53,6 +53,24 @@ if SIM:
         return total
 
     @cuda.jit(device=True)
+    def block_sum2(u, v, scratch2):
+        tid, bd = cuda.threadIdx.x, cuda.blockDim.x
+        tu, tv = u - u, v - v
+        base = 0
+        while base < bd:
+            cuda.syncthreads()
+            if base <= tid < base + 32:
+                scratch2[0, tid - base] = u
+                scratch2[1, tid - base] = v
+            cuda.syncthreads()
+            for j in range(min(32, bd - base)):
+                tu += scratch2[0, j]
+                tv += scratch2[1, j]
+            base += 32
+        cuda.syncthreads()
+        return tu, tv
+
+    @cuda.jit(device=True)
     def block_max(v, scratch):
         tid, bd = cuda.threadIdx.x, cuda.blockDim.x
         best = v
@@ -120,6 +138,27 @@ else:
         for w in range(1, (cuda.blockDim.x + 31) >> 5):
             total += scratch[w]
         return total
+
+    @cuda.jit(device=True, inline="always")
+    def block_sum2(u, v, scratch2):
+        """(block_sum(u), block_sum(v)) with one exchange: scratch2 is [2, 32] shared."""
+        tid = cuda.threadIdx.x
+        off = 16
+        while off > 0:
+            u += cuda.shfl_xor_sync(FULL_MASK, u, off)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            off >>= 1
+        cuda.syncthreads()  # the previous reduction's readers are done with scratch2
+        if (tid & 31) == 0:
+            scratch2[0, tid >> 5] = u
+            scratch2[1, tid >> 5] = v
+        cuda.syncthreads()
+        tu = scratch2[0, 0]
+        tv = scratch2[1, 0]
+        for w in range(1, (cuda.blockDim.x + 31) >> 5):
+            tu += scratch2[0, w]
+            tv += scratch2[1, w]
+        return tu, tv
 
     @cuda.jit(device=True, inline="always")
     def block_max(v, scratch):
@@ -281,6 +320,7 @@ def block_for(n: int, per_thread: int, lo: int = 32, hi: int = 1024) -> int:
 __all__ = [
     "SIM",
     "uidx",
+    "block_sum2",
     "nvvm_inlined",
     "block_argmax",
     "block_max",
