@@ -134,6 +134,7 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     qs = cuda.shared.array(MAX_DK, float32)
     ks = cuda.shared.array(MAX_DK, float32)
     part = cuda.shared.array((WARPS, COLS), float32)
+    part2 = cuda.shared.array((WARPS, COLS), float32)  # the second reduction's: no barrier
     scratch2 = cuda.shared.array((2, 32), float32)
     qq, kk = block_sum2(qv * qv, kv * kv, scratch2)
     qinv = float32(1.0) / math.sqrt(qq + float32(L2_EPS))
@@ -157,7 +158,6 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
     delta = float32(0.0)
     if ok:
         delta = (vj - kvm) * beta
-    cuda.syncthreads()  # every warp has read part before it is reused
     acc = float32(0.0)
     for r in range(ROWS):
         sv = s[r] + ks[u0 + uidx(r)] * delta
@@ -170,12 +170,12 @@ def gdn_decode_kernel(q, k, v, a, b, a_log, dt_bias, state_pool, slots, out, sca
         for r in range(ROWS):
             if r < nrows:
                 st1(state_pool, (slot, h, row0 + r, j), s[r])
-    part[warp, lane] = acc
+    part2[warp, lane] = acc
     cuda.syncthreads()
     if warp == 0 and ok:
-        o = part[0, lane]
+        o = part2[0, lane]
         for w in range(1, WARPS):
-            o += part[w, lane]
+            o += part2[w, lane]
         out[req, h, j] = o
 
 
