@@ -119,37 +119,32 @@ else:
     def _ints(*tys) -> bool:
         return all(isinstance(t, types.Integer) for t in tys)
 
-    def _binary(asm: str):
-        fnty = ir.FunctionType(_I32, [_I32, _I32])
-
-        def typer(typingctx, a, b):
-            if not _ints(a, b):
-                return None
-
-            def codegen(context, builder, signature, args):
-                ops = [_u32(builder, v) for v in args]
-                return builder.asm(fnty, asm, "=r,r,r", ops, side_effect=False)
-
-            return types.uint32(a, b), codegen
-
-        return intrinsic(typer)
-
-    h2mul = _binary("mul.rn.f16x2 $0, $1, $2;")
-
-    _FMA_TY = ir.FunctionType(_I32, [_I32, _I32, _I32])
-
-    @intrinsic
-    def h2fma(typingctx, a, b, c):
-        if not _ints(a, b, c):
-            return None
+    def _uint32_op(asm: str, n: int):
+        """An intrinsic of n integer operands (each's low 32 bits) and one uint32 result."""
+        fnty = ir.FunctionType(_I32, [_I32] * n)
+        constraints = ",".join(["=r"] + ["r"] * n)
 
         def codegen(context, builder, signature, args):
             ops = [_u32(builder, v) for v in args]
-            return builder.asm(
-                _FMA_TY, "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", ops, side_effect=False
-            )
+            return builder.asm(fnty, asm, constraints, ops, side_effect=False)
 
-        return types.uint32(a, b, c), codegen
+        # numba reads a typer's arity from its signature: one per operand count
+        if n == 2:
+
+            def typer(typingctx, a, b):
+                return (types.uint32(a, b), codegen) if _ints(a, b) else None
+
+        else:
+
+            def typer(typingctx, a, b, c):
+                return (types.uint32(a, b, c), codegen) if _ints(a, b, c) else None
+
+        return intrinsic(typer)
+
+    h2mul = _uint32_op("mul.rn.f16x2 $0, $1, $2;", 2)
+    h2fma = _uint32_op("fma.rn.f16x2 $0, $1, $2, $3;", 3)
+    # 0xEA: the LUT of (a & b) | c over lop3's operand tables 0xF0, 0xCC, 0xAA.
+    and_or = _uint32_op("lop3.b32 $0, $1, $2, $3, 0xEA;", 3)
 
     _H2F_ASM = "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
     _H2F_TY = ir.FunctionType(ir.LiteralStructType([_F32, _F32]), [_I32])
@@ -195,21 +190,6 @@ else:
             return builder.asm(_PRMT2_TY, asm, "=r,r,r", ops, side_effect=False)
 
         return types.uint32(a, b, sel), codegen
-
-    _LOP3_TY = ir.FunctionType(_I32, [_I32, _I32, _I32])
-
-    @intrinsic
-    def and_or(typingctx, a, b, c):
-        if not _ints(a, b, c):
-            return None
-
-        def codegen(context, builder, signature, args):
-            # LUT of (a & b) | c over the operand tables 0xF0, 0xCC, 0xAA.
-            asm = "lop3.b32 $0, $1, $2, $3, 0xEA;"
-            ops = [_u32(builder, v) for v in args]
-            return builder.asm(_LOP3_TY, asm, "=r,r,r,r", ops, side_effect=False)
-
-        return types.uint32(a, b, c), codegen
 
     @intrinsic
     def ldh8(typingctx, arr, idx):
