@@ -391,7 +391,7 @@ def gdn_chunk_scan_kernel(
                                 x = qk[t0 + t, h, kx - Dk]
                         stage[t * SLICE_LD + kk] = x
                 cuda.syncthreads()
-                if in_s:  # 32 K steps, unrolled, immediate shared offsets
+                if in_s:  # 32 K steps with no guard, at immediate shared offsets
                     _mac_slice(acc, stage, S, uidx(c0), utc, tr)
                 elif in_v:
                     _mac_slice(acc, stage, vn, uidx(c0), utc, tr)
@@ -444,7 +444,7 @@ def gdn_chunk_scan_kernel(
                         x = kd[t0 + s0 + tt, h, i]
                     stage[p] = x
             cuda.syncthreads()
-            if full:  # 16 tokens, unrolled, immediate shared offsets
+            if full:  # 16 tokens with no guard, at immediate shared offsets
                 for tt in range(KT):
                     vrow = uidx(s0) + uidx(tt)
                     b0 = vn[vrow, utc]
