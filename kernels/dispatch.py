@@ -150,6 +150,8 @@ class KernelDispatch:
     causal_conv1d_decode: Callable[..., torch.Tensor]
     gated_delta_rule_prefill: Callable[..., torch.Tensor]
     gated_delta_rule_decode: Callable[..., torch.Tensor]
+    causal_conv1d_verify: Callable[..., torch.Tensor]
+    gated_delta_rule_verify: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
 
 

@@ -12,8 +12,9 @@ Value heads outnumber key heads in the larger models (48 / 16, 32 / 16): value h
 head h // (Hv // Hk). The output then goes through a gated RMSNorm, norm(o) * weight * silu(z).
 
 Files: conv.py (the conv over a packed prefill batch and its one-token decode update),
-recurrent.py (decode: one token a request), chunk.py (prefill, 64-token chunks), gating.py (g
-and beta, fused into those two), gated_norm.py (the gated RMSNorm). Each op has a torch
+recurrent.py (decode: one token a request), chunk.py (prefill, 64-token chunks), verify.py (a
+speculative verify step's rows in order, with the state after each kept), gating.py (g and
+beta, fused into the recurrences), gated_norm.py (the gated RMSNorm). Each op has a torch
 reference `<op>_ref` and a launcher `<op>_cuda` of the same signature (kernels/dispatch.py).
 
 State. A request's states live in two pools indexed by its slot (a state cache owns them):
@@ -58,6 +59,16 @@ OPS = (
         ("linear_attention.recurrent",),
     ),
     Op(
+        "causal_conv1d_verify",
+        "linear_attention.verify.causal_conv1d_verify_ref",
+        ("linear_attention.verify",),
+    ),
+    Op(
+        "gated_delta_rule_verify",
+        "linear_attention.verify.gated_delta_rule_verify_ref",
+        ("linear_attention.verify",),
+    ),
+    Op(
         "gated_rms_norm",
         "linear_attention.gated_norm.gated_rms_norm_ref",
         ("linear_attention.gated_norm",),
@@ -91,6 +102,21 @@ KERNELS = (
         "linear_attention.recurrent",
         "gdn_decode_kernel",
         both("void(" + _QKV + ", float32[:, :, :, ::1], int64[::1], {t}[:, :, ::1], float32)"),
+    ),
+    KernelSpec(
+        "linear_attention.verify",
+        "conv_verify_kernel",
+        both(
+            "void({t}[:, :], {t}[:, ::1], {t}[:, :, ::1], int64[:, ::1], int64[:, :], {t}[:, ::1])"
+        ),
+    ),
+    KernelSpec(
+        "linear_attention.verify",
+        "gdn_verify_kernel",
+        both(
+            "void(" + _QKV + ", float32[:, ::1], int64[:, ::1], int64[:, :], {t}[:, :, ::1],"
+            " float32)"
+        ),
     ),
     KernelSpec(
         "linear_attention.chunk",

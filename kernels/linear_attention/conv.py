@@ -81,7 +81,7 @@ def causal_conv1d_decode_ref(
 
 
 @cuda.jit(device=True, inline="always")
-def _silu(y, like):
+def silu_rounded(y, like):
     y = round_like(y, like)
     return y / (float32(1.0) + float32(math.exp(-y)))
 
@@ -116,7 +116,7 @@ def conv_prefill_kernel(x, weight, conv_pool, cu_seqlens, slots, has_initial, ou
         elif init:
             xv = float32(conv_pool[slot, d, src - start + K - 1])
         acc += float32(weight[d, kk]) * xv
-    out[t, d] = _silu(acc, out)
+    out[t, d] = silu_rounded(acc, out)
 
 
 @cached
@@ -164,10 +164,10 @@ def conv_decode_kernel(x, weight, conv_pool, slots, out):
         acc += float32(weight[d, j]) * float32(cur)
         conv_pool[slot, d, j - 1] = cur
     conv_pool[slot, d, K1 - 1] = xv
-    out[req, d] = _silu(acc, out)
+    out[req, d] = silu_rounded(acc, out)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor) -> None:
+def check_shapes(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor) -> None:
     if not on_gpu(x):
         raise ValueError("the conv1d launchers need CUDA tensors")
     D, K = weight.shape
@@ -216,7 +216,7 @@ def causal_conv1d_prefill_cuda(
     has_initial: torch.Tensor,
 ) -> torch.Tensor:
     """Same meaning as causal_conv1d_prefill_ref; two launches, no host sync."""
-    _check(x, weight, conv_pool)
+    check_shapes(x, weight, conv_pool)
     out = torch.empty_like(x)
     stream = current_stream()
     for kernel, grid, block, args in prefill_launches(
@@ -230,7 +230,7 @@ def causal_conv1d_decode_cuda(
     x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
     """Same meaning as causal_conv1d_decode_ref; one launch, no host sync (graph-safe)."""
-    _check(x, weight, conv_pool)
+    check_shapes(x, weight, conv_pool)
     out = torch.empty_like(x)
     stream = current_stream()
     for kernel, grid, block, args in decode_launches(x, weight, conv_pool, slots, out):

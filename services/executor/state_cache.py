@@ -86,20 +86,36 @@ class StateCache:
             self._stacks.append((conv, rec))
             for n, i in enumerate(idx):
                 views[i] = (conv[n], rec[n])
-        self._pools = [views[i] for i in range(len(self.specs))]
+        # Per layer, its whole pools: the request slots, then the snapshot area (what the verify
+        # ops index by slot and by snapshot row).
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = [
+            views[i] for i in range(len(self.specs))
+        ]
         # The request slots' pools (what the kernels index by state slot).
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (conv[:num_slots], rec[:num_slots]) for conv, rec in self._pools
+            (conv[:num_slots], rec[:num_slots]) for conv, rec in self.rows
         ]
         # Per layer, the snapshot area as [positions, requests, ...] views.
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = [
             tuple(t[num_slots:].view(*snapshot_shape, *t.shape[1:]) for t in pools)
-            for pools in self._pools
+            for pools in self.rows
         ]
 
     def snapshot_row(self, position: int, request: int) -> int:
         """The pool row of snapshot (position, request) (rows past the request slots)."""
         return self.num_slots + position * self.snapshot_shape[1] + request
+
+    def snapshot_rows(self, requests: int, positions: int) -> torch.Tensor:
+        """[requests, positions] int64 on the pools' device: snapshot_row(j, b) at [b, j]."""
+        if requests > self.snapshot_shape[1] or positions > self.snapshot_shape[0]:
+            raise ValueError(
+                f"snapshot rows for {requests} requests of {positions} positions; the area "
+                f"holds {self.snapshot_shape[1]} of {self.snapshot_shape[0]}"
+            )
+        j = torch.arange(positions, dtype=torch.int64)
+        b = torch.arange(requests, dtype=torch.int64)
+        rows = self.num_slots + j[None, :] * self.snapshot_shape[1] + b[:, None]
+        return rows.to(self._stacks[0][0].device)
 
     def restore(self, slots: list[int], rows: list[int]) -> None:
         """Every layer's state in pool rows `rows` (snapshots) copied into request slots

@@ -16,9 +16,10 @@ advanced over a rejected proposal would be wrong for every later token. So:
   gives the others no proposals that step). Time: k + 1 small decode-op calls and k copies
   per layer instead of one varlen prefill call. A verify graph (spec/graphs.py, up to
   max_verify_seqs sequences of q = k + 1 rows) does the same with a fixed layout
-  (`VerifyLayout`): position j of every sequence together, rows past a sequence's 1 + m and
-  padding sequences at state slot -1 (skipped by the decode ops), sequence b's state after
-  position j into snapshot (j, b). Recompute instead
+  (`VerifyLayout`) in one launch per state kind and layer (the verify ops,
+  kernels/linear_attention/verify.py): each sequence's rows in order, the state read once,
+  rows past a sequence's 1 + m and padding sequences at state slot -1 (skipped), sequence b's
+  state after position j into snapshot (j, b) when a live row follows. Recompute instead
   would need a second forward of the whole model over the kept rows (every layer's input
   depends on the layers below), which costs more than the copies.
 - Commit: the engine keeps j accepted proposals and emits j + 1 tokens (the last one, the
@@ -216,11 +217,13 @@ class VerifyLayout:
     """A verify graph's rows as a linear-attention layer walks them (spec/graphs.py): B
     sequences of q rows, row b * q + j at the sequence's position start + j."""
 
-    # [q, B] int64: row (b, j)'s state slot; -1 (the decode ops skip it) past the sequence's
-    # 1 + m rows and for padding sequences, so those rows never advance a request's state
+    # [B, q] int64 (the staged rows' own layout): row (b, j)'s state slot; -1 (the verify
+    # ops skip it) past the sequence's 1 + m rows and for padding sequences, so those rows never
+    # advance a request's state
     row_slots: torch.Tensor
-    # [B] int64: each sequence's slot, whose state after position j becomes snapshot (j, b);
-    # a padding sequence names slot 0 (its snapshots are never committed)
-    seq_slots: torch.Tensor
-    # per linear-attention layer, the state cache's snapshot area [positions, requests, ...]
-    snapshots: list[tuple[torch.Tensor, torch.Tensor]]
+    # [B, q - 1] int64: the pool row that keeps sequence b's state after its row j
+    # (StateCache.snapshot_rows)
+    snap_rows: torch.Tensor
+    # per linear-attention layer, its whole pools: request slots and snapshot area
+    # (StateCache.rows)
+    pools: list[tuple[torch.Tensor, torch.Tensor]]

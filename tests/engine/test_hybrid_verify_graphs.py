@@ -87,7 +87,7 @@ def test_verify_graphs_roll_back_by_construction(rng) -> None:
 
 def test_verify_layout_staging() -> None:
     """The staged state slots: row (b, j) carries b's slot for j <= m_b and -1 past it and for
-    padding sequences; each sequence's slot for its snapshots (0 for padding)."""
+    padding sequences (the verify ops read a sequence's slot from its first row)."""
     q, width, bs = 4, 4, 16
     spec = LayerStateSpec((6, 3), (2, 4, 4))
     cache = StateCache([spec, spec], 8, torch.float32, torch.device("cpu"), (q, 4))
@@ -101,7 +101,11 @@ def test_verify_layout_staging() -> None:
     assert (padded, rows) == (4, 3 + 5)
     state = g.st.host["state"][: padded * q].reshape(padded, q)
     assert state.tolist() == [[7, 7, 7, -1], [2, -1, -1, -1], [5, 5, 5, 5], [-1] * 4]
-    assert g.st.host["seq_state"][:padded].tolist() == [7, 2, 5, 0]
+    # Sequence b's state after its row j goes to the cache's snapshot row (j, b).
+    want = [[cache.snapshot_row(j, b) for j in range(q - 1)] for b in range(4)]
+    assert g.snap_rows.tolist() == want
+    with pytest.raises(ValueError, match="area holds 4 of 4"):
+        cache.snapshot_rows(5, 3)
     with pytest.raises(ValueError, match="need the slots"):
         g.stage([5], [[1]], [10], tables, [4])
     with pytest.raises(ValueError, match="snapshots 4"):
@@ -114,14 +118,14 @@ def test_state_cache_restore_copies_every_layer() -> None:
     gen = torch.Generator().manual_seed(0)
     a, b = LayerStateSpec((6, 3), (2, 4, 4)), LayerStateSpec((5, 3), (1, 4, 4))
     cache = StateCache([a, b, a], 3, torch.float32, torch.device("cpu"), (2, 2))
-    for conv, rec in cache._pools:
+    for conv, rec in cache.rows:
         conv.copy_(torch.randn(conv.shape, generator=gen))
         rec.copy_(torch.randn(rec.shape, generator=gen))
-    before = [(c.clone(), r.clone()) for c, r in cache._pools]
+    before = [(c.clone(), r.clone()) for c, r in cache.rows]
     src = [cache.snapshot_row(1, 0), cache.snapshot_row(0, 1)]
     assert src == [3 + 2, 3 + 1]
     cache.restore([2, 0], src)
-    for (c, r), (c0, r0) in zip(cache._pools, before):
+    for (c, r), (c0, r0) in zip(cache.rows, before):
         for t, t0 in ((c, c0), (r, r0)):
             assert torch.equal(t[2], t0[src[0]]) and torch.equal(t[0], t0[src[1]])
             assert torch.equal(t[1], t0[1]) and torch.equal(t[3:], t0[3:])

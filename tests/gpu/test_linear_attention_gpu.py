@@ -224,3 +224,47 @@ def test_decode_ops_in_a_cuda_graph():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         torch.testing.assert_close(got_pool, pool, atol=0, rtol=0)
         torch.testing.assert_close(got_cpool, cpool, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_verify_ops_match_references(model):
+    """A verify step of 4 sequences of k + 1 = 4 rows (live rows 4, 2, 1 and a padding
+    sequence) over pools with a snapshot area, at the real shapes: outputs, slots and snapshot
+    rows against the references (the decode references walked row by row)."""
+    from voltserve.kernels.linear_attention import verify
+
+    hk, hv = SHAPES[model]
+    D, B, Q, slots_n = 2 * hk * DK + hv * DV, 4, 4, 8
+    live = [4, 2, 1, 0]
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    seq_slot = [5, 0, 3, 0]
+    row_slots = torch.tensor(
+        [[seq_slot[b] if j < live[b] else -1 for j in range(Q)] for b in range(B)], device=DEV
+    )
+    snap_rows = (
+        slots_n + torch.arange(Q - 1, device=DEV)[None] * B + torch.arange(B, device=DEV)[:, None]
+    )
+    rows_n = slots_n + Q * B
+    weight = (0.5 * torch.randn(D, KW, device=DEV, generator=gen)).half()
+    crows = torch.randn(rows_n, D, KW - 1, device=DEV, generator=gen).half()
+    srows = 0.3 * torch.randn(rows_n, hv, DK, DV, device=DEV, generator=gen)
+    x = torch.randn(B * Q, D, device=DEV, generator=gen).half()
+    ref_c, got_c = crows.clone(), crows.clone()
+    ref_y = verify.causal_conv1d_verify_ref(x, weight, ref_c, row_slots, snap_rows)
+    y = verify.causal_conv1d_verify_cuda(x, weight, got_c, row_slots, snap_rows)
+    torch.testing.assert_close(y, ref_y, **F16_ULP)
+    torch.testing.assert_close(got_c, ref_c, atol=0, rtol=0)
+
+    q, k, v = (t.reshape(B * Q, -1, DK) for t in y.split([hk * DK, hk * DK, hv * DV], dim=1))
+    _, _, _, a, b, A_log, dt_bias = inputs(B * Q, hk, hv, gen)
+    ref_s, got_s = srows.clone(), srows.clone()
+    ref_o = verify.gated_delta_rule_verify_ref(
+        q, k, v, a, b, A_log, dt_bias, ref_s, row_slots, snap_rows
+    )
+    o = verify.gated_delta_rule_verify_cuda(
+        q, k, v, a, b, A_log, dt_bias, got_s, row_slots, snap_rows
+    )
+    torch.testing.assert_close(o, ref_o, **OUT_TOL)
+    torch.testing.assert_close(got_s, ref_s, **STEP_STATE_TOL)
+    for s in range(B):
+        assert (o[s * Q + live[s] : (s + 1) * Q] == 0).all()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 from voltserve.kernels import dispatch, registry
-from voltserve.kernels.linear_attention import chunk, conv, gated_norm, recurrent
+from voltserve.kernels.linear_attention import chunk, conv, gated_norm, recurrent, verify
 from voltserve.kernels.runtime.launch_geometry import recording
 from voltserve.kernels.runtime.numba_common import SIM, launch
 
@@ -223,6 +223,131 @@ def test_chunked_prefill(rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# verify walks (a speculative verify step's rows in order, snapshots of the state after each)
+
+# Three sequences of Q = 4 rows: all live, two live, a padding sequence (module doc of verify.py).
+# Pools of 4 request slots, then a snapshot area of 4 positions x 4 requests (rows 4..19, as a
+# state cache lays it out: row 4 + 4 j + b).
+VERIFY_SLOTS = [[2, 2, 2, 2], [0, 0, -1, -1], [-1, -1, -1, -1]]
+VERIFY_LIVE = [4, 2, 0]
+SLOTS, AREA = 4, 4
+
+
+def verify_layout():
+    row_slots = torch.tensor(VERIFY_SLOTS, dtype=torch.int64)
+    B, Q = row_slots.shape
+    j, b = torch.arange(Q - 1), torch.arange(B)
+    snap_rows = SLOTS + j[None, :] * AREA + b[:, None]
+    return row_slots, snap_rows, B, Q
+
+
+def poisoned_rows(pool: torch.Tensor) -> torch.Tensor:
+    """The request slots' pool followed by a NaN snapshot area."""
+    area = torch.full((AREA * AREA, *pool.shape[1:]), NAN, dtype=pool.dtype)
+    return torch.cat([pool, area])
+
+
+def check_walk(got_rows, pool, snap_rows, window):
+    """The state after each live row j of each sequence (window(b, j), independent of the code
+    under test): in its snapshot row while a live row follows, else in its slot; every other
+    row as it was (NaN past the written snapshots)."""
+    written = set()
+    for b, n in enumerate(VERIFY_LIVE):
+        slot = VERIFY_SLOTS[b][0]
+        for j in range(n):
+            row = int(snap_rows[b, j]) if j + 1 < n else slot
+            written.add(row)
+            torch.testing.assert_close(got_rows[row].float(), window(b, j), **TOL[torch.float32])
+    for row in range(got_rows.shape[0]):
+        if row in written:
+            continue
+        if row < SLOTS:
+            torch.testing.assert_close(got_rows[row], pool[row], equal_nan=True, atol=0, rtol=0)
+        else:
+            assert got_rows[row].isnan().all(), f"row {row} written"
+
+
+@sim_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_conv1d_verify(rng, dtype):
+    gen = generator(rng)
+    D, K = 300, 4  # two channel tiles, the second partial
+    row_slots, snap_rows, B, Q = verify_layout()
+    x = torch.randn(B * Q, D, generator=gen).to(dtype)
+    weight = (0.5 * torch.randn(D, K, generator=gen)).to(dtype)
+    pool = torch.randn(SLOTS, D, K - 1, generator=gen).to(dtype)
+    pool[1] = NAN  # outside the batch
+    rows = poisoned_rows(pool)
+    ref_rows = rows.clone()
+    ref = verify.causal_conv1d_verify_ref(x, weight, ref_rows, row_slots, snap_rows)
+    out = torch.full_like(x, NAN)
+    got_rows = rows.clone()
+    run(verify.conv_launches(x, weight, got_rows, row_slots, snap_rows, out))
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(got_rows, ref_rows, equal_nan=True, atol=0, rtol=0)
+
+    # Independently: transformers' conv update over each sequence's live rows; the window after
+    # row j is the last K - 1 inputs.
+    for b, n in enumerate(VERIFY_LIVE):
+        assert (out[b * Q + n : (b + 1) * Q] == 0).all()
+        if n == 0:
+            continue
+        live = slice(b * Q, b * Q + n)
+        state = pool[VERIFY_SLOTS[b][0]].float()[None].clone()
+        want = hf.causal_conv1d_update(
+            x[live].float().t()[None], state, weight.float(), None, "silu"
+        )
+        torch.testing.assert_close(out[live].float(), want[0].t(), **TOL[dtype])
+
+    def window(b, j):
+        ext = torch.cat([pool[VERIFY_SLOTS[b][0]].float(), x[b * Q : b * Q + j + 1].float().t()], 1)
+        return ext[:, -(K - 1) :]
+
+    check_walk(got_rows, pool, snap_rows, window)
+
+
+@sim_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recurrent_verify(rng, dtype):
+    gen = generator(rng)
+    # As test_recurrent_decode: Dk 80 (a warp with every row, one with some, one with none), a
+    # partial second column tile, 2 value heads a key head.
+    Hk, Hv, Dk, Dv = 1, 2, 80, 40
+    row_slots, snap_rows, B, Q = verify_layout()
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(gen, B * Q, Hk, Hv, Dk, Dv, dtype)
+    pool = 0.3 * torch.randn(SLOTS, Hv, Dk, Dv, generator=gen)
+    pool[1] = NAN
+    rows = poisoned_rows(pool)
+    ref_rows = rows.clone()
+    ref = verify.gated_delta_rule_verify_ref(
+        q, k, v, a, b, A_log, dt_bias, ref_rows, row_slots, snap_rows
+    )
+    out = torch.full_like(v, NAN)
+    got_rows = rows.clone()
+    run(verify.gdn_launches(q, k, v, a, b, A_log, dt_bias, got_rows, row_slots, snap_rows, out))
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(got_rows, ref_rows, equal_nan=True, **tol)
+
+    # Independently: transformers' recurrence over each prefix of a sequence's live rows gives
+    # the output and the state after each row.
+    g, beta = hf_gates(a, b, A_log, dt_bias)
+    states = {}
+    for s, n in enumerate(VERIFY_LIVE):
+        assert (out[s * Q + n : (s + 1) * Q] == 0).all()
+        for j in range(n):
+            prefix = slice(s * Q, s * Q + j + 1)
+            want, states[s, j] = hf.torch_recurrent_gated_delta_rule(
+                per_value_head(q[None, prefix], Hv), per_value_head(k[None, prefix], Hv),
+                v[None, prefix], g[None, prefix], beta[None, prefix],
+                initial_state=pool[VERIFY_SLOTS[s][0]][None], output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            torch.testing.assert_close(out[s * Q + j].float(), want[0, j].float(), **TOL[dtype])
+    check_walk(got_rows, pool, snap_rows, lambda s, j: states[s, j][0])
+
+
+# ---------------------------------------------------------------------------------------------
 # gated RMSNorm
 
 
@@ -254,6 +379,8 @@ OPS = (
     "causal_conv1d_decode",
     "gated_delta_rule_prefill",
     "gated_delta_rule_decode",
+    "causal_conv1d_verify",
+    "gated_delta_rule_verify",
     "gated_rms_norm",
 )
 
@@ -310,6 +437,21 @@ def test_launch_geometry_at_model_shapes(batch):
             torch.empty(T * HV, DV, **f16), torch.empty(T * HV, DV, **f16),
             torch.empty(DV, **f16), 1e-6,
         )  # fmt: skip
+        # A verify step of 4 sequences of 5 rows (k = 4), pools with a snapshot area.
+        VB, VQ = 4, 5
+        vrows = torch.empty(batch + 1 + VB * VQ, HV, DK, DV, dtype=torch.float32, **meta)
+        vcrows = torch.empty(batch + 1 + VB * VQ, CONV_DIM, KW - 1, **f16)
+        row_slots = torch.empty(VB, VQ, dtype=torch.int64, **meta)
+        snap_rows = torch.empty(VB, VQ - 1, dtype=torch.int64, **meta)
+        verify.causal_conv1d_verify_cuda(
+            torch.empty(VB * VQ, CONV_DIM, **f16), torch.empty(CONV_DIM, KW, **f16), vcrows,
+            row_slots, snap_rows,
+        )  # fmt: skip
+        verify.gated_delta_rule_verify_cuda(
+            torch.empty(VB * VQ, HK, DK, **f16), torch.empty(VB * VQ, HK, DK, **f16),
+            torch.empty(VB * VQ, HV, DV, **f16), torch.empty(VB * VQ, HV, **f16),
+            torch.empty(VB * VQ, HV, **f16), A_log, A_log, vrows, row_slots, snap_rows,
+        )  # fmt: skip
     names = [launch.kernel.split(".")[-1] for launch in launches]
     assert names == [
         "gdn_decode_kernel",
@@ -319,9 +461,14 @@ def test_launch_geometry_at_model_shapes(batch):
         "gdn_chunk_prep_kernel",
         "gdn_chunk_scan_kernel",
         "gated_rms_norm_kernel",
+        "conv_verify_kernel",
+        "gdn_verify_kernel",
     ]
     decode = launches[0]
     assert decode.grid == (DV // recurrent.COLS, HV, batch) and decode.block == (128, 1, 1)
     prep, scan = launches[4], launches[5]
     assert prep.grid == (T // chunk.CHUNK + seqs, HV, 1)
     assert scan.grid == (DV // chunk.COLS, HV, seqs)
+    cv, gv = launches[7], launches[8]
+    assert cv.grid == (VB, -(-CONV_DIM // conv.THREADS), 1)
+    assert gv.grid == (DV // recurrent.COLS, HV, VB) and gv.block == (128, 1, 1)

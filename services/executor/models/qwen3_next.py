@@ -386,13 +386,14 @@ class GatedDeltaNet(nn.Module):
         meta: AttentionMetadata,
         snap: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """snap: this layer's verify snapshots (state_rollback.py) in an eager verify step."""
+        """snap: this layer's verify snapshots in an eager verify step, its whole pools (request
+        slots and snapshot area) in a verify graph's (state_rollback.py)."""
         T = x.shape[0]
         mixed, z, b, a = self._project(ops, x)
         mixed, b, a = mixed.contiguous(), b.contiguous(), a.contiguous()
         if meta.verify_layout is not None:
             assert snap is not None
-            o = self._mix_layout(ops, mixed, b, a, state, meta.verify_layout, snap)
+            o = self._mix_layout(ops, mixed, b, a, meta.verify_layout, snap)
         elif meta.verify_states is not None:
             assert snap is not None
             o = self._mix_verify(ops, mixed, b, a, state, meta, snap)
@@ -511,26 +512,20 @@ class GatedDeltaNet(nn.Module):
         mixed: torch.Tensor,
         b: torch.Tensor,
         a: torch.Tensor,
-        state: tuple[torch.Tensor, torch.Tensor],
         lay: VerifyLayout,
-        snap: tuple[torch.Tensor, torch.Tensor],
+        pools: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """_mix for a verify graph's step (fixed layout, no host reads): position j of every
-        sequence together through the decode ops, then each sequence's state after it into
-        snapshot (j, b). The last position's is never committed (a request keeps at most m of
-        its m + 1 rows' state before the next step computes its next token)."""
-        conv_pool, state_pool = state
-        snap_conv, snap_rec = snap
-        q, B = lay.row_slots.shape
-        x3, b3, a3 = (t.view(B, q, -1) for t in (mixed, b, a))
-        outs = []
-        for j in range(q):
-            x_j, b_j, a_j = (t[:, j].contiguous() for t in (x3, b3, a3))
-            outs.append(self._decode(ops, x_j, b_j, a_j, state, lay.row_slots[j]))
-            if j < q - 1:
-                torch.index_select(conv_pool, 0, lay.seq_slots, out=snap_conv[j, :B])
-                torch.index_select(state_pool, 0, lay.seq_slots, out=snap_rec[j, :B])
-        return torch.stack(outs, dim=1).view(B * q, self.hv, self.dv)
+        """_mix for a verify graph's step (fixed layout, no host reads): every sequence's rows
+        in order through the verify ops, one launch per state kind, the state after each row
+        that a later live row follows into its snapshot (j, b) (kernels/linear_attention/
+        verify.py)."""
+        conv_rows, state_rows = pools
+        w = self.conv1d.weight.view(self.conv_dim, -1)
+        mixed = ops.causal_conv1d_verify(mixed, w, conv_rows, lay.row_slots, lay.snap_rows)
+        q, k, v = self._qkv(mixed)
+        return ops.gated_delta_rule_verify(
+            q, k, v, a, b, self.A_log, self.dt_bias, state_rows, lay.row_slots, lay.snap_rows
+        )
 
 
 class _PlainWeight(nn.Module):
@@ -661,6 +656,8 @@ class Qwen3NextForCausalLM(nn.Module):
         self.graph_ops = (
             "causal_conv1d_decode",
             "gated_delta_rule_decode",
+            "causal_conv1d_verify",
+            "gated_delta_rule_verify",
             "gated_rms_norm",
         ) + (("moe_topk", "moe_experts") if arch.num_experts else ())
         self.lm_head = lm_head(arch, dtype, quant, tp, lay)
@@ -710,8 +707,12 @@ class Qwen3NextForCausalLM(nn.Module):
             )
         kv = iter(kv_caches)
         states = iter(self.state_cache.layers)
-        vs = meta.verify_layout or meta.verify_states
-        snaps = iter(vs.snapshots) if vs is not None else None
+        if meta.verify_layout is not None:
+            snaps = iter(meta.verify_layout.pools)
+        elif meta.verify_states is not None:
+            snaps = iter(meta.verify_states.snapshots)
+        else:
+            snaps = None
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:

@@ -20,10 +20,10 @@ rows). So the graph runs the decode graphs' ops (DECODE_GRAPH_OPS) and no new ke
 graph, the row seq_lens are positions + 1 and the per-row block tables are the per-sequence ones
 repeated q times; the host stages one table row per sequence.
 
-A target with linear-attention state (Gated DeltaNet layers): its layers walk the layout one
-position at a time and keep each sequence's state after each position in the state cache's
-snapshot area, committed at the next step (state_rollback.py, VerifyLayout); the graphs then
-stop at the requests that area holds (max_verify_seqs).
+A target with linear-attention state (Gated DeltaNet layers): its layers walk each sequence's
+rows in order (one launch per state kind and layer) and keep each sequence's state after each
+position in the state cache's snapshot area, committed at the next step (state_rollback.py,
+VerifyLayout); the graphs then stop at the requests that area holds (max_verify_seqs).
 
 Outputs: one logits buffer and one hidden-state buffer of the largest size's rows, which every
 size's graph copies its outputs into (per-size outputs, as the decode graphs keep, would hold
@@ -154,12 +154,13 @@ class VerifyGraphRunner(GraphSet):
             ("rows", torch.int64, (N,)),
         ]
         if state_cache is not None:
-            fields += [("state", torch.int64, (N,)), ("seq_state", torch.int64, (n,))]
+            fields += [("state", torch.int64, (N,))]
         # The tables last: a step uploads the buffer up to its sequences' rows of them.
         self.st = Staging([*fields, ("tables", torch.int32, (n, width))], device)
         if state_cache is not None:
             self.st.host["state"].fill(-1)
             self.st.dev["state"].fill_(-1)
+            self.snap_rows = state_cache.snapshot_rows(n, q - 1).to(device)
         h = self.st.host
         self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
         self.host_rows, self.host_tables = h["rows"], h["tables"]
@@ -184,9 +185,7 @@ class VerifyGraphRunner(GraphSet):
         if self.state_cache is not None:
             meta.state_slots = d["state"][:R]
             meta.verify_layout = VerifyLayout(
-                d["state"][:R].view(bs, self.q).t().contiguous(),
-                d["seq_state"][:bs],
-                self.state_cache.snapshots,
+                d["state"][:R].view(bs, self.q), self.snap_rows[:bs], self.state_cache.rows
             )
         h = self.model.hidden_states(d["ids"][:R], pos, meta, self.kv_caches)
         logits = self.model.compute_logits(h, None, fp32_logits=False)
@@ -263,8 +262,6 @@ class VerifyGraphRunner(GraphSet):
             h = self.st.host
             h["state"][:N] = -1
             h["state"][row] = np.asarray(state_slots, dtype=np.int64)[b_of]
-            h["seq_state"][:bs] = 0
-            h["seq_state"][:B] = state_slots
         self._last = (B, bs, R)
         return bs, R
 
