@@ -38,7 +38,12 @@ from voltserve.services.executor.input_batch import attention_metadata
 from voltserve.services.executor.models.layers import AttentionMetadata
 from voltserve.services.executor.request import Request
 from voltserve.services.executor.spec.graph_setup import build_step_graphs, graph_pool
-from voltserve.services.executor.spec.graphs import StepGraphs, VerifyGraphRunner, count
+from voltserve.services.executor.spec.graphs import (
+    StepGraphs,
+    VerifyGraphRunner,
+    chained_drafts,
+    count,
+)
 from voltserve.services.executor.spec.model_proposer import ModelProposer, alloc_proposer_kv
 from voltserve.shared import startup
 
@@ -268,21 +273,13 @@ class DraftModelProposer(ModelProposer):
         ks = [k for *_, k in rows]
         blocks = [r.block_ids for r in reqs]
         ids: list[int] | torch.Tensor = first
-        outs = [first.long()] if isinstance(first, torch.Tensor) else []
+        outs = []
         for j in range(1, kmax):
             pos = [r.num_tokens + j - 1 for r in reqs]
             (ids,) = g.run(pos, blocks, [k > j for k in ks], ids)
             outs.append(ids.long().clone())
-        steps = torch.stack(outs).tolist()
-        if not isinstance(first, torch.Tensor):
-            steps = [list(first), *steps]
-        drafts: list[list[int]] = [[t] for t in steps[0]]
-        for j, toks in enumerate(steps[1:], start=1):
-            for b, t in enumerate(toks):
-                if ks[b] > j:
-                    drafts[b].append(t)
         count(self.runner, "draft_graph")
-        return drafts
+        return chained_drafts(first, outs, ks)
 
     def _tables(self, reqs: list[Request]) -> torch.Tensor:
         return block_tables(reqs)

@@ -45,7 +45,12 @@ from voltserve.services.executor.request import Request, RequestStatus
 from voltserve.services.executor.spec.draft_model import block_tables, draft_metadata
 from voltserve.services.executor.spec.eagle_head import load_eagle_head
 from voltserve.services.executor.spec.graph_setup import build_step_graphs, graph_pool
-from voltserve.services.executor.spec.graphs import StepGraphs, VerifyGraphRunner, count
+from voltserve.services.executor.spec.graphs import (
+    StepGraphs,
+    VerifyGraphRunner,
+    chained_drafts,
+    count,
+)
 from voltserve.services.executor.spec.model_proposer import ModelProposer, alloc_proposer_kv
 from voltserve.shared import startup
 
@@ -338,21 +343,13 @@ class EagleProposer(ModelProposer):
         blocks = [r.block_ids for r in reqs]
         ids: list[int] | torch.Tensor = first
         feats = h
-        outs = [first.long()] if isinstance(first, torch.Tensor) else []
+        outs = []
         for j in range(1, max(ks)):
             pos = [r.num_computed_tokens + j - 1 for r in reqs]
             ids, feats = g.run(pos, blocks, [k > j for k in ks], ids, feats)
             outs.append(ids.long().clone())
-        steps = torch.stack(outs).tolist()
-        if not isinstance(first, torch.Tensor):
-            steps = [list(first), *steps]
-        drafts: list[list[int]] = [[t] for t in steps[0]]
-        for j, toks in enumerate(steps[1:], start=1):
-            for b, t in enumerate(toks):
-                if ks[b] > j:
-                    drafts[b].append(t)
         count(self.runner, "draft_graph")
-        return drafts
+        return chained_drafts(first, outs, ks)
 
     def _argmax(self, h: torch.Tensor) -> list[int]:
         return self.target.compute_logits(h).argmax(dim=-1).tolist()

@@ -90,6 +90,24 @@ def count(runner, key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
 
 
+def chained_drafts(
+    first: Sequence[int] | torch.Tensor, outs: list[torch.Tensor], ks: Sequence[int]
+) -> list[list[int]]:
+    """Each request's proposal from a proposer's chained step graphs: its first token (host
+    ids, or the catch-up's argmax on the device), then step j's argmax (outs[j - 1]) while
+    j < its k; one copy back of all the device tokens."""
+    dev = [first.long()] if isinstance(first, torch.Tensor) else []
+    steps = torch.stack(dev + outs).tolist()
+    if not isinstance(first, torch.Tensor):
+        steps = [list(first), *steps]
+    drafts: list[list[int]] = [[t] for t in steps[0]]
+    for j, toks in enumerate(steps[1:], start=1):
+        for b, t in enumerate(toks):
+            if ks[b] > j:
+                drafts[b].append(t)
+    return drafts
+
+
 def verify_row_counts(scheduled, q: int) -> list[int] | None:
     """Rows per request (1 + its proposals) when a verify graph of q rows per sequence covers
     the step: every scheduled request decodes (it computes its last known token, then its
