@@ -317,8 +317,10 @@ class ModelRunner:
         spec = self.config.speculative_config
         snapshots = (0, 0)
         if spec is not None:
+            # A group of 1 + m rows keeps the state after rows 0 .. m - 1 (the state after its
+            # last row is the slot's own: state_rollback.py), so k positions.
             snapshots = (
-                spec.num_speculative_tokens + 1,
+                spec.num_speculative_tokens,
                 min(self.config.max_num_seqs, MAX_VERIFY_SEQS),
             )
         cache = StateCache(specs, self.config.max_num_seqs, self.dtype, self.device, snapshots)

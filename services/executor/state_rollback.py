@@ -9,8 +9,8 @@ advanced over a rejected proposal would be wrong for every later token. So:
 - Snapshots (the chosen way, not recompute): during the verify step each linear-attention
   layer runs a verify group's rows one position at a time with the decode ops (every group's
   row i together) and copies the slot's conv window [conv_dim, kernel - 1] and recurrent state
-  [Hv, Dk, Dv] after each row into the state cache's snapshot area [k + 1, requests, ...]
-  (`VerifyStates`). Cost: memory of (k + 1) x max_verify_seqs x one request's state (the
+  [Hv, Dk, Dv] after each row but the last (the commit never reads that one: below) into the
+  state cache's snapshot area [k, requests, ...] (`VerifyStates`). Cost: memory of k x max_verify_seqs x one request's state (the
   Qwen3.5-27B shape: 151 MB a request and position), allocated with the state cache at start-up
   and counted in the KV sizing; a step verifies at most max_verify_seqs requests (the engine
   gives the others no proposals that step). Time: k + 1 small decode-op calls and k copies
@@ -166,12 +166,14 @@ class VerifyStates:
         )
         n, G = max(rows), len(g)
         positions, seqs = cache.snapshot_shape
-        if n > positions or G > seqs:
+        if n > positions + 1 or G > seqs:
             raise RuntimeError(
                 f"a verify step of {G} requests with up to {n} rows each; the state cache "
-                f"snapshots {seqs} requests of {positions} rows"
+                f"snapshots {seqs} requests of {positions + 1} rows"
             )
-        v.snapshots = [(conv[:n, :G], rec[:n, :G]) for conv, rec in cache.snapshots]
+        # The state after a group's row i is kept for i < n - 1 (the commit never reads the
+        # one after a group's last row; the slot holds it).
+        v.snapshots = [(conv[: n - 1, :G], rec[: n - 1, :G]) for conv, rec in cache.snapshots]
         return v
 
     @classmethod

@@ -125,7 +125,7 @@ def test_mtp_many_requests_with_preemption(rng) -> None:
 
 
 def test_mtp_verifies_at_most_max_verify_seqs_requests_a_step(rng) -> None:
-    """The state cache holds k + 1 snapshots of max_verify_seqs requests (allocated with it and
+    """The state cache holds k snapshots of max_verify_seqs requests (allocated with it and
     counted in its bytes); with more requests decoding, a step gives proposals to that many and
     the others decode plainly: greedy equals transformers all the same."""
     arch = "qwen3_5"
@@ -135,8 +135,8 @@ def test_mtp_verifies_at_most_max_verify_seqs_requests_a_step(rng) -> None:
     cap = eng.runner.max_verify_seqs
     assert cap == state_rollback.MAX_VERIFY_SEQS < 8
     cache = eng.runner.state_cache
-    assert cache.snapshot_shape == (K + 1, cap)
-    assert cache.nbytes == StateCache.bytes_for(cache.specs, 8 + (K + 1) * cap, cache.dtype)
+    assert cache.snapshot_shape == (K, cap)
+    assert cache.nbytes == StateCache.bytes_for(cache.specs, 8 + K * cap, cache.dtype)
     propose, proposing = eng._propose, []
 
     def counted() -> None:

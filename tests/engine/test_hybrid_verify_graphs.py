@@ -90,7 +90,7 @@ def test_verify_layout_staging() -> None:
     padding sequences (the verify ops read a sequence's slot from its first row)."""
     q, width, bs = 4, 4, 16
     spec = LayerStateSpec((6, 3), (2, 4, 4))
-    cache = StateCache([spec, spec], 8, torch.float32, torch.device("cpu"), (q, 4))
+    cache = StateCache([spec, spec], 8, torch.float32, torch.device("cpu"), (q - 1, 4))
     g = VerifyGraphRunner(
         None, None, "cpu", width, bs, q, [1, 2, 4], capture=False, state_cache=cache
     )
@@ -104,8 +104,10 @@ def test_verify_layout_staging() -> None:
     # Sequence b's state after its row j goes to the cache's snapshot row (j, b).
     want = [[cache.snapshot_row(j, b) for j in range(q - 1)] for b in range(4)]
     assert g.snap_rows.tolist() == want
-    with pytest.raises(ValueError, match="area holds 4 of 4"):
+    with pytest.raises(ValueError, match="area holds 4 of 3"):
         cache.snapshot_rows(5, 3)
+    with pytest.raises(ValueError, match="area holds 4 of 3"):
+        cache.snapshot_rows(4, 4)
     with pytest.raises(ValueError, match="need the slots"):
         g.stage([5], [[1]], [10], tables, [4])
     with pytest.raises(ValueError, match="snapshots 4"):

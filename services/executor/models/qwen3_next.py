@@ -502,8 +502,9 @@ class GatedDeltaNet(nn.Module):
         for i, (rows, sel_t, slots) in enumerate(ix.rows):
             x_i, b_i, a_i = (t[rows].contiguous() for t in (mixed, b, a))
             o[rows] = self._decode(ops, x_i, b_i, a_i, state, slots)
-            snap_conv[i, sel_t] = conv_pool[slots]
-            snap_rec[i, sel_t] = state_pool[slots]
+            if i < snap_conv.shape[0]:  # none after the longest group's last row
+                snap_conv[i, sel_t] = conv_pool[slots]
+                snap_rec[i, sel_t] = state_pool[slots]
         return o
 
     def _mix_layout(
