@@ -7,21 +7,20 @@ proposal's KV is simply overwritten later; a Gated DeltaNet's conv window and re
 advanced over a rejected proposal would be wrong for every later token. So:
 
 - Snapshots (the chosen way, not recompute): during the verify step each linear-attention
-  layer runs a verify group's rows one position at a time with the decode ops (every group's
-  row i together) and copies the slot's conv window [conv_dim, kernel - 1] and recurrent state
-  [Hv, Dk, Dv] after each row but the last (the commit never reads that one: below) into the
-  state cache's snapshot area [k, requests, ...] (`VerifyStates`). Cost: memory of k x max_verify_seqs x one request's state (the
-  Qwen3.5-27B shape: 151 MB a request and position), allocated with the state cache at start-up
-  and counted in the KV sizing; a step verifies at most max_verify_seqs requests (the engine
-  gives the others no proposals that step). Time: k + 1 small decode-op calls and k copies
-  per layer instead of one varlen prefill call. A verify graph (spec/graphs.py, up to
-  max_verify_seqs sequences of q = k + 1 rows) does the same with a fixed layout
-  (`VerifyLayout`) in one launch per state kind and layer (the verify ops,
-  kernels/linear_attention/verify.py): each sequence's rows in order, the state read once,
-  rows past a sequence's 1 + m and padding sequences at state slot -1 (skipped), sequence b's
-  state after position j into snapshot (j, b) when a live row follows. Recompute instead
-  would need a second forward of the whole model over the kept rows (every layer's input
-  depends on the layers below), which costs more than the copies.
+  layer walks each verify group's rows in order with the verify ops
+  (kernels/linear_attention/verify.py: one launch per state kind and layer, the state read
+  once) and writes the conv window [conv_dim, kernel - 1] and recurrent state [Hv, Dk, Dv]
+  after each row but the last (the commit never reads that one: below) into the state cache's
+  snapshot area [k, requests, ...], the state after the last row into the slot. Cost: memory
+  of k x max_verify_seqs x one request's state (the Qwen3.5-27B shape: 151 MB a request and
+  position), allocated with the state cache at start-up and counted in the KV sizing; a step
+  verifies at most max_verify_seqs requests (the engine gives the others no proposals that
+  step). An eager step (`VerifyStates`) gathers its groups into the verify ops' layout (G
+  groups of the longest group's rows, the shorter ones padded at state slot -1); a verify
+  graph (spec/graphs.py, up to max_verify_seqs sequences of q = k + 1 rows) has that layout
+  already (`VerifyLayout`: rows past a sequence's 1 + m and padding sequences at slot -1).
+  Recompute instead would need a second forward of the whole model over the kept rows (every
+  layer's input depends on the layers below), which costs more than the copies.
 - Commit: the engine keeps j accepted proposals and emits j + 1 tokens (the last one, the
   target's own, is computed by the next step), advancing num_computed_tokens by j + 1 (fewer
   when a stop token ends the run). The state the next step needs includes exactly the tokens
@@ -78,9 +77,16 @@ class VerifyIndex:
     other_rows: torch.Tensor  # their rows
     other_lens: torch.Tensor  # their query lengths
     other_cu: torch.Tensor  # their query starts among other_rows
-    # per verify row i: (the step's rows, the groups (index into VerifyStates' lists), their
-    # state slots) of the groups that have a row i
-    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # The groups in the verify ops' layout (kernels/linear_attention/verify.py), G groups of
+    # Q = the longest group's rows: [G * Q] the step's row of each (g, j) (a group's first row
+    # past its own rows: read, never computed), [G, Q] the row slots (-1 past a group's rows),
+    # [G, Q - 1] the snapshot rows; and [rows of the groups] where each (g, j) of a group's own
+    # rows sits among the G * Q and in the step.
+    gather: torch.Tensor
+    row_slots: torch.Tensor
+    snap_rows: torch.Tensor
+    live: torch.Tensor
+    live_rows: torch.Tensor
 
 
 @dataclass
@@ -95,9 +101,11 @@ class VerifyStates:
     slots: list[int]  # each request's state slot when staged
     starts: list[int]  # position of each group's first row (the last known token)
     query_start_loc: list[int]  # the step's, on the host
-    # Per linear-attention layer: conv [max_rows, G, conv_dim, kernel - 1] and recurrent
-    # [max_rows, G, Hv, Dk, Dv] snapshots after each row; the layer fills them.
-    snapshots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per linear-attention layer, its whole pools (StateCache.rows), whose snapshot rows the
+    # layer fills (an eager step's; a graph's layers have their VerifyLayout's).
+    pools: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # [G, longest group - 1] the snapshot row of group g's state after its row j
+    snap_rows: torch.Tensor | None = None
     _index: VerifyIndex | None = field(default=None, repr=False)
 
     def index(self, device: torch.device) -> VerifyIndex:
@@ -111,26 +119,28 @@ class VerifyStates:
             lens = [qsl[s + 1] - qsl[s] for s in others]
             cu = list(accumulate(lens, initial=0))
             rows = [r for s in others for r in range(qsl[s], qsl[s + 1])]
-            per_row = []
-            for i in range(max(self.num_rows)):
-                sel = [g for g, n in enumerate(self.num_rows) if n > i]
-                per_row.append(
-                    (
-                        [self.first_rows[g] + i for g in sel],
-                        sel,
-                        [self.slots[g] for g in sel],
-                    )
-                )
+            Q = max(self.num_rows)
+            gather, row_slots, live, live_rows = [], [], [], []
+            for g, (first, n, slot) in enumerate(zip(self.first_rows, self.num_rows, self.slots)):
+                gather += [first + j if j < n else first for j in range(Q)]
+                row_slots.append([slot if j < n else -1 for j in range(Q)])
+                live += range(g * Q, g * Q + n)
+                live_rows += range(first, first + n)
 
-            def dev(x: list[int]) -> torch.Tensor:
+            def dev(x: list) -> torch.Tensor:
                 return torch.tensor(x, dtype=torch.int64, device=device)
 
+            assert self.snap_rows is not None
             self._index = VerifyIndex(
                 others=dev(others) if others else None,
                 other_rows=dev(rows),
                 other_lens=dev(lens),
                 other_cu=dev(cu),
-                rows=[tuple(dev(x) for x in r) for r in per_row],
+                gather=dev(gather),
+                row_slots=dev(row_slots),
+                snap_rows=self.snap_rows.to(device),
+                live=dev(live),
+                live_rows=dev(live_rows),
             )
         return self._index
 
@@ -173,7 +183,8 @@ class VerifyStates:
             )
         # The state after a group's row i is kept for i < n - 1 (the commit never reads the
         # one after a group's last row; the slot holds it).
-        v.snapshots = [(conv[: n - 1, :G], rec[: n - 1, :G]) for conv, rec in cache.snapshots]
+        v.pools = cache.rows
+        v.snap_rows = cache.snapshot_rows(G, n - 1)
         return v
 
     @classmethod

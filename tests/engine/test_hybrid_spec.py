@@ -13,6 +13,7 @@ from voltserve.services.executor.engine import LLMEngine
 from voltserve.services.executor.engine_args import engine_config
 from voltserve.services.executor.model_runner import ModelRunner
 from voltserve.services.executor.spec.oracle import OracleProposer
+from voltserve.services.executor.state_rollback import VerifyStates
 from voltserve.shared.sampling_params import SamplingParams
 from voltserve.shared.startup import StartupError
 
@@ -72,6 +73,63 @@ def test_greedy_with_speculation_equals_spec_off_and_transformers(arch: str, rng
     accepted = after.spec_decode_num_accepted_tokens - st.spec_decode_num_accepted_tokens
     drafted = after.spec_decode_num_draft_tokens - st.spec_decode_num_draft_tokens
     assert 0 < accepted < drafted
+
+
+def test_verify_groups_of_different_lengths(rng, monkeypatch) -> None:
+    """Eager verify steps whose groups have different row counts (1, 2 or 3 proposals), so the
+    verify ops' layout pads the shorter groups; the state is rolled back inside a group."""
+    arch = "qwen3_5"
+    prompts = repetitive_prompts(rng, 4)
+
+    def wide(spec=None) -> LLMEngine:
+        # All four decode together (a budget for their prompts at once; 4 state slots).
+        cfg = engine_config(
+            model=str(checkpoint(arch)),
+            device="cpu",
+            dtype="float32",
+            speculative_config=spec,
+            max_num_batched_tokens=128,
+            max_num_seqs=4,
+        )
+        return LLMEngine(cfg)
+
+    want = wide().generate(prompts, PARAMS)  # what the oracle proposes from
+    eng = wide(NGRAM)
+    ids = [f"generate-{eng._generate_calls + 1}-{i}" for i in range(len(prompts))]
+    oracle = OracleProposer(3, dict(zip(ids, want)))
+    V = len(tokenizer())
+
+    class Short(OracleProposer):
+        """Request i proposes its true continuation, at most 1 + i % 3 tokens of it (every step
+        mixes group lengths), request 1 with its second token wrong (rejected inside the
+        group every time)."""
+
+        def propose(self, requests):
+            out = []
+            for r, p in zip(requests, oracle.propose(requests)):
+                i = ids.index(r.request_id)
+                p = p[: 1 + i % 3]
+                if i == 1 and len(p) == 2:
+                    p[1] = (p[1] + 1) % V
+                out.append(p)
+            return out
+
+    eng.proposer = Short(3, {})
+    steps: list[list[int]] = []
+    build = VerifyStates.build.__func__
+
+    def spy(cls, *args, **kw):
+        v = build(cls, *args, **kw)
+        if v is not None:
+            steps.append(list(v.num_rows))
+        return v
+
+    monkeypatch.setattr(VerifyStates, "build", classmethod(spy))
+    check_greedy_outputs(hf_model(arch), prompts, eng.generate(prompts, PARAMS), MAX_NEW)
+    assert eng.check_all_free()
+    assert any(len(set(n)) > 1 for n in steps), steps
+    st = eng.stats()
+    assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
 
 
 def test_draft_model_on_a_hybrid_target(rng) -> None:

@@ -386,8 +386,8 @@ class GatedDeltaNet(nn.Module):
         meta: AttentionMetadata,
         snap: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """snap: this layer's verify snapshots in an eager verify step, its whole pools (request
-        slots and snapshot area) in a verify graph's (state_rollback.py)."""
+        """snap: in a verify step, this layer's whole pools (request slots and snapshot area,
+        state_rollback.py)."""
         T = x.shape[0]
         mixed, z, b, a = self._project(ops, x)
         mixed, b, a = mixed.contiguous(), b.contiguous(), a.contiguous()
@@ -478,14 +478,12 @@ class GatedDeltaNet(nn.Module):
         a: torch.Tensor,
         state: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        snap: tuple[torch.Tensor, torch.Tensor],
+        pools: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """_mix for an eager verify step: the verify groups one position at a time with the
-        decode ops, their state after each row snapshotted (state_rollback.py); the other
+        """_mix for an eager verify step: the verify groups gathered into the verify ops'
+        layout (state_rollback.VerifyIndex) and walked as a graph's (_mix_layout); the other
         sequences (prefill chunks, plain decodes) through the varlen ops."""
         ix = meta.verify_states.index(mixed.device)
-        conv_pool, state_pool = state
-        snap_conv, snap_rec = snap
         o = mixed.new_zeros((mixed.shape[0], self.hv, self.dv))
         if ix.others is not None:
             rows, idx = ix.other_rows, ix.others
@@ -499,12 +497,9 @@ class GatedDeltaNet(nn.Module):
                 meta.state_slots[idx],
                 meta.seq_lens[idx].long() > ix.other_lens,
             )
-        for i, (rows, sel_t, slots) in enumerate(ix.rows):
-            x_i, b_i, a_i = (t[rows].contiguous() for t in (mixed, b, a))
-            o[rows] = self._decode(ops, x_i, b_i, a_i, state, slots)
-            if i < snap_conv.shape[0]:  # none after the longest group's last row
-                snap_conv[i, sel_t] = conv_pool[slots]
-                snap_rec[i, sel_t] = state_pool[slots]
+        g = ix.gather
+        og = self._walk(ops, mixed[g], b[g], a[g], ix.row_slots, ix.snap_rows, pools)
+        o[ix.live_rows] = og[ix.live]
         return o
 
     def _mix_layout(
@@ -516,16 +511,28 @@ class GatedDeltaNet(nn.Module):
         lay: VerifyLayout,
         pools: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """_mix for a verify graph's step (fixed layout, no host reads): every sequence's rows
-        in order through the verify ops, one launch per state kind, the state after each row
-        that a later live row follows into its snapshot (j, b) (kernels/linear_attention/
-        verify.py)."""
+        """_mix for a verify graph's step (fixed layout, no host reads)."""
+        return self._walk(ops, mixed, b, a, lay.row_slots, lay.snap_rows, pools)
+
+    def _walk(
+        self,
+        ops: KernelDispatch,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        row_slots: torch.Tensor,
+        snap_rows: torch.Tensor,
+        pools: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Every verify sequence's rows in order through the verify ops, one launch per state
+        kind, the state after each row that a later live row follows into its snapshot row
+        (kernels/linear_attention/verify.py)."""
         conv_rows, state_rows = pools
         w = self.conv1d.weight.view(self.conv_dim, -1)
-        mixed = ops.causal_conv1d_verify(mixed, w, conv_rows, lay.row_slots, lay.snap_rows)
+        mixed = ops.causal_conv1d_verify(mixed, w, conv_rows, row_slots, snap_rows)
         q, k, v = self._qkv(mixed)
         return ops.gated_delta_rule_verify(
-            q, k, v, a, b, self.A_log, self.dt_bias, state_rows, lay.row_slots, lay.snap_rows
+            q, k, v, a, b, self.A_log, self.dt_bias, state_rows, row_slots, snap_rows
         )
 
 
@@ -583,8 +590,8 @@ class HybridDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         snap: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache: the layer's KV cache (full attention) or its state pools (linear); snap: a
-        linear layer's verify snapshots (state_rollback.py)."""
+        """cache: the layer's KV cache (full attention) or its state pools (linear); snap: in a
+        verify step, a linear layer's whole pools (state_rollback.py)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(ops, x)
@@ -708,12 +715,8 @@ class Qwen3NextForCausalLM(nn.Module):
             )
         kv = iter(kv_caches)
         states = iter(self.state_cache.layers)
-        if meta.verify_layout is not None:
-            snaps = iter(meta.verify_layout.pools)
-        elif meta.verify_states is not None:
-            snaps = iter(meta.verify_states.snapshots)
-        else:
-            snaps = None
+        vs = meta.verify_layout or meta.verify_states
+        snaps = iter(vs.pools) if vs is not None else None
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:
