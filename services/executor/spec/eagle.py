@@ -29,6 +29,7 @@ before the replay); the first proposal and the head's output at each request's l
 on the device for the steps, so a proposal reads nothing back until all k tokens are known.
 Longer catch-ups (a request's first, over its prompt) and those beside a prefill chunk run
 eagerly.
+
 KV the head wrote for a prefix-cache hit's blocks (by the request that computed them) or left
 stale by a preemption only makes proposals worse, never the output different: acceptance keeps
 the target's tokens whatever is proposed (acceptance.py).
