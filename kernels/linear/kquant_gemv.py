@@ -55,10 +55,9 @@ from voltserve.kernels.linear.quant_gemv import (
     H2_X,
 )
 from voltserve.kernels.runtime.compile_cache import cached_factory
-from voltserve.kernels.runtime.half2 import and_or, h2_bits, h2f, h2fma, h2mul, ldh8, prmt
+from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8, prmt
 from voltserve.kernels.runtime.launch_geometry import on_gpu, sm_count
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, named_kernel
-from voltserve.kernels.runtime.vec_io import ld1
 
 MAX_M = 8
 VARIANTS = (1, 2, 4, 8)
@@ -173,7 +172,7 @@ def _q4k_body(M: int, R: int) -> list[str]:
             for i in range(8):
                 for t, w in enumerate((f"u{r}_{i}", f"v{r}_{i}")):
                     L.append(
-                        f"{ind}k{sub}{r}_{2 * i + t} = h2fma(and_or({w}, {mask:#x}, {H2_MAGIC:#x}),"
+                        f"{ind}k{sub}{r}_{2 * i + t} = h2fma(({w} & {mask:#x}) | {H2_MAGIC:#x},"
                         f" {mul:#x}, {add:#x})"
                     )
         for m in range(M):
@@ -222,8 +221,8 @@ def _q6k_body(M: int, R: int) -> list[str]:
             f"{ind}l2_{r} = ld_w4(qw, (rw{r}, w1 + 8))",
             f"{ind}qh{r} = ld_w4(qw, (rw{r}, wh))",
         ]
-        L += [f"{ind}sc{r}_{j} = ld1(scales, (rw{r}, sb + {2 * j}))" for j in range(4)]
-        L.append(f"{ind}dq{r} = float32(ld1(dd, (rw{r}, b))) * float32(1024.0)")
+        L += [f"{ind}sc{r}_{j} = scales[rw{r}, sb + {2 * j}]" for j in range(4)]
+        L.append(f"{ind}dq{r} = float32(dd[rw{r}, b]) * float32(1024.0)")
     L.append(f"{ind}xk = b * {QK_K} + hn * 128 + hl * 16")
     for r in range(R):
         L += [f"{ind}F{r}_{j} = dq{r} * float32(sc{r}_{j})" for j in range(4)]
@@ -239,9 +238,12 @@ def _q6k_body(M: int, R: int) -> list[str]:
             for i in range(4):
                 u = f"u{'a' if src == 1 else 'b'}{r}_{i}"
                 for t in range(2):  # elements (l, l + 1), then (l + 2, l + 3): 8 bits on
-                    lo = f"and_or({_shift(u, -(nib + 8 * t))}, {H2_MASK_LO:#x}, {H2_MAGIC:#x})"
-                    code = f"and_or({_shift(f'vh{r}_{i}', hs - 8 * t)}, {Q6_HIGH:#x}, {lo})"
-                    L.append(f"{ind}k{j}_{r}_{2 * i + t} = h2fma({code}, {Q6_MUL:#x}, {Q6_ADD:#x})")
+                    lo = f"(({_shift(u, -(nib + 8 * t))} & {H2_MASK_LO:#x})"
+                    hi = f"({_shift(f'vh{r}_{i}', hs - 8 * t)} & {Q6_HIGH:#x})"
+                    L.append(
+                        f"{ind}k{j}_{r}_{2 * i + t} = h2fma({lo} | {hi}) | {H2_MAGIC:#x},"
+                        f" {Q6_MUL:#x}, {Q6_ADD:#x})"
+                    )
         for m in range(M):
             xl, xw = _x_words(ind, f"x{j}_{m}_", f"xm{m}", f"xk + {32 * j}", 2)
             L += xl
@@ -314,10 +316,8 @@ def _build(kind: str, M: int, R: int, KS: int):
     scope = {
         "cuda": cuda,
         "float32": float32,
-        "ld1": ld1,
         "ld_w4": ld_w4,
         "ldh8": ldh8,
-        "and_or": and_or,
         "h2fma": h2fma,
         "h2mul": h2mul,
         "h2f": h2f,

@@ -47,8 +47,7 @@ Dot-product forms (`form_for` picks one per launch; `form` forces one for benchm
   instruction. Codes are pair-interleaved (code e of a word at bit 16 (e & 1) + 4 (e >> 1)), so
   `(u & 0x000F000F) | 0x64006400` read as half2 is (1024 + c0, 1024 + c1) and the 0x00F000F0 mask
   gives (1024 + 16 c2, 1024 + 16 c3); u >> 8 gives the other two pairs: one shift and four
-  LOP3s per word of 8 codes (half2.and_or: given both constants as immediates ptxas emits two
-  LOP3s a pair; SASS for sm_90 at one row, 461 -> 398 instructions a step of 128 weights). One fma.f16x2 per pair makes the exact (c - 8) * 2**-8 (the codes
+  LOP3s per word of 8 codes. One fma.f16x2 per pair makes the exact (c - 8) * 2**-8 (the codes
   centred, the 2**-8 for range), and the 16-byte x load is already the half2 pairs (x0, x1) ..
   (x6, x7) that meet those code pairs, so one fma.f16x2 adds two products. Per chunk (16
   products per half) and per (row, input) the fp16 sum is widened to fp32 once and folded with
@@ -122,10 +121,10 @@ from voltserve.kernels.linear.quant_common import (
 )
 from voltserve.kernels.linear.quant_pack import GroupQuantWeight
 from voltserve.kernels.runtime.compile_cache import cached_factory
-from voltserve.kernels.runtime.half2 import and_or, h2_bits, h2f, h2fma, h2mul, ldh8
+from voltserve.kernels.runtime.half2 import h2_bits, h2f, h2fma, h2mul, ldh8
 from voltserve.kernels.runtime.launch_geometry import on_gpu
 from voltserve.kernels.runtime.numba_common import current_stream, float32, launch, round_like
-from voltserve.kernels.runtime.vec_io import ZERO8, ld1, ld8
+from voltserve.kernels.runtime.vec_io import ZERO8, ld8
 
 MAX_M = 8
 WARPS = 4
@@ -249,11 +248,11 @@ def dot_step(
                 out.append(f"{ind}q{r}_{j} = ld_w4(qw, (rw{r}, c{j}))")
     for r in range(R):
         for j in range(U):
-            out.append(f"{ind}s{r}_{j} = ld1(scales, (rw{r}, g{j}))")
-            out.append(f"{ind}o{r}_{j} = ld1(offsets, (rw{r}, g{j}))")
+            out.append(f"{ind}s{r}_{j} = scales[rw{r}, g{j}]")
+            out.append(f"{ind}o{r}_{j} = offsets[rw{r}, g{j}]")
             if split:
-                out.append(f"{ind}t{r}_{j} = ld1(scales, (rw{r}, h{j}))")
-                out.append(f"{ind}p{r}_{j} = ld1(offsets, (rw{r}, h{j}))")
+                out.append(f"{ind}t{r}_{j} = scales[rw{r}, h{j}]")
+                out.append(f"{ind}p{r}_{j} = offsets[rw{r}, h{j}]")
     # Every temporary of the step has a name of its own (chunk j, x load t, row r, input e or
     # m): numba rebuilds SSA form for each name assigned more than once, over the whole kernel,
     # so reusing names costs seconds of compile per kernel (the PTX is the same either way).
@@ -419,7 +418,7 @@ def _half2_chunk(
                     (v, H2_MASK_HI, H2_HI_MUL, H2_HI_ADD),
                 )
             ):
-                code = f"and_or({word}, {mask:#x}, {H2_MAGIC:#x})"
+                code = f"({word} & {mask:#x}) | {H2_MAGIC:#x}"
                 out.append(f"{ind}k{j}_{t}_{r}_{p} = h2fma({code}, {mul:#x}, {add:#x})")
             for m in range(M):
                 for p in range(4):
@@ -634,7 +633,6 @@ def source_scope() -> dict:
         "cuda": cuda,
         "float32": float32,
         "uint32": uint32,
-        "ld1": ld1,
         "ld8": ld8,
         "ld_w4": ld_w4,
         "ZERO_W4": ZERO_W4,
@@ -642,7 +640,6 @@ def source_scope() -> dict:
         "bits_f32": bits_f32,
         "fold": fold,
         "fold_dot": fold_dot,
-        "and_or": and_or,
         "h2fma": h2fma,
         "h2mul": h2mul,
         "h2f": h2f,

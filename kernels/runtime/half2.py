@@ -10,9 +10,6 @@ inline (ir.InlineAsm, as wmma_inline.py does), on uint32 values that carry the t
     prmt2(a, b, sel)   prmt.b32 of the pair: byte i of the result is byte (sel >> 4i) & 7 of
                        the 8 bytes b:a (0-3 from a, 4-7 from b; a constant selector): halves
                        of two words into one, or bytes next to zeros (b = 0)
-    and_or(a, b, c)    (a & b) | c in one lop3.b32 with b and c as register operands: where
-                       both are constants (a code mask and the 0x6400 magic), the compiler's
-                       own form is two LOP3s, each taking one of them as its immediate
     ldh8(arr, (r, c))  arr[r, c:c+8] of a 2-D float16 array as four uint32 (the half2 pairs
                        (x0, x1), (x2, x3), (x4, x5), (x6, x7)), one 16-byte global load; c a
                        multiple of 8, rows 16-byte aligned
@@ -91,9 +88,6 @@ if SIM:
             out |= ((ab >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
         return out
 
-    def and_or(a, b, c):
-        return ((int(a) & int(b)) | int(c)) & 0xFFFFFFFF
-
     def ldh8(arr, idx):
         r, c = idx
         row = np.ascontiguousarray(np.asarray(arr[r, c : c + 8]), dtype=np.float16)
@@ -143,8 +137,6 @@ else:
 
     h2mul = _uint32_op("mul.rn.f16x2 $0, $1, $2;", 2)
     h2fma = _uint32_op("fma.rn.f16x2 $0, $1, $2, $3;", 3)
-    # 0xEA: the LUT of (a & b) | c over lop3's operand tables 0xF0, 0xCC, 0xAA.
-    and_or = _uint32_op("lop3.b32 $0, $1, $2, $3, 0xEA;", 3)
 
     _H2F_ASM = "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
     _H2F_TY = ir.FunctionType(ir.LiteralStructType([_F32, _F32]), [_I32])
@@ -205,4 +197,4 @@ else:
         return types.UniTuple(types.uint32, 4)(arr, idx), ld16_codegen
 
 
-__all__ = ["and_or", "h2fma", "h2mul", "h2f", "ldh8", "prmt", "prmt2", "h2_bits", "h2_vals"]
+__all__ = ["h2fma", "h2mul", "h2f", "ldh8", "prmt", "prmt2", "h2_bits", "h2_vals"]
