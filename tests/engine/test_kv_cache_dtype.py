@@ -137,9 +137,9 @@ def run_prompts(runner, prompts, max_new: int, chunk: int):
 
 
 def check_against(
-    runner, reqs, prompts, path, kv_dtype, max_new, scales=None, nudge=NUDGE
+    runner, reqs, prompts, path, kv_dtype, max_new, scales=None, nudge=NUDGE, atol=LOGPROB_ATOL
 ) -> float:
-    """Asserts tokens and logprobs at LOGPROB_ATOL against the rounded reference, teacher-forced
+    """Asserts tokens and logprobs at `atol` against the rounded reference, teacher-forced
     on each request's tokens (greedy_reference.check_greedy), its midpoint elements resolved by
     runner's cache (rounded_reference); returns the largest logprob gap between the rounded and
     the unrounded reference over them (how much the rounding moved them)."""
@@ -155,10 +155,10 @@ def check_against(
         lp = reference_logprobs(model, prompt, served)
         model.cached = None
         assert not model.ambiguous, "a midpoint element the engine's cache did not resolve"
-        check_greedy_against(lp, prompt, served, [t.logprob for t in r.trace], LOGPROB_ATOL)
+        check_greedy_against(lp, prompt, served, [t.logprob for t in r.trace], atol)
         for step, tok in enumerate(r.trace):
             got_v = torch.tensor([v for _, v in tok.top_logprobs])
-            assert torch.allclose(got_v, lp[step].topk(3).values, atol=LOGPROB_ATOL, rtol=0)
+            assert torch.allclose(got_v, lp[step].topk(3).values, atol=atol, rtol=0)
         moved = max(moved, (reference_logprobs(plain, prompt, served) - lp).abs().max().item())
     return moved
 

@@ -75,6 +75,11 @@ def assert_same_or_tie(
 # (chunked), so its K / V differ from the reference's by more than a dense model's last fp32
 # bits: midpoint elements are looked for within a relative 1e-4.
 HYBRID_NUDGE = 1e-4
+# Logprobs of the hybrid models against the rounded reference: with every stored code equal to
+# the reference's, their fp32 noise still reaches 1.03e-4 at some draws (seed 1072285435: the
+# Gated DeltaNet layers' sums in another order than transformers'; 1e-6 to 1e-5 at most). 1e-3
+# keeps a 10x margin, and is 10x under what the rounding itself moves (asserted below).
+HYBRID_LOGPROB_ATOL = 1e-3
 
 
 @pytest.mark.parametrize(("arch", "kv_dtype"), [("qwen3_5", "fp8_e5m2"), ("qwen3_next", "fp8")])
@@ -91,8 +96,10 @@ def test_hybrid_full_attention_layers(arch: str, kv_dtype: str, rng) -> None:
     V = len(tokenizer())
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (rng.randint(2, 6), 37)]
     reqs = run_prompts(runner, prompts, 6, chunk=rng.choice([7, 16, 29]))
-    moved = check_against(runner, reqs, prompts, path, kv_dtype, 6, nudge=HYBRID_NUDGE)
-    assert moved > 100 * LOGPROB_ATOL  # the rounding is visible at the tolerance
+    moved = check_against(
+        runner, reqs, prompts, path, kv_dtype, 6, nudge=HYBRID_NUDGE, atol=HYBRID_LOGPROB_ATOL
+    )
+    assert moved > 10 * HYBRID_LOGPROB_ATOL  # the rounding is visible at the tolerance
 
 
 # ---- speculative decoding -------------------------------------------------------------------
