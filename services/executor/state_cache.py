@@ -95,14 +95,10 @@ class StateCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (conv[:num_slots], rec[:num_slots]) for conv, rec in self.rows
         ]
-        # Per layer, the snapshot area as [positions, requests, ...] views.
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = [
-            tuple(t[num_slots:].view(*snapshot_shape, *t.shape[1:]) for t in pools)
-            for pools in self.rows
-        ]
 
-    def snapshot_row(self, position: int, request: int) -> int:
-        """The pool row of snapshot (position, request) (rows past the request slots)."""
+    def snapshot_row(self, position, request):
+        """The pool row of snapshot (position, request) (rows past the request slots); ints or
+        broadcasting tensors."""
         return self.num_slots + position * self.snapshot_shape[1] + request
 
     def snapshot_rows(self, requests: int, positions: int) -> torch.Tensor:
@@ -114,8 +110,7 @@ class StateCache:
             )
         j = torch.arange(positions, dtype=torch.int64)
         b = torch.arange(requests, dtype=torch.int64)
-        rows = self.num_slots + j[None, :] * self.snapshot_shape[1] + b[:, None]
-        return rows.to(self._stacks[0][0].device)
+        return self.snapshot_row(j[None, :], b[:, None]).to(self._stacks[0][0].device)
 
     def restore(self, slots: list[int], rows: list[int]) -> None:
         """Every layer's state in pool rows `rows` (snapshots) copied into request slots

@@ -178,7 +178,7 @@ class VerifyGraphRunner(GraphSet):
         if state_cache is not None:
             self.st.host["state"].fill(-1)
             self.st.dev["state"].fill_(-1)
-            self.snap_rows = state_cache.snapshot_rows(n, q - 1).to(device)
+            self.snap_rows = state_cache.snapshot_rows(n, q - 1)
         h = self.st.host
         self.host_ids, self.host_pos, self.host_slots = h["ids"], h["pos"], h["slots"]
         self.host_rows, self.host_tables = h["rows"], h["tables"]
